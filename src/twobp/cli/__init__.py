@@ -1,0 +1,1 @@
+"""The ``twobp`` command line."""

@@ -1,0 +1,19 @@
+import subprocess
+import sys
+
+from twobp.cli.main import main
+
+
+def test_help_lists_the_program(capsys):
+    assert main([]) == 0
+    assert "twobp" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "twobp.cli.main", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "2-stage backpropagation" in out.stdout
