@@ -1,0 +1,534 @@
+"""The cost model: how long each action takes and how much memory it holds.
+
+Times are per stage and per micro-batch, in seconds (or any unit, as long as
+one is used throughout: unit costs ``F=1,I=1,W=1`` are the usual way to draw
+schedules). The weight pass ``W`` may concatenate several micro-batches, and
+its time for ``n`` of them is either ``n`` times the one-micro-batch time or
+read from a measured table, so that the gain of concatenation can be modelled.
+
+Memory (bytes, or any unit) follows a deliberately small model:
+
+* ``activation_bytes[s]`` per micro-batch are held on stage ``s`` from the
+  start of its forward until the end of its backward-input ``I`` (or full
+  backward ``B``);
+* ``weight_grad_bytes[s]`` per micro-batch (the derivatives and inputs that
+  the weight pass still needs) are held from the end of ``I`` until the end of
+  the ``W`` that covers the micro-batch;
+* ``parameter_bytes[s]`` are held all the time (weights, gradients, optimiser
+  state of the stage).
+
+Communication: a stage boundary ``s -> s + 1`` carries ``send_bytes[s]``
+per micro-batch, forward (activations) and backward (their gradients) alike;
+a transfer between different ranks takes ``send_latency + bytes / bandwidth``,
+one on the same rank takes no time.
+
+JSON format (written by :func:`save_costs`, read by :func:`load_costs`; the
+profiler of the runtime writes the same format)::
+
+    {
+      "format": "twobp-costs",
+      "version": 1,
+      "n_stages": 2,
+      "forward":         [0.010, 0.012],        # seconds per micro-batch, per stage
+      "backward_input":  [0.011, 0.013],
+      "backward_weight": [0.009, 0.010],        # W of one micro-batch
+      "backward_full":   [0.019, 0.022],        # optional (null: I + W of one)
+      "backward_weight_concat": [               # optional (null: linear in n)
+        {"1": 0.009, "2": 0.016, "4": 0.030},   # stage 0: n micro-batches -> seconds
+        {"1": 0.010, "4": 0.034}
+      ],
+      "send_latency": 2e-05,                    # seconds per transfer
+      "bandwidth": 2.5e10,                      # bytes/s; null: infinite
+      "send_bytes":        [4194304, 4194304],  # per micro-batch, boundary s -> s+1
+      "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
+      "weight_grad_bytes": [6.0e7, 6.0e7],      # per micro-batch, held I -> W
+      "parameter_bytes":   [1.4e9, 1.4e9],      # constant, per stage
+      "meta": {"model": "...", "device": "..."} # optional, free-form, kept as is
+    }
+
+Every list has one entry per stage. Only ``forward``, ``backward_input`` and
+``backward_weight`` are required; other fields default as in
+:class:`CostModel`. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from twobp.schedule.action import Action, Kind
+
+COSTS_FORMAT = "twobp-costs"
+COSTS_VERSION = 1
+
+PerStage = tuple[float, ...]
+
+
+def _per_stage(name: str, values: Sequence[float], n_stages: int) -> PerStage:
+    out = tuple(float(v) for v in values)
+    if len(out) != n_stages:
+        raise ValueError(
+            f"cost model: {name} has {len(out)} entries, expected one per stage ({n_stages})"
+        )
+    bad = [i for i, v in enumerate(out) if not (v >= 0 and math.isfinite(v))]
+    if bad:
+        raise ValueError(
+            f"cost model: {name} must be finite and >= 0, got {out[bad[0]]} for stage {bad[0]}"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage times, transfer costs and memory sizes of a pipeline.
+
+    Args:
+        forward: time of ``F`` of one micro-batch, per stage.
+        backward_input: time of ``I`` (backward-p1) of one micro-batch, per stage.
+        backward_weight: time of ``W`` (backward-p2) of one micro-batch, per stage.
+        backward_full: time of a fused ``B`` per stage; ``None`` means
+            ``backward_input + backward_weight``.
+        weight_concat: per stage, a measured table ``{n: time}`` of ``W`` over
+            ``n`` concatenated micro-batches, or ``None`` for ``n * W(1)``.
+            Between measured points time is interpolated linearly (through
+            ``(0, 0)``); beyond the last point it grows with the slope of the
+            last segment.
+        send_latency: fixed time of one transfer between two ranks.
+        bandwidth: bytes per second between two ranks (``inf``: free).
+        send_bytes: bytes per micro-batch crossing boundary ``s -> s + 1``.
+        activation_bytes: bytes per micro-batch held from ``F`` until ``I``/``B``.
+        weight_grad_bytes: bytes per micro-batch held from ``I`` until ``W``.
+        parameter_bytes: bytes held all the time, per stage.
+        meta: free-form description (model, device, ...) kept with the file.
+
+    Raises:
+        ValueError: if a list does not have one finite, non-negative entry per
+            stage, or a concatenation table is malformed.
+    """
+
+    forward: PerStage
+    backward_input: PerStage
+    backward_weight: PerStage
+    backward_full: PerStage | None = None
+    weight_concat: tuple[Mapping[int, float] | None, ...] | None = None
+    send_latency: float = 0.0
+    bandwidth: float = math.inf
+    send_bytes: PerStage | None = None
+    activation_bytes: PerStage | None = None
+    weight_grad_bytes: PerStage | None = None
+    parameter_bytes: PerStage | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        if n < 1:
+            raise ValueError("cost model: needs at least one stage")
+        set_ = object.__setattr__
+        set_(self, "forward", _per_stage("forward", self.forward, n))
+        set_(self, "backward_input", _per_stage("backward_input", self.backward_input, n))
+        set_(self, "backward_weight", _per_stage("backward_weight", self.backward_weight, n))
+        full = self.backward_full
+        if full is None:
+            full = tuple(
+                i + w for i, w in zip(self.backward_input, self.backward_weight, strict=True)
+            )
+        set_(self, "backward_full", _per_stage("backward_full", full, n))
+        zeros = (0.0,) * n
+        for name, default in (
+            ("send_bytes", zeros),
+            ("activation_bytes", (1.0,) * n),
+            ("weight_grad_bytes", (1.0,) * n),
+            ("parameter_bytes", zeros),
+        ):
+            value = getattr(self, name)
+            set_(self, name, _per_stage(name, default if value is None else value, n))
+        set_(self, "weight_concat", _check_concat(self.weight_concat, n))
+        if not (self.send_latency >= 0 and math.isfinite(self.send_latency)):
+            raise ValueError(
+                f"cost model: send_latency must be finite and >= 0, got {self.send_latency}"
+            )
+        if not self.bandwidth > 0:
+            raise ValueError(f"cost model: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        set_(self, "meta", dict(self.meta))
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages the model describes."""
+        return len(self.forward)
+
+    @classmethod
+    def uniform(
+        cls,
+        n_stages: int,
+        f: float = 1.0,
+        i: float = 1.0,
+        w: float = 1.0,
+        *,
+        b: float | None = None,
+        send_latency: float = 0.0,
+        bandwidth: float = math.inf,
+        send_bytes: float = 0.0,
+        activation_bytes: float = 1.0,
+        weight_grad_bytes: float = 1.0,
+        parameter_bytes: float = 0.0,
+        weight_concat: Mapping[int, float] | None = None,
+    ) -> CostModel:
+        """The same costs for every stage.
+
+        Args:
+            n_stages: number of stages.
+            f, i, w: times of ``F``, ``I`` and ``W`` (one micro-batch).
+            b: time of a fused ``B``; ``None`` means ``i + w``.
+            send_latency, bandwidth, send_bytes: transfer costs.
+            activation_bytes, weight_grad_bytes, parameter_bytes: memory sizes
+                (the defaults count memory in activations of one micro-batch).
+            weight_concat: a table ``{n: time}`` of concatenated ``W``.
+
+        Returns:
+            The cost model.
+        """
+        if n_stages < 1:
+            raise ValueError(f"cost model: n_stages must be >= 1, got {n_stages}")
+
+        def rep(x: float) -> PerStage:
+            return (float(x),) * n_stages
+
+        return cls(
+            forward=rep(f),
+            backward_input=rep(i),
+            backward_weight=rep(w),
+            backward_full=None if b is None else rep(b),
+            weight_concat=None if weight_concat is None else (dict(weight_concat),) * n_stages,
+            send_latency=send_latency,
+            bandwidth=bandwidth,
+            send_bytes=rep(send_bytes),
+            activation_bytes=rep(activation_bytes),
+            weight_grad_bytes=rep(weight_grad_bytes),
+            parameter_bytes=rep(parameter_bytes),
+        )
+
+    def w_time(self, stage: int, n_microbatches: int) -> float:
+        """Time of one ``W`` that concatenates ``n_microbatches`` on ``stage``."""
+        table = self.weight_concat[stage] if self.weight_concat is not None else None
+        if table is None:
+            return n_microbatches * self.backward_weight[stage]
+        return _interpolate(table, n_microbatches)
+
+    def duration(self, action: Action) -> float:
+        """Compute time of ``action`` (0 for communication markers)."""
+        s = action.stage
+        if action.kind is Kind.FORWARD:
+            return self.forward[s]
+        if action.kind is Kind.BACKWARD_INPUT:
+            return self.backward_input[s]
+        if action.kind is Kind.BACKWARD_WEIGHT:
+            return self.w_time(s, len(action.microbatches))
+        if action.kind is Kind.FULL_BACKWARD:
+            assert self.backward_full is not None
+            return self.backward_full[s]
+        return 0.0
+
+    def transfer_time(self, boundary: int) -> float:
+        """Time for one micro-batch to cross boundary ``boundary -> boundary + 1``
+        between two different ranks."""
+        assert self.send_bytes is not None
+        return self.send_latency + self.send_bytes[boundary] / self.bandwidth
+
+    def split(self, parts: int) -> CostModel:
+        """Cut every stage into ``parts`` equal consecutive stages.
+
+        Used to run an interleaved schedule (``parts`` stages per rank) with
+        costs given for one stage per rank: times and memory are divided by
+        ``parts``; the bytes sent per boundary stay the same.
+
+        Raises:
+            ValueError: if ``parts < 1``.
+        """
+        if parts < 1:
+            raise ValueError(f"cannot split stages into {parts} parts; use >= 1")
+        if parts == 1:
+            return self
+
+        def cut(values: PerStage | None) -> PerStage:
+            assert values is not None
+            return tuple(v / parts for v in values for _ in range(parts))
+
+        def same(values: PerStage | None) -> PerStage:
+            assert values is not None
+            return tuple(v for v in values for _ in range(parts))
+
+        concat = None
+        if self.weight_concat is not None:
+            concat = tuple(
+                None if t is None else {n: v / parts for n, v in t.items()}
+                for t in self.weight_concat
+                for _ in range(parts)
+            )
+        return replace(
+            self,
+            forward=cut(self.forward),
+            backward_input=cut(self.backward_input),
+            backward_weight=cut(self.backward_weight),
+            backward_full=cut(self.backward_full),
+            weight_concat=concat,
+            send_bytes=same(self.send_bytes),
+            activation_bytes=cut(self.activation_bytes),
+            weight_grad_bytes=cut(self.weight_grad_bytes),
+            parameter_bytes=cut(self.parameter_bytes),
+        )
+
+    def for_stages(self, n_stages: int) -> CostModel:
+        """This model fitted to a schedule of ``n_stages`` stages.
+
+        Returns the model itself if the counts match, or :meth:`split` if
+        ``n_stages`` is a multiple of the model's stages (an interleaved
+        schedule with costs measured per rank).
+
+        Raises:
+            ValueError: if ``n_stages`` is not a multiple of the model's stages.
+        """
+        if n_stages == self.n_stages:
+            return self
+        if n_stages % self.n_stages:
+            raise ValueError(
+                f"the cost model has {self.n_stages} stages but the schedule has {n_stages}; "
+                f"profile the model with {n_stages} stages (or a divisor of it)"
+            )
+        return self.split(n_stages // self.n_stages)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document described in the module docstring."""
+        concat = None
+        if self.weight_concat is not None:
+            concat = [
+                None if t is None else {str(n): v for n, v in sorted(t.items())}
+                for t in self.weight_concat
+            ]
+        return {
+            "format": COSTS_FORMAT,
+            "version": COSTS_VERSION,
+            "n_stages": self.n_stages,
+            "forward": list(self.forward),
+            "backward_input": list(self.backward_input),
+            "backward_weight": list(self.backward_weight),
+            "backward_full": list(self.backward_full or ()),
+            "backward_weight_concat": concat,
+            "send_latency": self.send_latency,
+            "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
+            "send_bytes": list(self.send_bytes or ()),
+            "activation_bytes": list(self.activation_bytes or ()),
+            "weight_grad_bytes": list(self.weight_grad_bytes or ()),
+            "parameter_bytes": list(self.parameter_bytes or ()),
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CostModel:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: if the document is not a twobp cost file of a known
+                version, or a field is missing or malformed.
+        """
+        if doc.get("format") != COSTS_FORMAT:
+            raise ValueError(
+                f"not a twobp cost file: 'format' is {doc.get('format')!r}, "
+                f"expected {COSTS_FORMAT!r}"
+            )
+        if doc.get("version") != COSTS_VERSION:
+            raise ValueError(
+                f"twobp cost file version {doc.get('version')!r} is not supported "
+                f"(this twobp reads version {COSTS_VERSION}); re-run the profiler"
+            )
+        missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in doc]
+        if missing:
+            raise ValueError(f"twobp cost file lacks {', '.join(missing)}")
+        n = len(doc["forward"])
+        if doc.get("n_stages", n) != n:
+            raise ValueError(
+                f"twobp cost file says n_stages={doc['n_stages']} but lists {n} forward times"
+            )
+        concat = doc.get("backward_weight_concat")
+        bandwidth = doc.get("bandwidth")
+        return cls(
+            forward=tuple(doc["forward"]),
+            backward_input=tuple(doc["backward_input"]),
+            backward_weight=tuple(doc["backward_weight"]),
+            backward_full=_opt(doc.get("backward_full")),
+            weight_concat=None
+            if concat is None
+            else tuple(
+                None if t is None else {int(k): float(v) for k, v in t.items()} for t in concat
+            ),
+            send_latency=float(doc.get("send_latency", 0.0)),
+            bandwidth=math.inf if bandwidth is None else float(bandwidth),
+            send_bytes=_opt(doc.get("send_bytes")),
+            activation_bytes=_opt(doc.get("activation_bytes")),
+            weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
+            parameter_bytes=_opt(doc.get("parameter_bytes")),
+            meta=dict(doc.get("meta") or {}),
+        )
+
+
+def _opt(values: Sequence[float] | None) -> PerStage | None:
+    return None if not values else tuple(float(v) for v in values)
+
+
+def _check_concat(
+    tables: Sequence[Mapping[int, float] | None] | None, n_stages: int
+) -> tuple[dict[int, float] | None, ...] | None:
+    if tables is None:
+        return None
+    if len(tables) != n_stages:
+        raise ValueError(
+            f"cost model: backward_weight_concat has {len(tables)} tables, "
+            f"expected one per stage ({n_stages})"
+        )
+    out: list[dict[int, float] | None] = []
+    for stage, table in enumerate(tables):
+        if table is None:
+            out.append(None)
+            continue
+        clean = {int(n): float(t) for n, t in table.items()}
+        if not clean or min(clean) < 1 or min(clean.values()) < 0:
+            raise ValueError(
+                f"cost model: W concatenation table of stage {stage} must map micro-batch counts "
+                f">= 1 to times >= 0, got {dict(table)}"
+            )
+        out.append(dict(sorted(clean.items())))
+    return tuple(out)
+
+
+def _interpolate(table: Mapping[int, float], n: int) -> float:
+    points = [(0, 0.0), *sorted(table.items())]
+    for (n0, t0), (n1, t1) in pairwise(points):
+        if n <= n1:
+            return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+    (n0, t0), (n1, t1) = points[-2], points[-1]
+    return max(0.0, t1 + (t1 - t0) * (n - n1) / (n1 - n0))
+
+
+def load_costs(path: str | Path) -> CostModel:
+    """Read a cost model from a JSON file (format in the module docstring).
+
+    Raises:
+        ValueError: if the file is not a valid twobp cost file.
+        OSError: if it cannot be read.
+    """
+    with open(path, encoding="utf-8") as fh:
+        try:
+            doc = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from exc
+    try:
+        return CostModel.from_json(doc)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def save_costs(costs: CostModel, path: str | Path) -> None:
+    """Write ``costs`` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(costs.to_json(), indent=2) + "\n", encoding="utf-8")
+
+
+# Keys of the short text form, and the CostModel.uniform argument each sets.
+_TEXT_KEYS = {
+    "f": "f",
+    "i": "i",
+    "w": "w",
+    "b": "b",
+    "latency": "send_latency",
+    "bandwidth": "bandwidth",
+    "send": "send_bytes",
+    "act": "activation_bytes",
+    "grad": "weight_grad_bytes",
+    "param": "parameter_bytes",
+}
+_CONCAT_KEY = re.compile(r"^w(\d+)$")
+_SIZE_SUFFIX = {
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+_NUMBER = re.compile(r"^([0-9.eE+\-]+|inf)\s*([kKmMgGtT]i?)?[bB]?$")
+
+
+def parse_amount(text: str) -> float:
+    """Parse a number with an optional size suffix: ``2.5``, ``1e-3``, ``16GiB``, ``80GB``, ``inf``.
+
+    Raises:
+        ValueError: if ``text`` is not such a number.
+    """
+    match = _NUMBER.match(text.strip())
+    if match is None:
+        raise ValueError(f"cannot read {text!r} as a number (e.g. 2.5, 1e-3, 16GiB, 80GB)")
+    number, suffix = match.groups()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(
+            f"cannot read {text!r} as a number (e.g. 2.5, 1e-3, 16GiB, 80GB)"
+        ) from None
+    return value * (_SIZE_SUFFIX[suffix.lower()] if suffix else 1.0)
+
+
+def parse_costs(text: str, n_stages: int) -> CostModel:
+    """Build a uniform cost model from a short text such as ``"F=1,I=1,W=1"``.
+
+    Keys (case-insensitive): ``F``, ``I``, ``W`` (times of one micro-batch),
+    ``B`` (fused backward, default ``I+W``), ``W<n>`` (time of ``W`` over ``n``
+    concatenated micro-batches, e.g. ``W4=3``), ``latency`` (seconds),
+    ``bandwidth`` (bytes/s), ``send`` (bytes per micro-batch and boundary),
+    ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`).
+    Sizes accept suffixes such as ``MiB`` or ``GB``.
+
+    Args:
+        text: comma-separated ``key=value`` pairs; missing keys keep the
+            defaults of :meth:`CostModel.uniform`.
+        n_stages: number of stages.
+
+    Returns:
+        The cost model.
+
+    Raises:
+        ValueError: on an unknown key or a bad value.
+    """
+    kwargs: dict[str, float] = {}
+    concat: dict[int, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep:
+            raise ValueError(f"cost {part!r} is not key=value (e.g. 'F=1,I=1,W=1')")
+        concat_match = _CONCAT_KEY.match(key)
+        if concat_match:
+            concat[int(concat_match.group(1))] = parse_amount(value)
+        elif key in _TEXT_KEYS:
+            kwargs[_TEXT_KEYS[key]] = parse_amount(value)
+        else:
+            raise ValueError(
+                f"unknown cost key {key!r} in {text!r}; known: F, I, W, B, W<n>, "
+                f"{', '.join(k for k in _TEXT_KEYS if len(k) > 1)}"
+            )
+    if concat and "w" not in kwargs:
+        kwargs["w"] = _interpolate(concat, 1)
+    return CostModel.uniform(
+        n_stages,
+        f=kwargs.pop("f", 1.0),
+        i=kwargs.pop("i", 1.0),
+        w=kwargs.pop("w", 1.0),
+        b=kwargs.pop("b", None),
+        weight_concat=concat or None,
+        **kwargs,
+    )

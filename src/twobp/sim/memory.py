@@ -1,0 +1,85 @@
+"""Memory over time, from a timeline and the memory sizes of a cost model.
+
+The model (see :mod:`twobp.sim.costs`): a micro-batch's activations on a
+stage are allocated when its ``F`` starts and freed when its ``I`` (or fused
+``B``) ends; ``I`` leaves behind what the weight pass needs, freed when the
+``W`` that covers the micro-batch ends; parameters are held throughout. It
+reads only spans, so it applies to simulated and measured timelines alike.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twobp.schedule.action import Kind
+from twobp.sim.costs import CostModel
+from twobp.timeline import Span
+
+
+def memory_timeline(
+    spans: Sequence[Span], costs: CostModel, placement: Sequence[int]
+) -> dict[int, list[tuple[float, float]]]:
+    """Memory held by each rank after every change.
+
+    Args:
+        spans: the timeline (communication spans are ignored).
+        costs: memory sizes per stage (``activation_bytes``,
+            ``weight_grad_bytes``, ``parameter_bytes``).
+        placement: the rank of each stage (``placement[s]``).
+
+    Returns:
+        For each rank, ``(time, bytes held)`` points in time order, starting
+        with the parameters at the earliest start time. When a free and an
+        allocation happen at the same instant the free is counted first: a
+        rank runs one action at a time, so the next one starts after the
+        previous one has released its memory.
+
+    Raises:
+        ValueError: if a span names a stage the cost model does not have.
+    """
+    assert costs.activation_bytes is not None
+    assert costs.weight_grad_bytes is not None
+    assert costs.parameter_bytes is not None
+    n_ranks = max(placement) + 1
+    changes: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n_ranks)}
+    for span in spans:
+        a = span.action
+        if not a.kind.is_compute:
+            continue
+        if a.stage >= costs.n_stages:
+            raise ValueError(
+                f"{a} on rank {span.rank}: the cost model has only {costs.n_stages} stages"
+            )
+        act = costs.activation_bytes[a.stage]
+        grad = costs.weight_grad_bytes[a.stage]
+        if a.kind is Kind.FORWARD:
+            changes[span.rank].append((span.start, act))
+        elif a.kind is Kind.BACKWARD_INPUT:
+            changes[span.rank].append((span.end, grad - act))
+        elif a.kind is Kind.FULL_BACKWARD:
+            changes[span.rank].append((span.end, -act))
+        else:
+            changes[span.rank].append((span.end, -grad * len(a.microbatches)))
+    origin = min((s.start for s in spans), default=0.0)
+    out: dict[int, list[tuple[float, float]]] = {}
+    for rank in range(n_ranks):
+        held = sum(b for s, b in enumerate(costs.parameter_bytes) if placement[s] == rank)
+        points = [(origin, held)]
+        for time, delta in sorted(changes[rank]):
+            held += delta
+            points.append((time, held))
+        out[rank] = points
+    return out
+
+
+def peak_memory(
+    spans: Sequence[Span], costs: CostModel, placement: Sequence[int]
+) -> tuple[float, ...]:
+    """The most memory each rank holds at any time (see :func:`memory_timeline`).
+
+    Returns:
+        One peak per rank, indexed by rank.
+    """
+    timeline = memory_timeline(spans, costs, placement)
+    return tuple(max(b for _, b in timeline[r]) for r in sorted(timeline))
