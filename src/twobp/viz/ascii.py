@@ -1,0 +1,89 @@
+"""A timeline as a text grid for the terminal.
+
+One row per rank, time cut into equal columns; each cell shows the action
+that fills most of the column (kind and micro-batch, ``F0``, ``I3``,
+``W0-3``) or ``.`` when the rank is idle for most of it. An action longer
+than a column repeats its label over every column it fills::
+
+    gpipe: makespan 9, bubble ratio 33.3% (1 column = 1)
+    rank 0 | F0 F1 .  .  .  B0 B0 B1 B1
+    rank 1 | .  F0 F1 B0 B0 B1 B1 .  .
+
+The column length is the shortest action, made longer when the grid would
+not fit the width. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from twobp.timeline import Span, bubble_ratio, makespan
+from twobp.viz.labels import action_label, compute_spans, several_stages_per_rank
+
+IDLE = "."
+
+
+def render_ascii(
+    spans: Sequence[Span],
+    *,
+    title: str = "",
+    width: int = 120,
+    n_ranks: int | None = None,
+) -> str:
+    """Draw ``spans`` as a rank-by-time text grid.
+
+    Args:
+        spans: the timeline, simulated or measured (communication spans are
+            ignored).
+        title: a label for the header line (e.g. the schedule name).
+        width: the most characters a line may have; time is scaled to fit.
+        n_ranks: draw this many rows even if some ranks ran nothing
+            (default: up to the highest rank seen).
+
+    Returns:
+        The header line and one line per rank, joined by newlines, without
+        trailing spaces.
+
+    Raises:
+        ValueError: if ``width`` leaves no room for a single column.
+    """
+    work = compute_spans(spans)
+    rows = n_ranks if n_ranks is not None else max((s.rank for s in work), default=-1) + 1
+    total = makespan(work)
+    ratio = bubble_ratio(work) if work else 0.0
+    header = f"{title + ': ' if title else ''}makespan {total:.4g}, bubble ratio {ratio:.1%}"
+    if not work or total <= 0:
+        return "\n".join([header] + [f"rank {r} |" for r in range(rows)])
+
+    with_stage = several_stages_per_rank(work)
+    labels = {id(s): action_label(s.action, with_stage) for s in work}
+    cell = max(len(t) for t in labels.values()) + 1
+    prefix = f"rank {rows - 1} | "
+    max_columns = (width - len(prefix) + 1) // cell
+    if max_columns < 1:
+        raise ValueError(
+            f"width {width} is too narrow for a timeline; use at least {len(prefix) + cell}"
+        )
+    shortest = min((s.duration for s in work if s.duration > 0), default=total)
+    # A whole number of shortest actions per column keeps column edges on
+    # action edges when costs are round numbers.
+    column = shortest * math.ceil(total / shortest / max_columns - 1e-9)
+    n_columns = math.ceil(total / column - 1e-9)
+    origin = min(s.start for s in work)
+
+    lines = [f"{header} (1 column = {column:.4g})"]
+    for rank in range(rows):
+        own = [s for s in work if s.rank == rank]
+        cells = []
+        for c in range(n_columns):
+            lo, hi = origin + c * column, origin + (c + 1) * column
+            overlaps = [(min(hi, s.end) - max(lo, s.start), s) for s in own]
+            overlaps = [(o, s) for o, s in overlaps if o > 0]
+            if sum(o for o, _ in overlaps) < column / 2:
+                cells.append(IDLE)
+            else:
+                cells.append(labels[id(max(overlaps, key=lambda x: x[0])[1])])
+        name = f"rank {rank} | ".rjust(len(prefix))
+        lines.append((name + " ".join(c.ljust(cell - 1) for c in cells)).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""A timeline as a PNG picture (matplotlib, Agg backend).
+
+One row per rank (rank 0 on top), one box per action coloured by kind, the
+micro-batch number(s) inside the box when it is wide enough, the bubble ratio
+in the title and a legend of the kinds drawn. matplotlib is imported inside
+:func:`render_png`, so importing this module costs nothing; the figure is
+drawn without ``pyplot`` and so leaves no global state behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from twobp.schedule.action import Kind, format_microbatches
+from twobp.timeline import Span, bubble_ratio, kind_label, makespan
+from twobp.viz.labels import compute_spans, several_stages_per_rank
+
+# Colour-blind-safe (Okabe-Ito) colours, one per kind of compute action.
+KIND_COLOURS = {
+    Kind.FORWARD: "#56B4E9",
+    Kind.FULL_BACKWARD: "#CC79A7",
+    Kind.BACKWARD_INPUT: "#E69F00",
+    Kind.BACKWARD_WEIGHT: "#009E73",
+}
+
+# Roughly the width in pixels of one character of the box labels.
+_CHAR_PX = 7.0
+
+
+def default_size(n_ranks: int) -> tuple[int, int]:
+    """The picture size in pixels used when none is given: 1200 wide, 60 per rank."""
+    return 1200, 140 + 60 * max(n_ranks, 1)
+
+
+def render_png(
+    spans: Sequence[Span],
+    path: str | Path,
+    *,
+    title: str = "",
+    size: tuple[int, int] | None = None,
+    dpi: int = 100,
+    n_ranks: int | None = None,
+    time_unit: str = "s",
+) -> Path:
+    """Draw ``spans`` and write the picture to ``path``.
+
+    Args:
+        spans: the timeline, simulated or measured (communication is ignored).
+        path: where to write the PNG.
+        title: a label for the title (e.g. the schedule name).
+        size: ``(width, height)`` in pixels; default :func:`default_size`.
+        dpi: dots per inch of the file (the pixel size does not change).
+        n_ranks: rows to draw (default: up to the highest rank seen).
+        time_unit: the unit written on the time axis.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    work = compute_spans(spans)
+    rows = n_ranks if n_ranks is not None else max((s.rank for s in work), default=0) + 1
+    width_px, height_px = size if size is not None else default_size(rows)
+    figure = Figure(figsize=(width_px / dpi, height_px / dpi), dpi=dpi)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+
+    total = makespan(work)
+    origin = min((s.start for s in work), default=0.0)
+    with_stage = several_stages_per_rank(work)
+    # Pixels per time unit of the plotting area (about 85% of the width).
+    px_per_time = 0.85 * width_px / total if total > 0 else 0.0
+    for s in work:
+        colour = KIND_COLOURS[s.action.kind]
+        axes.barh(
+            s.rank,
+            s.duration,
+            left=s.start - origin,
+            height=0.8,
+            color=colour,
+            edgecolor="black",
+            linewidth=0.5,
+        )
+        # The colour tells the kind; the stage is only ambiguous when a rank
+        # holds several, and then the full text form (``2W0-1``) is drawn.
+        text = str(s.action) if with_stage else format_microbatches(s.action.microbatches)
+        if s.duration * px_per_time >= _CHAR_PX * (len(text) + 1):
+            axes.text(
+                s.start - origin + s.duration / 2,
+                s.rank,
+                text,
+                ha="center",
+                va="center",
+                fontsize=8,
+                clip_on=True,
+            )
+
+    axes.set_yticks(range(rows))
+    axes.set_yticklabels([f"rank {r}" for r in range(rows)])
+    axes.set_ylim(rows - 0.5, -0.5)
+    axes.set_xlim(0, total if total > 0 else 1)
+    axes.set_xlabel(f"time ({time_unit})")
+    ratio = bubble_ratio(work) if work else 0.0
+    axes.set_title(
+        f"{title + ': ' if title else ''}bubble ratio {ratio:.1%}, makespan {total:.4g} {time_unit}"
+    )
+    kinds = [k for k in KIND_COLOURS if any(s.action.kind is k for s in work)]
+    legend_px = 0
+    if kinds:
+        handles = [
+            Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=kind_label(k)) for k in kinds
+        ]
+        figure.legend(handles=handles, loc="lower center", ncol=len(kinds), frameon=False)
+        legend_px = 36
+    figure.tight_layout(rect=(0.0, min(legend_px / height_px, 0.5), 1.0, 1.0))
+    out = Path(path)
+    figure.savefig(out, dpi=dpi, format="png")
+    return out
