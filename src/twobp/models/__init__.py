@@ -1,0 +1,41 @@
+"""Reference models of the 2BP paper, as ordered lists of pipeline blocks.
+
+Four families, each a function returning its blocks and a ``build_*`` function
+returning a :class:`ModelSpec` (blocks, block kinds, example data, loss):
+LLaMA-like decoder, BERT-like encoder, Mamba-like state-space model and
+bottleneck ResNet. :func:`build_model` builds any of them from a named size.
+"""
+
+from twobp.models.bert import BertConfig, bert_blocks, build_bert, mask_tokens, mlm_loss
+from twobp.models.common import build_blocks, lm_loss
+from twobp.models.llama import LlamaConfig, build_llama, llama_blocks
+from twobp.models.mamba import MambaConfig, build_mamba, mamba_blocks, selective_scan
+from twobp.models.presets import PAPER_SIZES, PRESETS, build_model
+from twobp.models.resnet import ResNetConfig, build_resnet, classification_loss, resnet_blocks
+from twobp.models.spec import BlockKind, ModelSpec
+
+__all__ = [
+    "PAPER_SIZES",
+    "PRESETS",
+    "BertConfig",
+    "BlockKind",
+    "LlamaConfig",
+    "MambaConfig",
+    "ModelSpec",
+    "ResNetConfig",
+    "bert_blocks",
+    "build_bert",
+    "build_blocks",
+    "build_llama",
+    "build_mamba",
+    "build_model",
+    "build_resnet",
+    "classification_loss",
+    "llama_blocks",
+    "lm_loss",
+    "mamba_blocks",
+    "mask_tokens",
+    "mlm_loss",
+    "resnet_blocks",
+    "selective_scan",
+]
