@@ -1,6 +1,38 @@
-"""Schedules as data: actions, whole schedules, generators and passes (no torch)."""
+"""Schedules as data: actions, whole schedules, generators and passes (no torch).
+
+A schedule is a :class:`Schedule`: for each rank, its ordered list of
+:class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). Generators build the
+named schedules (:func:`generate`, :data:`SCHEDULES`); passes turn one schedule
+into another (:func:`apply_two_bp`, :func:`add_communication`,
+:func:`merge_backward`); :func:`validate` checks one and :func:`save_csv` /
+:func:`load_csv` store one in ``torch.distributed.pipelining``'s CSV layout.
+"""
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.csv_io import from_rows, load_csv, save_csv, to_rows
+from twobp.schedule.lowering import add_communication, merge_backward
+from twobp.schedule.registry import SCHEDULES, ScheduleInfo, generate
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
+from twobp.schedule.validate import ScheduleError, dry_run, format_grid, validate
 
-__all__ = ["Action", "Kind", "Schedule"]
+__all__ = [
+    "SCHEDULES",
+    "TWO_BP_POLICIES",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleInfo",
+    "add_communication",
+    "apply_two_bp",
+    "dry_run",
+    "format_grid",
+    "from_rows",
+    "generate",
+    "load_csv",
+    "merge_backward",
+    "save_csv",
+    "to_rows",
+    "validate",
+]

@@ -1,0 +1,92 @@
+"""Lowering passes: add communication, merge a split backward back into ``B``.
+
+Both are pure: a schedule in, a new schedule out.
+
+:func:`add_communication` inserts the transfers between ranks, named as in
+``torch.distributed.pipelining`` (the action's stage is the one on the rank
+that runs it)::
+
+    rank 0: 0F0 0SEND_F0 ...          0RECV_B0 0B0
+    rank 1:       1RECV_F0 1F0 1B0 1SEND_B0
+
+A send comes right after the action that makes what it sends, a receive right
+before the action that needs it. Stages on the same rank exchange nothing.
+
+:func:`merge_backward` is the inverse of the 2BP split: each ``I`` becomes a
+``B`` where the ``I`` was, and every ``W`` (a concatenated one too) goes away,
+since the ``B`` now computes the weight gradient of its micro-batch.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from twobp.schedule.action import Action, Kind
+from twobp.schedule.dependencies import COMMUNICATION
+from twobp.schedule.schedule import Schedule
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Insert ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` for transfers between ranks.
+
+    Communication actions already present are replaced, so the pass can be
+    run twice.
+
+    Args:
+        schedule: a schedule (fused or split).
+
+    Returns:
+        The lowered schedule, with the same name.
+    """
+    placement = schedule.placement
+    last = schedule.n_stages - 1
+
+    def crosses(a: int, b: int) -> bool:
+        return placement[a] != placement[b]
+
+    actions: dict[int, list[Action]] = {}
+    for rank, acts in schedule.actions.items():
+        out: list[Action] = []
+        for a in acts:
+            if a.kind in COMMUNICATION:
+                continue
+            s = a.stage
+            if a.kind is Kind.FORWARD and s > 0 and crosses(s - 1, s):
+                out.append(Action(s, Kind.RECV_F, a.microbatches))
+            backward = a.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD)
+            if backward and s < last and crosses(s + 1, s):
+                out.append(Action(s, Kind.RECV_B, a.microbatches))
+            out.append(a)
+            if a.kind is Kind.FORWARD and s < last and crosses(s, s + 1):
+                out.append(Action(s, Kind.SEND_F, a.microbatches))
+            if backward and s > 0 and crosses(s, s - 1):
+                out.append(Action(s, Kind.SEND_B, a.microbatches))
+        actions[rank] = out
+    return schedule.with_actions(actions)
+
+
+def merge_backward(schedule: Schedule) -> Schedule:
+    """Merge each ``I`` and the ``W`` of its micro-batch back into one ``B``.
+
+    The ``B`` takes the place of the ``I``; all ``W`` are dropped (a
+    concatenated ``W`` is split among the ``B`` of its micro-batches).
+    A name ending in ``+2bp:<policy>`` loses that suffix, so that
+    ``merge_backward(apply_two_bp(s, policy)) == s`` for a fused ``s``.
+
+    Args:
+        schedule: a valid schedule, split or not (a fused one is unchanged).
+
+    Returns:
+        The fused schedule.
+    """
+    actions = {
+        r: [
+            Action(a.stage, Kind.FULL_BACKWARD, a.microbatches)
+            if a.kind is Kind.BACKWARD_INPUT
+            else a
+            for a in acts
+            if a.kind is not Kind.BACKWARD_WEIGHT
+        ]
+        for r, acts in schedule.actions.items()
+    }
+    name, sep, _policy = schedule.name.rpartition("+2bp:")
+    return schedule.with_actions(actions, name if sep else schedule.name)

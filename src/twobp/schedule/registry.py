@@ -1,0 +1,146 @@
+"""The schedules by name: :data:`SCHEDULES` and :func:`generate`.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from twobp.schedule import generators, zero_bubble
+from twobp.schedule.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What a named schedule is and what it accepts.
+
+    Args:
+        name: the registry name.
+        description: one line for tables and ``--help``.
+        natively_split: True if it has ``I`` and ``W`` of its own (zero
+            bubble); False if its backward is fused (``B``) until
+            :func:`~twobp.schedule.two_bp.apply_two_bp` splits it.
+        default_stages_per_rank: stages per rank when none is given.
+        allowed_stages_per_rank: the values it accepts, or ``None`` for any
+            ``v >= 1``.
+        build: ``(p, m, v) -> Schedule``.
+    """
+
+    name: str
+    description: str
+    natively_split: bool
+    default_stages_per_rank: int
+    allowed_stages_per_rank: tuple[int, ...] | None
+    build: Callable[[int, int, int], Schedule]
+
+
+def _single(make: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:
+    return lambda p, m, _v: make(p, m)
+
+
+SCHEDULES: Mapping[str, ScheduleInfo] = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            ScheduleInfo(
+                "naive",
+                "no pipelining: each micro-batch goes forward and back through all stages alone",
+                False,
+                1,
+                None,
+                generators.naive,
+            ),
+            ScheduleInfo(
+                "gpipe",
+                "all forwards, then all backwards (GPipe; looped BFS with v > 1)",
+                False,
+                1,
+                None,
+                generators.gpipe,
+            ),
+            ScheduleInfo(
+                "1f1b",
+                "p-1-r warm-up forwards, then one forward one backward (PipeDream-flush)",
+                False,
+                1,
+                (1,),
+                _single(generators.one_f_one_b),
+            ),
+            ScheduleInfo(
+                "interleaved-1f1b",
+                "Megatron's interleaved 1F1B over v looped stages per rank; m % p == 0",
+                False,
+                2,
+                None,
+                generators.interleaved_1f1b,
+            ),
+            ScheduleInfo(
+                "zb-h1",
+                "Zero Bubble H1: 1F1B memory, W delayed into the cool-down",
+                True,
+                1,
+                (1,),
+                _single(zero_bubble.zb_h1),
+            ),
+            ScheduleInfo(
+                "zb-h2",
+                "Zero Bubble H2: deeper warm-up (up to 2p-1 in flight), less bubble",
+                True,
+                1,
+                (1,),
+                _single(zero_bubble.zb_h2),
+            ),
+            ScheduleInfo(
+                "zb-v",
+                "Zero Bubble V: 2 stages per rank in a V shape, 1F1B memory",
+                True,
+                2,
+                (2,),
+                _single(zero_bubble.zb_v),
+            ),
+        )
+    }
+)
+"""Every schedule :func:`generate` knows, by name (read-only)."""
+
+
+def generate(
+    name: str, n_ranks: int, n_microbatches: int, *, stages_per_rank: int | None = None
+) -> Schedule:
+    """Build the named schedule.
+
+    Args:
+        name: one of :data:`SCHEDULES`.
+        n_ranks: number of ranks ``p >= 1``.
+        n_microbatches: number of micro-batches ``m >= 1``.
+        stages_per_rank: stages per rank ``v``; ``None`` takes the schedule's
+            default (2 for ``interleaved-1f1b`` and ``zb-v``, else 1).
+
+    Returns:
+        The schedule; its backward is fused (``B``) unless the schedule is
+        natively split (see :attr:`ScheduleInfo.natively_split`).
+
+    Raises:
+        ValueError: on an unknown name (the message lists the valid ones), a
+            count below 1, or a combination the schedule does not support.
+    """
+    info = SCHEDULES.get(name)
+    if info is None:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if n_ranks < 1 or n_microbatches < 1:
+        raise ValueError(
+            f"{name}: need n_ranks >= 1 and n_microbatches >= 1, got {n_ranks} and {n_microbatches}"
+        )
+    v = info.default_stages_per_rank if stages_per_rank is None else stages_per_rank
+    allowed = info.allowed_stages_per_rank
+    if v < 1 or (allowed is not None and v not in allowed):
+        flexible = [n for n, i in SCHEDULES.items() if i.allowed_stages_per_rank is None]
+        accepted = "any v >= 1" if allowed is None else " or ".join(map(str, allowed))
+        raise ValueError(
+            f"{name} takes stages_per_rank {accepted}, got {v}; schedules that take any "
+            f"stages_per_rank: {', '.join(flexible)}; zb-v takes 2"
+        )
+    return info.build(n_ranks, n_microbatches, v)
