@@ -1,0 +1,140 @@
+"""The autograd Function that splits a covered layer's backward, and the layer base class.
+
+While a micro-batch is active, a covered layer runs its forward through
+:class:`DeferredWeightFunction`. The layer's real parameters are inputs of the
+Function, so that its graph node exists even when the layer input needs no
+gradient (the first layer of stage 0, an embedding), but the Function returns
+no gradient for them: autograd accumulates nothing into their ``.grad``. Its
+backward computes only the input gradient and hands what the weight gradient
+needs to the store, under the micro-batch id captured at forward time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+# (micro-batch, layer index, stashed tensors) -> None
+StashSink = Callable[[int, int, tuple[Tensor, ...]], None]
+
+
+class DeferredLayer(ABC):
+    """One covered module instance: how it runs F, I and W when its W is deferred.
+
+    Subclasses exist per layer type (linear, convolution, ...). They read the
+    module's configuration and parameters at every call, so that a parameter
+    replaced after patching is still the one used.
+
+    Args:
+        index: the layer's position in its store (the key of its stashes).
+        name: the module's qualified name in the patched model.
+        module: the module instance.
+        sink: where the input pass hands the stashed tensors.
+    """
+
+    layer_types: ClassVar[tuple[type[nn.Module], ...]]
+    """The module classes this subclass covers (exact classes or subclasses
+    that keep the class's ``forward``)."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, sink: StashSink) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.sink = sink
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        """Why this module instance must stay on plain autograd, or None if it can be covered."""
+        return None
+
+    @abstractmethod
+    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
+        """The parameters whose gradient W computes, in the order the Function takes them."""
+
+    def run(self, mb: int, x: Tensor) -> Tensor:
+        """The module's forward for micro-batch ``mb``, with its W deferred.
+
+        Subclasses override this to do what the module's own forward does
+        around the core operation (padding, statistics bookkeeping).
+        """
+        return self.apply(mb, None, x)
+
+    def apply(self, mb: int, options: Any, x: Tensor) -> Tensor:
+        """Run the core operation on ``x`` through :class:`DeferredWeightFunction`."""
+        params = self.weight_parameters()
+        out: Tensor = DeferredWeightFunction.apply(self, mb, options, x, *params)  # type: ignore[no-untyped-call]
+        return out
+
+    @abstractmethod
+    def forward(
+        self, x: Tensor, params: Sequence[Tensor | None], options: Any
+    ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
+        """The core operation, run without autograd.
+
+        Args:
+            x: the layer input.
+            params: :meth:`weight_parameters`, in order.
+            options: what :meth:`run` passed along (layer-specific).
+
+        Returns:
+            The output, the tensors the input pass needs (saved for backward)
+            and any other state the input pass needs.
+        """
+
+    @abstractmethod
+    def input_grad(
+        self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
+    ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        """The input pass: the input gradient (if needed) and what W needs.
+
+        Args:
+            grad_out: gradient of the loss with respect to the output.
+            saved: the tensors :meth:`forward` saved.
+            state: the state :meth:`forward` returned.
+            needs_input_grad: whether the input requires a gradient.
+
+        Returns:
+            The input gradient (None when not needed) and the tensors to stash.
+        """
+
+    @abstractmethod
+    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+        """The weight pass over stashes of any number of calls and micro-batches.
+
+        Computes the weight gradients with as few, as large operations as the
+        shapes allow and adds them into ``.grad`` of every parameter that
+        requires a gradient.
+        """
+
+
+class DeferredWeightFunction(torch.autograd.Function):
+    """Forward of a covered layer whose backward computes only the input gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, layer: DeferredLayer, mb: int, options: Any, x: Tensor, *params: Tensor | None
+    ) -> Tensor:
+        out, saved, state = layer.forward(x, params, options)
+        ctx.layer = layer
+        ctx.mb = mb
+        ctx.state = state
+        ctx.n_params = len(params)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        layer: DeferredLayer = ctx.layer
+        grad_in, stash = layer.input_grad(
+            grad_out, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[3]
+        )
+        layer.sink(ctx.mb, layer.index, stash)
+        # No gradient for the parameters: W adds it later.
+        grads: tuple[Tensor | None, ...] = (None, None, None, grad_in) + (None,) * ctx.n_params
+        return grads

@@ -1,0 +1,66 @@
+"""nn.Embedding with a deferred weight gradient.
+
+The indices need no gradient, so I computes nothing and stashes the indices
+and the output gradient; W scatters all stashed rows into the weight gradient
+with one ``index_add_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from twobp.engine.deferred import DeferredLayer
+from twobp.engine.stash import cat_rows
+
+
+class DeferredEmbedding(DeferredLayer):
+    """Covers ``nn.Embedding`` with dense gradients (``padding_idx`` respected)."""
+
+    layer_types = (nn.Embedding,)
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        emb: nn.Embedding = module  # type: ignore[assignment]
+        if emb.max_norm is not None:
+            return "max_norm renormalises the weight in place during forward"
+        if emb.scale_grad_by_freq:
+            return "scale_grad_by_freq scales by per-batch index counts"
+        if emb.sparse:
+            return "sparse=True produces sparse gradients"
+        return None
+
+    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
+        return (self.module.weight,)  # type: ignore[return-value]
+
+    def forward(
+        self, x: Tensor, params: Sequence[Tensor | None], options: Any
+    ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
+        (weight,) = params
+        assert weight is not None
+        emb: nn.Embedding = self.module  # type: ignore[assignment]
+        return F.embedding(x, weight, emb.padding_idx), (x,), None
+
+    def input_grad(
+        self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
+    ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        (indices,) = saved
+        return None, (indices, grad_out)
+
+    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+        (weight,) = self.weight_parameters()
+        assert weight is not None
+        if not weight.requires_grad:
+            return
+        emb: nn.Embedding = self.module  # type: ignore[assignment]
+        indices = cat_rows([s[0] for s in stashes], ())
+        rows = cat_rows([s[1] for s in stashes], weight.shape[1:])
+        if emb.padding_idx is not None:
+            rows = rows.masked_fill((indices == emb.padding_idx).unsqueeze(1), 0)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, indices, rows)

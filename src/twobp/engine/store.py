@@ -1,0 +1,329 @@
+"""The per-stage store of the 2-stage backward: F, I, W and B of micro-batches.
+
+One :class:`WeightGradStore` serves one pipeline stage (one module). It
+patches the module's covered layers, records which micro-batch each forward
+belongs to, runs the input pass (I) as one plain autograd backward, keeps what
+the covered layers stash for their weight gradients, and runs the weight pass
+(W) for any group of micro-batches as one concatenated operation per layer.
+
+A typical step of a stage::
+
+    store = defer_weight_grads(stage_module)
+    for mb in range(n):
+        with store.forward(mb):
+            outputs[mb] = stage_module(inputs[mb])
+    for mb in range(n):
+        input_grads[mb] = store.backward_input(mb, [outputs[mb]], [grads[mb]], [inputs[mb]])
+    store.backward_weight(range(n))        # one W over all micro-batches
+    store.finish_step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from twobp.engine.coverage import CoveragePlan, Route, plan_coverage
+from twobp.engine.deferred import DeferredLayer
+from twobp.engine.patch import install_forward, patched_by
+from twobp.engine.phases import MicrobatchPhases, TwoStageBackwardError
+from twobp.engine.stash import StashEntry, held_bytes
+
+
+class WeightGradStore:
+    """Deferred weight gradients of one stage, kept per micro-batch.
+
+    Build it with :func:`defer_weight_grads`, which patches the module.
+
+    Args:
+        module: the stage module; its covered submodules are patched in place.
+        label: names the stage in error messages and the report (e.g.
+            ``"rank 1 stage 3"``).
+
+    Raises:
+        TwoStageBackwardError: if a submodule is already patched by another store.
+    """
+
+    def __init__(self, module: nn.Module, label: str = "") -> None:
+        self._label = label
+        self._plan: CoveragePlan = plan_coverage(module)
+        self._phases = MicrobatchPhases(label)
+        self._stash: dict[int, dict[int, list[StashEntry]]] = {}
+        self._input_pass_mb: int | None = None
+        self.active_microbatch: int | None = None
+        """The micro-batch whose forward (or recomputation during its I) runs now."""
+        self._layers: list[DeferredLayer] = [
+            c.layer_class(i, c.name, c.module, self._put_stash)
+            for i, c in enumerate(self._plan.covered)
+        ]
+        for layer in self._layers:
+            if patched_by(layer.module) is not None:
+                raise TwoStageBackwardError(
+                    f"{self._where()}module '{layer.name}' is already patched by another "
+                    f"WeightGradStore; call its restore() first"
+                )
+        self._undo: list[Callable[[], None]] = [install_forward(x, self) for x in self._layers]
+
+    def _where(self) -> str:
+        return f"{self._label}: " if self._label else ""
+
+    # -- F -------------------------------------------------------------------
+
+    @contextmanager
+    def forward(self, mb: int) -> Iterator[None]:
+        """Run the forward of micro-batch ``mb`` inside this context.
+
+        Covered layers called inside record their work for ``mb``. Under
+        ``torch.no_grad`` nothing is recorded and the module runs as unpatched.
+
+        Raises:
+            TwoStageBackwardError: if another forward is active, or ``mb``
+                already ran in this step.
+        """
+        if not torch.is_grad_enabled():
+            yield
+            return
+        if self.active_microbatch is not None:
+            raise TwoStageBackwardError(
+                f"{self._where()}forward of micro-batch {mb} started inside the forward of "
+                f"micro-batch {self.active_microbatch}; run forwards one after another"
+            )
+        self._phases.start_forward(mb)
+        self.active_microbatch = mb
+        try:
+            yield
+        except BaseException:
+            self._phases.cancel_forward(mb)
+            raise
+        finally:
+            self.active_microbatch = None
+
+    # -- I -------------------------------------------------------------------
+
+    def _put_stash(self, mb: int, layer_index: int, tensors: tuple[Tensor, ...]) -> None:
+        """Called by covered layers during I: keep what their W needs."""
+        if self._input_pass_mb != mb:
+            name = self._layers[layer_index].name
+            during = (
+                "outside backward_input"
+                if self._input_pass_mb is None
+                else f"during backward_input of micro-batch {self._input_pass_mb}"
+            )
+            raise TwoStageBackwardError(
+                f"{self._where()}covered layer '{name}' of micro-batch {mb} ran its backward "
+                f"{during}; its weight gradient would be lost. Run the backward of a forward "
+                f"made in store.forward({mb}) with store.backward_input({mb}, ...) or "
+                f"store.backward_full({mb}, ...)"
+            )
+        entries = self._stash.setdefault(mb, {}).setdefault(layer_index, [])
+        entries.append(StashEntry.of(tensors))
+
+    def backward_input(
+        self,
+        mb: int,
+        outputs: Sequence[Tensor],
+        grad_outputs: Sequence[Tensor | None],
+        inputs: Sequence[Tensor],
+    ) -> tuple[Tensor | None, ...]:
+        """I: gradients with respect to the stage inputs of micro-batch ``mb``.
+
+        Runs one plain autograd backward from ``outputs``. Covered layers
+        compute only their input gradient and stash what their weight
+        gradient needs; every other parameter gets its exact gradient added to
+        ``.grad`` now.
+
+        Args:
+            mb: the micro-batch.
+            outputs: the stage outputs of ``mb`` (those that need no gradient
+                are skipped).
+            grad_outputs: the gradient of the loss with respect to each output
+                (None for a scalar loss).
+            inputs: the stage inputs of ``mb``: leaf tensors, e.g. received
+                activations made with ``.detach().requires_grad_()``.
+
+        Returns:
+            For each input, its gradient: None if it does not require one,
+            zeros if it requires one but the outputs do not depend on it.
+
+        Raises:
+            ValueError: if ``grad_outputs`` does not match ``outputs`` or an
+                input that requires a gradient is not a leaf.
+            TwoStageBackwardError: if I of ``mb`` already ran in this step.
+        """
+        if len(outputs) != len(grad_outputs):
+            raise ValueError(
+                f"backward_input of micro-batch {mb}: {len(outputs)} outputs but "
+                f"{len(grad_outputs)} grad_outputs"
+            )
+        for i, x in enumerate(inputs):
+            if x.requires_grad and not x.is_leaf:
+                raise ValueError(
+                    f"backward_input of micro-batch {mb}: input {i} is not a leaf; pass the "
+                    f"tensor the stage ran on, made with .detach().requires_grad_()"
+                )
+        if self.active_microbatch is not None:
+            raise TwoStageBackwardError(
+                f"{self._where()}backward_input of micro-batch {mb} called while micro-batch "
+                f"{self.active_microbatch} is active; leave store.forward(...) first"
+            )
+        self._phases.check_input(mb)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+        # Read the input gradients from the leaves; keep what they held before.
+        previous = [x.grad for x in inputs]
+        for x in inputs:
+            x.grad = None
+        self._input_pass_mb = self.active_microbatch = mb
+        try:
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grads = tuple(
+                None
+                if not x.requires_grad
+                else x.grad
+                if x.grad is not None
+                else torch.zeros_like(x)
+                for x in inputs
+            )
+        finally:
+            self._input_pass_mb = self.active_microbatch = None
+            for x, g in zip(inputs, previous, strict=True):
+                x.grad = g
+        self._phases.finish_input(mb)
+        return grads
+
+    # -- W -------------------------------------------------------------------
+
+    def backward_weight(self, mbs: Iterable[int], group_size: int | None = None) -> None:
+        """W: add the weight gradients of micro-batches ``mbs`` to ``.grad``.
+
+        Each covered layer runs one concatenated operation per group (and per
+        distinct input shape) instead of one per micro-batch.
+
+        Args:
+            mbs: micro-batches whose I is done and W is not, in any order.
+            group_size: None runs all of ``mbs`` as one group; ``k`` splits
+                ``mbs`` into consecutive groups of ``k``.
+
+        Raises:
+            ValueError: if ``mbs`` is empty or repeats, or ``group_size < 1``.
+            TwoStageBackwardError: if a micro-batch is unknown, its I has not
+                run, its W already ran, or a stashed tensor was modified in
+                place since its I. Nothing is computed then.
+        """
+        group = self._phases.check_weight(mbs)
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be None or >= 1, got {group_size}")
+        for mb in group:
+            for layer_index, entries in self._stash.get(mb, {}).items():
+                if any(e.changed() for e in entries):
+                    raise TwoStageBackwardError(
+                        f"{self._where()}a tensor that layer '{self._layers[layer_index].name}' "
+                        f"stashed for the W of micro-batch {mb} was modified in place after "
+                        f"its backward_input; keep inputs and output gradients unchanged until W"
+                    )
+        size = len(group) if group_size is None else group_size
+        with torch.no_grad():
+            for start in range(0, len(group), size):
+                chunk = group[start : start + size]
+                stashes = [self._stash.pop(mb, {}) for mb in chunk]
+                for layer in self._layers:
+                    tensors = [e.tensors for s in stashes for e in s.pop(layer.index, ())]
+                    if tensors:
+                        layer.accumulate_weight_grads(tensors)
+                for mb in chunk:
+                    self._phases.finish_weight(mb)
+
+    # -- B and the step ------------------------------------------------------
+
+    def backward_full(
+        self,
+        mb: int,
+        outputs: Sequence[Tensor],
+        grad_outputs: Sequence[Tensor | None],
+        inputs: Sequence[Tensor],
+    ) -> tuple[Tensor | None, ...]:
+        """B: I then W of micro-batch ``mb``; arguments and result as :meth:`backward_input`.
+
+        Also valid when the forward of ``mb`` ran outside :meth:`forward`
+        (plain autograd): then every gradient comes from the autograd pass.
+        """
+        grads = self.backward_input(mb, outputs, grad_outputs, inputs)
+        self.backward_weight([mb])
+        return grads
+
+    def finish_step(self) -> None:
+        """End the step: check that every micro-batch is done, then forget them all.
+
+        Raises:
+            TwoStageBackwardError: if a micro-batch had F but no I, or I but no
+                W. The state and stashes are cleared anyway.
+        """
+        self._stash.clear()
+        self._phases.end_step()
+
+    def pending_weight(self) -> tuple[int, ...]:
+        """Micro-batches whose I is done and whose W is not, sorted."""
+        return self._phases.pending_weight()
+
+    def stashed_bytes(self) -> dict[int, int]:
+        """Bytes of tensors kept for W, per micro-batch of this step (0 once its W ran).
+
+        Storages shared by several stashed tensors are counted once.
+        """
+        return {
+            mb: held_bytes(
+                t
+                for entries in self._stash.get(mb, {}).values()
+                for e in entries
+                for t in e.tensors
+            )
+            for mb in self._phases.known()
+        }
+
+    # -- coverage ------------------------------------------------------------
+
+    def deferred_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter whose gradient W adds."""
+        return self._plan.parameters(Route.DEFERRED)
+
+    def immediate_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter that autograd accumulates during I."""
+        return self._plan.parameters(Route.IMMEDIATE)
+
+    def report(self) -> str:
+        """Which parameters are deferred, which immediate, which frozen, and why."""
+        return self._plan.report(self._label)
+
+    def restore(self) -> None:
+        """Put back every patched ``forward``; the modules behave as before patching.
+
+        Stashed work is dropped; call it between steps.
+        """
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        self._stash.clear()
+
+
+def defer_weight_grads(module: nn.Module, *, label: str = "") -> WeightGradStore:
+    """Patch the covered layers of ``module`` in place and return its store.
+
+    Covered: ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding``,
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.BatchNorm1d/2d/3d``. Every other
+    parameter keeps the plain autograd path; ``store.report()`` says which is
+    which and why.
+
+    Args:
+        module: the stage module.
+        label: names the stage in error messages and the report.
+
+    Returns:
+        The store that runs I, W and B of this stage.
+
+    Raises:
+        TwoStageBackwardError: if a submodule is already patched by another store.
+    """
+    return WeightGradStore(module, label=label)
