@@ -56,6 +56,7 @@ def test_conv1d(kwargs):
         {"groups": 2},
     ],
 )
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 def test_conv2d(kwargs):
     kernel = 2 if kwargs.get("padding") == "same" else 3
     assert_matches(seeded(lambda: nn.Conv2d(4, 6, kernel, **kwargs)), _x(2, 4, 7, 6))
