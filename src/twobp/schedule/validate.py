@@ -188,7 +188,7 @@ def _deadlock_message(
         )
     name = schedule.name or "schedule"
     return (
-        f"{name} deadlocks after step {len(steps) - 1}: no rank can run its next action.\n"
+        f"{name} deadlocks at step {len(steps)}: no rank can run its next action.\n"
         + "\n".join(reasons)
         + "\nReorder the actions so that each one comes after what it waits for.\n"
         + format_grid(steps, ranks, stuck)

@@ -1,0 +1,151 @@
+"""The 2BP transform: exact placements, policies, memory limit, errors."""
+
+import itertools
+
+import pytest
+
+from twobp.schedule import (
+    TWO_BP_POLICIES,
+    Action,
+    Kind,
+    Schedule,
+    apply_two_bp,
+    generate,
+    merge_backward,
+    validate,
+)
+from twobp.schedule._timing import make_timing, timeline
+
+
+def rows(schedule: Schedule) -> list[list[str]]:
+    return [[str(a) for a in schedule.actions[r]] for r in sorted(schedule.actions)]
+
+
+def makespan(schedule: Schedule, costs=None) -> float:
+    spans = timeline(schedule, make_timing(costs))
+    return max(end for per_rank in spans.values() for _, end in per_rank)
+
+
+def peak_held(schedule: Schedule, rank: int) -> int:
+    """Most micro-batches of ``rank`` with F done and W (or B) not done."""
+    held = peak = 0
+    for a in schedule.actions[rank]:
+        if a.kind is Kind.FORWARD:
+            held += 1
+        elif a.kind in (Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD):
+            held -= len(a.microbatches)
+        peak = max(peak, held)
+    return peak
+
+
+def test_paper_policy_1f1b_p2_m2():
+    s = apply_two_bp(generate("1f1b", 2, 2), "paper")
+    assert s.name == "1f1b+2bp:paper"
+    assert rows(s) == [
+        ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"],
+        ["1F0", "1I0", "1F1", "1I1", "1W0-1"],
+    ]
+
+
+def test_paper_policy_1f1b_p4_m4_last_rank_concatenates_everything():
+    # The 2BP paper's Figure 1 (1F1B-1 with 2BP): the last rank runs all its
+    # backward-p1 and one concatenated backward-p2 at the end.
+    s = apply_two_bp(generate("1f1b", 4, 4), "paper")
+    assert rows(s) == [
+        ["0F0", "0F1", "0F2", "0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"],
+        ["1F0", "1F1", "1F2", "1I0", "1F3", "1I1", "1W0", "1I2", "1W1", "1I3", "1W2-3"],
+        ["2F0", "2F1", "2I0", "2F2", "2I1", "2F3", "2I2", "2W0", "2I3", "2W1-3"],
+        ["3F0", "3I0", "3F1", "3I1", "3F2", "3I2", "3F3", "3I3", "3W0-3"],
+    ]
+    assert makespan(s) == 15
+    assert makespan(apply_two_bp(generate("1f1b", 4, 4), "eager")) == 18
+    assert makespan(generate("1f1b", 4, 4)) == 21
+
+
+def test_paper_policy_naive_m1_overlaps_weight_pass_with_upstream():
+    s = apply_two_bp(generate("naive", 3, 1), "paper")
+    assert rows(s) == [["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"], ["2F0", "2I0", "2W0"]]
+    assert makespan(s) < makespan(generate("naive", 3, 1))
+
+
+def test_eager_puts_each_w_after_its_i():
+    s = apply_two_bp(generate("1f1b", 2, 2), "eager")
+    assert rows(s) == [
+        ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"],
+        ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"],
+    ]
+
+
+@pytest.mark.parametrize("policy", sorted(TWO_BP_POLICIES))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "naive"])
+def test_merge_undoes_every_policy(name, policy):
+    s = generate(name, 4, 8)
+    split = apply_two_bp(s, policy)
+    validate(split)
+    assert merge_backward(split) == s
+
+
+def test_policy_none_keeps_the_schedule():
+    s = generate("zb-h1", 3, 6)
+    assert apply_two_bp(s, None) is s
+
+
+def test_already_split_schedule_gets_its_w_placed_again():
+    s = generate("zb-h1", 3, 6)
+    eager = apply_two_bp(s, "eager")
+    assert eager.name == "zb-h1+2bp:eager"
+    for acts in eager.actions.values():
+        for a, b in itertools.pairwise(acts):
+            if a.kind is Kind.BACKWARD_INPUT:
+                assert b == Action(a.stage, Kind.BACKWARD_WEIGHT, a.microbatches)
+
+
+def test_paper_and_fill_never_slower_than_eager_in_unit_time():
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b"):
+        s = generate(name, 4, 8)
+        eager = makespan(apply_two_bp(s, "eager"))
+        assert makespan(apply_two_bp(s, "paper")) <= eager
+        assert makespan(apply_two_bp(s, "fill")) <= eager
+
+
+def test_fill_uses_the_cost_model():
+    costs = {"F": 1.0, "I": 1.5, "W": 0.7}
+    s = generate("naive", 4, 4)
+    fill = apply_two_bp(s, "fill", costs=costs)
+    assert makespan(fill, costs) < makespan(apply_two_bp(s, "eager"), costs)
+    assert makespan(fill, costs) <= makespan(apply_two_bp(s, "paper", costs=costs), costs)
+
+
+def test_fill_accepts_an_object_with_duration():
+    class Costs:
+        def duration(self, action: Action) -> float:
+            return {"F": 1.0, "I": 1.0, "W": 2.0}.get(action.kind.value, 0.0) * len(
+                action.microbatches
+            )
+
+    validate(apply_two_bp(generate("1f1b", 3, 6), "fill", costs=Costs()))
+
+
+def test_fill_memory_limit_bounds_held_microbatches():
+    s = generate("gpipe", 2, 6)
+    unbounded = apply_two_bp(s, "fill")
+    # GPipe: every forward runs before any I, so the F/I order alone needs 6.
+    assert peak_held(unbounded, 0) == 6
+    with pytest.raises(ValueError, match="use memory_limit >= 6"):
+        apply_two_bp(s, "fill", memory_limit=3)
+    one = generate("1f1b", 3, 9)
+    for limit in (3, 4, 5):
+        bounded = apply_two_bp(one, "fill", memory_limit=limit)
+        validate(bounded)
+        assert max(peak_held(bounded, r) for r in range(3)) <= limit
+    assert peak_held(apply_two_bp(one, "paper"), 0) > 3
+
+
+def test_policy_errors():
+    s = generate("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="valid policies: eager, paper, fill"):
+        apply_two_bp(s, "late")
+    with pytest.raises(ValueError, match="memory_limit applies to policy 'fill' only"):
+        apply_two_bp(s, "paper", memory_limit=4)
+    with pytest.raises(ValueError, match="missing"):
+        apply_two_bp(s, "fill", costs={"F": 1.0})
