@@ -21,8 +21,8 @@ GPIPE_2X2 = spans_of(
 def test_gpipe_grid_exactly():
     assert render_ascii(GPIPE_2X2, title="gpipe") == (
         "gpipe: makespan 9, bubble ratio 33.3% (1 column = 1)\n"
-        "rank 0 | F0 F1 .  .  .  B0 B0 B1 B1\n"
-        "rank 1 | .  F0 F1 B0 B0 B1 B1 .  ."
+        "rank 0 | F0 F1 .  .  .  B0~~~ B1~~~\n"
+        "rank 1 | .  F0 F1 B0~~~ B1~~~ .  ."
     )
 
 
@@ -35,14 +35,20 @@ def test_split_backward_and_concatenated_weight():
     )
     assert render_ascii(spans) == (
         "makespan 8, bubble ratio 25.0% (1 column = 1)\n"
-        "rank 0 | F0   F1   .    .    I0   I1   W0-1 W0-1\n"
-        "rank 1 | .    F0   F1   I0   I1   W0-1 W0-1 ."
+        "rank 0 | F0 F1 .  .  I0 I1 W0-1~\n"
+        "rank 1 | .  F0 F1 I0 I1 W0-1~ ."
     )
 
 
 def test_stage_shown_when_a_rank_holds_several():
     spans = spans_of({0: [("0F0", 0, 1), ("1F0", 1, 2), ("1B0", 2, 4), ("0B0", 4, 6)]})
-    assert render_ascii(spans).splitlines()[1] == "rank 0 | 0F0 1F0 1B0 1B0 0B0 0B0"
+    assert render_ascii(spans).splitlines()[1] == "rank 0 | 0F0 1F0 1B0~~~~ 0B0~~~~"
+
+
+def test_label_cut_when_field_too_narrow():
+    # W over four micro-batches in the time of one: its field is one cell.
+    spans = spans_of({0: [("0F0", 0, 1), ("0W0-3", 1, 2)]})
+    assert render_ascii(spans).splitlines()[1] == "rank 0 | F0 W+"
 
 
 def test_scales_time_to_fit_width():

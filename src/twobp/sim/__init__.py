@@ -3,16 +3,20 @@
 from twobp.sim.costs import CostModel, load_costs, parse_amount, parse_costs, save_costs
 from twobp.sim.memory import memory_timeline, peak_memory
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
+from twobp.sim.steady import SteadyState, repeat_steps, steady_state
 
 __all__ = [
     "CostModel",
     "DeadlockError",
     "SimResult",
+    "SteadyState",
     "load_costs",
     "memory_timeline",
     "parse_amount",
     "parse_costs",
     "peak_memory",
+    "repeat_steps",
     "save_costs",
     "simulate",
+    "steady_state",
 ]

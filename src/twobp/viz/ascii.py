@@ -2,12 +2,12 @@
 
 One row per rank, time cut into equal columns; each cell shows the action
 that fills most of the column (kind and micro-batch, ``F0``, ``I3``,
-``W0-3``) or ``.`` when the rank is idle for most of it. An action longer
-than a column repeats its label over every column it fills::
+``W0-3``) or ``.`` when the rank is idle for most of it. An action that
+fills several columns is one field, its label padded with ``~``::
 
     gpipe: makespan 9, bubble ratio 33.3% (1 column = 1)
-    rank 0 | F0 F1 .  .  .  B0 B0 B1 B1
-    rank 1 | .  F0 F1 B0 B0 B1 B1 .  .
+    rank 0 | F0 F1 .  .  .  B0~~~ B1~~~
+    rank 1 | .  F0 F1 B0~~~ B1~~~ .  .
 
 The column length is the shortest action, made longer when the grid would
 not fit the width. This module imports no torch.
@@ -15,6 +15,7 @@ not fit the width. This module imports no torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from twobp.timeline import Span, bubble_ratio, makespan
 from twobp.viz.labels import action_label, compute_spans, several_stages_per_rank
 
 IDLE = "."
+CONTINUED = "~"
 
 
 def render_ascii(
@@ -58,7 +60,11 @@ def render_ascii(
 
     with_stage = several_stages_per_rank(work)
     labels = {id(s): action_label(s.action, with_stage) for s in work}
-    cell = max(len(t) for t in labels.values()) + 1
+    # Cells are as wide as the labels of single micro-batch actions; a
+    # concatenated W (``W0-7``) usually spans several columns and gets a
+    # field as wide as those columns together.
+    single = [labels[id(s)] for s in work if len(s.action.microbatches) == 1]
+    cell = max([3, *(len(t) + 1 for t in single)])
     prefix = f"rank {rows - 1} | "
     max_columns = (width - len(prefix) + 1) // cell
     if max_columns < 1:
@@ -74,16 +80,41 @@ def render_ascii(
 
     lines = [f"{header} (1 column = {column:.4g})"]
     for rank in range(rows):
-        own = [s for s in work if s.rank == rank]
-        cells = []
-        for c in range(n_columns):
-            lo, hi = origin + c * column, origin + (c + 1) * column
-            overlaps = [(min(hi, s.end) - max(lo, s.start), s) for s in own]
-            overlaps = [(o, s) for o, s in overlaps if o > 0]
-            if sum(o for o, _ in overlaps) < column / 2:
-                cells.append(IDLE)
+        owners = _column_owners([s for s in work if s.rank == rank], origin, column, n_columns)
+        fields = []
+        for owner, run in itertools.groupby(owners, key=lambda s: None if s is None else id(s)):
+            n = len(list(run))
+            if owner is None:
+                fields += [IDLE.ljust(cell - 1)] * n
             else:
-                cells.append(labels[id(max(overlaps, key=lambda x: x[0])[1])])
+                fields.append(_field(labels[owner], cell - 1, n))
         name = f"rank {rank} | ".rjust(len(prefix))
-        lines.append((name + " ".join(c.ljust(cell - 1) for c in cells)).rstrip())
+        lines.append((name + " ".join(fields)).rstrip())
     return "\n".join(lines)
+
+
+def _column_owners(
+    spans: Sequence[Span], origin: float, column: float, n_columns: int
+) -> list[Span | None]:
+    """For each column, the span that fills most of it, or None if the rank
+    is idle for most of it."""
+    owners: list[Span | None] = []
+    for c in range(n_columns):
+        lo, hi = origin + c * column, origin + (c + 1) * column
+        overlaps = [(min(hi, s.end) - max(lo, s.start), s) for s in spans]
+        overlaps = [(o, s) for o, s in overlaps if o > 0]
+        if sum(o for o, _ in overlaps) < column / 2:
+            owners.append(None)
+        else:
+            owners.append(max(overlaps, key=lambda x: x[0])[1])
+    return owners
+
+
+def _field(label: str, cell: int, n_columns: int) -> str:
+    """The text of an action filling ``n_columns`` columns of ``cell``
+    characters: its label, padded with ``~`` over the columns it continues
+    into, or cut and ended with ``+`` if it does not fit."""
+    width = n_columns * (cell + 1) - 1
+    if len(label) > width:
+        return label[: width - 1] + "+"
+    return label.ljust(width, " " if n_columns == 1 else CONTINUED)

@@ -1,0 +1,187 @@
+"""``twobp simulate``: time a schedule on a cost model and draw it.
+
+Example::
+
+    twobp simulate --schedule 1f1b --stages 4 --microbatches 8 --two-bp paper \\
+        --costs F=1,I=1,W=1 --png 1f1b.png --trace 1f1b.json
+
+prints the rank-by-time grid, the makespan, the bubble ratio of every rank
+and its peak memory; ``--png`` and ``--trace`` also write a picture and a
+Chrome/Perfetto trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from twobp.config import add_arguments, doc, from_namespace
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
+from twobp.sim.costs import CostModel, load_costs, parse_costs
+from twobp.sim.simulate import DeadlockError, SimResult, simulate
+from twobp.sim.steady import steady_state
+from twobp.viz.ascii import render_ascii
+
+NO_TWO_BP = "off"
+
+COSTS_HELP = (
+    "times and sizes of one rank's share of the model, as key=value pairs: F, I, W (times of "
+    "one micro-batch), B (fused backward, default I+W), W<n> (W over n concatenated "
+    "micro-batches, e.g. W4=3), latency, bandwidth, send (bytes per micro-batch), act, grad, "
+    "param (memory per micro-batch / per stage); with V stages per rank each stage takes 1/V"
+)
+
+
+@dataclass
+class SimulateConfig:
+    """Options of ``twobp simulate``."""
+
+    schedule: str = doc("the schedule to simulate", "1f1b", choices=tuple(SCHEDULES))
+    stages: int = doc("number of pipeline ranks p (one process each)", 4)
+    microbatches: int = doc("micro-batches per training step m", 8)
+    stages_per_rank: int | None = doc(
+        "stages per rank V (default: the schedule's own, 2 for interleaved-1f1b and zb-v)", None
+    )
+    two_bp: str = doc(
+        "2BP policy placing the weight passes: off (as generated), " + ", ".join(TWO_BP_POLICIES),
+        NO_TWO_BP,
+        choices=(NO_TWO_BP, *TWO_BP_POLICIES),
+    )
+    costs: str = doc(COSTS_HELP, "F=1,I=1,W=1")
+    costs_file: str | None = doc(
+        "a cost profile JSON (format: twobp.sim.costs); replaces --costs", None
+    )
+    png: str | None = doc("also draw the timeline to this PNG file", None)
+    trace: str | None = doc("also write a Chrome/Perfetto trace JSON to this file", None)
+    width: int = doc("most characters per line of the grid", 120)
+
+
+def cost_model(costs: str, costs_file: str | None, n_ranks: int) -> CostModel:
+    """The cost model of the options: a profile file if given, else the text form.
+
+    Args:
+        costs: the ``--costs`` text (one rank's share of the model per stage).
+        costs_file: a profile JSON, or ``None``.
+        n_ranks: number of ranks ``p``; the text form makes ``p`` stages.
+
+    Returns:
+        The cost model, to be fitted to a schedule with
+        :meth:`CostModel.for_stages`.
+
+    Raises:
+        ValueError: if the text or the file is malformed.
+        OSError: if the file cannot be read.
+    """
+    if costs_file:
+        return load_costs(costs_file)
+    return parse_costs(costs, n_ranks)
+
+
+def build_schedule(
+    name: str,
+    n_ranks: int,
+    n_microbatches: int,
+    stages_per_rank: int | None,
+    two_bp: str,
+    costs: CostModel,
+) -> tuple[Schedule, CostModel]:
+    """Generate a schedule, apply a 2BP policy and fit the costs to its stages.
+
+    Raises:
+        ValueError: if the schedule, the policy or the costs do not fit together.
+    """
+    schedule = generate(name, n_ranks, n_microbatches, stages_per_rank=stages_per_rank)
+    fitted = costs.for_stages(schedule.n_stages)
+    if two_bp != NO_TWO_BP:
+        schedule = apply_two_bp(schedule, two_bp, costs=fitted)
+    return schedule, fitted
+
+
+def format_amount(value: float) -> str:
+    """A memory size: binary units from 1 KiB up, else the plain number (cost-model units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.4g}"
+
+
+def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:
+    """The figures printed under the grid."""
+    steady = steady_state(schedule, costs)
+    m = schedule.n_microbatches
+    lines = [
+        f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, {m} micro-batches",
+        f"makespan {result.makespan:.4g} ({m / result.makespan:.4g} micro-batches per time unit)"
+        if result.makespan > 0
+        else "makespan 0",
+        f"bubble ratio {result.bubble_ratio:.1%}; with steps back to back (no barrier between "
+        f"them): {steady.period:.4g} per step, bubble ratio {steady.bubble_ratio:.1%}",
+        "",
+        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'bubble':>7}  {'peak memory':>11}",
+    ]
+    for r in range(result.n_ranks):
+        lines.append(
+            f"{r:>4}  {result.busy[r]:>8.4g}  {result.idle[r]:>8.4g}  "
+            f"{result.bubble_ratios[r]:>7.1%}  {format_amount(result.peak_memory[r]):>11}"
+        )
+    return "\n".join(lines)
+
+
+def run(config: SimulateConfig) -> int:
+    """Simulate, print and optionally draw; returns the exit code.
+
+    Raises:
+        ValueError: on options that do not fit together.
+        DeadlockError: if the schedule cannot finish.
+    """
+    costs = cost_model(config.costs, config.costs_file, config.stages)
+    schedule, fitted = build_schedule(
+        config.schedule,
+        config.stages,
+        config.microbatches,
+        config.stages_per_rank,
+        config.two_bp,
+        costs,
+    )
+    result = simulate(schedule, fitted)
+    print(
+        render_ascii(
+            result.spans, title=schedule.name, width=config.width, n_ranks=schedule.n_ranks
+        )
+    )
+    print()
+    print(report(result, schedule, fitted))
+    if config.png:
+        from twobp.viz.png import render_png
+
+        png = render_png(result.spans, config.png, title=schedule.name, n_ranks=schedule.n_ranks)
+        print(f"wrote {png}")
+    if config.trace:
+        from twobp.viz.trace import write_trace
+
+        print(f"wrote {write_trace(result.spans, config.trace, title=schedule.name)}")
+    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return run(from_namespace(SimulateConfig, args))
+    except (ValueError, OSError, DeadlockError) as exc:
+        print(f"twobp simulate: {exc}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers: Any) -> None:
+    """Add ``simulate`` to the ``twobp`` command."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="time a schedule on a cost model and draw it",
+        description=(
+            "Time a schedule on a cost model, print the rank-by-time grid, makespan, "
+            "bubble ratios and peak memory, and optionally draw it."
+        ),
+    )
+    add_arguments(parser, SimulateConfig)
+    parser.set_defaults(func=_main)

@@ -1,0 +1,129 @@
+"""``twobp simulate`` and ``twobp plan`` through the real entry point."""
+
+import json
+import struct
+
+from twobp.cli.main import main
+from twobp.sim.costs import CostModel, save_costs
+
+
+def test_simulate_prints_grid_and_figures(capsys):
+    code = main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "1f1b: makespan 21, bubble ratio 42.9% (1 column = 1)"
+    assert lines[1] == "rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0~~~ .  B1~~~ .  B2~~~ .  B3~~~"
+    assert "makespan 21 " in out
+    assert "bubble ratio 42.9%" in out
+    # rank, busy, idle, bubble, peak memory: rank 0 holds all 4 micro-batches.
+    assert "   0        12         9    42.9%            4" in out
+    assert "   3        12         9    42.9%            1" in out
+
+
+def test_simulate_two_bp_costs_png_and_trace(tmp_path, capsys):
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    code = main(
+        [
+            "simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2",
+            "--two-bp", "paper", "--costs", "F=1,I=1,W=1,latency=0.5",
+            "--png", str(png), "--trace", str(trace),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("gpipe+2bp:paper: ")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    width, _ = struct.unpack(">II", png.read_bytes()[16:24])
+    assert width == 1200
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    # 2 ranks x (2 F + 2 I) + one concatenated W per rank.
+    assert len(events) == 10
+    assert f"wrote {png}" in out and f"wrote {trace}" in out
+
+
+def test_simulate_reads_a_profile(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    save_costs(CostModel.uniform(2, f=2, i=2, w=2), path)
+    code = main(
+        ["simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "1",
+         "--costs-file", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    # F + F + B + B with F = 2, B = 4.
+    assert "makespan 12 " in capsys.readouterr().out
+
+
+def test_simulate_error_is_one_clear_line(capsys):
+    code = main(
+        ["simulate", "--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("twobp simulate: ")
+
+
+def test_plan_ranks_marks_and_recommends(capsys):
+    code = main(
+        ["plan", "--stages", "4", "--microbatches", "8", "--memory-limit", "6",
+         "--schedules", "1f1b,zb-h1,gpipe", "--policies", "off,paper"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    # Fastest first: zb-h1 (27, memory 4) and 1f1b+paper (27, memory 8), then
+    # gpipe+paper (30), then the fused ones (33).
+    assert [(r[1], r[2], r[3]) for r in rows[:3]] == [
+        ("zb-h1", "off", "27"),
+        ("1f1b", "paper", "27"),
+        ("zb-h1", "paper", "27"),
+    ]
+    assert [r[3] for r in rows] == ["27", "27", "27", "30", "33", "33"]
+    over = [(r[1], r[2]) for r in rows if "over" in r]
+    assert ("1f1b", "paper") in over and ("gpipe", "off") in over
+    assert ("zb-h1", "off") not in over
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("Recommended: zb-h1: the shortest simulated step (27")
+    )
+
+
+def test_plan_recommends_two_bp_when_memory_allows(capsys):
+    code = main(
+        ["plan", "--stages", "4", "--microbatches", "4", "--schedules", "1f1b",
+         "--policies", "off,eager,paper"]
+    )  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0
+    # 1F1B 21 -> 15 with the paper placement: 1.40x.
+    assert last == (
+        "Recommended: 1f1b with 2BP (paper): the shortest simulated step (15, 1.40x the "
+        "throughput of 1f1b without 2BP) whose peak memory per rank (4) (no memory limit given)."
+    )
+
+
+def test_plan_nothing_fits(capsys):
+    main(["plan", "--microbatches", "4", "--memory-limit", "0.5", "--schedules", "1f1b,gpipe"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Nothing fits in 0.5 per rank: ")
+
+
+def test_plan_lists_schedules_it_cannot_build(capsys):
+    main(["plan", "--microbatches", "6", "--schedules", "1f1b,interleaved-1f1b",
+          "--policies", "off"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "interleaved-1f1b  off" in out and "n/a:" in out
+
+
+def test_plan_markdown(capsys):
+    main(["plan", "--microbatches", "4", "--schedules", "1f1b", "--policies", "off,paper",
+          "--markdown"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| # | schedule | 2BP | makespan |" in out
+    assert "| 1 | 1f1b | paper | 15 | 1.00x | 20.0% | 4 |  |" in out
+
+
+def test_plan_unknown_policy(capsys):
+    assert main(["plan", "--policies", "off,lazy"]) == 2
+    assert "unknown schedule or policy 'lazy'" in capsys.readouterr().err
