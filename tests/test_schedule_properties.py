@@ -1,6 +1,8 @@
 """Property tests over every generator and every 2BP policy (p 1..6, m 1..16, v 1..3)."""
 
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +17,9 @@ from twobp.schedule import (
     apply_two_bp,
     from_rows,
     generate,
+    load_csv,
     merge_backward,
+    save_csv,
     to_rows,
     validate,
 )
@@ -91,13 +95,16 @@ def test_lowered_schedules_stay_valid(schedule, policy):
 
 @FAST
 @given(schedules(), policies)
-def test_text_and_rows_round_trip(schedule, policy):
+def test_text_rows_and_csv_round_trip(schedule, policy):
     s = add_communication(apply_two_bp(schedule, policy))
     for acts in s.actions.values():
         for a in acts:
             assert Action.parse(str(a)) == a
-    back = from_rows(to_rows(s), name=s.name)
-    assert back == s
+    assert from_rows(to_rows(s), name=s.name) == s
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{s.name}.csv"
+        save_csv(s, path)
+        assert load_csv(path) == s
 
 
 @FAST

@@ -149,3 +149,32 @@ def test_policy_errors():
         apply_two_bp(s, "paper", memory_limit=4)
     with pytest.raises(ValueError, match="missing"):
         apply_two_bp(s, "fill", costs={"F": 1.0})
+    with pytest.raises(ValueError, match="give one time per stage"):
+        apply_two_bp(s, "fill", costs={"F": [1.0], "I": 1.0, "W": 1.0})
+
+
+def test_costs_per_stage():
+    # A slow last stage: rank 0 waits for its gradients and fills the waits with
+    # W, from the steady state on with "fill", only in the cool-down with "paper".
+    costs = {"F": [1.0, 3.0], "I": [1.0, 3.0], "W": [1.0, 1.0]}
+    fill = apply_two_bp(generate("1f1b", 2, 4), "fill", costs=costs)
+    paper = apply_two_bp(generate("1f1b", 2, 4), "paper", costs=costs)
+    assert " ".join(map(str, fill.actions[0])) == "0F0 0F1 0I0 0F2 0W0 0I1 0F3 0W1 0I2 0W2 0I3 0W3"
+    assert " ".join(map(str, paper.actions[0])) == "0F0 0F1 0I0 0F2 0I1 0F3 0W0 0W1 0I2 0W2 0I3 0W3"
+    assert " ".join(map(str, fill.actions[1])) == "1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0-3"
+
+
+def test_predicted_times_agree_with_the_simulator():
+    # The placement policies predict idle slots with the schedule layer's own
+    # list scheduler; it must agree with twobp.sim on every makespan.
+    sim = pytest.importorskip("twobp.sim")
+    for name in ("1f1b", "zb-v", "interleaved-1f1b"):
+        s = generate(name, 4, 8)
+        costs = sim.CostModel.uniform(
+            s.n_stages, f=1.0, i=1.3, w=0.6, send_latency=0.25, send_bytes=1.0, bandwidth=4.0
+        )
+        for policy in (None, "eager", "paper", "fill"):
+            split = apply_two_bp(s, policy, costs=costs)
+            assert makespan(split, costs) == pytest.approx(sim.simulate(split, costs).makespan)
+        fill = sim.simulate(apply_two_bp(s, "fill", costs=costs), costs).makespan
+        assert fill <= sim.simulate(apply_two_bp(s, "eager"), costs).makespan

@@ -72,6 +72,11 @@ def make_timing(costs: Costs) -> Timing:
 
     def per_stage(kind: str, stage: int) -> float:
         value = table[kind]
+        if not isinstance(value, (int, float)) and stage >= len(value):
+            raise ValueError(
+                f"costs[{kind!r}] has {len(value)} entries, but the schedule has a stage {stage}: "
+                "give one time per stage"
+            )
         t = float(value if isinstance(value, (int, float)) else value[stage])
         if t < 0:
             raise ValueError(f"cost of {kind} on stage {stage} must be >= 0, got {t}")

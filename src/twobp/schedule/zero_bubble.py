@@ -6,7 +6,8 @@ later, by a ``W`` (backward-p2), and the ``W`` fill what would be bubbles.
 ``zb-h1``: 1F1B's order of ``F`` and ``I`` (rank ``r`` warms up with
 ``p - 1 - r`` forwards, then ``F, I`` pairs), with the ``W`` of rank ``r``
 lagging ``r`` backward passes behind, which fills the cool-down. At most
-``p - r`` forwards wait for their ``I`` on rank ``r``, as in 1F1B. This is
+``p - r`` forwards wait for their ``I`` on rank ``r``, as in 1F1B; counting
+until ``W``, every rank holds up to ``p``, the peak of 1F1B's rank 0. This is
 the order of ``torch.distributed.pipelining``'s ``ScheduleInterleavedZeroBubble``
 with one stage per rank. For ``p = 2``, ``m = 3``::
 
