@@ -56,7 +56,7 @@ def test_scales_time_to_fit_width():
     text = render_ascii(spans, width=80)
     assert all(len(line) <= 80 for line in text.splitlines())
     # Labels up to F99 take 4 characters: 18 columns fit, so 6 actions each.
-    assert "(1 column = 6)" in text
+    assert "(1 column = 6, some actions hidden)" in text
     assert text.splitlines()[1].startswith("rank 0 | F0  F6  F12 ")
 
 

@@ -9,8 +9,10 @@ fills several columns is one field, its label padded with ``~``::
     rank 0 | F0 F1 .  .  .  B0~~~ B1~~~
     rank 1 | .  F0 F1 B0~~~ B1~~~ .  .
 
-The column length is the shortest action, made longer when the grid would
-not fit the width. This module imports no torch.
+The column length is the shortest action, made a whole number of times
+longer when the grid would not fit the width; the header then says that
+some actions are hidden. The stage is written too (``1F0``) when a rank
+holds several stages. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def render_ascii(
     n_columns = math.ceil(total / column - 1e-9)
     origin = min(s.start for s in work)
 
-    lines = [f"{header} (1 column = {column:.4g})"]
+    hidden = ", some actions hidden" if column > shortest * 1.001 else ""
+    lines = [f"{header} (1 column = {column:.4g}{hidden})"]
     for rank in range(rows):
         owners = _column_owners([s for s in work if s.rank == rank], origin, column, n_columns)
         fields = []

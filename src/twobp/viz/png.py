@@ -24,6 +24,11 @@ KIND_COLOURS = {
     Kind.BACKWARD_WEIGHT: "#009E73",
 }
 
+_HATCHES = ("", "//", "..", "xx")
+
+# Keeps labels readable on hatched boxes.
+_TEXT_BACKGROUND = {"facecolor": "white", "alpha": 0.8, "pad": 1.0, "edgecolor": "none"}
+
 # Roughly the width in pixels of one character of the box labels.
 _CHAR_PX = 7.0
 
@@ -73,16 +78,24 @@ def render_png(
     with_stage = several_stages_per_rank(work)
     # Pixels per time unit of the plotting area (about 85% of the width).
     px_per_time = 0.85 * width_px / total if total > 0 else 0.0
+    # With several stages per rank, the later stages of a rank are hatched
+    # so that its chunks can be told apart.
+    stages_of: dict[int, list[int]] = {}
     for s in work:
-        colour = KIND_COLOURS[s.action.kind]
+        stages_of.setdefault(s.rank, [])
+        if s.action.stage not in stages_of[s.rank]:
+            stages_of[s.rank].append(s.action.stage)
+    for s in work:
+        chunk = sorted(stages_of[s.rank]).index(s.action.stage)
         axes.barh(
             s.rank,
             s.duration,
             left=s.start - origin,
             height=0.8,
-            color=colour,
+            color=KIND_COLOURS[s.action.kind],
             edgecolor="black",
             linewidth=0.5,
+            hatch=_HATCHES[chunk % len(_HATCHES)],
         )
         # The colour tells the kind; the stage is only ambiguous when a rank
         # holds several, and then the full text form (``2W0-1``) is drawn.
@@ -96,6 +109,7 @@ def render_png(
                 va="center",
                 fontsize=8,
                 clip_on=True,
+                bbox=_TEXT_BACKGROUND if chunk else None,
             )
 
     axes.set_yticks(range(rows))
