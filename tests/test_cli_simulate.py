@@ -4,7 +4,8 @@ import json
 import struct
 
 from twobp.cli.main import main
-from twobp.sim.costs import CostModel, save_costs
+from twobp.sim.cost_io import save_costs
+from twobp.sim.costs import CostModel
 
 
 def test_simulate_prints_grid_and_figures(capsys):

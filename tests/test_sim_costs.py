@@ -4,7 +4,8 @@ import math
 import pytest
 
 from twobp.schedule.action import Action
-from twobp.sim.costs import CostModel, load_costs, parse_amount, parse_costs, save_costs
+from twobp.sim.cost_io import load_costs, parse_amount, parse_costs, save_costs
+from twobp.sim.costs import CostModel
 
 
 def test_uniform_defaults_fuse_backward_as_input_plus_weight():

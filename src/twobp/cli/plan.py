@@ -22,7 +22,8 @@ from typing import Any
 from twobp.cli.simulate import COSTS_HELP, NO_TWO_BP, build_schedule, cost_model, format_amount
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES
-from twobp.sim.costs import CostModel, parse_amount
+from twobp.sim.cost_io import parse_amount
+from twobp.sim.costs import CostModel
 from twobp.sim.simulate import DeadlockError, simulate
 
 ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)

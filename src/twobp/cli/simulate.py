@@ -19,7 +19,8 @@ from typing import Any
 
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
-from twobp.sim.costs import CostModel, load_costs, parse_costs
+from twobp.sim.cost_io import load_costs, parse_costs
+from twobp.sim.costs import CostModel
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
 from twobp.sim.steady import steady_state
 from twobp.viz.ascii import render_ascii

@@ -1,6 +1,14 @@
 """Cost model, memory model and simulator of pipeline schedules (no torch)."""
 
-from twobp.sim.costs import CostModel, load_costs, parse_amount, parse_costs, save_costs
+from twobp.sim.cost_io import (
+    costs_from_json,
+    costs_to_json,
+    load_costs,
+    parse_amount,
+    parse_costs,
+    save_costs,
+)
+from twobp.sim.costs import CostModel
 from twobp.sim.memory import memory_timeline, peak_memory
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
 from twobp.sim.steady import SteadyState, repeat_steps, steady_state
@@ -10,6 +18,8 @@ __all__ = [
     "DeadlockError",
     "SimResult",
     "SteadyState",
+    "costs_from_json",
+    "costs_to_json",
     "load_costs",
     "memory_timeline",
     "parse_amount",

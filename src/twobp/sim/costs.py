@@ -22,50 +22,18 @@ per micro-batch, forward (activations) and backward (their gradients) alike;
 a transfer between different ranks takes ``send_latency + bytes / bandwidth``,
 one on the same rank takes no time.
 
-JSON format (written by :func:`save_costs`, read by :func:`load_costs`; the
-profiler of the runtime writes the same format)::
-
-    {
-      "format": "twobp-costs",
-      "version": 1,
-      "n_stages": 2,
-      "forward":         [0.010, 0.012],        # seconds per micro-batch, per stage
-      "backward_input":  [0.011, 0.013],
-      "backward_weight": [0.009, 0.010],        # W of one micro-batch
-      "backward_full":   [0.019, 0.022],        # optional (null: I + W of one)
-      "backward_weight_concat": [               # optional (null: linear in n)
-        {"1": 0.009, "2": 0.016, "4": 0.030},   # stage 0: n micro-batches -> seconds
-        {"1": 0.010, "4": 0.034}
-      ],
-      "send_latency": 2e-05,                    # seconds per transfer
-      "bandwidth": 2.5e10,                      # bytes/s; null: infinite
-      "send_bytes":        [4194304, 4194304],  # per micro-batch, boundary s -> s+1
-      "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
-      "weight_grad_bytes": [6.0e7, 6.0e7],      # per micro-batch, held I -> W
-      "parameter_bytes":   [1.4e9, 1.4e9],      # constant, per stage
-      "meta": {"model": "...", "device": "..."} # optional, free-form, kept as is
-    }
-
-Every list has one entry per stage. Only ``forward``, ``backward_input`` and
-``backward_weight`` are required; other fields default as in
-:class:`CostModel`. This module imports no torch.
+The file format is described in :mod:`twobp.sim.cost_io`. This module imports no torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 from twobp.schedule.action import Action, Kind
-
-COSTS_FORMAT = "twobp-costs"
-COSTS_VERSION = 1
 
 PerStage = tuple[float, ...]
 
@@ -302,83 +270,6 @@ class CostModel:
             )
         return self.split(n_stages // self.n_stages)
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON document described in the module docstring."""
-        concat = None
-        if self.weight_concat is not None:
-            concat = [
-                None if t is None else {str(n): v for n, v in sorted(t.items())}
-                for t in self.weight_concat
-            ]
-        return {
-            "format": COSTS_FORMAT,
-            "version": COSTS_VERSION,
-            "n_stages": self.n_stages,
-            "forward": list(self.forward),
-            "backward_input": list(self.backward_input),
-            "backward_weight": list(self.backward_weight),
-            "backward_full": list(self.backward_full or ()),
-            "backward_weight_concat": concat,
-            "send_latency": self.send_latency,
-            "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
-            "send_bytes": list(self.send_bytes or ()),
-            "activation_bytes": list(self.activation_bytes or ()),
-            "weight_grad_bytes": list(self.weight_grad_bytes or ()),
-            "parameter_bytes": list(self.parameter_bytes or ()),
-            "meta": dict(self.meta),
-        }
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> CostModel:
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            ValueError: if the document is not a twobp cost file of a known
-                version, or a field is missing or malformed.
-        """
-        if doc.get("format") != COSTS_FORMAT:
-            raise ValueError(
-                f"not a twobp cost file: 'format' is {doc.get('format')!r}, "
-                f"expected {COSTS_FORMAT!r}"
-            )
-        if doc.get("version") != COSTS_VERSION:
-            raise ValueError(
-                f"twobp cost file version {doc.get('version')!r} is not supported "
-                f"(this twobp reads version {COSTS_VERSION}); re-run the profiler"
-            )
-        missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in doc]
-        if missing:
-            raise ValueError(f"twobp cost file lacks {', '.join(missing)}")
-        n = len(doc["forward"])
-        if doc.get("n_stages", n) != n:
-            raise ValueError(
-                f"twobp cost file says n_stages={doc['n_stages']} but lists {n} forward times"
-            )
-        concat = doc.get("backward_weight_concat")
-        bandwidth = doc.get("bandwidth")
-        return cls(
-            forward=tuple(doc["forward"]),
-            backward_input=tuple(doc["backward_input"]),
-            backward_weight=tuple(doc["backward_weight"]),
-            backward_full=_opt(doc.get("backward_full")),
-            weight_concat=None
-            if concat is None
-            else tuple(
-                None if t is None else {int(k): float(v) for k, v in t.items()} for t in concat
-            ),
-            send_latency=float(doc.get("send_latency", 0.0)),
-            bandwidth=math.inf if bandwidth is None else float(bandwidth),
-            send_bytes=_opt(doc.get("send_bytes")),
-            activation_bytes=_opt(doc.get("activation_bytes")),
-            weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
-            parameter_bytes=_opt(doc.get("parameter_bytes")),
-            meta=dict(doc.get("meta") or {}),
-        )
-
-
-def _opt(values: Sequence[float] | None) -> PerStage | None:
-    return None if not values else tuple(float(v) for v in values)
-
 
 def _check_concat(
     tables: Sequence[Mapping[int, float] | None] | None, n_stages: int
@@ -412,123 +303,3 @@ def _interpolate(table: Mapping[int, float], n: int) -> float:
             return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
     (n0, t0), (n1, t1) = points[-2], points[-1]
     return max(0.0, t1 + (t1 - t0) * (n - n1) / (n1 - n0))
-
-
-def load_costs(path: str | Path) -> CostModel:
-    """Read a cost model from a JSON file (format in the module docstring).
-
-    Raises:
-        ValueError: if the file is not a valid twobp cost file.
-        OSError: if it cannot be read.
-    """
-    with open(path, encoding="utf-8") as fh:
-        try:
-            doc = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc})") from exc
-    try:
-        return CostModel.from_json(doc)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
-def save_costs(costs: CostModel, path: str | Path) -> None:
-    """Write ``costs`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(costs.to_json(), indent=2) + "\n", encoding="utf-8")
-
-
-# Keys of the short text form, and the CostModel.uniform argument each sets.
-_TEXT_KEYS = {
-    "f": "f",
-    "i": "i",
-    "w": "w",
-    "b": "b",
-    "latency": "send_latency",
-    "bandwidth": "bandwidth",
-    "send": "send_bytes",
-    "act": "activation_bytes",
-    "grad": "weight_grad_bytes",
-    "param": "parameter_bytes",
-}
-_CONCAT_KEY = re.compile(r"^w(\d+)$")
-_SIZE_SUFFIX = {
-    "k": 1e3,
-    "m": 1e6,
-    "g": 1e9,
-    "t": 1e12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-_NUMBER = re.compile(r"^([0-9.eE+\-]+|inf)\s*([kKmMgGtT]i?)?[bB]?$")
-
-
-def parse_amount(text: str) -> float:
-    """Parse a number with an optional size suffix: ``2.5``, ``1e-3``, ``16GiB``, ``80GB``, ``inf``.
-
-    Raises:
-        ValueError: if ``text`` is not such a number.
-    """
-    match = _NUMBER.match(text.strip())
-    if match is None:
-        raise ValueError(f"cannot read {text!r} as a number (e.g. 2.5, 1e-3, 16GiB, 80GB)")
-    number, suffix = match.groups()
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(
-            f"cannot read {text!r} as a number (e.g. 2.5, 1e-3, 16GiB, 80GB)"
-        ) from None
-    return value * (_SIZE_SUFFIX[suffix.lower()] if suffix else 1.0)
-
-
-def parse_costs(text: str, n_stages: int) -> CostModel:
-    """Build a uniform cost model from a short text such as ``"F=1,I=1,W=1"``.
-
-    Keys (case-insensitive): ``F``, ``I``, ``W`` (times of one micro-batch),
-    ``B`` (fused backward, default ``I+W``), ``W<n>`` (time of ``W`` over ``n``
-    concatenated micro-batches, e.g. ``W4=3``), ``latency`` (seconds),
-    ``bandwidth`` (bytes/s), ``send`` (bytes per micro-batch and boundary),
-    ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`).
-    Sizes accept suffixes such as ``MiB`` or ``GB``.
-
-    Args:
-        text: comma-separated ``key=value`` pairs; missing keys keep the
-            defaults of :meth:`CostModel.uniform`.
-        n_stages: number of stages.
-
-    Returns:
-        The cost model.
-
-    Raises:
-        ValueError: on an unknown key or a bad value.
-    """
-    kwargs: dict[str, float] = {}
-    concat: dict[int, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip().lower()
-        if not sep:
-            raise ValueError(f"cost {part!r} is not key=value (e.g. 'F=1,I=1,W=1')")
-        concat_match = _CONCAT_KEY.match(key)
-        if concat_match:
-            concat[int(concat_match.group(1))] = parse_amount(value)
-        elif key in _TEXT_KEYS:
-            kwargs[_TEXT_KEYS[key]] = parse_amount(value)
-        else:
-            raise ValueError(
-                f"unknown cost key {key!r} in {text!r}; known: F, I, W, B, W<n>, "
-                f"{', '.join(k for k in _TEXT_KEYS if len(k) > 1)}"
-            )
-    if concat and "w" not in kwargs:
-        kwargs["w"] = _interpolate(concat, 1)
-    return CostModel.uniform(
-        n_stages,
-        f=kwargs.pop("f", 1.0),
-        i=kwargs.pop("i", 1.0),
-        w=kwargs.pop("w", 1.0),
-        b=kwargs.pop("b", None),
-        weight_concat=concat or None,
-        **kwargs,
-    )
