@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 # (micro-batch, layer index, stashed tensors) -> None
 StashSink = Callable[[int, int, tuple[Tensor, ...]], None]
@@ -41,6 +40,10 @@ class DeferredLayer(ABC):
     """The module classes this subclass covers (exact classes or subclasses
     that keep the class's ``forward``)."""
 
+    parameter_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
+    """The module's parameters whose gradient W computes, in the order the
+    Function takes them."""
+
     def __init__(self, index: int, name: str, module: nn.Module, sink: StashSink) -> None:
         self.index = index
         self.name = name
@@ -52,9 +55,11 @@ class DeferredLayer(ABC):
         """Why this module instance must stay on plain autograd, or None if it can be covered."""
         return None
 
-    @abstractmethod
     def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        """The parameters whose gradient W computes, in the order the Function takes them."""
+        """The parameters named by :attr:`parameter_names`, None where the module has none."""
+        # Straight from the registry: nn.Module.__getattr__ costs microseconds per
+        # call, and this runs for every layer call in F, I and W.
+        return tuple(map(self.module._parameters.get, self.parameter_names))
 
     def run(self, mb: int, x: Tensor) -> Tensor:
         """The module's forward for micro-batch ``mb``, with its W deferred.
@@ -128,9 +133,14 @@ class DeferredWeightFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         layer: DeferredLayer = ctx.layer
+        if torch.is_grad_enabled():
+            # A checked, cheaper stand-in for @once_differentiable.
+            raise RuntimeError(
+                f"layer '{layer.name}': double backward (create_graph=True) through a layer "
+                f"with a deferred weight gradient is not supported"
+            )
         grad_in, stash = layer.input_grad(
             grad_out, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[3]
         )

@@ -36,10 +36,6 @@ def patched_by(module: nn.Module) -> object | None:
     return getattr(getattr(forward, "__func__", None), _OWNER, None)
 
 
-def _weights_need_grad(layer: DeferredLayer) -> bool:
-    return any(p is not None and p.requires_grad for p in layer.weight_parameters())
-
-
 def install_forward(layer: DeferredLayer, store: ActiveMicrobatch) -> Callable[[], None]:
     """Shadow ``layer.module.forward`` with one that defers its weight gradient.
 
@@ -67,7 +63,7 @@ def install_forward(layer: DeferredLayer, store: ActiveMicrobatch) -> Callable[[
             or len(args) != 1
             or not torch.is_grad_enabled()
             or torch.is_autocast_enabled(args[0].device.type)
-            or not _weights_need_grad(layer)
+            or not any(p is not None and p.requires_grad for p in layer.weight_parameters())
         ):
             return plain(*args, **kwargs)
         return layer.run(mb, args[0])

@@ -56,7 +56,8 @@ def cat_rows(tensors: Sequence[Tensor], row_shape: Sequence[int]) -> Tensor:
 
     A single tensor is only reshaped (no copy when it is contiguous).
     """
-    rows = [t.reshape(-1, *row_shape) for t in tensors]
+    dims = len(row_shape) + 1
+    rows = [t if t.dim() == dims else t.reshape(-1, *row_shape) for t in tensors]
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 

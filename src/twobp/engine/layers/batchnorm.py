@@ -27,9 +27,6 @@ class DeferredBatchNorm(DeferredLayer):
 
     layer_types = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight, self.module.bias)  # type: ignore[return-value]
-
     def run(self, mb: int, x: Tensor) -> Tensor:
         # The bookkeeping of nn.modules.batchnorm._BatchNorm.forward, unchanged.
         bn: nn.modules.batchnorm._BatchNorm = self.module  # type: ignore[assignment]

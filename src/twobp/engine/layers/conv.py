@@ -58,9 +58,6 @@ class DeferredConv(DeferredLayer):
         else:
             self._padding = list(conv.padding)
 
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight, self.module.bias)  # type: ignore[return-value]
-
     def _geometry(self) -> tuple[list[int], list[int], list[int], list[int], int]:
         conv: nn.modules.conv._ConvNd = self.module  # type: ignore[assignment]
         return (

@@ -22,6 +22,7 @@ class DeferredEmbedding(DeferredLayer):
     """Covers ``nn.Embedding`` with dense gradients (``padding_idx`` respected)."""
 
     layer_types = (nn.Embedding,)
+    parameter_names = ("weight",)
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:
@@ -33,9 +34,6 @@ class DeferredEmbedding(DeferredLayer):
         if emb.sparse:
             return "sparse=True produces sparse gradients"
         return None
-
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight,)  # type: ignore[return-value]
 
     def forward(
         self, x: Tensor, params: Sequence[Tensor | None], options: Any

@@ -23,9 +23,6 @@ class DeferredLinear(DeferredLayer):
 
     layer_types = (nn.Linear,)
 
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight, self.module.bias)  # type: ignore[return-value]
-
     def forward(
         self, x: Tensor, params: Sequence[Tensor | None], options: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
@@ -43,13 +40,15 @@ class DeferredLinear(DeferredLayer):
     def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
         weight, bias = self.weight_parameters()
         assert weight is not None
-        x = cat_rows([s[0] for s in stashes], weight.shape[1:])
-        dy = cat_rows([s[1] for s in stashes], weight.shape[:1])
+        out_features, in_features = weight.shape
+        x = cat_rows([s[0] for s in stashes], (in_features,))
+        dy = cat_rows([s[1] for s in stashes], (out_features,))
         if weight.requires_grad:
-            if weight.grad is None:
+            grad = weight.grad
+            if grad is None:
                 weight.grad = torch.mm(dy.t(), x)
             else:
                 # In place: saves a temporary and a pass over the gradient.
-                weight.grad.addmm_(dy.t(), x)
+                grad.addmm_(dy.t(), x)
         if bias is not None:
             accumulate_grad(bias, dy.sum(0))

@@ -29,9 +29,6 @@ class DeferredLayerNorm(DeferredLayer):
 
     layer_types = (nn.LayerNorm,)
 
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight, self.module.bias)  # type: ignore[return-value]
-
     def forward(
         self, x: Tensor, params: Sequence[Tensor | None], options: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
@@ -80,9 +77,7 @@ class DeferredRMSNorm(DeferredLayer):
     """Covers ``nn.RMSNorm`` with an affine weight."""
 
     layer_types = (nn.RMSNorm,)
-
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        return (self.module.weight,)  # type: ignore[return-value]
+    parameter_names = ("weight",)
 
     def _dims(self) -> tuple[int, ...]:
         return tuple(range(-len(self.module.normalized_shape), 0))  # type: ignore[arg-type]
