@@ -30,6 +30,7 @@ Timings = dict[str, float]
 
 
 def make_stage(width: int, layers: int) -> nn.Sequential:
+    """The same stack of linear layers on every call."""
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
@@ -92,8 +93,9 @@ def run_concat(
 
 
 def check_same_gradients(
-    runs: dict[str, Callable[[], Timings]], module: nn.Module, modules: dict[str, nn.Module]
+    runs: dict[str, Callable[[], Timings]], modules: dict[str, nn.Module]
 ) -> None:
+    """All variants must compute the same gradients before their times mean anything."""
     grads = {}
     for name, run in runs.items():
         clear_grads(modules[name])
@@ -105,6 +107,7 @@ def check_same_gradients(
 
 
 def bench_size(args: argparse.Namespace, batch: int) -> dict[str, float]:
+    """Median times (ms) of every variant for micro-batches of ``batch`` rows."""
     fused_module = make_stage(args.width, args.layers)
     split_module = make_stage(args.width, args.layers)
     concat_module = make_stage(args.width, args.layers)
@@ -119,7 +122,7 @@ def bench_size(args: argparse.Namespace, batch: int) -> dict[str, float]:
         "concat": lambda: run_concat(concat_module, concat_store, xs, dys),
     }
     modules = {"fused": fused_module, "split": split_module, "concat": concat_module}
-    check_same_gradients(runs, fused_module, modules)
+    check_same_gradients(runs, modules)
 
     samples: dict[str, list[Timings]] = {name: [] for name in runs}
     for rep in range(args.warmup + args.reps):
@@ -148,7 +151,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
+    parser.add_argument(
+        "--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64]
+    )
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()

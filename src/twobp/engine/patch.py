@@ -6,6 +6,7 @@ active micro-batch and autograd is recording, that forward runs the module
 through its :class:`~twobp.engine.deferred.DeferredLayer`; otherwise (no
 micro-batch, ``torch.no_grad``, autocast, frozen weights, keyword arguments)
 it calls the original forward, so the module behaves as if unpatched.
+A deep copy of a patched module also runs the original forward.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def install_forward(layer: DeferredLayer, store: ActiveMicrobatch) -> Callable[[
             mb is None
             or kwargs
             or len(args) != 1
+            or not isinstance(args[0], torch.Tensor)
             or not torch.is_grad_enabled()
             or torch.is_autocast_enabled(args[0].device.type)
             or not any(p is not None and p.requires_grad for p in layer.weight_parameters())

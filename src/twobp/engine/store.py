@@ -175,18 +175,13 @@ class WeightGradStore:
         previous = [x.grad for x in inputs]
         for x in inputs:
             x.grad = None
+        # Active during I too: activation checkpointing re-runs the forward of
+        # covered layers here, and the recomputation must take the same path.
         self._input_pass_mb = self.active_microbatch = mb
         try:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            grads = tuple(
-                None
-                if not x.requires_grad
-                else x.grad
-                if x.grad is not None
-                else torch.zeros_like(x)
-                for x in inputs
-            )
+            grads = tuple(_input_grad(x) for x in inputs)
         finally:
             self._input_pass_mb = self.active_microbatch = None
             for x, g in zip(inputs, previous, strict=True):
@@ -306,6 +301,13 @@ class WeightGradStore:
             undo()
         self._undo = []
         self._stash.clear()
+
+
+def _input_grad(x: Tensor) -> Tensor | None:
+    """The gradient autograd left in leaf ``x`` (zeros if none reached it)."""
+    if not x.requires_grad:
+        return None
+    return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
 def defer_weight_grads(module: nn.Module, *, label: str = "") -> WeightGradStore:
