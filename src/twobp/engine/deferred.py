@@ -26,8 +26,9 @@ class DeferredLayer(ABC):
     """One covered module instance: how it runs F, I and W when its W is deferred.
 
     Subclasses exist per layer type (linear, convolution, ...). They read the
-    module's configuration and parameters at every call, so that a parameter
-    replaced after patching is still the one used.
+    module's parameters at every call, so that a parameter replaced after
+    patching is still the one used; configuration such as a convolution's
+    padding is read once, when the store is built.
 
     Args:
         index: the layer's position in its store (the key of its stashes).
