@@ -1,0 +1,49 @@
+"""``twobp train``: the main job (see :mod:`twobp.train`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from twobp.config import add_arguments, from_namespace
+from twobp.train.config import TrainConfig
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``train`` sub-command."""
+    parser = subparsers.add_parser(
+        "train",
+        help="train a reference model with a pipeline schedule (the main job)",
+        description=(
+            "Train a reference model over local ranks (or the ranks of torchrun) and write a "
+            "report: throughput, bubble ratio, peak memory per rank, loss curve and the last "
+            "step's timeline. Defaults: the tiny LLaMA-like model as a byte-level language "
+            "model on Python's own sources, 2 ranks, 1f1b with 2BP."
+        ),
+    )
+    add_arguments(parser, TrainConfig)
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from twobp.runtime import LaunchError
+    from twobp.train.run import run_training
+
+    cfg = from_namespace(TrainConfig, args)
+    try:
+        summary = run_training(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"twobp train: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"twobp train: {exc}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(
+            f"done: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+            f"held-out {summary['eval_loss']:.3f}; {summary['samples_per_s']:.1f} samples/s, "
+            f"{summary['tokens_per_s']:.0f} tokens/s; bubble {summary['bubble_ratio']:.3f}; "
+            f"report in {cfg.out}/report.md"
+        )
+    return 0

@@ -1,0 +1,1 @@
+"""The training job behind ``twobp train``: data, the per-rank loop and the report."""

@@ -1,0 +1,49 @@
+"""Options of ``twobp train``; each field's help is also the command-line help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twobp.config import doc
+
+MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs, with defaults that run on a fresh 2-core CPU."""
+
+    model: str = doc(
+        "model family: llama (byte-level LM on real text), bert, mamba (synthetic token "
+        "streams), resnet (synthetic images)",
+        "llama",
+        choices=MODEL_FAMILIES,
+    )
+    size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
+    schedule: str = doc("pipeline schedule name (see `twobp simulate --help`)", "1f1b")
+    two_bp: bool = doc("split every backward into I and W (2-stage backpropagation)", True)
+    policy: str = doc("2BP placement policy of W: eager, paper or fill", "paper")
+    ranks: int = doc("local ranks to start (ignored under torchrun, which sets them)", 2)
+    stages_per_rank: int | None = doc(
+        "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
+    )
+    partition: str = doc(
+        "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled)", "uniform"
+    )
+    microbatches: int = doc("micro-batches per step", 4)
+    batch_size: int = doc("sequences (or images) per step; must divide by --microbatches", 16)
+    seq_len: int = doc("tokens per sequence (language models)", 64)
+    steps: int = doc("optimizer steps", 300)
+    lr: float = doc("peak learning rate of AdamW (linear warm-up, cosine decay)", 3e-3)
+    weight_decay: float = doc("AdamW weight decay", 0.01)
+    warmup: int = doc("warm-up steps of the learning rate", 20)
+    grad_clip: float = doc("global gradient-norm clipping across all stages (0 = off)", 1.0)
+    dtype: str = doc(
+        "parameter and activation dtype", "float32", choices=("float32", "float64", "bfloat16")
+    )
+    seed: int = doc("random seed for weights and data", 0)
+    data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
+    out: str = doc("output folder for the report, curves and timelines", "runs/latest")
+    threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
+    log_every: int = doc("steps between progress updates", 10)
+    timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)

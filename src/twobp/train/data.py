@@ -1,0 +1,154 @@
+"""Data that every machine has: real text for language models, labelled synthetic data else.
+
+Batches are a pure function of ``(seed, step)``: any rank can draw the batch of
+any step without talking to the others, and a resumed run sees exactly the data
+an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Cap on the bytes read from the standard library: plenty for a tiny model, and
+# reading stays well under a second.
+DEFAULT_CORPUS_BYTES = 4_000_000
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[bytes, str]:
+    """Concatenated source of the Python standard library's top-level modules.
+
+    Returns:
+        The bytes and a description of where they came from.
+
+    Raises:
+        FileNotFoundError: if the standard library's sources are not installed.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise FileNotFoundError(
+            f"no Python sources under {root}; pass a text file with --data FILE"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    for path in files:
+        if size >= max_bytes:
+            break
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+    return b"".join(chunks)[:max_bytes], f"Python standard library sources in {root}"
+
+
+def file_corpus(path: str | Path) -> tuple[bytes, str]:
+    """The bytes of a user-given text file.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if it is too short to cut even one training sequence.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--data {p}: no such file; pass a text file or omit --data")
+    data = p.read_bytes()
+    if len(data) < 1024:
+        raise ValueError(f"--data {p} has {len(data)} bytes; give at least 1 KiB of text")
+    return data, f"{p} ({len(data):,} bytes)"
+
+
+@dataclass(frozen=True)
+class ByteLMData:
+    """A byte-level language-modelling stream: sequences of bytes and their next bytes.
+
+    The last ``eval_fraction`` of the corpus is held out for evaluation.
+    """
+
+    tokens: torch.Tensor
+    """All bytes of the corpus as int64 token ids in [0, 256)."""
+    seq_len: int
+    """Tokens per training sequence."""
+    source: str
+    """Where the text came from, for the report."""
+    eval_fraction: float = 0.05
+    """Share of the corpus held out for evaluation."""
+
+    @classmethod
+    def from_bytes(cls, data: bytes, seq_len: int, source: str) -> ByteLMData:
+        """Wrap raw bytes (at least a few sequences long).
+
+        Raises:
+            ValueError: if the corpus is shorter than 4 sequences.
+        """
+        if len(data) < 4 * (seq_len + 1):
+            raise ValueError(
+                f"corpus of {len(data)} bytes is too short for sequences of {seq_len} tokens"
+            )
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+        return cls(tokens, seq_len, source)
+
+    @property
+    def _split(self) -> int:
+        return int(len(self.tokens) * (1.0 - self.eval_fraction))
+
+    def batch(
+        self, step: int, batch_size: int, seed: int, *, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, each ``(batch_size, seq_len)``, for ``step``."""
+        lo, hi = (0, self._split) if split == "train" else (self._split, len(self.tokens))
+        gen = torch.Generator().manual_seed(_mix(seed, step, split))
+        starts = torch.randint(lo, hi - self.seq_len - 1, (batch_size,), generator=gen)
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        window = self.tokens[idx]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def _mix(seed: int, step: int, split: str) -> int:
+    # A cheap, stable mix so that neighbouring steps get unrelated streams.
+    salt = 0 if split == "train" else 0x5BD1E995
+    return (seed * 1_000_003 + step * 7_919 + salt) % (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class SyntheticData:
+    """Labelled synthetic data for the families that have no offline corpus.
+
+    Batches are drawn from a fixed random "teacher" so there is something to
+    learn: images are classified by a random linear map of their pixels; token
+    streams follow a fixed random bigram table.
+    """
+
+    kind: str
+    """``"images"`` or ``"tokens"``."""
+    shape: Sequence[int]
+    """Shape of one sample (``(C, H, W)`` for images, ``(seq_len,)`` for tokens)."""
+    n_classes: int
+    """Classes for images, vocabulary size for tokens."""
+    source: str = "synthetic"
+    """Label for the report."""
+
+    def batch(
+        self, step: int, batch_size: int, seed: int, *, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for ``step``."""
+        teacher = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(_mix(seed, step, split))
+        if self.kind == "images":
+            n_pixels = int(torch.tensor(self.shape).prod())
+            proj = torch.randn(n_pixels, self.n_classes, generator=teacher)
+            images = torch.randn(batch_size, *self.shape, generator=gen)
+            labels = (images.flatten(1) @ proj).argmax(dim=1)
+            return images, labels
+        # Tokens: a sparse random bigram chain (each token has 4 likely successors).
+        (seq_len,) = self.shape
+        successors = torch.randint(0, self.n_classes, (self.n_classes, 4), generator=teacher)
+        ids = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
+        ids[:, 0] = torch.randint(0, self.n_classes, (batch_size,), generator=gen)
+        choice = torch.randint(0, 4, (batch_size, seq_len), generator=gen)
+        for t in range(seq_len):
+            ids[:, t + 1] = successors[ids[:, t], choice[:, t]]
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

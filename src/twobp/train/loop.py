@@ -1,0 +1,125 @@
+"""The per-rank training loop of ``twobp train``."""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from twobp.runtime import Pipeline
+from twobp.timeline import Span
+from twobp.train.config import TrainConfig
+from twobp.train.progress import Progress
+from twobp.train.task import build_task
+
+# Steps left out of the throughput figure: the first steps agree tensor shapes
+# and warm up the allocator and kernels.
+WARMUP_STEPS = 2
+
+
+@dataclass
+class RankResult:
+    """What one rank hands back to the launcher for the report."""
+
+    rank: int
+    losses: list[float] = field(default_factory=list)
+    """Mean loss of every step (the same on every rank)."""
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of every step on this rank, optimizer included."""
+    eval_loss: float = math.nan
+    """Mean loss of one held-out batch after training."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory of this rank's process."""
+    peak_stashed_bytes: int = 0
+    """Peak bytes the 2BP engine held for deferred weight gradients on this rank."""
+    spans: list[Span] = field(default_factory=list)
+    """Timeline of the last step, all ranks merged (filled on rank 0)."""
+    stage_blocks: list[list[int]] = field(default_factory=list)
+    """Block indices of every stage."""
+    placement: list[int] = field(default_factory=list)
+    """The rank of every stage."""
+    schedule_text: str = ""
+    """The schedule that ran, as text."""
+    data_source: str = ""
+    tokens_per_sample: int = 1
+    n_parameters: int = 0
+    """Parameters held by this rank."""
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``cfg.lr``, then cosine decay to a tenth of it."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_rank(cfg: TrainConfig) -> RankResult:
+    """Train on this rank of the current process group; returns its figures."""
+    task = build_task(cfg)
+    pipe = Pipeline(
+        task.spec.blocks,
+        task.spec.loss_fn,
+        schedule=cfg.schedule,
+        n_microbatches=cfg.microbatches,
+        two_bp=cfg.two_bp,
+        partition=_partition(cfg.partition),
+        two_bp_policy=cfg.policy,
+        stages_per_rank=cfg.stages_per_rank,
+        timeout=cfg.timeout,
+        num_threads=cfg.threads,
+    )
+    result = RankResult(
+        rank=pipe.rank,
+        stage_blocks=[list(r) for r in pipe.stage_blocks],
+        placement=list(pipe.schedule.placement),
+        schedule_text=str(pipe.schedule),
+        data_source=task.data_source,
+        tokens_per_sample=task.tokens_per_sample,
+        n_parameters=sum(p.numel() for p in pipe.parameters()),
+    )
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    progress = Progress(cfg.steps, cfg.log_every) if pipe.rank == 0 else None
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        inputs, targets = task.batch_at(step, "train")
+        start = time.perf_counter()
+        loss = float(pipe.step(inputs, targets))
+        if cfg.grad_clip > 0:
+            pipe.clip_grad_norm_(cfg.grad_clip)
+        optimizer.step()
+        pipe.zero_grad()
+        result.step_seconds.append(time.perf_counter() - start)
+        result.losses.append(loss)
+        result.peak_stashed_bytes = max(result.peak_stashed_bytes, pipe.peak_stashed_bytes())
+        if progress is not None:
+            recent = result.step_seconds[WARMUP_STEPS:][-20:] or result.step_seconds[-1:]
+            per_step = sum(recent) / len(recent)
+            samples = cfg.batch_size / per_step
+            progress.update(step + 1, loss, samples, samples * task.tokens_per_sample)
+        if not math.isfinite(loss):
+            print(f"rank {pipe.rank}: loss is {loss} at step {step}; stopping", file=sys.stderr)
+            break
+    spans = pipe.timeline()
+    if pipe.rank == 0:
+        result.spans = spans
+    eval_inputs, eval_targets = task.batch_at(0, "eval")
+    result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
+    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def _partition(text: str) -> list[int] | str:
+    if text in ("uniform", "balanced"):
+        return text
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--partition {text!r}: give blocks per stage as A,B,..., 'uniform' or 'balanced'"
+        ) from None

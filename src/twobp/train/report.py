@@ -1,0 +1,125 @@
+"""The end-of-run report of ``twobp train``: figures, curves and the last step's timeline.
+
+Writes into the output folder:
+
+- ``report.md``: throughput, bubble ratio and peak memory per rank, loss figures;
+- ``metrics.json``: the same and the whole loss curve, for machines;
+- ``loss.png``: the loss curve;
+- ``timeline.png`` and ``trace.json``: the last step as measured (open the trace
+  in chrome://tracing or ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from twobp.timeline import bubble_ratio, makespan
+from twobp.train.config import TrainConfig
+from twobp.train.loop import WARMUP_STEPS, RankResult
+from twobp.viz import render_ascii, render_png, write_trace
+
+
+def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]:
+    """The run's figures from every rank's result (pure)."""
+    lead = results[0]
+    timed = lead.step_seconds[WARMUP_STEPS:] or lead.step_seconds
+    seconds_per_step = statistics.median(timed) if timed else float("nan")
+    samples_per_s = cfg.batch_size / seconds_per_step
+    losses = lead.losses
+    window = max(1, min(10, len(losses) // 5 or 1))
+    first = statistics.fmean(losses[:window])
+    last = statistics.fmean(losses[-window:])
+    ranks = sorted({s.rank for s in lead.spans}) or [r.rank for r in results]
+    return {
+        "config": dataclasses.asdict(cfg),
+        "data": lead.data_source,
+        "steps_run": len(losses),
+        "seconds_per_step_median": seconds_per_step,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * lead.tokens_per_sample,
+        "loss_first": first,
+        "loss_last": last,
+        "loss_drop": first - last,
+        "loss_window": window,
+        "eval_loss": lead.eval_loss,
+        "last_step_makespan_s": makespan(lead.spans),
+        "bubble_ratio": bubble_ratio(lead.spans) if lead.spans else float("nan"),
+        "bubble_ratio_per_rank": {
+            r: bubble_ratio(lead.spans, r) if lead.spans else float("nan") for r in ranks
+        },
+        "peak_rss_bytes_per_rank": {r.rank: r.peak_rss_bytes for r in results},
+        "peak_stashed_bytes_per_rank": {r.rank: r.peak_stashed_bytes for r in results},
+        "parameters_per_rank": {r.rank: r.n_parameters for r in results},
+        "stage_blocks": lead.stage_blocks,
+        "losses": losses,
+    }
+
+
+def write_report(cfg: TrainConfig, results: Sequence[RankResult], out: Path) -> dict[str, Any]:
+    """Write every report file into ``out``; returns the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(cfg, results)
+    lead = results[0]
+    title = f"{cfg.model}-{cfg.size} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
+    (out / "metrics.json").write_text(json.dumps(summary, indent=2, default=str))
+    _loss_png(summary["losses"], out / "loss.png", title)
+    if lead.spans:
+        render_png(lead.spans, out / "timeline.png", title=f"{title}: last step (measured)")
+        write_trace(lead.spans, out / "trace.json", title=title)
+    (out / "report.md").write_text(render_markdown(summary, lead, title))
+    return summary
+
+
+def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> str:
+    """The human report (pure)."""
+    mib = 1024 * 1024
+    lines = [
+        f"# twobp train: {title}",
+        "",
+        f"- data: {summary['data']}",
+        f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
+        f"- throughput: {summary['samples_per_s']:.1f} samples/s, "
+        f"{summary['tokens_per_s']:.0f} tokens/s",
+        f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
+        f"{summary['loss_last']:.4f} (mean of last {summary['loss_window']}), "
+        f"drop {summary['loss_drop']:.4f}; held-out loss {summary['eval_loss']:.4f}",
+        f"- bubble ratio of the last step (measured): {summary['bubble_ratio']:.3f}",
+        "",
+        "| rank | stages (blocks) | parameters | bubble | peak RSS MiB | peak 2BP stash MiB |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for rank, rss in summary["peak_rss_bytes_per_rank"].items():
+        stages = [
+            f"{s}: {blocks[0]}-{blocks[-1]}" if blocks else f"{s}: -"
+            for s, blocks in enumerate(summary["stage_blocks"])
+            if lead.placement[s] == rank
+        ]
+        lines.append(
+            f"| {rank} | {'; '.join(stages)} | {summary['parameters_per_rank'][rank]:,} | "
+            f"{summary['bubble_ratio_per_rank'].get(rank, float('nan')):.3f} | {rss / mib:.0f} | "
+            f"{summary['peak_stashed_bytes_per_rank'][rank] / mib:.2f} |"
+        )
+    if lead.spans:
+        lines += ["", "Last step:", "", "```", render_ascii(lead.spans, width=100), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _loss_png(losses: Sequence[float], path: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{title}: loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,87 @@
+"""What a family trains on: the model spec plus a batch source indexed by step.
+
+Language models (llama, mamba: next byte; bert: masked bytes) read real text:
+Python's own sources or ``--data FILE``. ResNet has no offline image set, so it
+learns labelled synthetic images (see :class:`twobp.train.data.SyntheticData`);
+the report says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twobp.models import ModelSpec, build_model, mask_tokens
+from twobp.train.config import TrainConfig
+from twobp.train.data import ByteLMData, SyntheticData, file_corpus, stdlib_corpus
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+BatchAt = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
+"""``batch_at(step, split) -> (inputs, targets)`` for the whole batch of one step."""
+
+
+@dataclass
+class Task:
+    """A model and the data that feeds it."""
+
+    spec: ModelSpec
+    """The model's blocks and loss."""
+    batch_at: BatchAt
+    """The batch of a step (``split`` is ``"train"`` or ``"eval"``)."""
+    data_source: str
+    """Where the data comes from, for the report."""
+    tokens_per_sample: int
+    """Tokens in one sample (1 for images), for tokens/s."""
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    """Build the model (seeded, identical on every rank) and its data for ``cfg``.
+
+    Raises:
+        ValueError: on an unknown family, size or dtype.
+        FileNotFoundError: if ``cfg.data`` does not exist.
+    """
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    if cfg.model == "resnet":
+        spec = build_model("resnet", cfg.size, dtype=dtype, seed=cfg.seed)
+        size = spec.meta.get("image_size", 32)
+        images = SyntheticData(
+            "images",
+            (3, size, size),
+            spec.meta["num_classes"],
+            source=f"synthetic images {size}x{size} labelled by a fixed random linear teacher",
+        )
+
+        def image_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = images.batch(step, cfg.batch_size, cfg.seed, split=split)
+            return x.to(dtype), y
+
+        return Task(spec, image_batch, images.source, 1)
+
+    raw, source = file_corpus(cfg.data) if cfg.data else stdlib_corpus()
+    overrides: dict[str, Any] = {"seq_len": cfg.seq_len}
+    if cfg.model in ("llama", "mamba"):
+        overrides["vocab_size"] = 256
+    spec = build_model(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **overrides)
+    text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
+    if cfg.model != "bert":
+
+        def next_byte_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return text.batch(step, cfg.batch_size, cfg.seed, split=split)
+
+        return Task(spec, next_byte_batch, f"{source} (byte-level, next byte)", cfg.seq_len)
+
+    bert = spec.config
+
+    def masked_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split)
+        gen = torch.Generator().manual_seed(cfg.seed * 31 + step * 2 + (split != "train"))
+        return mask_tokens(ids, bert.n_masked, bert.mask_token_id, gen)
+
+    return Task(spec, masked_batch, f"{source} (byte-level, masked bytes)", cfg.seq_len)

@@ -1,0 +1,47 @@
+"""`twobp train` end to end: real ranks, real text, real report files."""
+
+import json
+
+import pytest
+
+from twobp.cli.main import main
+from twobp.train.config import TrainConfig
+from twobp.train.loop import learning_rate
+from twobp.train.run import check_config
+
+
+def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--steps", "40", "--batch-size", "8", "--microbatches", "4",
+            "--seq-len", "32", "--lr", "5e-3", "--warmup", "5", "--threads", "1",
+            "--timeout", "60", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    for name in ("report.md", "metrics.json", "loss.png", "timeline.png", "trace.json"):
+        assert (out / name).stat().st_size > 0, name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_run"] == 40
+    assert metrics["loss_last"] < metrics["loss_first"] - 0.5
+    assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1"}
+    assert all(0.0 <= b < 1.0 for b in metrics["bubble_ratio_per_rank"].values())
+    assert "samples/s" in capsys.readouterr().out
+
+
+def test_bad_batch_size_is_refused_before_any_rank_starts(capsys):
+    assert main(["train", "--batch-size", "10", "--microbatches", "4"]) == 2
+    assert "multiple of --microbatches" in capsys.readouterr().err
+
+
+def test_learning_rate_warms_up_then_decays():
+    cfg = TrainConfig(lr=1.0, warmup=10, steps=110)
+    assert learning_rate(0, cfg) == pytest.approx(0.1)
+    assert learning_rate(9, cfg) == pytest.approx(1.0)
+    assert learning_rate(109, cfg) == pytest.approx(0.1, abs=1e-3)
+
+
+def test_check_config_names_the_option():
+    with pytest.raises(ValueError, match="--steps"):
+        check_config(TrainConfig(steps=0))
