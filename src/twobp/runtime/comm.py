@@ -1,0 +1,295 @@
+"""Point-to-point transfers of one step, posted ahead of need in pair order.
+
+A :class:`StepChannel` walks, for each peer, the pair order of
+:mod:`twobp.runtime.comm_plan`. Receives are posted as soon as every earlier
+operation with that peer is posted (at the start of the step, and again after
+each send), into buffers allocated from the boundary's known layout; sends are
+posted right after the compute that produced them. On the first step a
+boundary's layout is unknown: the sender puts a small layout message before
+the first activation, and the receiver posts the data receives once it has
+read it. All sends are completed in :meth:`StepChannel.finish`.
+
+Tags are unique per (direction, boundary, micro-batch, tensor) within a step,
+which is what gloo needs; NCCL ignores tags and relies on the pair order,
+which both sides follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from twobp.runtime.collective import wait_work
+from twobp.runtime.comm_plan import CommPlan, Direction, Transfer
+from twobp.runtime.errors import PipelineError, ShapeMismatchError
+from twobp.runtime.group import World
+from twobp.runtime.meta import MESSAGE_LENGTH, BoundaryMeta, TensorMeta, describe_mismatch
+from twobp.schedule.action import Action
+
+MAX_TENSORS = 64
+"""Most tensors one block may pass to the next (tags reserve room for this many)."""
+
+_TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
+_META_CODE = 2
+
+Layouts = MutableMapping[int, BoundaryMeta]
+"""Known activation layout of each remote boundary, kept across steps."""
+
+
+@dataclass
+class _Posted:
+    works: list[Any]
+    buffers: list[Tensor]
+    layout: tuple[TensorMeta, ...]
+    is_tuple: bool
+
+
+@dataclass
+class _Peer:
+    rank: int
+    cursor: int = 0
+    sends: list[tuple[Any, Tensor, Transfer]] = field(default_factory=list)
+
+
+class StepChannel:
+    """The remote transfers of one rank for one step.
+
+    Args:
+        plan: this rank's pair orders.
+        world: the group (never a single process world).
+        device: where receive buffers live.
+        layouts: activation layouts learnt so far; filled in on the first step.
+        timeout: seconds to wait on a peer before raising.
+        n_stages: stages of the schedule (to make tags unique).
+        n_microbatches: micro-batches per step (to make tags unique).
+    """
+
+    def __init__(
+        self,
+        plan: CommPlan,
+        world: World,
+        device: torch.device,
+        layouts: Layouts,
+        timeout: float,
+        n_stages: int,
+        n_microbatches: int,
+    ) -> None:
+        self._plan = plan
+        self._world = world
+        self._device = device
+        self._layouts = layouts
+        self._timeout = timeout
+        self._n_stages = n_stages
+        self._n_mb = n_microbatches
+        self._peers = {p: _Peer(p) for p in plan.peers}
+        self._posted: dict[tuple[Direction, int, int], _Posted] = {}
+        self._meta_works: dict[int, tuple[Any, Tensor]] = {}
+        self.action: Action | None = None
+        """The action being run, named in errors."""
+
+    # -- public ---------------------------------------------------------------
+
+    def post_ahead(self) -> None:
+        """Post every receive that can be posted now without waiting."""
+        for peer in self._peers.values():
+            self._advance(peer, block=False, until=None)
+
+    def send(self, transfer: Transfer, tensors: Sequence[Tensor], is_tuple: bool) -> None:
+        """Post the sends of ``transfer`` (after every earlier operation with the peer).
+
+        Raises:
+            ShapeMismatchError: if the tensors differ from the boundary's layout.
+            PeerError: if waiting on an earlier layout message fails.
+        """
+        peer = self._peers[transfer.dst]
+        self._advance(peer, block=True, until=transfer)
+        layout = self._check_layout(transfer, tensors, is_tuple)
+        for index, tensor in enumerate(tensors):
+            payload = tensor.detach().contiguous()
+            work = dist.isend(
+                payload,
+                dst=self._world.global_rank(transfer.dst),
+                group=self._world.group,
+                tag=self._tag(transfer, index),
+            )
+            peer.sends.append((work, payload, transfer))
+        assert len(tensors) == len(layout)
+        peer.cursor += 1
+        self._advance(peer, block=False, until=None)
+
+    def recv(self, transfer: Transfer) -> tuple[tuple[Tensor, ...], bool]:
+        """Wait for the tensors of ``transfer``.
+
+        Returns:
+            The tensors (activations flagged ``requires_grad`` as sent) and
+            whether the block produced a tuple.
+
+        Raises:
+            PeerTimeoutError: if the peer does not deliver within the timeout.
+            PeerFailedError: if the connection to the peer fails.
+        """
+        peer = self._peers[transfer.src]
+        if transfer.key not in self._posted:
+            self._advance(peer, block=True, until=transfer)
+        posted = self._posted.pop(transfer.key)
+        for work in posted.works:
+            self._wait(work, transfer.src, str(transfer))
+        for buf, meta in zip(posted.buffers, posted.layout, strict=True):
+            buf.requires_grad_(meta.requires_grad and transfer.direction is Direction.ACTIVATION)
+        self._advance(peer, block=False, until=None)
+        return tuple(posted.buffers), posted.is_tuple
+
+    def finish(self) -> None:
+        """Complete every send of the step.
+
+        Raises:
+            PeerError: if a send does not complete.
+        """
+        self.action = None
+        for peer in self._peers.values():
+            for work, _, transfer in peer.sends:
+                self._wait(work, peer.rank, f"the send of the {transfer}")
+            peer.sends.clear()
+        leftover = [
+            str(op.transfer) for p in self._peers.values() for op in self._ops(p)[p.cursor :]
+        ]
+        if leftover or self._posted:
+            raise PipelineError(
+                f"rank {self._plan.rank} ended the step with transfers not done: "
+                f"{leftover or list(self._posted)}; the schedule and the communication plan "
+                "disagree (this is a bug of the runtime)"
+            )
+
+    # -- pair order -------------------------------------------------------------
+
+    def _ops(self, peer: _Peer) -> tuple[Any, ...]:
+        return self._plan.peers[peer.rank]
+
+    def _advance(self, peer: _Peer, block: bool, until: Transfer | None) -> None:
+        """Post receives in pair order; stop at a send, or at ``until``.
+
+        With ``block``, wait for layout messages instead of stopping at them.
+        """
+        ops = self._ops(peer)
+        while peer.cursor < len(ops):
+            op = ops[peer.cursor]
+            if until is not None and op.transfer == until and op.is_send:
+                return
+            if op.is_send:
+                break
+            if not self._post_recv(op.transfer, block):
+                return
+            peer.cursor += 1
+            if until is not None and op.transfer == until:
+                return
+        if until is not None:
+            raise PipelineError(
+                f"rank {self._plan.rank} at {self.action}: the {until} is not next in the "
+                f"order agreed with rank {peer.rank}; the schedule and the communication plan "
+                "disagree (this is a bug of the runtime)"
+            )
+
+    def _post_recv(self, transfer: Transfer, block: bool) -> bool:
+        """Post the receives of ``transfer``; False if its layout is not known yet."""
+        if transfer.direction is Direction.GRADIENT:
+            meta = self._layouts[transfer.boundary]
+            layout, is_tuple = meta.gradient, False
+        else:
+            known = self._activation_layout(transfer, block)
+            if known is None:
+                return False
+            layout, is_tuple = known.tensors, known.is_tuple
+        buffers = [torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in layout]
+        works = [
+            dist.irecv(
+                buf,
+                src=self._world.global_rank(transfer.src),
+                group=self._world.group,
+                tag=self._tag(transfer, i),
+            )
+            for i, buf in enumerate(buffers)
+        ]
+        self._posted[transfer.key] = _Posted(works, buffers, layout, is_tuple)
+        return True
+
+    def _activation_layout(self, transfer: Transfer, block: bool) -> BoundaryMeta | None:
+        boundary = transfer.boundary
+        if boundary in self._layouts:
+            return self._layouts[boundary]
+        if boundary not in self._meta_works:
+            message = torch.empty(MESSAGE_LENGTH, dtype=torch.int64, device=self._device)
+            work = dist.irecv(
+                message,
+                src=self._world.global_rank(transfer.src),
+                group=self._world.group,
+                tag=self._meta_tag(boundary),
+            )
+            self._meta_works[boundary] = (work, message)
+        work, message = self._meta_works[boundary]
+        if not block and not work.is_completed():
+            return None
+        self._wait(work, transfer.src, f"the layout of the {transfer}")
+        del self._meta_works[boundary]
+        self._layouts[boundary] = BoundaryMeta.decode(message.cpu())
+        return self._layouts[boundary]
+
+    # -- layouts and tags -------------------------------------------------------
+
+    def _check_layout(
+        self, transfer: Transfer, tensors: Sequence[Tensor], is_tuple: bool
+    ) -> tuple[TensorMeta, ...]:
+        if len(tensors) > MAX_TENSORS:
+            raise PipelineError(
+                f"stage {transfer.boundary} passes {len(tensors)} tensors to the next stage; "
+                f"at most {MAX_TENSORS} are supported"
+            )
+        if transfer.direction is Direction.GRADIENT:
+            expected = self._layouts[transfer.boundary].gradient
+            got = tuple(TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors)
+        else:
+            meta = BoundaryMeta.of(tensors, is_tuple)
+            if transfer.boundary not in self._layouts:
+                self._send_layout(transfer, meta)
+            expected, got = self._layouts[transfer.boundary].tensors, meta.tensors
+        problem = describe_mismatch(expected, got)
+        if problem is not None:
+            raise ShapeMismatchError(
+                f"rank {transfer.src} -> rank {transfer.dst}, boundary stage {transfer.boundary}"
+                f" -> stage {transfer.boundary + 1}, {transfer.direction.value} of micro-batch "
+                f"{transfer.microbatch}: {problem}. The first step fixed the layout "
+                f"[{', '.join(map(str, expected))}]; every step must pass tensors of the same "
+                "shapes (same batch size and sequence length), or build a new Pipeline"
+            )
+        return expected
+
+    def _send_layout(self, transfer: Transfer, meta: BoundaryMeta) -> None:
+        message = meta.encode().to(self._device)
+        work = dist.isend(
+            message,
+            dst=self._world.global_rank(transfer.dst),
+            group=self._world.group,
+            tag=self._meta_tag(transfer.boundary),
+        )
+        self._peers[transfer.dst].sends.append((work, message, transfer))
+        self._layouts[transfer.boundary] = meta
+
+    def _tag(self, transfer: Transfer, index: int) -> int:
+        code = _TAG_CODE[transfer.direction]
+        slot = (code * self._n_stages + transfer.boundary) * self._n_mb + transfer.microbatch
+        return slot * MAX_TENSORS + index
+
+    def _meta_tag(self, boundary: int) -> int:
+        return (_META_CODE * self._n_stages + boundary) * self._n_mb * MAX_TENSORS
+
+    # -- waiting ------------------------------------------------------------------
+
+    def _wait(self, work: Any, peer: int, what: str) -> None:
+        where = f"at {self.action}" if self.action is not None else "at the end of the step"
+        wait_work(
+            work, rank=self._plan.rank, peer=peer, where=where, what=what, timeout=self._timeout
+        )

@@ -1,0 +1,168 @@
+"""Which tensors cross between stages, and in which order each pair of ranks moves them.
+
+The runtime derives its communication from the compute actions of the
+schedule (explicit ``SEND_*``/``RECV_*`` actions, if any, are not needed):
+
+* ``F`` of stage ``s`` makes the *activation* of boundary ``s -> s+1``;
+* ``B`` or ``I`` of stage ``s`` makes the *gradient* of boundary ``s-1 -> s``.
+
+A transfer between stages on the same rank is local (no communication).
+Between two ranks, both sides must post their sends and receives in one
+common order, or backends that match messages by order (NCCL, which ignores
+tags) deadlock. That *pair order* comes from a dry run of the whole schedule
+(every rank has it): transfers are ordered by the step in which their
+producing action runs. Each rank's sends then follow its own action order,
+and a rank can post receives ahead of need up to its next send.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from twobp.schedule.action import Action, Kind
+from twobp.schedule.schedule import Schedule
+from twobp.schedule.validate import dry_run
+
+
+class Direction(str, Enum):
+    """Which way a transfer goes through a stage boundary."""
+
+    ACTIVATION = "activation"
+    """Forward output of stage ``s`` to stage ``s+1``."""
+    GRADIENT = "gradient"
+    """Input gradient of stage ``s+1`` back to stage ``s``."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The tensors of one micro-batch crossing one stage boundary.
+
+    Args:
+        direction: activation (forward) or gradient (backward).
+        boundary: the lower stage of the boundary (``s`` for ``s <-> s+1``).
+        microbatch: the micro-batch.
+        src: rank that produces it.
+        dst: rank that consumes it (equal to ``src`` for a local transfer).
+    """
+
+    direction: Direction
+    boundary: int
+    microbatch: int
+    src: int
+    dst: int
+
+    @property
+    def is_local(self) -> bool:
+        """True if producer and consumer stages are on the same rank."""
+        return self.src == self.dst
+
+    @property
+    def key(self) -> tuple[Direction, int, int]:
+        """What identifies it within a step: (direction, boundary, micro-batch)."""
+        return (self.direction, self.boundary, self.microbatch)
+
+    def __str__(self) -> str:
+        lo, hi = self.boundary, self.boundary + 1
+        arrow = (
+            f"stage {lo} -> stage {hi}"
+            if self.direction is Direction.ACTIVATION
+            else (f"stage {hi} -> stage {lo}")
+        )
+        return (
+            f"{self.direction.value} of micro-batch {self.microbatch} ({arrow}, "
+            f"rank {self.src} -> rank {self.dst})"
+        )
+
+
+@dataclass(frozen=True)
+class PairOp:
+    """One send or receive in a pair order."""
+
+    is_send: bool
+    transfer: Transfer
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """The communication of one rank for one step.
+
+    Args:
+        rank: the rank this plan is for.
+        peers: for each peer rank, this rank's sends to and receives from it,
+            in the pair order that both ranks follow.
+    """
+
+    rank: int
+    peers: Mapping[int, tuple[PairOp, ...]]
+
+
+def needed_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | None:
+    """The transfer ``action`` consumes (local or remote), or None.
+
+    ``F`` of stage ``s > 0`` consumes the activation from ``s-1``; ``B``/``I``
+    of a stage before the last consume the gradient from ``s+1``.
+    """
+    s, n = action.stage, len(placement)
+    if action.kind is Kind.FORWARD and s > 0:
+        return Transfer(
+            Direction.ACTIVATION, s - 1, action.microbatch, placement[s - 1], placement[s]
+        )
+    if action.kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT) and s < n - 1:
+        return Transfer(Direction.GRADIENT, s, action.microbatch, placement[s + 1], placement[s])
+    return None
+
+
+def produced_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | None:
+    """The transfer ``action`` produces (local or remote), or None."""
+    s, n = action.stage, len(placement)
+    if action.kind is Kind.FORWARD and s < n - 1:
+        return Transfer(Direction.ACTIVATION, s, action.microbatch, placement[s], placement[s + 1])
+    if action.kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT) and s > 0:
+        return Transfer(
+            Direction.GRADIENT, s - 1, action.microbatch, placement[s], placement[s - 1]
+        )
+    return None
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with only its ``F`` actions (for evaluation without backward)."""
+    return schedule.with_actions(
+        {r: [a for a in acts if a.kind is Kind.FORWARD] for r, acts in schedule.actions.items()},
+        name=f"{schedule.name}:forward" if schedule.name else "forward",
+    )
+
+
+def plan_communication(schedule: Schedule, rank: int) -> CommPlan:
+    """The pair orders of every remote transfer that ``rank`` sends or receives.
+
+    Args:
+        schedule: a complete schedule (validated by the caller).
+        rank: the rank to plan for.
+
+    Returns:
+        The rank's plan.
+
+    Raises:
+        twobp.schedule.validate.ScheduleError: if the schedule deadlocks.
+    """
+    produced: list[tuple[int, int, Transfer]] = []
+    for step, row in enumerate(dry_run(schedule)):
+        for col, action in enumerate(row):
+            if action is None or not action.kind.is_compute:
+                continue
+            transfer = produced_transfer(action, schedule.placement)
+            if transfer is not None and not transfer.is_local:
+                produced.append((step, col, transfer))
+    produced.sort(key=lambda item: (item[0], item[1]))
+    peers: dict[int, list[PairOp]] = defaultdict(list)
+    for _, _, transfer in produced:
+        if transfer.src == rank:
+            peers[transfer.dst].append(PairOp(True, transfer))
+        elif transfer.dst == rank:
+            peers[transfer.src].append(PairOp(False, transfer))
+    return CommPlan(rank, {peer: tuple(ops) for peer, ops in sorted(peers.items())})

@@ -1,0 +1,100 @@
+"""Errors of the distributed runtime.
+
+Every error says where it happened (rank, stage, action, micro-batch, peer)
+and what to change. They share the base :class:`PipelineError`, so a caller
+can catch all runtime failures at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PipelineError(RuntimeError):
+    """Base class of the errors raised by the pipeline runtime."""
+
+
+class PipelineConfigError(PipelineError, ValueError):
+    """The pipeline cannot be built as asked (schedule, partition, batch, world size)."""
+
+
+class PeerError(PipelineError):
+    """Communication with another rank failed.
+
+    Args:
+        message: the full text of the error.
+        rank: this rank.
+        peer: the rank this one was talking to; None for a collective, where
+            any rank may be the one missing.
+    """
+
+    def __init__(self, message: str, rank: int, peer: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+
+
+class PeerTimeoutError(PeerError):
+    """A rank waited on a peer for longer than the pipeline's ``timeout``."""
+
+
+class PeerFailedError(PeerError):
+    """A peer closed the connection or failed while this rank was waiting on it."""
+
+
+class ShapeMismatchError(PipelineError):
+    """A tensor sent between two stages changed shape, dtype or count since the first step.
+
+    The runtime exchanges shapes once, on the first step, and pre-allocates the
+    receive buffers from them; every later step must send tensors of the same
+    layout across each stage boundary.
+    """
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one process of a :func:`twobp.runtime.launch` group ended badly.
+
+    Args:
+        rank: the rank of the process.
+        exitcode: its exit code (negative: killed by that signal; None: never exited).
+        error_type: the exception class name, when the process reported one.
+        message: the exception message, or a description of the signal.
+        traceback: the formatted traceback, when the process reported one.
+        when: wall-clock time (``time.time()``) of the failure, when known.
+    """
+
+    rank: int
+    exitcode: int | None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    when: float | None = None
+
+    def summary(self) -> str:
+        """One line: ``rank 1: ValueError: bad input`` or ``rank 2: killed by SIGKILL``."""
+        if self.error_type:
+            return f"rank {self.rank}: {self.error_type}: {self.message}"
+        return f"rank {self.rank}: {self.message or f'exit code {self.exitcode}'}"
+
+
+class LaunchError(PipelineError):
+    """One or more processes of a local launch failed.
+
+    Args:
+        failures: the ranks that failed, the first to fail first.
+        nprocs: how many processes were started.
+    """
+
+    def __init__(self, failures: Sequence[RankFailure], nprocs: int) -> None:
+        self.failures = tuple(failures)
+        self.nprocs = nprocs
+        lines = [f"{len(self.failures)} of {nprocs} processes failed"]
+        if self.failures:
+            lines[0] += f"; the first was rank {self.failures[0].rank}"
+        lines += ["  " + f.summary() for f in self.failures]
+        first = self.failures[0] if self.failures else None
+        if first is not None and first.traceback:
+            lines += [f"traceback of rank {first.rank}:", first.traceback.rstrip()]
+        super().__init__("\n".join(lines))

@@ -1,0 +1,131 @@
+"""The process group a pipeline runs in: join one, or run as a world of one.
+
+:func:`join_world` looks, in order, for a group passed by the caller, an
+already initialised default group, and the environment a launcher sets
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``: ``torchrun`` or
+:func:`twobp.runtime.launch`). With none of these it runs as a single process
+world: all stages on rank 0, no communication.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables that tell a process it belongs to a launched group."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the group.
+
+    Args:
+        rank: this process's rank in ``group``.
+        size: number of processes in ``group``.
+        local_size: number of processes of the group on this machine.
+        group: the process group; None in a single process world.
+        backend: the group's backend (``"gloo"``, ``"nccl"``), None when alone.
+    """
+
+    rank: int
+    size: int
+    local_size: int
+    group: dist.ProcessGroup | None
+    backend: str | None
+
+    @property
+    def is_single(self) -> bool:
+        """True when this process is the whole world (no communication)."""
+        return self.group is None
+
+    def global_rank(self, rank: int) -> int:
+        """The default-group rank of ``rank`` of this group (what p2p calls take)."""
+        if self.group is None:
+            return rank
+        return dist.get_global_rank(self.group, rank)
+
+
+def default_device() -> torch.device:
+    """The GPU of this local rank if CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launched_by_env() -> bool:
+    """True if a launcher set the variables of ``env://`` initialisation."""
+    return all(v in os.environ for v in LAUNCHER_VARIABLES)
+
+
+def join_world(
+    device: torch.device, timeout: float, group: dist.ProcessGroup | None = None
+) -> World:
+    """Find or create the process group this pipeline runs in.
+
+    Args:
+        device: the device this rank computes on; picks the backend when this
+            function initialises the default group.
+        timeout: seconds, the collective timeout of a group created here.
+        group: an existing group to use; None to use the default group.
+
+    Returns:
+        The world: ``group`` if given, else the default group (initialised from
+        the launcher's environment if needed), else a single process world.
+
+    Raises:
+        RuntimeError: if initialising the default group fails.
+    """
+    if group is None and not dist.is_initialized() and launched_by_env():
+        dist.init_process_group(
+            backend_for(device),
+            init_method="env://",
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    if group is None and not dist.is_initialized():
+        return World(rank=0, size=1, local_size=1, group=None, backend=None)
+    active = group if group is not None else dist.group.WORLD
+    assert active is not None
+    size = dist.get_world_size(active)
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
+    return World(
+        rank=dist.get_rank(active),
+        size=size,
+        local_size=max(1, local_size),
+        group=active,
+        backend=str(dist.get_backend(active)),
+    )
+
+
+def set_threads_per_rank(local_size: int, num_threads: int | None) -> int:
+    """Share this machine's cores between its ranks, unless the user chose.
+
+    Args:
+        local_size: ranks on this machine.
+        num_threads: an explicit thread count, or None for the default: a fair
+            share of the cores (cores / local ranks). The default only lowers
+            the count, never raises it, and leaves it alone when
+            ``OMP_NUM_THREADS`` is set.
+
+    Returns:
+        The number of intra-op threads now in use.
+    """
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+        return num_threads
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        share = max(1, (cores or os.cpu_count() or 1) // max(1, local_size))
+        if torch.get_num_threads() > share:
+            torch.set_num_threads(share)
+    return torch.get_num_threads()

@@ -1,0 +1,241 @@
+"""Start a process group on this machine and run a function on every rank.
+
+:func:`launch` is a small local stand-in for ``torchrun``: it spawns one
+process per rank, initialises the default group in each (``env://`` on a free
+port of 127.0.0.1), runs ``fn(*args)`` and brings each rank's return value
+back to the caller. If a rank fails or is killed, the others get a grace
+period to fail on their own (they notice the closed connections), then are
+terminated, and :class:`LaunchError` lists what happened on every rank.
+
+Results and errors come back through files in a temporary folder rather than
+a queue: a file written before exit survives a peer's crash, and tensors in a
+result are pickled by value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from twobp.runtime.errors import LaunchError, PeerError, RankFailure
+from twobp.runtime.group import backend_for, default_device
+
+T = TypeVar("T")
+
+_POLL_SECONDS = 0.05
+# After SIGTERM, how long a process may take to exit before SIGKILL.
+_TERMINATE_SECONDS = 2.0
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    fn: Callable[..., T],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    threads_per_rank: int | None = None,
+    grace_period: float = 5.0,
+    timeout: float | None = None,
+    group_timeout: float = 300.0,
+) -> list[T]:
+    """Run ``fn(*args)`` on ``nprocs`` ranks of a fresh process group.
+
+    Args:
+        fn: a picklable (module-level) function; it runs in each child after
+            the default group is initialised and may call
+            ``torch.distributed.get_rank()``.
+        nprocs: number of processes (ranks).
+        *args: picklable arguments passed to ``fn`` on every rank.
+        backend: ``"gloo"`` or ``"nccl"``; None picks NCCL when each rank can
+            have its own GPU, gloo otherwise.
+        threads_per_rank: intra-op threads per child; None shares the cores
+            evenly (at least 1).
+        grace_period: seconds the other ranks get to end after one fails,
+            before they are terminated.
+        timeout: seconds for the whole run; None waits as long as it takes.
+        group_timeout: the default group's collective timeout, in seconds.
+
+    Returns:
+        The return value of ``fn`` on each rank, indexed by rank.
+
+    Raises:
+        LaunchError: if any rank raised, was killed or was terminated; it names
+            each failed rank with its exception or signal, the first first.
+        ValueError: if ``nprocs < 1``.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if backend is None:
+        cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
+        backend = backend_for(default_device()) if cuda_ok else "gloo"
+    if threads_per_rank is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        threads_per_rank = max(1, (cores or os.cpu_count() or 1) // nprocs)
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="twobp-launch-"))
+    ctx = mp.get_context("spawn")
+    try:
+        procs = [
+            ctx.Process(
+                target=_child_main,
+                args=(fn, args, rank, nprocs, port, str(folder), backend, threads_per_rank),
+                kwargs={"group_timeout": group_timeout},
+                name=f"twobp-rank-{rank}",
+            )
+            for rank in range(nprocs)
+        ]
+        for proc in procs:
+            proc.start()
+        terminated = _supervise(procs, grace_period, timeout)
+        return _collect(procs, folder, terminated)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _supervise(procs: list[Any], grace_period: float, timeout: float | None) -> dict[int, str]:
+    """Wait for all processes; after a failure (or the timeout), terminate the rest.
+
+    Returns:
+        For each rank the launcher terminated, why.
+    """
+    started = time.monotonic()
+    failed_at: float | None = None
+    reason = ""
+    terminated: dict[int, str] = {}
+    while any(p.is_alive() for p in procs):
+        alive = [p for p in procs if p.is_alive()]
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=_POLL_SECONDS)
+        now = time.monotonic()
+        if failed_at is None:
+            bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if bad:
+                failed_at, reason = now, f"terminated by the launcher after rank {bad[0]} failed"
+            elif timeout is not None and now - started > timeout:
+                failed_at, reason = now - grace_period, f"terminated: launch timeout {timeout}s"
+        if failed_at is not None and now - failed_at > grace_period:
+            for rank, proc in enumerate(procs):
+                if proc.is_alive():
+                    terminated[rank] = reason
+                    proc.terminate()
+            deadline = time.monotonic() + _TERMINATE_SECONDS
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    return terminated
+
+
+def _collect(procs: list[Any], folder: Path, terminated: dict[int, str]) -> list[Any]:
+    """Read each rank's result, or raise :class:`LaunchError` listing the failures."""
+    results: list[Any] = []
+    failures: list[tuple[tuple[int, float, int], RankFailure]] = []
+    for rank, proc in enumerate(procs):
+        ok, err = folder / f"rank{rank}.ok", folder / f"rank{rank}.err"
+        if proc.exitcode == 0 and ok.exists():
+            results.append(pickle.loads(ok.read_bytes()))
+            continue
+        if err.exists():
+            report = pickle.loads(err.read_bytes())
+            # A peer error is a consequence of another rank's failure: list it after.
+            order = 1 if report.pop("secondary") else 0
+            failure = RankFailure(rank, proc.exitcode, **report)
+        elif rank in terminated:
+            failure = RankFailure(rank, proc.exitcode, message=terminated[rank])
+            order = 2
+        else:
+            failure = RankFailure(rank, proc.exitcode, message=_describe_exit(proc.exitcode))
+            order = 0
+        failures.append(((order, failure.when or float("inf"), rank), failure))
+    if failures:
+        failures.sort(key=lambda item: item[0])
+        raise LaunchError([f for _, f in failures], len(procs))
+    return results
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "did not exit"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode} without reporting an error"
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    nprocs: int,
+    port: int,
+    folder: str,
+    backend: str,
+    threads: int,
+    *,
+    group_timeout: float,
+) -> None:
+    """Body of one spawned rank: set the environment, join the group, run, report."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method="env://", timeout=datetime.timedelta(seconds=group_timeout)
+        )
+        result = fn(*args)
+        _write(Path(folder) / f"rank{rank}.ok", result)
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        report = {
+            "error_type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exc(),
+            "when": time.time(),
+            "secondary": isinstance(exc, PeerError),
+        }
+        traceback.print_exc()
+        _write(Path(folder) / f"rank{rank}.err", report)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit at once, without tearing the group down: the closed sockets tell
+        # the peers that this rank is gone, so they fail fast instead of hanging.
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _write(path: Path, value: Any) -> None:
+    """Pickle ``value`` to ``path`` atomically (the reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(value))
+    tmp.replace(path)

@@ -1,0 +1,90 @@
+"""Batches and micro-batches: split along dim 0, join back, flatten to tensors.
+
+A *batch* is what blocks take and return: one tensor, or a tuple of tensors
+(for example hidden states and an attention mask). Every tensor of a batch
+shares its first dimension, the samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+from torch import Tensor
+
+from twobp.runtime.errors import PipelineConfigError
+
+Batch: TypeAlias = Tensor | tuple[Tensor, ...]
+"""One tensor or a tuple of tensors, all with the samples along dim 0."""
+
+
+def flatten(batch: Batch, what: str = "value") -> tuple[tuple[Tensor, ...], bool]:
+    """The tensors of a batch and whether it was a tuple.
+
+    Raises:
+        PipelineConfigError: if it is neither a tensor nor a tuple of tensors.
+    """
+    if isinstance(batch, Tensor):
+        return (batch,), False
+    if isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch):
+        return tuple(batch), True
+    kinds = type(batch).__name__
+    if isinstance(batch, (tuple, list)):
+        kinds += " of " + ", ".join(type(t).__name__ for t in batch)
+    raise PipelineConfigError(
+        f"{what} must be a tensor or a tuple of tensors, got {kinds}; blocks of a pipeline "
+        "pass tensors only (wrap other values in tensors or keep them inside a block)"
+    )
+
+
+def unflatten(tensors: Sequence[Tensor], is_tuple: bool) -> Batch:
+    """Inverse of :func:`flatten`."""
+    return tuple(tensors) if is_tuple else tensors[0]
+
+
+def split_batch(batch: Batch, n_microbatches: int, what: str = "inputs") -> list[Batch]:
+    """Split a batch into ``n_microbatches`` equal micro-batches along dim 0.
+
+    Args:
+        batch: a tensor or a tuple of tensors with the same first dimension.
+        n_microbatches: how many micro-batches.
+        what: names the batch in errors (``"inputs"``, ``"targets"``).
+
+    Returns:
+        The micro-batches (views of ``batch``), each of the same structure.
+
+    Raises:
+        PipelineConfigError: if the batch size does not divide evenly, or the
+            tensors of a tuple disagree on it.
+    """
+    tensors, is_tuple = flatten(batch, what)
+    sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
+    if None in sizes or len(sizes) != 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise PipelineConfigError(
+            f"every tensor of the {what} needs the same batch size along dim 0, got shapes {shapes}"
+        )
+    size = int(next(iter(sizes)))  # type: ignore[arg-type]
+    if size % n_microbatches != 0:
+        raise PipelineConfigError(
+            f"the {what} have batch size {size}, which does not split into {n_microbatches} "
+            f"equal micro-batches; use a batch size that is a multiple of {n_microbatches} "
+            f"or change n_microbatches"
+        )
+    chunks = [torch.split(t, size // n_microbatches, dim=0) for t in tensors]
+    return [unflatten([c[m] for c in chunks], is_tuple) for m in range(n_microbatches)]
+
+
+def concat_microbatches(parts: Sequence[Batch]) -> Batch:
+    """Join micro-batches back into one batch along dim 0 (inverse of :func:`split_batch`)."""
+    flat = [flatten(p, "output") for p in parts]
+    is_tuple = flat[0][1]
+    columns = zip(*(tensors for tensors, _ in flat), strict=True)
+    return unflatten([torch.cat(col, dim=0) for col in columns], is_tuple)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch with every tensor on ``device``."""
+    tensors, is_tuple = flatten(batch)
+    return unflatten([t.to(device, non_blocking=True) for t in tensors], is_tuple)

@@ -1,0 +1,108 @@
+"""Which blocks of the model each stage holds.
+
+The ``partition`` argument of a pipeline is block counts per stage, a strategy
+name, or None. ``"uniform"`` and explicit counts are resolved here, with the
+rules of :mod:`twobp.partition`; ``"balanced"`` profiles the blocks
+(:func:`balanced_counts`) on rank 0 and shares the solver's answer, so every
+rank splits the model the same way even though their timings differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.partition import check_partition, solve, uniform
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.group import World
+from twobp.runtime.microbatch import Batch, to_device
+
+STRATEGIES = ("uniform", "balanced")
+"""Partition strategies known by name."""
+
+
+def stage_counts(
+    n_blocks: int, n_stages: int, partition: Sequence[int] | str | None
+) -> list[int] | None:
+    """Blocks per stage for explicit counts, ``"uniform"`` or None; None for ``"balanced"``.
+
+    Raises:
+        PipelineConfigError: if the model has fewer blocks than stages, the
+            counts do not fit, or the strategy is unknown.
+    """
+    if n_blocks < n_stages:
+        raise PipelineConfigError(
+            f"the model has {n_blocks} blocks but the schedule has {n_stages} stages; "
+            "each stage needs at least one block: split the model into more blocks "
+            "or use fewer ranks / stages per rank"
+        )
+    if partition == "balanced":
+        return None
+    if partition is None or partition == "uniform":
+        return uniform(n_blocks, n_stages)
+    if isinstance(partition, str):
+        raise PipelineConfigError(
+            f"unknown partition strategy {partition!r}; use one of {', '.join(STRATEGIES)} "
+            "or a list with the number of blocks of each stage"
+        )
+    counts = list(partition)
+    try:
+        check_partition(counts, n_blocks, n_stages)
+    except ValueError as exc:
+        raise PipelineConfigError(str(exc)) from exc
+    return counts
+
+
+def balanced_counts(
+    blocks: Sequence[nn.Module],
+    n_stages: int,
+    example_input: Batch | None,
+    world: World,
+    device: torch.device,
+) -> list[int]:
+    """Blocks per stage that balance the measured F + I + W time of the stages.
+
+    Rank 0 profiles every block on one micro-batch and solves; the other
+    ranks receive its answer (a collective: every rank calls this).
+
+    Args:
+        blocks: the whole model's blocks.
+        n_stages: number of stages.
+        example_input: one micro-batch of model inputs, as the first block takes it.
+        world: the group.
+        device: where rank 0 runs the blocks while profiling.
+
+    Returns:
+        Block counts per stage.
+
+    Raises:
+        PipelineConfigError: if no example input was given.
+    """
+    if example_input is None:
+        raise PipelineConfigError(
+            "partition='balanced' profiles the blocks and needs example_input=<one "
+            "micro-batch of model inputs>; pass it, or give the block counts per stage"
+        )
+    answer: list[list[int] | None] = [None]
+    if world.rank == 0:
+        from twobp.partition.profiler import profile_blocks, solver_costs
+
+        homes = [_device_of(b) for b in blocks]
+        moved = [b.to(device) for b in blocks]
+        costs = profile_blocks(moved, to_device(example_input, device))
+        for block, home in zip(blocks, homes, strict=True):
+            block.to(home)
+        answer[0] = solve(solver_costs(costs), n_stages).sizes
+    if world.group is not None:
+        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
+    assert answer[0] is not None
+    return answer[0]
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    for tensor in block.parameters():
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,218 @@
+"""The runtime on real process groups (gloo, CPU, float64) against one-process references.
+
+One launch per world size trains every schedule x two_bp x partition x model
+for a few AdamW steps and returns losses, first-step gradients and final
+parameters and buffers of every rank; the tests compare them here with a
+single-process run of the same model. Failure tests launch groups of their own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime_models import MODELS, build_blocks, make_batch, one_thread, train_reference
+from runtime_workers import (
+    Case,
+    rank_killed_mid_step,
+    step_twice_changing_shape,
+    train_cases,
+    utilities,
+)
+from twobp.runtime import LaunchError, launch
+from twobp.schedule import SCHEDULES, generate
+from twobp.timeline import bubble_ratio
+
+TOL = 1e-10
+N_MB = 4
+BATCH = 2 * N_MB
+TIMEOUT = 30.0
+
+
+def _partitions(n_stages: int) -> list[tuple[int, ...] | None]:
+    """Uniform and one uneven split of the 10 blocks."""
+    uneven = {2: (3, 7), 4: (1, 4, 3, 2), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
+    return [None, uneven[n_stages]]
+
+
+def _cases(n_ranks: int, models: tuple[str, ...]) -> list[Case]:
+    cases = []
+    for name in SCHEDULES:
+        n_stages = generate(name, n_ranks, N_MB).n_stages
+        for two_bp in (False, True):
+            for i, partition in enumerate(_partitions(n_stages)):
+                for j, model in enumerate(models):
+                    # With 4 ranks each (schedule, two_bp, partition) trains one
+                    # model, in rotation, to keep the test fast.
+                    if n_ranks == 4 and (i + 2 * two_bp + j) % len(models) != 0:
+                        continue
+                    cases.append(Case(model, name, two_bp, partition))
+    return cases
+
+
+EXTRA_CASES = [
+    Case("transformer", "1f1b", True, policy="eager"),
+    Case("transformer", "1f1b", True, policy="fill"),
+    Case("mlp", "gpipe", True, weight_group_size=1),
+    Case("conv", "zb-h1", True, weight_group_size=2),
+]
+CASES = {2: _cases(2, MODELS) + EXTRA_CASES, 4: _cases(4, MODELS)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, Any]]:
+    return {m: train_reference(m, N_MB, BATCH) for m in MODELS}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def session() -> Any:
+        return launch(_two_rank_session, 2, CASES[2], N_MB, BATCH, TIMEOUT, timeout=240)
+
+    results = session()
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def _two_rank_session(
+    cases: list[Case], n_mb: int, batch: int, timeout: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    return train_cases(cases, n_mb, batch, timeout), utilities(n_mb, batch, timeout)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, Any]]:
+    return launch(train_cases, 4, CASES[4], N_MB, BATCH, TIMEOUT, timeout=300)
+
+
+def _check_case(case: Case, per_rank: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    results = [r[str(case)] for r in per_rank]
+    for rank, r in enumerate(results):
+        for step, (got, want) in enumerate(zip(r["losses"], reference["losses"], strict=True)):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, step, got, want)
+    grads: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert not set(grads) & set(r["grads"]), "a parameter lives on two ranks"
+        grads.update(r["grads"])
+        state.update(r["state"])
+    assert set(grads) == set(reference["grads"])
+    assert set(state) == set(reference["state"])
+    for name, want in reference["grads"].items():
+        torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
+    for name, want in reference["state"].items():
+        torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=f"{name} after AdamW")
+
+
+@pytest.mark.parametrize("case", CASES[2], ids=str)
+def test_two_ranks_match_single_process(case, two_rank_results, references):
+    _check_case(case, two_rank_results[0], references[case.model])
+
+
+@pytest.mark.parametrize("case", CASES[4], ids=str)
+def test_four_ranks_match_single_process(case, four_rank_results, references):
+    _check_case(case, four_rank_results, references[case.model])
+
+
+def test_two_bp_runs_split_schedules(two_rank_results):
+    results = two_rank_results[0][0]
+    assert "+2bp:paper" in results[str(Case("mlp", "1f1b", True))]["schedule"]
+    assert "2bp" not in results[str(Case("mlp", "1f1b", False))]["schedule"]
+    assert results[str(Case("mlp", "zb-v", True))]["stages"] == [0, 3]
+
+
+def _reference_transformer() -> tuple[nn.Module, Any, Any]:
+    model = nn.Sequential(*build_blocks("transformer"))
+    inputs, targets = make_batch("transformer", 0, BATCH)
+    return model, inputs, targets
+
+
+def test_clip_grad_norm_equals_single_process(two_rank_results):
+    utils = two_rank_results[1]
+    for norm_type, max_norm, key in ((2.0, 0.05, "2"), (math.inf, 0.001, "_inf")):
+        model, inputs, targets = _reference_transformer()
+        from runtime_models import reference_step
+
+        reference_step(model, "transformer", inputs, targets, N_MB)
+        if key == "_inf":  # the pipeline clipped by the 2-norm first
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
+        for u in utils:
+            assert math.isclose(u[f"norm{key}"], want, rel_tol=1e-12)
+        clipped = {**utils[0][f"clipped{key}"], **utils[1][f"clipped{key}"]}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(clipped[name], p.grad, rtol=0, atol=TOL)
+
+
+def test_eval_step_loss_and_outputs(two_rank_results):
+    utils = two_rank_results[1]
+    model, inputs, targets = _reference_transformer()
+    with torch.no_grad():
+        logits = model(inputs)
+    from runtime_models import loss_fn
+
+    want = float(loss_fn("transformer")(logits, targets))
+    assert [math.isclose(u["eval_loss"], want, abs_tol=TOL) for u in utils] == [True, True]
+    assert utils[0]["eval_output"] is None
+    torch.testing.assert_close(utils[1]["eval_output"], logits, rtol=0, atol=TOL)
+
+
+def test_timeline_merges_every_rank(two_rank_results):
+    utils = two_rank_results[1]
+    spans = utils[0]["spans"]
+    assert spans == utils[1]["spans"]
+    assert {s.rank for s in spans} == {0, 1}
+    # 1f1b with 2BP on 2 ranks: every F and I of each micro-batch, and the Ws.
+    kinds = [s.action.kind.value for s in spans if s.rank == 0]
+    assert kinds.count("F") == N_MB and kinds.count("I") == N_MB and "W" in kinds
+    assert all(0 <= s.start <= s.end for s in spans)
+    assert 0.0 <= bubble_ratio(spans) < 1.0
+
+
+def test_load_state_dict_takes_the_local_entries(two_rank_results):
+    utils = two_rank_results[1]
+    full = nn.Sequential(*build_blocks("conv")).state_dict()
+    loaded = {**utils[0]["loaded"], **utils[1]["loaded"]}
+    assert set(loaded) == set(full)
+    assert not set(utils[0]["loaded"]) & set(utils[1]["loaded"])
+    for name, value in full.items():
+        torch.testing.assert_close(loaded[name], value + 1)
+
+
+def test_shape_change_between_steps_names_the_boundary():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(step_twice_changing_shape, 2, N_MB, 5.0, grace_period=10.0, timeout=120)
+    assert time.monotonic() - start < 60
+    first = info.value.failures[0]
+    assert first.rank == 0 and first.error_type == "ShapeMismatchError"
+    assert "rank 0 -> rank 1" in first.message and "stage 0 -> stage 1" in first.message
+    assert "[4, 6, 8]" in first.message and "[2, 6, 8]" in first.message
+    # The receiver does not hang: it fails on its own, naming the peer.
+    second = info.value.failures[1]
+    assert second.rank == 1 and second.error_type in ("PeerFailedError", "PeerTimeoutError")
+    assert "rank 0" in second.message
+
+
+def test_a_killed_rank_ends_the_others_with_an_error():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(rank_killed_mid_step, 2, N_MB, 20.0, grace_period=10.0, timeout=120)
+    # The survivor noticed the closed connection long before its 20 s timeout.
+    assert time.monotonic() - start < 40
+    failures = {f.rank: f for f in info.value.failures}
+    assert failures[1].message == "killed by SIGKILL"
+    assert failures[0].error_type == "PeerFailedError"
+    # Rank 0 waited, in 1F1B, for the gradient of micro-batch 0 at its first I.
+    assert failures[0].message.startswith("rank 0 at 0I0: communication with rank 1 failed")
+    assert "rank 1: killed by SIGKILL" in str(info.value)

@@ -1,0 +1,143 @@
+"""The pipeline in a single process world: no launcher, all stages on rank 0."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime_models import build_blocks, loss_fn, make_batch, one_thread, train_reference
+from runtime_workers import Case, train_case
+from twobp.runtime import Pipeline, PipelineConfigError
+from twobp.runtime.group import LAUNCHER_VARIABLES
+from twobp.schedule import SCHEDULES
+
+N_MB = 4
+TOL = 1e-10
+
+pytestmark = pytest.mark.skipif(
+    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
+    reason="needs a process without a process group",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {m: train_reference(m, N_MB, 2 * N_MB) for m in ("mlp", "conv")}
+
+
+@pytest.mark.parametrize("two_bp", [False, True])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("model", ["mlp", "conv"])
+def test_single_process_world_matches_reference(model, schedule, two_bp, references):
+    result = train_case(Case(model, schedule, two_bp), N_MB, 2 * N_MB, timeout=5.0)
+    ref = references[model]
+    assert result["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=0)
+    for name, want in ref["grads"].items():
+        torch.testing.assert_close(result["grads"][name], want, rtol=0, atol=TOL)
+    for name, want in ref["state"].items():
+        torch.testing.assert_close(result["state"][name], want, rtol=0, atol=TOL)
+
+
+def _pipe(**options) -> Pipeline:
+    options.setdefault("n_microbatches", N_MB)
+    return Pipeline(build_blocks("mlp"), loss_fn("mlp"), device="cpu", **options)
+
+
+def test_world_of_one_owns_every_stage_and_parameter():
+    pipe = _pipe(schedule="interleaved-1f1b")
+    assert pipe.world.is_single and pipe.rank == 0
+    assert sorted(pipe.stages) == [0, 1]
+    names = [n for n, _ in nn.Sequential(*build_blocks("mlp")).named_parameters()]
+    assert [n for n, _ in pipe.named_parameters()] == names
+
+
+def test_eval_step_returns_outputs_and_loss():
+    pipe = _pipe(schedule="gpipe")
+    inputs, targets = make_batch("mlp", 0, 2 * N_MB)
+    with torch.no_grad():
+        want = nn.Sequential(*build_blocks("mlp"))(inputs)
+    torch.testing.assert_close(pipe.eval_step(inputs), want, rtol=0, atol=TOL)
+    loss = pipe.eval_step(inputs, targets)
+    assert math.isclose(loss, float(loss_fn("mlp")(want, targets)), abs_tol=TOL)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_peak_stashed_bytes_only_with_two_bp():
+    inputs, targets = make_batch("mlp", 0, 2 * N_MB)
+    split = _pipe(schedule="1f1b", two_bp=True)
+    split.step(inputs, targets)
+    assert split.peak_stashed_bytes() > 0
+    fused = _pipe(schedule="1f1b", two_bp=False)
+    fused.step(inputs, targets)
+    assert fused.peak_stashed_bytes() == 0
+
+
+def test_local_timeline_has_every_compute_action():
+    pipe = _pipe(schedule="1f1b", two_bp=True)
+    pipe.step(*make_batch("mlp", 0, 2 * N_MB))
+    spans = pipe.timeline()
+    assert [str(s.action) for s in spans] == [str(a) for a in pipe.schedule.actions[0]]
+    assert all(b.start >= a.end for a, b in itertools.pairwise(spans))
+
+
+def test_configuration_errors_say_what_to_change():
+    inputs, targets = make_batch("mlp", 0, 2 * N_MB)
+    with pytest.raises(PipelineConfigError, match=r"batch size 6.*4 equal micro-batches"):
+        _pipe().step(inputs[:6], targets[:6])
+    with pytest.raises(PipelineConfigError, match="holds stage 0 and needs the inputs"):
+        _pipe().step(None, targets)
+    with pytest.raises(PipelineConfigError, match=r"partition \[10\] has 1 stages"):
+        _pipe(schedule="interleaved-1f1b", partition=[10])
+    with pytest.raises(PipelineConfigError, match="needs example_input"):
+        _pipe(partition="balanced")
+
+
+def test_balanced_partition_profiles_the_blocks():
+    blocks = build_blocks("mlp")
+    pipe = Pipeline(
+        blocks,
+        loss_fn("mlp"),
+        schedule="interleaved-1f1b",
+        n_microbatches=N_MB,
+        partition="balanced",
+        example_input=make_batch("mlp", 0, 2)[0],
+        device="cpu",
+    )
+    assert sum(len(r) for r in pipe.stage_blocks) == len(blocks)
+    assert all(len(r) >= 1 for r in pipe.stage_blocks)
+
+
+def test_errors_in_a_block_name_the_stage_and_action():
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise ValueError("bad block")
+
+    blocks = [nn.Linear(2, 2).double(), Broken()]
+    pipe = Pipeline(blocks, loss_fn("mlp"), schedule="gpipe", n_microbatches=2, device="cpu")
+    with pytest.raises(ValueError, match="bad block") as info:
+        pipe.step(torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float64))
+    assert "(rank 0, stage 0, action 0F0, micro-batch(es) 0)" in info.value.__notes__
+
+
+def test_load_state_dict_strict():
+    pipe = _pipe()
+    state = nn.Sequential(*build_blocks("mlp")).state_dict()
+    pipe.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="missing keys"):
+        pipe.load_state_dict({k: v for k, v in state.items() if k != "0.0.weight"})
+    with pytest.raises(RuntimeError, match="unexpected keys"):
+        pipe.load_state_dict({**state, "head.weight": torch.zeros(1)})
+    result = pipe.load_state_dict({"0.0.weight": state["0.0.weight"]}, strict=False)
+    assert "0.0.bias" in result.missing_keys
