@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +143,24 @@ def test_load_state_dict_strict():
         pipe.load_state_dict({**state, "head.weight": torch.zeros(1)})
     result = pipe.load_state_dict({"0.0.weight": state["0.0.weight"]}, strict=False)
     assert "0.0.bias" in result.missing_keys
+
+
+def test_loss_must_be_a_scalar():
+    pipe = Pipeline(
+        build_blocks("mlp"),
+        lambda out, y: (out - y) ** 2,
+        schedule="gpipe",
+        n_microbatches=N_MB,
+        device="cpu",
+    )
+    with pytest.raises(ValueError, match=r"shape \[2, 4\]; it must return a scalar"):
+        pipe.step(*make_batch("mlp", 0, 2 * N_MB))
+
+
+def test_the_example_trains_in_a_world_of_one():
+    path = Path(__file__).parents[1] / "examples" / "train_mlp.py"
+    spec = importlib.util.spec_from_file_location("train_mlp_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert math.isfinite(example.train(steps=2))

@@ -98,6 +98,11 @@ class Pipeline:
         example_input: Batch | None = None,
     ) -> None:
         self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = default_device()
+            # Collectives of objects (timeline, balanced partition) use the current device.
+            torch.cuda.set_device(self.device)
         self.timeout = float(timeout)
         self.world = join_world(self.device, self.timeout, group)
         self.rank = self.world.rank

@@ -83,6 +83,11 @@ class Stage:
             if self.is_last and target is not None:
                 output = self._loss_fn(output, target)
         tensors, out_is_tuple = flatten(output, f"the output of stage {self.index}")
+        if self.is_last and target is not None and tensors[0].numel() != 1:
+            raise ValueError(
+                f"loss_fn returned a tensor of shape {list(tensors[0].shape)}; it must return "
+                "a scalar, the mean loss over the micro-batch (use reduction='mean')"
+            )
         if training:
             self._stash[mb] = _Stash(
                 inputs=tuple(t for t in inputs if t.requires_grad),
