@@ -17,6 +17,7 @@ from runtime_models import build_blocks, loss_fn, make_batch, one_thread, train_
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.group import LAUNCHER_VARIABLES
+from twobp.runtime.partition import check_no_shared_parameters
 from twobp.schedule import SCHEDULES
 
 N_MB = 4
@@ -164,3 +165,12 @@ def test_the_example_trains_in_a_world_of_one():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     assert math.isfinite(example.train(steps=2))
+
+
+def test_weights_tied_across_ranks_are_refused():
+    shared = nn.Linear(2, 2)
+    blocks = [nn.Sequential(shared), nn.Linear(2, 2), nn.Sequential(nn.ReLU(), shared)]
+    ranges = (range(0, 1), range(1, 2), range(2, 3))
+    check_no_shared_parameters(blocks, ranges, (0, 0, 0))  # one rank: fine
+    with pytest.raises(PipelineConfigError, match=r"0\.0\.weight \(stage 0, rank 0\) is shared"):
+        check_no_shared_parameters(blocks, ranges, (0, 1, 1))

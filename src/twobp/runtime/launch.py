@@ -106,9 +106,17 @@ def launch(
             )
             for rank in range(nprocs)
         ]
-        for proc in procs:
-            proc.start()
-        terminated = _supervise(procs, grace_period, timeout)
+        try:
+            for proc in procs:
+                proc.start()
+            terminated = _supervise(procs, grace_period, timeout)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed to start: leave no rank behind.
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            raise
         return _collect(procs, folder, terminated)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,6 @@ Example (2 ranks, under ``torchrun --nproc-per-node 2`` or :func:`launch`)::
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import OrderedDict
@@ -34,9 +33,10 @@ from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
 from twobp.runtime.dispatcher import StepResult, StepRun
 from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.grad_norm import clip_grad_norm_
 from twobp.runtime.group import default_device, join_world, set_threads_per_rank
 from twobp.runtime.microbatch import Batch, concat_microbatches, split_batch, to_device, unflatten
-from twobp.runtime.partition import balanced_counts, stage_counts
+from twobp.runtime.partition import balanced_counts, check_no_shared_parameters, stage_counts
 from twobp.runtime.resolve import resolve_schedule
 from twobp.runtime.stage import LossFn, Stage
 from twobp.schedule.action import Action, Kind
@@ -123,7 +123,7 @@ class Pipeline:
         if counts is None:
             counts = balanced_counts(all_blocks, n_stages, example_input, self.world, self.device)
         ranges = tuple(stage_ranges(counts))
-        _check_no_shared_parameters(all_blocks, ranges, self.schedule.placement)
+        check_no_shared_parameters(all_blocks, ranges, self.schedule.placement)
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
         mine = self.schedule.stages_of(self.rank)
@@ -339,22 +339,9 @@ class Pipeline:
         Returns:
             The global norm of all gradients before clipping (a 0-dim tensor).
         """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = max((g.detach().abs().max().double() for g in grads), default=None)
-            total = collective.scalar(0.0 if local is None else float(local), self.device)
-            collective.all_reduce(self.world, total, dist.ReduceOp.MAX, self.timeout, "the max")
-        else:
-            norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in grads]
-            local_sum = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
-            total = local_sum.to(self.device, torch.float64)
-            collective.all_reduce(self.world, total, dist.ReduceOp.SUM, self.timeout, "the norm")
-            total = total.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total.to(grads[0].dtype) if grads else total
+        return clip_grad_norm_(
+            self.parameters(), max_norm, norm_type, self.world, self.device, self.timeout
+        )
 
     # -- timing ------------------------------------------------------------------------
 
@@ -382,21 +369,3 @@ class Pipeline:
             for r, a, start, end in spans
         ]
         return sorted(merged, key=lambda s: (s.rank, s.start))
-
-
-def _check_no_shared_parameters(
-    blocks: Sequence[nn.Module], ranges: Sequence[range], placement: Sequence[int]
-) -> None:
-    """Refuse parameters shared by stages on different ranks (their gradients would split)."""
-    owner: dict[int, tuple[int, str]] = {}
-    for stage, blocks_of_stage in enumerate(ranges):
-        for i in blocks_of_stage:
-            for name, p in blocks[i].named_parameters():
-                seen = owner.setdefault(id(p), (stage, f"{i}.{name}"))
-                if placement[seen[0]] != placement[stage]:
-                    raise PipelineConfigError(
-                        f"parameter {seen[1]} (stage {seen[0]}, rank {placement[seen[0]]}) is "
-                        f"shared with {i}.{name} (stage {stage}, rank {placement[stage]}); tied "
-                        "weights across ranks are not supported: untie them or choose a "
-                        "partition that keeps both blocks on one rank"
-                    )

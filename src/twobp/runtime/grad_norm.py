@@ -1,0 +1,59 @@
+"""Gradient clipping by the norm of the whole model, whose parameters span all ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from twobp.runtime import collective
+from twobp.runtime.group import World
+
+
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    world: World,
+    device: torch.device,
+    timeout: float,
+) -> Tensor:
+    """Scale this rank's gradients so that the global norm is at most ``max_norm``.
+
+    Each rank reduces its local gradients to one number (a sum of p-th powers,
+    or a maximum for the infinity norm), the ranks combine them with one
+    all-reduce, and every rank applies the same coefficient, computed as
+    ``torch.nn.utils.clip_grad_norm_`` does: ``clamp(max_norm / (norm + 1e-6), max=1)``.
+    Collective: every rank calls it.
+
+    Args:
+        parameters: this rank's parameters; those without a gradient are skipped.
+        max_norm: the largest global norm allowed.
+        norm_type: the p of the p-norm (``inf`` for the largest absolute value).
+        world: the group over which the model is spread.
+        device: where the reduction runs (the backend's device).
+        timeout: seconds to wait for the other ranks.
+
+    Returns:
+        The global norm before clipping, a 0-dim tensor.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        local = max((float(g.detach().abs().max()) for g in grads), default=0.0)
+        total = collective.scalar(local, device)
+        collective.all_reduce(world, total, dist.ReduceOp.MAX, timeout, "the gradient norm")
+    else:
+        powers = [
+            torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type for g in grads
+        ]
+        total = collective.scalar(float(torch.stack(powers).sum()) if powers else 0.0, device)
+        collective.all_reduce(world, total, dist.ReduceOp.SUM, timeout, "the gradient norm")
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.device, g.dtype))
+    return total.to(grads[0].dtype) if grads else total
