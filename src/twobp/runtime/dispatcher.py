@@ -4,19 +4,21 @@ The dispatcher holds no schedule logic: it runs the actions in the order the
 schedule lists them. Each compute handler takes its input (a local hand-over
 from another stage of this rank, or a receive), runs the stage, and hands its
 output on (locally, or with a send posted at once). The compute part of every
-action is timed; waiting for inputs is not, so idle time shows as bubble.
+action is timed (see :mod:`twobp.runtime.clock`); waiting for inputs is not,
+so idle time shows as bubble.
 Communication actions of a lowered schedule need no work: transfers follow
 from the compute actions (see :mod:`twobp.runtime.comm_plan`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
+from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import StepChannel
 from twobp.runtime.comm_plan import Direction, Transfer, needed_transfer, produced_transfer
 from twobp.runtime.microbatch import Batch, flatten
@@ -53,7 +55,7 @@ class StepRun:
         inputs: micro-batches of the model input (needed by the rank of stage 0).
         targets: micro-batches of the targets (rank of the last stage; None
             for evaluation without targets).
-        origin: ``time.perf_counter()`` at the step start.
+        clock: the step's clock, started at the step start.
         weight_group_size: passed to every ``W``.
     """
 
@@ -65,7 +67,7 @@ class StepRun:
         channel: StepChannel | None,
         inputs: Sequence[Batch] | None,
         targets: Sequence[Batch] | None,
-        origin: float,
+        clock: StepClock,
         weight_group_size: int | None = None,
     ) -> None:
         self._rank = rank
@@ -74,7 +76,8 @@ class StepRun:
         self._channel = channel
         self._inputs = inputs
         self._targets = targets
-        self._origin = origin
+        self._clock = clock
+        self._marks: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
         self._local: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
@@ -112,6 +115,10 @@ class StepRun:
                 raise
         if self._channel is not None:
             self._channel.finish()
+        self.result.spans = [
+            Span(self._rank, a, self._clock.seconds(start), self._clock.seconds(end))
+            for a, start, end in self._marks
+        ]
         return self.result
 
     # -- handlers -----------------------------------------------------------------
@@ -124,7 +131,7 @@ class StepRun:
         else:
             inputs, is_tuple = self._take(action)
         target = self._targets[mb] if stage.is_last and self._targets is not None else None
-        start = time.perf_counter()
+        start = self._clock.mark()
         outputs, out_is_tuple = stage.forward(mb, inputs, is_tuple, target)
         self._record(action, start)
         if stage.is_last:
@@ -138,7 +145,7 @@ class StepRun:
     def _backward(self, action: Action) -> None:
         stage, mb = self._stages[action.stage], action.microbatch
         grad_outputs = () if stage.is_last else self._take(action)[0]
-        start = time.perf_counter()
+        start = self._clock.mark()
         split = action.kind is Kind.BACKWARD_INPUT
         grads = stage.backward(mb, grad_outputs, split=split)
         self._record(action, start)
@@ -150,7 +157,7 @@ class StepRun:
             self._give(action, grads, False)
 
     def _weight(self, action: Action) -> None:
-        start = time.perf_counter()
+        start = self._clock.mark()
         self._stages[action.stage].weight(action.microbatches, self._group_size)
         self._record(action, start)
 
@@ -180,6 +187,5 @@ class StepRun:
             assert self._channel is not None
             self._channel.send(transfer, tensors, is_tuple)
 
-    def _record(self, action: Action, start: float) -> None:
-        end = time.perf_counter()
-        self.result.spans.append(Span(self._rank, action, start - self._origin, end - self._origin))
+    def _record(self, action: Action, start: Any) -> None:
+        self._marks.append((action, start, self._clock.mark()))

@@ -58,6 +58,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_for(world: World) -> torch.device:
+    """The default device of a pipeline in ``world``: a GPU unless the backend is CPU-only.
+
+    A gloo group cannot move CUDA tensors point-to-point, so under gloo the
+    pipeline computes on the CPU even where a GPU exists.
+    """
+    backend = world.backend or ""
+    if world.backend is not None and "nccl" not in backend:
+        return torch.device("cpu")
+    return default_device()
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA devices, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"

@@ -17,7 +17,6 @@ Example (2 ranks, under ``torchrun --nproc-per-node 2`` or :func:`launch`)::
 from __future__ import annotations
 
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -29,12 +28,13 @@ from torch import Tensor, nn
 from twobp.partition import stage_ranges
 from twobp.runtime import collective
 from twobp.runtime.backward import stage_gradients
+from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
 from twobp.runtime.dispatcher import StepResult, StepRun
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.grad_norm import clip_grad_norm_
-from twobp.runtime.group import default_device, join_world, set_threads_per_rank
+from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.microbatch import Batch, concat_microbatches, split_batch, to_device, unflatten
 from twobp.runtime.partition import balanced_counts, check_no_shared_parameters, stage_counts
 from twobp.runtime.resolve import resolve_schedule
@@ -64,7 +64,7 @@ class Pipeline:
         two_bp_policy: ``"paper"``, ``"eager"`` or ``"fill"`` (see ``apply_two_bp``).
         stages_per_rank: stages per rank for a schedule name (None: its default).
         device: this rank's device; None picks ``cuda:LOCAL_RANK`` if CUDA is
-            available, else the CPU.
+            available and the backend can use it (NCCL), else the CPU.
         timeout: seconds a rank waits on a peer before raising ``PeerTimeoutError``.
         weight_group_size: passed to the engine's ``backward_weight`` for each ``W``.
         group: the process group to use; None uses the default group (initialised
@@ -97,14 +97,16 @@ class Pipeline:
         num_threads: int | None = None,
         example_input: Batch | None = None,
     ) -> None:
-        self.device = torch.device(device) if device is not None else default_device()
+        self.timeout = float(timeout)
+        requested = torch.device(device) if device is not None else None
+        self.world = join_world(requested or default_device(), self.timeout, group)
+        self.device = requested if requested is not None else device_for(self.world)
+        """The device this rank computes on."""
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = default_device()
             # Collectives of objects (timeline, balanced partition) use the current device.
             torch.cuda.set_device(self.device)
-        self.timeout = float(timeout)
-        self.world = join_world(self.device, self.timeout, group)
         self.rank = self.world.rank
         set_threads_per_rank(self.world.local_size, num_threads)
         self.schedule = resolve_schedule(
@@ -224,7 +226,7 @@ class Pipeline:
         mb_inputs = self._split(inputs, "inputs") if 0 in self.stages else None
         mb_targets = self._split(targets, "targets") if last in self.stages else None
         collective.barrier(self.world, self.timeout, "at the start of the step")
-        origin = time.perf_counter()
+        clock = StepClock(self.device)
         channel = None
         if plan.peers:
             channel = StepChannel(
@@ -243,7 +245,7 @@ class Pipeline:
             channel,
             mb_inputs,
             mb_targets,
-            origin,
+            clock,
             self._weight_group_size,
         )
         result = run.run(schedule.actions[self.rank])
