@@ -174,3 +174,29 @@ def test_weights_tied_across_ranks_are_refused():
     check_no_shared_parameters(blocks, ranges, (0, 0, 0))  # one rank: fine
     with pytest.raises(PipelineConfigError, match=r"0\.0\.weight \(stage 0, rank 0\) is shared"):
         check_no_shared_parameters(blocks, ranges, (0, 1, 1))
+
+
+def test_a_failed_step_leaves_the_pipeline_usable():
+    calls = []
+
+    def flaky_loss(out, y):
+        calls.append(1)
+        if len(calls) == 3:  # the third micro-batch of the first step
+            raise RuntimeError("flaky")
+        return loss_fn("mlp")(out, y)
+
+    pipe = Pipeline(
+        build_blocks("mlp"), flaky_loss, schedule="1f1b", n_microbatches=N_MB, device="cpu"
+    )
+    inputs, targets = make_batch("mlp", 0, 2 * N_MB)
+    with pytest.raises(RuntimeError, match="flaky"):
+        pipe.step(inputs, targets)
+    pipe.zero_grad()
+    loss = pipe.step(inputs, targets)
+    reference = nn.Sequential(*build_blocks("mlp"))
+    want = loss_fn("mlp")(reference(inputs), targets)
+    want.backward()
+    assert math.isclose(loss, float(want.detach()), abs_tol=TOL)
+    grads = dict(pipe.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=0, atol=TOL)

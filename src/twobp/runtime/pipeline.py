@@ -179,7 +179,12 @@ class Pipeline:
             ShapeMismatchError: if activations change shape after the first step.
             PeerError: if a peer fails or times out.
         """
-        result = self._run(self.schedule, self._plan, self._layouts, inputs, targets)
+        try:
+            result = self._run(self.schedule, self._plan, self._layouts, inputs, targets)
+        except BaseException:
+            for stage in self.stages.values():
+                stage.abandon_step()
+            raise
         for stage in self.stages.values():
             stage.finish_step()
         loss = self._share_loss(result)

@@ -8,6 +8,7 @@ gradients to the previous stage, local or remote.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,3 +143,10 @@ class Stage:
                 "but never backward; the schedule lacks their B or I"
             )
         self.gradients.finish_step()
+
+    def abandon_step(self) -> None:
+        """Forget a step that failed part-way, so that the next one starts clean."""
+        self._stash.clear()
+        # The store complains about the unfinished work, and forgets it.
+        with contextlib.suppress(RuntimeError):
+            self.gradients.finish_step()
