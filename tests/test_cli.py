@@ -17,3 +17,10 @@ def test_console_script_help():
         check=True,
     )
     assert "2-stage backpropagation" in out.stdout
+
+
+def test_top_level_names_load_lazily():
+    import twobp
+
+    assert twobp.Pipeline.__name__ == "Pipeline"
+    assert callable(twobp.launch) and callable(twobp.defer_weight_grads)

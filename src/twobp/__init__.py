@@ -1,5 +1,68 @@
-"""twobp: pipeline-parallel training with 2-stage backpropagation (2BP)."""
+"""twobp: pipeline-parallel training with 2-stage backpropagation (2BP).
+
+The runtime names (``Pipeline``, ``launch`` and the errors) load on first use,
+so that ``twobp --help`` and the pure schedule tools do not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+if TYPE_CHECKING:
+    from twobp.engine import TwoStageBackwardError, WeightGradStore, defer_weight_grads
+    from twobp.runtime import (
+        LaunchError,
+        PeerError,
+        PeerFailedError,
+        PeerTimeoutError,
+        Pipeline,
+        PipelineConfigError,
+        PipelineError,
+        RankFailure,
+        ShapeMismatchError,
+        launch,
+    )
+
+_LAZY = {
+    "LaunchError": "twobp.runtime",
+    "PeerError": "twobp.runtime",
+    "PeerFailedError": "twobp.runtime",
+    "PeerTimeoutError": "twobp.runtime",
+    "Pipeline": "twobp.runtime",
+    "PipelineConfigError": "twobp.runtime",
+    "PipelineError": "twobp.runtime",
+    "RankFailure": "twobp.runtime",
+    "ShapeMismatchError": "twobp.runtime",
+    "launch": "twobp.runtime",
+    "defer_weight_grads": "twobp.engine",
+    "WeightGradStore": "twobp.engine",
+    "TwoStageBackwardError": "twobp.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'twobp' has no attribute {name!r}")
+
+
+__all__ = [
+    "LaunchError",
+    "PeerError",
+    "PeerFailedError",
+    "PeerTimeoutError",
+    "Pipeline",
+    "PipelineConfigError",
+    "PipelineError",
+    "RankFailure",
+    "ShapeMismatchError",
+    "TwoStageBackwardError",
+    "WeightGradStore",
+    "__version__",
+    "defer_weight_grads",
+    "launch",
+]

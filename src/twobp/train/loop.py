@@ -72,6 +72,11 @@ def train_rank(cfg: TrainConfig) -> RankResult:
         stages_per_rank=cfg.stages_per_rank,
         timeout=cfg.timeout,
         num_threads=cfg.threads,
+        example_input=(
+            task.batch_at(0, "train")[0][: cfg.batch_size // cfg.microbatches]
+            if cfg.partition == "balanced"
+            else None
+        ),
     )
     result = RankResult(
         rank=pipe.rank,
