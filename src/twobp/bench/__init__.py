@@ -1,0 +1,22 @@
+"""``twobp bench``: 2BP against no 2BP, and twobp against torch.distributed.pipelining.
+
+One launched group per regime runs every variant on the same model, partition,
+batch and threads, round after round; see :func:`run_bench`. The pure parts
+(:mod:`~twobp.bench.config`, :mod:`~twobp.bench.matrix`,
+:mod:`~twobp.bench.stats`, :mod:`~twobp.bench.targets`,
+:mod:`~twobp.bench.report`) import no torch.
+"""
+
+from twobp.bench.config import REGIMES, BenchConfig, BenchPlan, Regime, resolve
+from twobp.bench.matrix import TORCH_SCHEDULES, Variant, build_variants
+
+__all__ = [
+    "REGIMES",
+    "TORCH_SCHEDULES",
+    "BenchConfig",
+    "BenchPlan",
+    "Regime",
+    "Variant",
+    "build_variants",
+    "resolve",
+]

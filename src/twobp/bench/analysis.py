@@ -1,0 +1,273 @@
+"""From what the ranks measured to the bench's figures: one JSON-ready dictionary.
+
+Step times of a pipeline variant are rank 0's (both barriers make every rank
+see the same step); a reference's time in a round is the mean over the ranks,
+each of which ran it alone. Speedups are medians of round-by-round ratios
+(two variants of one round ran next to each other). Efficiency is the
+reference's time divided by ``p``, over the variant's median step time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from twobp.bench import matrix
+from twobp.bench.job import RankReport, VariantRecord
+from twobp.bench.profile import RankProfile
+from twobp.bench.simcheck import simulated_step
+from twobp.bench.stats import Summary, speedup, summarize
+
+SAME_SCHEDULE: Mapping[str, str] = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zb-v": "ZBVZeroBubble",
+}
+"""twobp schedules and the torch schedule that runs the same order."""
+
+
+def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any]:
+    """The figures of one regime from every rank's report.
+
+    Args:
+        reports: one report per rank, indexed by rank.
+        n_ranks: pipeline ranks ``p``.
+
+    Returns:
+        The regime's dictionary (see the keys set below; sizes in bytes, times in seconds).
+    """
+    lead = reports[0]
+    regime = lead.regime
+    tokens = int(lead.model_config.get("seq_len", 1))
+    groups = []
+    for m in sorted({rec.n_microbatches for rec in lead.records}):
+        per_rank = [[rec for rec in r.records if rec.n_microbatches == m] for r in reports]
+        profiles = [r.profiles.get(m) for r in reports]
+        group = _group(per_rank, m, regime.microbatch_size, n_ranks, profiles)
+        group["profile"] = _profile_dict(profiles[0]) if profiles[0] is not None else None
+        groups.append(group)
+    return {
+        "name": regime.name,
+        "description": regime.description,
+        "microbatch_size": regime.microbatch_size,
+        "rows_per_gemm": regime.microbatch_size * tokens,
+        "model": lead.model_config,
+        "block_kinds": lead.block_kinds,
+        "device": lead.device,
+        "threads": lead.threads,
+        "peak_rss_bytes": [r.peak_rss_bytes for r in reports],
+        "groups": groups,
+    }
+
+
+def _profile_dict(profile: RankProfile) -> dict[str, Any]:
+    """Rank 0's profile (medians over the timed rounds)."""
+    return {
+        "rounds": profile.rounds,
+        "link_latency_s": profile.link_latency,
+        "link_bandwidth_bytes_per_s": profile.link_bandwidth,
+        "blocks_rank0": [
+            {
+                "name": c.name,
+                "forward_s": c.forward,
+                "backward_input_s": c.backward_input,
+                "backward_weight_s": c.backward_weight,
+                "backward_full_s": c.backward_full,
+                "weight_concat_s": {str(k): v for k, v in table.items()},
+            }
+            for c, table in zip(profile.blocks, profile.weight_concat, strict=True)
+        ],
+    }
+
+
+def _group(
+    per_rank: Sequence[Sequence[VariantRecord]],
+    m: int,
+    microbatch_size: int,
+    n_ranks: int,
+    profiles: Sequence[Any],
+) -> dict[str, Any]:
+    batch = m * microbatch_size
+    references = _references(per_rank)
+    reference_bounds = {
+        name: statistics.median(times) / n_ranks for name, times in references.items()
+    }
+    baseline_norm = _baseline_norm(per_rank[0])
+    variants = []
+    times: dict[str, list[float]] = {}
+    for index, lead in enumerate(per_rank[0]):
+        records = [rank_records[index] for rank_records in per_rank]
+        entry = _variant(records, batch, n_ranks, reference_bounds, baseline_norm, profiles)
+        if references.get(lead.variant.schedule) and not lead.variant.is_pipeline:
+            times[lead.variant.label] = references[lead.variant.schedule]
+        elif lead.skipped is None and lead.step_seconds:
+            times[lead.variant.label] = lead.step_seconds
+        variants.append(entry)
+    return {
+        "n_microbatches": m,
+        "batch_size": batch,
+        "variants": variants,
+        "reference_bounds_s": reference_bounds,
+        "two_bp_speedups": _two_bp_speedups(per_rank, times),
+        "same_schedule": _same_schedule(times),
+        "best": _best(variants, times),
+    }
+
+
+def _references(per_rank: Sequence[Sequence[VariantRecord]]) -> dict[str, list[float]]:
+    """Per reference, its time in each round: the mean over the ranks that ran it alone."""
+    out: dict[str, list[float]] = {}
+    for index, lead in enumerate(per_rank[0]):
+        if lead.variant.is_pipeline or lead.skipped is not None or not lead.step_seconds:
+            continue
+        rounds = zip(*(records[index].step_seconds for records in per_rank), strict=True)
+        out[lead.variant.schedule] = [statistics.fmean(r) for r in rounds]
+    return out
+
+
+def _baseline_norm(records: Sequence[VariantRecord]) -> float | None:
+    """The gradient norm of the whole-batch reference, else of the first variant that ran."""
+    ran = [r for r in records if r.grad_norm is not None]
+    for r in ran:
+        if r.variant.schedule == matrix.REFERENCE_WHOLE_BATCH:
+            return r.grad_norm
+    return ran[0].grad_norm if ran else None
+
+
+def _variant(
+    records: Sequence[VariantRecord],
+    batch: int,
+    n_ranks: int,
+    bounds: Mapping[str, float],
+    baseline_norm: float | None,
+    profiles: Sequence[Any],
+) -> dict[str, Any]:
+    lead = records[0]
+    v = lead.variant
+    entry: dict[str, Any] = {
+        "label": v.label,
+        "framework": v.framework,
+        "schedule": v.schedule,
+        "two_bp": v.two_bp,
+        "policy": v.policy,
+        "partition": list(lead.partition),
+        "stage_ranks": list(lead.stage_ranks),
+        "skipped": lead.skipped,
+    }
+    if lead.skipped is not None or not lead.step_seconds:
+        return entry
+    if v.is_pipeline:
+        samples = lead.step_seconds
+    else:
+        samples = [
+            statistics.fmean(r) for r in zip(*(x.step_seconds for x in records), strict=True)
+        ]
+    step = summarize(samples)
+    entry["step_seconds"] = samples
+    entry["step_s"] = step.as_dict()
+    entry["samples_per_s"] = step.inverse(batch).as_dict()
+    entry["bubble_ratio"] = statistics.median(lead.bubble_ratios) if lead.bubble_ratios else None
+    entry["busy_s"] = statistics.median(lead.busy_seconds) if lead.busy_seconds else None
+    entry["peak_step_bytes"] = [r.peak_step_bytes for r in records]
+    entry["stashed_bytes"] = [r.stashed_bytes for r in records] if v.two_bp else None
+    entry["parameter_bytes"] = [r.parameter_bytes for r in records]
+    entry["grad_norm"] = lead.grad_norm
+    entry["grad_rel_error"] = (
+        abs(lead.grad_norm - baseline_norm) / baseline_norm
+        if lead.grad_norm is not None and baseline_norm
+        else None
+    )
+    if v.is_pipeline:
+        entry["efficiency"] = {name: bound / step.median for name, bound in bounds.items()}
+    if v.framework == matrix.TWOBP and lead.schedule is not None and all(profiles):
+        simulated = simulated_step(lead.schedule, profiles, lead.partition)
+        entry["sim_step_s"] = simulated
+        entry["sim_error"] = simulated / step.median - 1.0
+    return entry
+
+
+def _two_bp_speedups(
+    per_rank: Sequence[Sequence[VariantRecord]], times: Mapping[str, list[float]]
+) -> list[dict[str, Any]]:
+    """For every fused twobp schedule run both ways: 2BP's speedup and memory ratio."""
+    records = {r.variant.label: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+    out = []
+    for label, recs in records.items():
+        v = recs[0].variant
+        if v.framework != matrix.TWOBP or v.policy is None:
+            continue
+        off_label = matrix.Variant(matrix.TWOBP, v.schedule).label
+        if label not in times or off_label not in times:
+            continue
+        peak_on = _max_bytes(recs)
+        peak_off = _max_bytes(records[off_label])
+        out.append(
+            {
+                "schedule": v.schedule,
+                "policy": v.policy,
+                "without": off_label,
+                "with": label,
+                "speedup": speedup(times[off_label], times[label]).as_dict(),
+                "peak_step_bytes_without": peak_off,
+                "peak_step_bytes_with": peak_on,
+                "memory_ratio": peak_on / peak_off if peak_on and peak_off else None,
+            }
+        )
+    return out
+
+
+def _max_bytes(records: Sequence[VariantRecord]) -> int | None:
+    values = [r.peak_step_bytes for r in records if r.peak_step_bytes is not None]
+    return max(values) if values else None
+
+
+def _same_schedule(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:
+    """twobp against torch on the same schedule, without and with 2BP."""
+    out = []
+    for ours, theirs in SAME_SCHEDULE.items():
+        torch_label = matrix.Variant(matrix.TORCH, theirs).label
+        if torch_label not in times:
+            continue
+        for label in sorted(t for t in times if t.split(" ")[1].split("+")[0] == ours):
+            if not label.startswith(matrix.TWOBP + " "):
+                continue
+            out.append(
+                {
+                    "twobp": label,
+                    "torch": torch_label,
+                    "speedup": speedup(times[torch_label], times[label]).as_dict(),
+                }
+            )
+    return out
+
+
+def _best(
+    variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
+) -> dict[str, Any]:
+    """The fastest twobp and torch variants and twobp's speedup over torch."""
+
+    def fastest(framework: str) -> Mapping[str, Any] | None:
+        ran = [v for v in variants if v["framework"] == framework and "step_s" in v]
+        return min(ran, key=lambda v: v["step_s"]["median"], default=None)
+
+    ours, theirs = fastest(matrix.TWOBP), fastest(matrix.TORCH)
+    out: dict[str, Any] = {
+        "twobp": ours["label"] if ours else None,
+        "torch": theirs["label"] if theirs else None,
+    }
+    if ours and theirs:
+        out["speedup"] = speedup(times[theirs["label"]], times[ours["label"]]).as_dict()
+    return out
+
+
+def summary_of(data: Mapping[str, Any] | None) -> Summary | None:
+    """A :class:`Summary` back from its dictionary (None stays None)."""
+    return None if data is None else Summary(**data)
+
+
+def finite(x: Any) -> bool:
+    """True for a real number that is not NaN or infinite."""
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,337 @@
+"""Options of ``twobp bench`` and the model regimes it measures.
+
+Each field of :class:`BenchConfig` carries its command-line help. A *regime*
+is a model size and a micro-batch size: the LLaMA bench has two built in
+(:data:`REGIMES`), one with large micro-batches (GEMMs of >= 256 rows, where
+splitting the batch costs little) and one with small micro-batches (<= 32
+rows, where each GEMM runs far below the machine's peak and one process is
+much slower micro-batched than on the whole batch). :func:`resolve` turns the
+options into a :class:`BenchPlan`. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from twobp.bench.matrix import (
+    REFERENCE_MICROBATCHED,
+    REFERENCE_WHOLE_BATCH,
+    REFERENCES,
+    TORCH_SCHEDULES,
+)
+from twobp.config import doc
+
+MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
+
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
+DEFAULT_TORCH_SCHEDULES = [
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+LARGE_MICROBATCH_COUNT = 8
+"""The third micro-batch count of the default matrix, next to ``p`` and ``2p``."""
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A model size and a micro-batch size to measure.
+
+    Args:
+        name: short name for tables (``"large"``, ``"small"``).
+        description: one line for the report.
+        overrides: config fields of the model preset to change.
+        microbatch_size: samples (sequences, images) per micro-batch.
+        references: the single-process references to measure (see
+            :data:`twobp.bench.matrix.REFERENCES`).
+    """
+
+    name: str
+    description: str
+    overrides: Mapping[str, Any]
+    microbatch_size: int
+    references: tuple[str, ...] = REFERENCES
+
+
+REGIMES: Mapping[str, Regime] = MappingProxyType(
+    {
+        "large": Regime(
+            "large",
+            "large micro-batches: dim 256, 4 sequences x 64 tokens = 256 rows per GEMM",
+            MappingProxyType(
+                {
+                    "vocab_size": 256,
+                    "dim": 256,
+                    "n_layers": 4,
+                    "n_heads": 8,
+                    "ffn_dim": 688,
+                    "seq_len": 64,
+                }
+            ),
+            4,
+            # The 2BP limit matters where W concatenation pays: the small regime.
+            (REFERENCE_MICROBATCHED, REFERENCE_WHOLE_BATCH),
+        ),
+        "small": Regime(
+            "small",
+            "small micro-batches: dim 512, 2 sequences x 16 tokens = 32 rows per GEMM",
+            MappingProxyType(
+                {
+                    "vocab_size": 256,
+                    "dim": 512,
+                    "n_layers": 4,
+                    "n_heads": 8,
+                    "ffn_dim": 1376,
+                    "seq_len": 16,
+                }
+            ),
+            2,
+        ),
+    }
+)
+"""The built-in regimes of the LLaMA bench (6 blocks: embedding, 4 decoders, head)."""
+
+QUICK_REGIME = Regime(
+    "quick",
+    "a tiny model for tests: dim 32, 2 sequences x 8 tokens per micro-batch",
+    MappingProxyType(
+        {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 64, "seq_len": 8}
+    ),
+    2,
+)
+
+
+@dataclass
+class BenchConfig:
+    """Everything ``twobp bench`` needs; the defaults are the full LLaMA bench on 2 CPU cores."""
+
+    model: str = doc(
+        "model family; llama runs the built-in regimes, the others run their preset",
+        "llama",
+        choices=MODEL_FAMILIES,
+    )
+    size: str = doc("model size preset the regimes start from (tiny, small)", "tiny")
+    regimes: list[str] = doc(  # noqa: RUF009 (doc makes a default_factory for lists)
+        "built-in regimes of the llama bench: large (>= 256 rows per GEMM), small (<= 32)",
+        ["large", "small"],
+    )
+    overrides: str = doc(
+        "model config fields to change in every regime, e.g. 'n_layers=6,dim=128'", ""
+    )
+    microbatch_size: int | None = doc(
+        "samples per micro-batch (default: the regime's; 2 for models without regimes)", None
+    )
+    ranks: int = doc("local ranks (pipeline ranks p)", 2)
+    threads: int = doc("torch threads per rank, for every variant and reference", 1)
+    microbatches: list[int] = doc("micro-batch counts m (default: p, 2p and 8)", [])  # noqa: RUF009
+    schedules: list[str] = doc(  # noqa: RUF009
+        "twobp schedules (see `twobp simulate --help`)", DEFAULT_SCHEDULES
+    )
+    torch_schedules: list[str] = doc(  # noqa: RUF009
+        "torch.distributed.pipelining schedules, without the 'Schedule' prefix",
+        DEFAULT_TORCH_SCHEDULES,
+    )
+    policies: list[str] = doc(  # noqa: RUF009
+        "2BP placement policies of W to run (paper, eager, fill)", ["paper"]
+    )
+    without_2bp: bool = doc("also run every fused twobp schedule without 2BP", True)
+    rounds: int = doc("timed rounds; each round runs every variant once, in turn", 5)
+    warmup: int = doc("untimed rounds first (the last one also probes memory)", 2)
+    references: bool = doc("measure the single-process references (efficiency)", True)
+    simulate: bool = doc("profile the blocks and compare simulated with measured step time", True)
+    dtype: str = doc("parameter dtype", "float32", choices=("float32", "float64", "bfloat16"))
+    seed: int = doc("seed of the weights and the data", 0)
+    out: str = doc("output folder: report.md, results.json, throughput.png", "runs/bench")
+    timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
+    quick: bool = doc(
+        "a tiny matrix for tests: tiny model, m = 2, 2 rounds, and unless given, 1f1b and "
+        "zb-v against torch's 1F1B, ZBVZeroBubble and DualPipeV",
+        False,
+    )
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """The resolved bench: what each launched job measures.
+
+    Args:
+        family: the model family.
+        size: the preset the regimes start from.
+        regimes: the regimes, each with its overrides merged with the user's.
+        n_ranks: pipeline ranks.
+        threads: torch threads per rank.
+        microbatch_counts: the micro-batch counts m.
+        schedules: twobp schedule names.
+        torch_schedules: torch schedule names (without ``Schedule``).
+        policies: 2BP policies.
+        without_2bp: also run fused twobp schedules without 2BP.
+        rounds: timed rounds.
+        warmup: untimed rounds.
+        references: measure the single-process references.
+        simulate: run the simulator check.
+        dtype: parameter dtype name.
+        seed: weights and data seed.
+        timeout: peer timeout in seconds.
+    """
+
+    family: str
+    size: str
+    regimes: tuple[Regime, ...]
+    n_ranks: int
+    threads: int
+    microbatch_counts: tuple[int, ...]
+    schedules: tuple[str, ...]
+    torch_schedules: tuple[str, ...]
+    policies: tuple[str, ...]
+    without_2bp: bool
+    rounds: int
+    warmup: int
+    references: bool
+    simulate: bool
+    dtype: str
+    seed: int
+    timeout: float
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """Parse ``'a=1,b=2.5,c=x'`` into ``{"a": 1, "b": 2.5, "c": "x"}``.
+
+    Raises:
+        ValueError: on a part without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--overrides: expected name=value, got {part!r}")
+        out[key.strip()] = _number(value.strip())
+    return out
+
+
+def _number(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def default_microbatch_counts(n_ranks: int) -> tuple[int, ...]:
+    """``p`` and ``2p`` (the paper's 1F1B-1 and 1F1B-2) and 8, without repeats."""
+    return tuple(sorted({n_ranks, 2 * n_ranks, LARGE_MICROBATCH_COUNT}))
+
+
+def resolve(cfg: BenchConfig) -> BenchPlan:
+    """The plan of a configuration; ``--quick`` replaces the matrix by a tiny one.
+
+    Raises:
+        ValueError: naming the option to change.
+    """
+    if cfg.quick:
+        # The tiny matrix, except for the lists the user chose.
+        cfg = dataclasses.replace(
+            cfg,
+            model="llama",
+            regimes=["quick"],
+            microbatches=cfg.microbatches or [2],
+            schedules=_unless_chosen(cfg.schedules, DEFAULT_SCHEDULES, ["1f1b", "zb-v"]),
+            torch_schedules=_unless_chosen(
+                cfg.torch_schedules,
+                DEFAULT_TORCH_SCHEDULES,
+                ["1F1B", "ZBVZeroBubble", "DualPipeV"],
+            ),
+            rounds=min(cfg.rounds, 2),
+            warmup=min(cfg.warmup, 1),
+        )
+    _check(cfg)
+    user = parse_overrides(cfg.overrides)
+    regimes = [_regime(cfg, name, user) for name in _regime_names(cfg)]
+    counts = tuple(cfg.microbatches) or default_microbatch_counts(cfg.ranks)
+    return BenchPlan(
+        family=cfg.model,
+        size=cfg.size,
+        regimes=tuple(regimes),
+        n_ranks=cfg.ranks,
+        threads=cfg.threads,
+        microbatch_counts=tuple(sorted(set(counts))),
+        schedules=tuple(cfg.schedules),
+        torch_schedules=tuple(cfg.torch_schedules),
+        policies=tuple(cfg.policies),
+        without_2bp=cfg.without_2bp,
+        rounds=cfg.rounds,
+        warmup=cfg.warmup,
+        references=cfg.references,
+        simulate=cfg.simulate,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        timeout=cfg.timeout,
+    )
+
+
+def _unless_chosen(given: list[str], default: list[str], quick: list[str]) -> list[str]:
+    return quick if given == default else given
+
+
+def _regime_names(cfg: BenchConfig) -> Sequence[str]:
+    if cfg.model != "llama":
+        return ["preset"]
+    return cfg.regimes
+
+
+def _regime(cfg: BenchConfig, name: str, user: Mapping[str, Any]) -> Regime:
+    if name == "preset":
+        size = cfg.microbatch_size or 2
+        return Regime("preset", f"{cfg.model}-{cfg.size} preset", dict(user), size)
+    known = {"quick": QUICK_REGIME, **REGIMES}
+    if name not in known:
+        raise ValueError(f"--regimes: unknown regime {name!r}; choose from {', '.join(REGIMES)}")
+    base = known[name]
+    return Regime(
+        base.name,
+        base.description + (f"; overrides {dict(user)}" if user else ""),
+        # A plain dict: the plan is pickled to every rank, and mapping proxies do not pickle.
+        {**base.overrides, **user},
+        cfg.microbatch_size or base.microbatch_size,
+        base.references,
+    )
+
+
+def _check(cfg: BenchConfig) -> None:
+    from twobp.schedule import SCHEDULES, TWO_BP_POLICIES
+
+    if cfg.ranks < 1 or cfg.threads < 1:
+        raise ValueError(f"--ranks and --threads must be >= 1, got {cfg.ranks}, {cfg.threads}")
+    if cfg.rounds < 1 or cfg.warmup < 1:
+        raise ValueError(
+            f"--rounds and --warmup must be >= 1 (the last warm-up round probes memory), "
+            f"got {cfg.rounds}, {cfg.warmup}"
+        )
+    if any(m < 1 for m in cfg.microbatches):
+        raise ValueError(f"--microbatches must be >= 1, got {cfg.microbatches}")
+    if cfg.microbatch_size is not None and cfg.microbatch_size < 1:
+        raise ValueError(f"--microbatch-size must be >= 1, got {cfg.microbatch_size}")
+    for name in cfg.schedules:
+        if name not in SCHEDULES:
+            raise ValueError(f"--schedules: unknown {name!r}; choose from {', '.join(SCHEDULES)}")
+    for name in cfg.torch_schedules:
+        if name not in TORCH_SCHEDULES:
+            raise ValueError(
+                f"--torch-schedules: unknown {name!r}; choose from {', '.join(TORCH_SCHEDULES)}"
+            )
+    for name in cfg.policies:
+        if name not in TWO_BP_POLICIES:
+            raise ValueError(
+                f"--policies: unknown {name!r}; choose from {', '.join(TWO_BP_POLICIES)}"
+            )
+    if not (cfg.schedules or cfg.torch_schedules):
+        raise ValueError("nothing to measure: give --schedules or --torch-schedules")

@@ -1,0 +1,292 @@
+"""One regime of the bench on one rank of the launched group.
+
+Every rank builds the same model (same seed), the same batch for each
+micro-batch count, and every variant from a copy of the same blocks with the
+same partition. Then, for each micro-batch count:
+
+1. build the variants; one that torch or twobp refuses on any rank is
+   skipped on all of them, with the reason;
+2. run the rounds: every variant once per round, in turn (A B C A B C ...);
+   the first ``warmup`` rounds are not timed, and the last of them runs each
+   step under the memory probe and reads the gradient norm (the check that
+   all variants compute the same gradients); after each timed round, every
+   rank profiles the blocks for the simulator check;
+3. free the variants before the next count.
+
+All ranks run the same sequence of steps and collectives, so they stay in step.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.bench import matrix
+from twobp.bench.config import BenchPlan, Regime
+from twobp.bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
+from twobp.bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
+from twobp.bench.references import ReferenceRunner
+from twobp.bench.runner import StepRunner, grad_norm, parameter_bytes
+from twobp.bench.torch_pipelining import TorchRunner
+from twobp.bench.twobp_runner import TwobpRunner
+from twobp.models import ModelSpec, build_model
+from twobp.runtime.group import default_device
+from twobp.runtime.microbatch import Batch, split_batch
+from twobp.schedule import Schedule
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class VariantRecord:
+    """What one rank measured of one variant at one micro-batch count.
+
+    Args:
+        variant: the variant.
+        n_microbatches: micro-batches per step.
+        partition: blocks per stage.
+        stage_ranks: the rank of each stage.
+        skipped: why the variant did not run (None if it ran).
+        step_seconds: the step time of each timed round.
+        bubble_ratios: the measured bubble ratio of each timed round (twobp only).
+        busy_seconds: compute time per rank, mean over the ranks, of each timed
+            round (twobp only; the rest of the step is waiting).
+        peak_step_bytes: the memory probe's peak of the step on this rank.
+        stashed_bytes: the most bytes the 2BP engine held for W on this rank.
+        grad_norm: the 2-norm of the whole model's gradients after one step.
+        parameter_bytes: bytes of this rank's parameters.
+        schedule: the compute schedule twobp ran (twobp only).
+    """
+
+    variant: matrix.Variant
+    n_microbatches: int
+    partition: tuple[int, ...]
+    stage_ranks: tuple[int, ...]
+    skipped: str | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    bubble_ratios: list[float] = field(default_factory=list)
+    busy_seconds: list[float] = field(default_factory=list)
+    peak_step_bytes: int | None = None
+    stashed_bytes: int | None = None
+    grad_norm: float | None = None
+    parameter_bytes: int = 0
+    schedule: Schedule | None = None
+
+
+@dataclass
+class RankReport:
+    """Everything one rank measured in one regime.
+
+    Args:
+        rank: this rank.
+        regime: the regime.
+        model_config: the model's config fields.
+        block_kinds: the role of each block.
+        records: one per variant and micro-batch count, in run order.
+        profiles: per micro-batch count, the profile for the simulator check
+            (empty if not asked).
+        peak_rss_bytes: this process's peak resident size at the end.
+        device: the device the rank ran on.
+        threads: torch threads of the rank.
+    """
+
+    rank: int
+    regime: Regime
+    model_config: dict[str, Any]
+    block_kinds: list[str]
+    records: list[VariantRecord]
+    profiles: dict[int, RankProfile]
+    peak_rss_bytes: int
+    device: str
+    threads: int
+
+
+def run_regime(plan: BenchPlan, regime: Regime) -> RankReport:
+    """Measure one regime on this rank (the body of a launched rank). Collective.
+
+    Args:
+        plan: the bench plan.
+        regime: the regime to measure.
+
+    Returns:
+        This rank's measurements.
+    """
+    torch.set_num_threads(plan.threads)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = default_device()
+    spec = build_model(
+        plan.family, plan.size, dtype=DTYPES[plan.dtype], seed=plan.seed, **dict(regime.overrides)
+    )
+    kinds = [k.value for k in spec.block_kinds]
+    link = (0.0, float("inf"))
+    if plan.simulate:
+        example = _batch(spec, regime, 1, plan.seed)[0]
+        link = measure_link(boundary_bytes(spec.blocks, example), device)
+    records: list[VariantRecord] = []
+    profiles: dict[int, RankProfile] = {}
+    for m in plan.microbatch_counts:
+        group, profiler = _run_group(plan, spec, regime, m, rank, device)
+        records.extend(group)
+        if profiler is not None:
+            profiles[m] = profiler.result(link)
+    return RankReport(
+        rank=rank,
+        regime=regime,
+        model_config=dict(vars(spec.config)),
+        block_kinds=kinds,
+        records=records,
+        profiles=profiles,
+        peak_rss_bytes=peak_rss_bytes(),
+        device=str(device),
+        threads=torch.get_num_threads(),
+    )
+
+
+def _batch(spec: ModelSpec, regime: Regime, m: int, seed: int) -> tuple[Batch, Batch]:
+    inputs, targets = spec.make_batch(regime.microbatch_size * m, seed)
+    return inputs, targets
+
+
+def _variants(plan: BenchPlan, regime: Regime) -> list[matrix.Variant]:
+    return matrix.build_variants(
+        plan.schedules,
+        plan.torch_schedules,
+        plan.policies,
+        without_2bp=plan.without_2bp,
+        references=regime.references if plan.references else (),
+    )
+
+
+def _run_group(
+    plan: BenchPlan, spec: ModelSpec, regime: Regime, m: int, rank: int, device: torch.device
+) -> tuple[list[VariantRecord], BlockProfiler | None]:
+    inputs, targets = _batch(spec, regime, m, plan.seed)
+    inputs = _to(inputs, device)
+    targets = _to(targets, device)
+    kinds = [k.value for k in spec.block_kinds]
+    records: list[VariantRecord] = []
+    runners: list[tuple[VariantRecord, StepRunner]] = []
+    for variant in _variants(plan, regime):
+        stage_ranks = matrix.placement(variant, plan.n_ranks)
+        partition = matrix.stage_partition(kinds, len(stage_ranks))
+        record = VariantRecord(variant, m, partition, stage_ranks)
+        runner: StepRunner | None = None
+        reason = matrix.twobp_refusal(variant, plan.n_ranks, m)
+        if reason is None:
+            try:
+                runner = _build(plan, variant, spec, m, partition, inputs, targets, rank, device)
+            except ValueError as exc:  # torch's and twobp's refusals are ValueErrors
+                reason = f"{type(exc).__name__}: {exc}"
+        record.skipped = _agree(reason)
+        records.append(record)
+        if record.skipped is None and runner is not None:
+            record.parameter_bytes = parameter_bytes(runner)
+            if isinstance(runner, TwobpRunner):
+                record.schedule = runner.schedule
+            runners.append((record, runner))
+    profiler = None
+    if plan.simulate and any(isinstance(r, TwobpRunner) for _, r in runners):
+        profiler = BlockProfiler(spec.blocks, split_batch(inputs, m), device)
+    for round_index, index in matrix.round_robin(len(runners), plan.warmup + plan.rounds):
+        record, runner = runners[index]
+        if round_index == plan.warmup - 1:
+            _probe(record, runner, device)
+            continue
+        seconds = timed_step(runner, device)
+        figures = runner.after_step()
+        runner.zero_grad()
+        if round_index >= plan.warmup:
+            record.step_seconds.append(seconds)
+            if "bubble_ratio" in figures:
+                record.bubble_ratios.append(figures["bubble_ratio"])
+                record.busy_seconds.append(figures["busy_s"])
+            if profiler is not None and index == len(runners) - 1:
+                # Once per timed round, under the load the round's steps saw.
+                barrier()
+                profiler.measure()
+    runners.clear()
+    gc.collect()
+    barrier()
+    return records, profiler
+
+
+def _probe(record: VariantRecord, runner: StepRunner, device: torch.device) -> None:
+    """One untimed step under the memory probe, then the gradient norm and the stash."""
+    barrier()
+    record.peak_step_bytes = step_peak_bytes(runner.step, device)
+    if runner.collective:
+        barrier()
+    record.grad_norm = grad_norm(runner, device)
+    figures = runner.after_step()
+    if "stashed_bytes" in figures:
+        record.stashed_bytes = int(figures["stashed_bytes"])
+    runner.zero_grad()
+
+
+def _build(
+    plan: BenchPlan,
+    variant: matrix.Variant,
+    spec: ModelSpec,
+    m: int,
+    partition: tuple[int, ...],
+    inputs: Batch,
+    targets: Batch,
+    rank: int,
+    device: torch.device,
+) -> StepRunner:
+    blocks: list[nn.Module] = copy.deepcopy(spec.blocks)
+    if variant.framework == matrix.TWOBP:
+        return TwobpRunner(
+            variant,
+            blocks,
+            spec.loss_fn,
+            m,
+            partition,
+            inputs,
+            targets,
+            device=device,
+            threads=plan.threads,
+            timeout=plan.timeout,
+        )
+    if variant.framework == matrix.TORCH:
+        return TorchRunner(
+            variant,
+            blocks,
+            spec.loss_fn,
+            m,
+            partition,
+            inputs,
+            targets,
+            rank=rank,
+            n_ranks=plan.n_ranks,
+            device=device,
+        )
+    return ReferenceRunner(
+        variant.schedule, blocks, spec.loss_fn, m, inputs, targets, device=device
+    )
+
+
+def _agree(reason: str | None) -> str | None:
+    """The first rank's reason to skip, if any rank has one (every rank calls this)."""
+    if not dist.is_initialized():
+        return reason
+    reasons: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    found: Sequence[tuple[int, str]] = [(r, x) for r, x in enumerate(reasons) if x is not None]
+    if not found:
+        return None
+    r, text = found[0]
+    return f"rank {r}: {text}"
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, tuple):
+        return tuple(t.to(device) for t in batch)
+    return batch.to(device)

@@ -1,0 +1,229 @@
+"""The variants a bench compares, their stage layout, and the order they run in.
+
+A *variant* is one way to run a training step of the same model on the same
+batch: a twobp schedule with or without 2BP, a ``torch.distributed.pipelining``
+schedule, or a single-process reference. Every pipeline variant with the same
+number of stages gets the same partition (:func:`stage_partition`), and the
+variants run in turn, round after round (:func:`round_robin`), so that a
+change of machine load touches them all alike. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from twobp.partition import uniform
+from twobp.schedule import SCHEDULES, generate
+
+TWOBP = "twobp"
+TORCH = "torch"
+REFERENCE = "reference"
+
+REFERENCE_MICROBATCHED = "microbatched"
+"""Reference (a): one process runs F and B of all m micro-batches of the whole model."""
+REFERENCE_WHOLE_BATCH = "whole-batch"
+"""Reference (b): one process runs F and B of the whole batch at once."""
+REFERENCE_TWO_BP_LIMIT = "2bp-limit"
+"""Reference (c): one process, F and I per micro-batch, one W over all of them."""
+REFERENCES = (REFERENCE_MICROBATCHED, REFERENCE_WHOLE_BATCH, REFERENCE_TWO_BP_LIMIT)
+
+REFERENCE_DESCRIPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        REFERENCE_MICROBATCHED: "(a) one process, same micro-batches, F+B of each",
+        REFERENCE_WHOLE_BATCH: "(b) one process, whole batch without micro-batching",
+        REFERENCE_TWO_BP_LIMIT: "(c) one process, F+I per micro-batch, one W over all",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TorchScheduleInfo:
+    """A ``torch.distributed.pipelining`` schedule as the bench builds it.
+
+    Args:
+        name: the class name without its ``Schedule`` prefix.
+        stages_per_rank: stages each rank holds.
+        placement: ``"loop"`` (stage ``s`` on rank ``s % p``) or ``"v"``
+            (rank ``r`` holds stages ``r`` and ``2p - 1 - r``).
+    """
+
+    name: str
+    stages_per_rank: int
+    placement: str
+
+    @property
+    def class_name(self) -> str:
+        """The class in ``torch.distributed.pipelining``."""
+        return f"Schedule{self.name}"
+
+
+TORCH_SCHEDULES: Mapping[str, TorchScheduleInfo] = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            TorchScheduleInfo("GPipe", 1, "loop"),
+            TorchScheduleInfo("1F1B", 1, "loop"),
+            TorchScheduleInfo("Interleaved1F1B", 2, "loop"),
+            TorchScheduleInfo("InterleavedZeroBubble", 2, "loop"),
+            TorchScheduleInfo("ZBVZeroBubble", 2, "v"),
+            TorchScheduleInfo("DualPipeV", 2, "v"),
+        )
+    }
+)
+"""The torch schedules the bench knows, by name."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the step.
+
+    Args:
+        framework: ``"twobp"``, ``"torch"`` or ``"reference"``.
+        schedule: the twobp or torch schedule name, or the reference name.
+        two_bp: whether the backward is split into I and W.
+        policy: the 2BP policy of a fused twobp schedule run with 2BP (else None).
+    """
+
+    framework: str
+    schedule: str
+    two_bp: bool = False
+    policy: str | None = None
+
+    @property
+    def label(self) -> str:
+        """A short unique name: ``twobp 1f1b+2bp``, ``torch 1F1B``, ``reference whole-batch``."""
+        suffix = ""
+        if self.policy is not None:
+            suffix = "+2bp" if self.policy == "paper" else f"+2bp:{self.policy}"
+        return f"{self.framework} {self.schedule}{suffix}"
+
+    @property
+    def is_pipeline(self) -> bool:
+        """True for twobp and torch variants (False for references)."""
+        return self.framework != REFERENCE
+
+
+def twobp_variants(
+    schedules: Sequence[str], policies: Sequence[str], without_2bp: bool
+) -> list[Variant]:
+    """The twobp variants: each fused schedule without 2BP and with each policy.
+
+    Natively split schedules (``zb-*``) run only as they are: their ``I`` and
+    ``W`` are the schedule; merged into ``B`` they would be another schedule.
+    """
+    out: list[Variant] = []
+    for name in schedules:
+        if SCHEDULES[name].natively_split:
+            out.append(Variant(TWOBP, name, two_bp=True))
+            continue
+        if without_2bp:
+            out.append(Variant(TWOBP, name, two_bp=False))
+        out.extend(Variant(TWOBP, name, two_bp=True, policy=p) for p in policies)
+    return out
+
+
+def build_variants(
+    schedules: Sequence[str],
+    torch_schedules: Sequence[str],
+    policies: Sequence[str],
+    *,
+    without_2bp: bool = True,
+    references: Sequence[str] = REFERENCES,
+) -> list[Variant]:
+    """Every variant of one group: twobp, then torch, then the references.
+
+    Raises:
+        ValueError: on an unknown reference name.
+    """
+    unknown = [r for r in references if r not in REFERENCES]
+    if unknown:
+        raise ValueError(f"unknown reference(s) {unknown}; choose from {', '.join(REFERENCES)}")
+    out = twobp_variants(schedules, policies, without_2bp)
+    out.extend(Variant(TORCH, name, two_bp="ZeroBubble" in name) for name in torch_schedules)
+    out.extend(
+        Variant(REFERENCE, name, two_bp=name == REFERENCE_TWO_BP_LIMIT)
+        for name in REFERENCES
+        if name in references
+    )
+    return out
+
+
+def stages_per_rank(variant: Variant) -> int:
+    """Stages each rank holds (1 for references: they hold the whole model)."""
+    if variant.framework == TWOBP:
+        return SCHEDULES[variant.schedule].default_stages_per_rank
+    if variant.framework == TORCH:
+        return TORCH_SCHEDULES[variant.schedule].stages_per_rank
+    return 1
+
+
+def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
+    """The rank of each stage.
+
+    Raises:
+        ValueError: if the twobp schedule does not exist for ``n_ranks``.
+    """
+    if variant.framework == TWOBP:
+        return generate(variant.schedule, n_ranks, n_ranks).placement
+    if variant.framework == REFERENCE:
+        return (0,)
+    info = TORCH_SCHEDULES[variant.schedule]
+    n_stages = n_ranks * info.stages_per_rank
+    if info.placement == "v":
+        return tuple(s if s < n_ranks else n_stages - 1 - s for s in range(n_stages))
+    return tuple(s % n_ranks for s in range(n_stages))
+
+
+def stages_of_rank(stage_ranks: Sequence[int], rank: int) -> list[int]:
+    """The stages ``rank`` holds, in increasing order."""
+    return [s for s, r in enumerate(stage_ranks) if r == rank]
+
+
+def twobp_refusal(variant: Variant, n_ranks: int, n_microbatches: int) -> str | None:
+    """Why twobp cannot build this schedule for ``p`` ranks and ``m`` micro-batches (or None)."""
+    if variant.framework != TWOBP:
+        return None
+    try:
+        generate(variant.schedule, n_ranks, n_microbatches)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def stage_partition(block_kinds: Sequence[str], n_stages: int) -> tuple[int, ...]:
+    """Blocks per stage: the body blocks split evenly, the ends with the first and last stage.
+
+    The embedding (or stem) joins the first stage and the head the last, as
+    in Megatron; with a looped or V placement the ranks then hold equal body
+    work. When the body has fewer blocks than there are stages, the blocks are
+    split as evenly as :func:`twobp.partition.uniform` does.
+
+    Args:
+        block_kinds: the role of each block: ``"embedding"``, ``"body"`` or ``"head"``.
+        n_stages: number of stages.
+
+    Returns:
+        Block counts per stage.
+
+    Raises:
+        ValueError: if there are fewer blocks than stages.
+    """
+    n_blocks = len(block_kinds)
+    body = sum(k == "body" for k in block_kinds)
+    if body < n_stages or n_stages == 1:
+        return tuple(uniform(n_blocks, n_stages))
+    counts = uniform(body, n_stages)
+    leading = next(i for i, k in enumerate(block_kinds) if k == "body")
+    counts[0] += leading
+    counts[-1] += n_blocks - leading - body
+    return tuple(counts)
+
+
+def round_robin(n_variants: int, rounds: int) -> list[tuple[int, int]]:
+    """The order of ``(round, variant)`` runs: every variant once per round, in turn.
+
+    ``round_robin(2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]``: A B A B.
+    """
+    return [(r, v) for r in range(rounds) for v in range(n_variants)]

@@ -1,0 +1,189 @@
+"""Measure what the simulator needs, on every rank at once: block costs, W tables, the link.
+
+Every rank profiles every block, once per timed round, between the rounds'
+variants: the blocks' costs are then measured under the same machine load as
+the steps they predict (on a shared machine the load drifts, and a profile
+taken once at the start can be far off). The simulator takes the median over
+the rounds, and the costs of each stage from the rank that runs it. Measured:
+
+* per block F, I, W and B of one micro-batch (:func:`twobp.partition.profiler.profile_blocks`);
+* per block the time of one W concatenated over all ``m`` micro-batches (a
+  concatenated W is cheaper than ``m`` single ones, most of all for small
+  micro-batches); the simulator interpolates between 1 and ``m``;
+* once, the one-way time of a point-to-point message between ranks 0 and 1,
+  small and of the size of a stage boundary's activation (latency and bandwidth).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from twobp.engine import defer_weight_grads
+from twobp.partition.profiler import BlockCost, profile_blocks
+from twobp.runtime.microbatch import Batch, flatten, to_device, unflatten
+
+PING_REPEATS = 20
+_TIMES = ("forward", "backward_input", "backward_weight", "backward_full")
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What one rank measured, as the simulator check reads it.
+
+    Args:
+        blocks: F, I, W, B times and sizes of every block, one micro-batch.
+        weight_concat: per block, ``{k: seconds}`` of one W over ``k`` micro-batches.
+        link_latency: one-way seconds of an 8-byte message between ranks 0 and 1.
+        link_bandwidth: bytes per second between ranks 0 and 1 (``inf`` if not measurable).
+        rounds: how many rounds the figures are medians of.
+    """
+
+    blocks: tuple[BlockCost, ...]
+    weight_concat: tuple[dict[int, float], ...]
+    link_latency: float
+    link_bandwidth: float
+    rounds: int = 1
+
+
+class BlockProfiler:
+    """Profiles a copy of the blocks, one round at a time.
+
+    Args:
+        blocks: the model's blocks (copied; the originals are not touched).
+        microbatches: the model inputs of the ``m`` micro-batches of a step.
+        device: where to run the blocks.
+    """
+
+    def __init__(
+        self, blocks: Sequence[nn.Module], microbatches: Sequence[Batch], device: torch.device
+    ) -> None:
+        self._blocks = [block.to(device) for block in copy.deepcopy(list(blocks))]
+        self._microbatches = [to_device(x, device) for x in microbatches]
+        self._block_inputs = _block_inputs(self._blocks, self._microbatches)
+        self._rounds: list[tuple[list[BlockCost], list[dict[int, float]]]] = []
+
+    def measure(self) -> None:
+        """Profile every block once more (one warm-up run and one timed run each)."""
+        costs = profile_blocks(self._blocks, self._microbatches[0], repeats=1, warmup=1)
+        n = len(self._microbatches)
+        tables = []
+        for block, cost, inputs in zip(self._blocks, costs, self._block_inputs, strict=True):
+            table = {1: cost.backward_weight}
+            if n > 1:
+                table[n] = _weight_time(block, inputs)
+            tables.append(table)
+        self._rounds.append((costs, tables))
+
+    def result(self, link: tuple[float, float]) -> RankProfile:
+        """The median of every figure over the rounds measured so far.
+
+        Args:
+            link: ``(latency, bandwidth)`` from :func:`measure_link`.
+
+        Raises:
+            ValueError: if no round was measured.
+        """
+        if not self._rounds:
+            raise ValueError("no profiling round was measured")
+        blocks = []
+        for index, first in enumerate(self._rounds[0][0]):
+            medians = {
+                name: statistics.median(getattr(r[0][index], name) for r in self._rounds)
+                for name in _TIMES
+            }
+            blocks.append(dataclasses.replace(first, **medians))
+        tables = tuple(
+            {k: statistics.median(r[1][index][k] for r in self._rounds) for k in table}
+            for index, table in enumerate(self._rounds[0][1])
+        )
+        return RankProfile(tuple(blocks), tables, link[0], link[1], len(self._rounds))
+
+
+def boundary_bytes(blocks: Sequence[nn.Module], example: Batch) -> int:
+    """Bytes of the largest activation between two blocks, for one micro-batch."""
+    largest = 8
+    with torch.no_grad():
+        x = example
+        for block in list(blocks)[:-1]:
+            x = block(x)
+            largest = max(largest, sum(t.numel() * t.element_size() for t in flatten(x)[0]))
+    return largest
+
+
+@torch.no_grad()
+def _block_inputs(blocks: Sequence[nn.Module], microbatches: Sequence[Batch]) -> list[list[Batch]]:
+    """``out[b][mb]``: the input of block ``b`` for micro-batch ``mb``."""
+    out: list[list[Batch]] = [[] for _ in blocks]
+    for x in microbatches:
+        for index, block in enumerate(blocks):
+            out[index].append(x)
+            x = block(x)
+    return out
+
+
+def _weight_time(block: nn.Module, inputs: Sequence[Batch]) -> float:
+    """Seconds of one W over all of ``inputs`` (their F and I run first, untimed)."""
+    store = defer_weight_grads(block, label="profiled block")
+    try:
+        for mb, x in enumerate(inputs):
+            tensors, is_tuple = flatten(x, "block input")
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+            with store.forward(mb):
+                outs = flatten(block(unflatten(leaves, is_tuple)), "block output")[0]
+            needed = [o for o in outs if o.requires_grad]
+            store.backward_input(mb, needed, [torch.ones_like(o) for o in needed], leaves)
+        start = time.perf_counter()
+        store.backward_weight(range(len(inputs)))
+        seconds = time.perf_counter() - start
+        store.finish_step()
+    finally:
+        store.restore()
+        block.zero_grad(set_to_none=True)
+    return seconds
+
+
+def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong). Collective.
+
+    Args:
+        nbytes: the size of the large message (a stage boundary's activation).
+        device: where the messages live.
+
+    Returns:
+        ``(latency, bandwidth)``; ``(0, inf)`` without a group of two ranks.
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return 0.0, float("inf")
+    small = _one_way(torch.zeros(2, device=device))
+    large = _one_way(torch.zeros(max(2, nbytes // 4), device=device))
+    extra = large - small
+    bandwidth = (nbytes - 8) / extra if extra > 0 else float("inf")
+    return small, bandwidth
+
+
+def _one_way(message: Tensor) -> float:
+    rank = dist.get_rank()
+    dist.barrier()
+    times: list[float] = []
+    for _ in range(PING_REPEATS):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(message, 1)
+            dist.recv(message, 1)
+        elif rank == 1:
+            dist.recv(message, 0)
+            dist.send(message, 0)
+        times.append((time.perf_counter() - start) / 2)
+    # Ranks other than 0 and 1 did nothing; every rank returns rank 0's figure.
+    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=message.device)
+    dist.broadcast(shared, 0)
+    return float(shared)

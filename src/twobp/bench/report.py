@@ -1,0 +1,282 @@
+"""The bench's human report: markdown tables from the results dictionary (pure).
+
+Sections: the 2BP table in the layout of the 2BP paper (throughput and memory
+increase per model and schedule), twobp against torch.distributed.pipelining,
+the targets, then one table per regime and micro-batch count with every
+variant. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+MIB = 1024 * 1024
+GRAD_TOLERANCE = 1e-3
+"""Largest relative difference of gradient norms still taken as the same gradients."""
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """The whole report."""
+    lines = ["# twobp bench", ""]
+    lines += _header(results)
+    lines += _paper_table(results["regimes"])
+    lines += _versus_torch(results["regimes"])
+    lines += _targets(results.get("targets", []))
+    for regime in results["regimes"]:
+        lines += _regime(regime, results["n_ranks"])
+    lines += _notes()
+    return "\n".join(lines) + "\n"
+
+
+def _header(results: Mapping[str, Any]) -> list[str]:
+    machine = results["machine"]
+    return [
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores; {results['n_ranks']} ranks x "
+        f"{results['threads']} thread(s); torch {machine['torch']}; load average "
+        f"{_load(machine['load_before'])} before, {_load(machine['load_after'])} after; "
+        f"{results['rounds']} timed rounds after {results['warmup']} warm-up rounds; "
+        f"wall time {results['wall_s']:.0f} s.",
+        "",
+    ]
+
+
+def _load(values: Sequence[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*out, ""]
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}x"
+
+
+def _ratio(summary: Mapping[str, Any] | None) -> str:
+    """``1.23x [1.20-1.26]``: median and interquartile range of a ratio."""
+    if summary is None:
+        return "n/a"
+    return f"{summary['median']:.2f}x [{summary['q1']:.2f}-{summary['q3']:.2f}]"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:.1f}"
+
+
+def _model_name(regime: Mapping[str, Any]) -> str:
+    return f"{regime['name']} ({regime['rows_per_gemm']} rows/GEMM)"
+
+
+def _by_label(group: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {v["label"]: v for v in group["variants"]}
+
+
+def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for regime in regimes:
+        for group in regime["groups"]:
+            variants = _by_label(group)
+            for pair in group["two_bp_speedups"]:
+                off, on = variants[pair["without"]], variants[pair["with"]]
+                rows.append(
+                    [
+                        _model_name(regime),
+                        pair["with"].removeprefix("twobp "),
+                        str(group["n_microbatches"]),
+                        f"{off['samples_per_s']['median']:.1f}",
+                        f"{on['samples_per_s']['median']:.1f}",
+                        _ratio(pair["speedup"]),
+                        _mib(pair["peak_step_bytes_without"]),
+                        _mib(pair["peak_step_bytes_with"]),
+                        _x(pair["memory_ratio"]),
+                    ]
+                )
+    head = [
+        "model",
+        "schedule",
+        "m",
+        "samples/s no 2BP",
+        "samples/s 2BP",
+        "throughput increase [IQR]",
+        "step peak MiB no 2BP",
+        "step peak MiB 2BP",
+        "memory increase",
+    ]
+    return ["## 2BP against no 2BP (twobp)", "", *_table(head, rows)]
+
+
+def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
+    best_rows, same_rows = [], []
+    for regime in regimes:
+        for group in regime["groups"]:
+            variants = _by_label(group)
+            best = group["best"]
+            if best.get("twobp") and best.get("torch"):
+                ours, theirs = variants[best["twobp"]], variants[best["torch"]]
+                best_rows.append(
+                    [
+                        _model_name(regime),
+                        str(group["n_microbatches"]),
+                        best["twobp"],
+                        f"{ours['samples_per_s']['median']:.1f}",
+                        best["torch"],
+                        f"{theirs['samples_per_s']['median']:.1f}",
+                        _ratio(best.get("speedup")),
+                    ]
+                )
+            for pair in group["same_schedule"]:
+                same_rows.append(
+                    [
+                        _model_name(regime),
+                        str(group["n_microbatches"]),
+                        pair["twobp"],
+                        pair["torch"],
+                        _ratio(pair["speedup"]),
+                    ]
+                )
+    head = ["model", "m", "best twobp", "samples/s", "best torch", "samples/s", "speedup [IQR]"]
+    same_head = ["model", "m", "twobp", "torch", "twobp speedup [IQR]"]
+    return [
+        "## twobp against torch.distributed.pipelining",
+        "",
+        *_table(head, best_rows),
+        "Same schedule order:",
+        "",
+        *_table(same_head, same_rows),
+    ]
+
+
+def _targets(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for t in targets:
+        value = t["value"]
+        shown = "n/a" if value is None else f"{value:.3f}"
+        sign = ">=" if t["above"] else "<="
+        threshold = "-" if t["threshold"] is None else f"{sign} {t['threshold']}"
+        met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
+        rows.append([t["regime"], t["target"], shown, threshold, met, t["detail"]])
+    head = ["regime", "target", "value", "threshold", "", "detail"]
+    return ["## Targets", "", *_table(head, rows)]
+
+
+def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
+    model = ", ".join(f"{k}={v}" for k, v in regime["model"].items())
+    lines = [
+        f"## Regime {regime['name']}",
+        "",
+        f"{regime['description']}. Model: {model}; blocks: {', '.join(regime['block_kinds'])}; "
+        f"{regime['microbatch_size']} samples per micro-batch; device {regime['device']}, "
+        f"{regime['threads']} thread(s) per rank; peak RSS per rank "
+        f"{', '.join(_mib(b) for b in regime['peak_rss_bytes'])} MiB (whole job).",
+        "",
+    ]
+    profile = next((g["profile"] for g in regime["groups"] if g.get("profile")), None)
+    if profile is not None:
+        bandwidth = profile["link_bandwidth_bytes_per_s"]
+        shown = "too fast to measure" if bandwidth is None else f"{bandwidth / 1e9:.2f} GB/s"
+        lines += [
+            f"Link rank 0 - rank 1 (ping-pong): {profile['link_latency_s'] * 1e6:.0f} us one way, "
+            f"{shown}.",
+            "",
+        ]
+    for group in regime["groups"]:
+        lines += _group(group, n_ranks)
+    return lines
+
+
+def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
+    bounds = group["reference_bounds_s"]
+    names = list(bounds)
+    head = [
+        "variant",
+        "partition",
+        "step ms [IQR]",
+        "samples/s",
+        "bubble",
+        "busy ms",
+        *[f"eff. vs {n}" for n in names],
+        "sim ms",
+        "sim error",
+        "step peak MiB/rank",
+        "W stash MiB/rank",
+        "grad check",
+    ]
+    rows, skipped = [], []
+    for v in group["variants"]:
+        if "step_s" not in v:
+            skipped.append(f"- {v['label']}: {v['skipped'] or 'no timed step'}")
+            continue
+        step = v["step_s"]
+        efficiency = v.get("efficiency", {})
+        rows.append(
+            [
+                v["label"],
+                "-".join(map(str, v["partition"])) if v["framework"] != "reference" else "all",
+                f"{step['median'] * 1e3:.1f} [{step['q1'] * 1e3:.1f}-{step['q3'] * 1e3:.1f}]",
+                f"{v['samples_per_s']['median']:.1f}",
+                "n/a" if v.get("bubble_ratio") is None else f"{v['bubble_ratio']:.3f}",
+                "n/a" if v.get("busy_s") is None else f"{v['busy_s'] * 1e3:.1f}",
+                *["-" if efficiency.get(n) is None else f"{efficiency[n]:.2f}" for n in names],
+                "-" if v.get("sim_step_s") is None else f"{v['sim_step_s'] * 1e3:.1f}",
+                "-" if v.get("sim_error") is None else f"{v['sim_error'] * 100:+.1f}%",
+                _per_rank_mib(v.get("peak_step_bytes")),
+                _per_rank_mib(v.get("stashed_bytes")),
+                _grad_check(v.get("grad_rel_error")),
+            ]
+        )
+    bound_text = ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in bounds.items())
+    lines = [
+        f"### m = {group['n_microbatches']} (batch {group['batch_size']})",
+        "",
+    ]
+    if bounds:
+        lines += [f"Reference time / p (p = {n_ranks}): {bound_text}.", ""]
+    lines += _table(head, rows)
+    if skipped:
+        lines += ["Skipped:", "", *skipped, ""]
+    return lines
+
+
+def _per_rank_mib(values: Sequence[float | None] | None) -> str:
+    if not values or all(v is None for v in values):
+        return "-"
+    return " / ".join(_mib(v) for v in values)
+
+
+def _grad_check(error: float | None) -> str:
+    if error is None:
+        return "-"
+    return ("ok " if error <= GRAD_TOLERANCE else "DIFFERS ") + f"{error:.0e}"
+
+
+def _notes() -> list[str]:
+    return [
+        "## How this was measured",
+        "",
+        "- Every variant runs on its own copy of the same model (same seed), the same batch, the "
+        "same partition for the same number of stages, and the same threads per rank.",
+        "- Variants run in turn (A B C A B C ...), round after round; the step time is the median "
+        "over rounds, from a barrier before the step to a barrier after it; [IQR] is the "
+        "interquartile range. Speedups are medians of round-by-round ratios.",
+        "- A step is the forward and backward of every micro-batch (no optimizer).",
+        "- torch.distributed.pipelining runs with the loss scaled by 1/m and "
+        "`scale_grads=False` (the same gradients as twobp, without an extra pass over them) and "
+        "`return_outputs=False`.",
+        "- References run on every rank at once, each rank alone with the whole model; the bound "
+        "is their time divided by p. Efficiency = bound / step time.",
+        "- Step peak: the most bytes allocated during one step beyond what was held before it "
+        "(activations, W stash, buffers, new gradients; not the parameters), read from "
+        "torch.profiler's allocation events on the CPU, torch.cuda.max_memory_allocated on GPUs.",
+        "- Bubble and busy: idle fraction of the step and compute time per rank (mean over "
+        "ranks), from the twobp runtime's own timeline (n/a for torch).",
+        "- Simulator: twobp.sim on the blocks' F, I, W, B times and the time of one W over all m "
+        "micro-batches, profiled by every rank after each timed round (medians; each stage "
+        "costed by the rank that runs it), and the measured link.",
+        "- Grad check: relative difference of the gradient norm from the whole-batch reference.",
+        "",
+    ]

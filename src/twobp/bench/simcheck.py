@@ -1,0 +1,100 @@
+"""The simulator check: predicted step time of a twobp variant from profiled costs.
+
+For a schedule and its partition, each stage's costs are the sums of its
+blocks' costs as measured by the rank that runs the stage; W over ``k``
+micro-batches reads the measured concatenation table; a transfer between
+ranks takes the measured latency plus its bytes over the measured bandwidth.
+:func:`twobp.sim.simulate` then gives the makespan, which is compared with
+the measured step time. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from twobp.partition.solver import stage_ranges
+from twobp.schedule import Schedule
+from twobp.sim import CostModel, simulate
+
+
+class BlockTimes(Protocol):
+    """The block figures the check reads (a :class:`~twobp.partition.profiler.BlockCost`)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    backward_full: float
+    output_bytes: int
+
+
+class ProfileLike(Protocol):
+    """One rank's profile (a :class:`~twobp.bench.profile.RankProfile`)."""
+
+    @property
+    def blocks(self) -> Sequence[BlockTimes]: ...
+
+    @property
+    def weight_concat(self) -> Sequence[Mapping[int, float]]: ...
+
+    @property
+    def link_latency(self) -> float: ...
+
+    @property
+    def link_bandwidth(self) -> float: ...
+
+
+def stage_costs(
+    profiles: Sequence[ProfileLike], partition: Sequence[int], stage_ranks: Sequence[int]
+) -> CostModel:
+    """The cost model of a partition, each stage costed by the rank that runs it.
+
+    Args:
+        profiles: the profile of every rank, indexed by rank.
+        partition: blocks per stage.
+        stage_ranks: the rank of each stage.
+
+    Returns:
+        The per-stage cost model, with W tables and the link of rank 0's profile.
+
+    Raises:
+        ValueError: if the partition and the placement disagree on the stage count.
+    """
+    if len(partition) != len(stage_ranks):
+        raise ValueError(
+            f"partition has {len(partition)} stages but the placement {tuple(stage_ranks)} "
+            f"has {len(stage_ranks)}"
+        )
+    ranges = stage_ranges(list(partition))
+
+    def total(stage: int, field: str) -> float:
+        blocks = profiles[stage_ranks[stage]].blocks
+        return float(sum(getattr(blocks[i], field) for i in ranges[stage]))
+
+    def table(stage: int) -> dict[int, float]:
+        tables = profiles[stage_ranks[stage]].weight_concat
+        counts = set.intersection(*(set(tables[i]) for i in ranges[stage]))
+        return {k: sum(tables[i][k] for i in ranges[stage]) for k in sorted(counts)}
+
+    stages = range(len(partition))
+    link = profiles[0]
+    return CostModel(
+        forward=tuple(total(s, "forward") for s in stages),
+        backward_input=tuple(total(s, "backward_input") for s in stages),
+        backward_weight=tuple(total(s, "backward_weight") for s in stages),
+        backward_full=tuple(total(s, "backward_full") for s in stages),
+        weight_concat=tuple(table(s) for s in stages),
+        send_latency=link.link_latency,
+        bandwidth=link.link_bandwidth,
+        send_bytes=tuple(
+            float(profiles[stage_ranks[s]].blocks[ranges[s][-1]].output_bytes) for s in stages
+        ),
+    )
+
+
+def simulated_step(
+    schedule: Schedule, profiles: Sequence[ProfileLike], partition: Sequence[int]
+) -> float:
+    """The simulated makespan of ``schedule`` (seconds) under the profiled costs."""
+    model = stage_costs(profiles, partition, schedule.placement)
+    return simulate(schedule, model).makespan

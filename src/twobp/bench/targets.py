@@ -1,0 +1,118 @@
+"""The bench's performance targets, evaluated on its figures (reported, not asserted).
+
+Targets of the two LLaMA regimes, on 2 CPU cores with 1 thread per rank:
+
+* best twobp against best torch.distributed.pipelining at the largest ``m``:
+  >= 1.2x (large micro-batches), >= 1.4x (small);
+* 1F1B with 2BP against without, at ``m = p``: >= 1.2x;
+* efficiency of the best twobp variant at the largest ``m``: >= 0.95 against
+  the whole-batch reference (large), >= 0.9 against the 2BP limit (small);
+* simulator error of every twobp variant: within 10 %.
+
+Other regimes get the same figures without thresholds. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from twobp.bench import matrix
+
+SPEEDUP_OVER_TORCH = {"large": 1.2, "small": 1.4}
+TWO_BP_SPEEDUP_AT_P = 1.2
+EFFICIENCY = {"large": ("whole-batch", 0.95), "small": ("2bp-limit", 0.9)}
+SIMULATOR_ERROR = 0.10
+
+
+def evaluate(regimes: Sequence[Mapping[str, Any]], n_ranks: int) -> list[dict[str, Any]]:
+    """Every target of every regime: its value, threshold and whether it is met.
+
+    Args:
+        regimes: the regime dictionaries of :func:`twobp.bench.analysis.analyse_regime`.
+        n_ranks: pipeline ranks ``p``.
+
+    Returns:
+        One dictionary per target: ``regime``, ``target``, ``value``,
+        ``threshold``, ``met`` (None without a threshold or a value) and ``detail``.
+    """
+    out: list[dict[str, Any]] = []
+    for regime in regimes:
+        name = regime["name"]
+        groups = {g["n_microbatches"]: g for g in regime["groups"]}
+        if not groups:
+            continue
+        largest = groups[max(groups)]
+        out.append(_over_torch(name, largest))
+        if n_ranks in groups:
+            out.append(_two_bp_at_p(name, groups[n_ranks], n_ranks))
+        out.append(_efficiency(name, largest))
+        out.append(_simulator(name, list(groups.values())))
+    return out
+
+
+def _target(
+    regime: str, target: str, value: float | None, threshold: float | None, detail: str, above: bool
+) -> dict[str, Any]:
+    met = None
+    if value is not None and threshold is not None:
+        met = value >= threshold if above else value <= threshold
+    return {
+        "regime": regime,
+        "target": target,
+        "value": value,
+        "threshold": threshold,
+        "met": met,
+        "above": above,
+        "detail": detail,
+    }
+
+
+def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
+    best = group["best"]
+    value = best["speedup"]["median"] if "speedup" in best else None
+    detail = f"m={group['n_microbatches']}: {best['twobp']} vs {best['torch']}"
+    return _target(
+        regime,
+        "best twobp / best torch",
+        value,
+        SPEEDUP_OVER_TORCH.get(regime),
+        detail,
+        above=True,
+    )
+
+
+def _two_bp_at_p(regime: str, group: Mapping[str, Any], n_ranks: int) -> dict[str, Any]:
+    pairs = [
+        p for p in group["two_bp_speedups"] if p["schedule"] == "1f1b" and p["policy"] == "paper"
+    ]
+    value = pairs[0]["speedup"]["median"] if pairs else None
+    threshold = TWO_BP_SPEEDUP_AT_P if regime in SPEEDUP_OVER_TORCH else None
+    return _target(regime, "1f1b: 2BP / no 2BP", value, threshold, f"m=p={n_ranks}", above=True)
+
+
+def _efficiency(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
+    reference, threshold = EFFICIENCY.get(regime, ("whole-batch", None))
+    ranked = [
+        (v["efficiency"].get(reference), v["label"])
+        for v in group["variants"]
+        if v["framework"] == matrix.TWOBP and "efficiency" in v
+    ]
+    ranked = [(e, label) for e, label in ranked if e is not None]
+    value, label = max(ranked) if ranked else (None, "none")
+    detail = f"m={group['n_microbatches']}: {label} against reference {reference}"
+    return _target(regime, f"efficiency vs {reference}", value, threshold, detail, above=True)
+
+
+def _simulator(regime: str, groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    errors = [
+        (abs(v["sim_error"]), f"m={g['n_microbatches']} {v['label']}")
+        for g in groups
+        for v in g["variants"]
+        if v.get("sim_error") is not None
+    ]
+    value, worst = max(errors) if errors else (None, "none")
+    threshold = SIMULATOR_ERROR if regime in SPEEDUP_OVER_TORCH else None
+    return _target(
+        regime, "largest |simulator error|", value, threshold, f"worst: {worst}", above=False
+    )

@@ -1,0 +1,126 @@
+"""A ``torch.distributed.pipelining`` schedule as a bench variant: the baseline.
+
+Each rank builds its stage modules by hand from the same blocks and the same
+partition as twobp (an ``nn.Sequential`` of the stage's blocks), wraps them in
+``PipelineStage`` and runs the schedule class. Work is made equal to twobp's:
+
+* torch calls ``loss_fn`` per micro-batch and, with ``scale_grads=True``,
+  divides every gradient by ``m`` after the step (one extra pass over the
+  parameters). twobp seeds each micro-batch's backward with ``1 / m``
+  instead. Here the loss is scaled by ``1 / m`` and ``scale_grads=False``,
+  which gives the same gradients as twobp without the extra pass;
+* ``return_outputs=False``: twobp does not gather the last stage's outputs either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed.pipelining as pipelining
+from torch import Tensor, nn
+
+from twobp.bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_rank
+from twobp.partition import stage_ranges
+from twobp.runtime.microbatch import Batch, flatten
+from twobp.runtime.stage import LossFn
+
+
+class StageModule(nn.Module):
+    """The blocks of one stage; takes what the previous stage sent as positional arguments.
+
+    torch calls a stage with the previous stage's outputs unpacked (``f(*outputs)``),
+    whereas the blocks take one tensor or one tuple.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, *args: Tensor) -> Any:
+        return self.blocks(args[0] if len(args) == 1 else tuple(args))
+
+
+class ScaledLoss:
+    """``loss_fn(output, target) / m``: the micro-batch's share of the mean loss."""
+
+    def __init__(self, loss_fn: LossFn, n_microbatches: int) -> None:
+        self._loss_fn = loss_fn
+        self._scale = 1.0 / n_microbatches
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        return self._loss_fn(output, target) * self._scale
+
+
+class TorchRunner:
+    """A ``torch.distributed.pipelining`` schedule over this rank's stages.
+
+    Args:
+        variant: a torch variant (its schedule names a :data:`TORCH_SCHEDULES` entry).
+        blocks: a fresh copy of the whole model's blocks.
+        loss_fn: the model's loss (a mean over a micro-batch).
+        n_microbatches: micro-batches per step.
+        partition: blocks per stage (``p * stages_per_rank`` stages).
+        inputs: the whole batch of model inputs.
+        targets: the whole batch of targets.
+        rank: this rank.
+        n_ranks: ranks in the group.
+        device: this rank's device.
+
+    Raises:
+        ValueError: if torch refuses the combination (its own message).
+    """
+
+    collective = True
+
+    def __init__(
+        self,
+        variant: Variant,
+        blocks: Sequence[nn.Module],
+        loss_fn: LossFn,
+        n_microbatches: int,
+        partition: Sequence[int],
+        inputs: Batch,
+        targets: Batch,
+        *,
+        rank: int,
+        n_ranks: int,
+        device: torch.device,
+    ) -> None:
+        info = TORCH_SCHEDULES[variant.schedule]
+        stage_ranks = placement(variant, n_ranks)
+        n_stages = len(stage_ranks)
+        if len(partition) != n_stages:
+            raise ValueError(
+                f"{info.class_name} has {n_stages} stages but the partition has {len(partition)}"
+            )
+        ranges = stage_ranges(list(partition))
+        mine = stages_of_rank(stage_ranks, rank)
+        self.modules = [StageModule([blocks[i] for i in ranges[s]]).to(device) for s in mine]
+        stages = [
+            pipelining.PipelineStage(module, s, n_stages, device)
+            for s, module in zip(mine, self.modules, strict=True)
+        ]
+        schedule_class = getattr(pipelining, info.class_name)
+        self._schedule = schedule_class(
+            stages[0] if info.stages_per_rank == 1 else stages,
+            n_microbatches,
+            loss_fn=ScaledLoss(loss_fn, n_microbatches),
+            scale_grads=False,
+        )
+        self._args = flatten(inputs)[0] if 0 in mine else ()
+        self._target = targets if n_stages - 1 in mine else None
+
+    def step(self) -> None:
+        self._schedule.step(*self._args, target=self._target, return_outputs=False)
+
+    def zero_grad(self) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules for p in module.parameters()]
+
+    def after_step(self) -> dict[str, float]:
+        return {}

@@ -1,0 +1,93 @@
+"""A twobp :class:`~twobp.runtime.Pipeline` as a bench variant."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from twobp.bench.matrix import Variant
+from twobp.runtime import Pipeline
+from twobp.runtime.microbatch import Batch
+from twobp.runtime.stage import LossFn
+from twobp.schedule import Schedule
+from twobp.timeline import bubble_ratio, busy_time
+
+
+class TwobpRunner:
+    """A pipeline of twobp on this rank's share of the model.
+
+    Args:
+        variant: the twobp schedule, 2BP on or off, and the policy.
+        blocks: a fresh copy of the whole model's blocks (only this rank's are kept).
+        loss_fn: the model's loss (a mean over a micro-batch).
+        n_microbatches: micro-batches per step.
+        partition: blocks per stage.
+        inputs: the whole batch of model inputs.
+        targets: the whole batch of targets.
+        device: this rank's device.
+        threads: torch threads of this rank.
+        timeout: seconds to wait on a peer.
+
+    Raises:
+        twobp.runtime.PipelineConfigError: if the schedule does not fit.
+    """
+
+    collective = True
+
+    def __init__(
+        self,
+        variant: Variant,
+        blocks: Sequence[nn.Module],
+        loss_fn: LossFn,
+        n_microbatches: int,
+        partition: Sequence[int],
+        inputs: Batch,
+        targets: Batch,
+        *,
+        device: torch.device,
+        threads: int,
+        timeout: float,
+    ) -> None:
+        self.pipe = Pipeline(
+            list(blocks),
+            loss_fn,
+            schedule=variant.schedule,
+            n_microbatches=n_microbatches,
+            two_bp=variant.two_bp,
+            partition=list(partition),
+            two_bp_policy=variant.policy or "paper",
+            device=device,
+            timeout=timeout,
+            num_threads=threads,
+        )
+        last = self.pipe.schedule.n_stages - 1
+        # Only the ranks of the first and last stage need the batch, as a user would pass it.
+        self._inputs = inputs if 0 in self.pipe.stages else None
+        self._targets = targets if last in self.pipe.stages else None
+
+    @property
+    def schedule(self) -> Schedule:
+        """The compute schedule the pipeline runs."""
+        return self.pipe.schedule
+
+    def step(self) -> None:
+        self.pipe.step(self._inputs, self._targets)
+
+    def zero_grad(self) -> None:
+        self.pipe.zero_grad()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.pipe.parameters())
+
+    def after_step(self) -> dict[str, float]:
+        """Bubble ratio and compute time (means over ranks), bytes held for W. Collective."""
+        spans = self.pipe.timeline()
+        ranks = sorted({s.rank for s in spans})
+        busy = sum(busy_time(spans, r) for r in ranks) / max(1, len(ranks))
+        return {
+            "bubble_ratio": bubble_ratio(spans),
+            "busy_s": busy,
+            "stashed_bytes": float(self.pipe.peak_stashed_bytes()),
+        }

@@ -1,0 +1,50 @@
+"""`twobp bench --quick` end to end: two real ranks, twobp and torch.distributed.pipelining."""
+
+import json
+
+from twobp.bench import build_variants, resolve
+from twobp.bench.config import BenchConfig
+from twobp.cli.main import main
+
+
+def test_quick_bench_writes_every_variant(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    png = (out / "throughput.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+    plan = resolve(BenchConfig(quick=True))
+    expected = [
+        v.label for v in build_variants(plan.schedules, plan.torch_schedules, plan.policies)
+    ]
+    (regime,) = results["regimes"]
+    (group,) = regime["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert list(variants) == expected
+    for label in expected:
+        assert label in report
+
+    # torch refuses DualPipeV with fewer micro-batches than stages: skipped, with its reason.
+    assert "at least as many microbatches" in variants["torch DualPipeV"]["skipped"]
+    ran = [v for v in variants.values() if v["skipped"] is None]
+    assert len(ran) == len(expected) - 1
+    for v in ran:
+        assert v["step_s"]["n"] == results["rounds"]
+        assert v["step_s"]["median"] > 0
+        # Every variant computes the gradients of the same model on the same batch.
+        assert v["grad_rel_error"] < 1e-4, v["label"]
+        assert all(b > 0 for b in v["peak_step_bytes"]), v["label"]
+    for label in ("twobp 1f1b", "twobp 1f1b+2bp", "twobp zb-v"):
+        assert 0 <= variants[label]["bubble_ratio"] < 1
+        assert variants[label]["sim_step_s"] > 0
+    assert variants["twobp 1f1b+2bp"]["stashed_bytes"][1] > 0
+    assert set(group["reference_bounds_s"]) == {"microbatched", "whole-batch", "2bp-limit"}
+    assert "report in" in capsys.readouterr().out
+
+
+def test_bad_option_is_refused_before_any_rank_starts(tmp_path, capsys):
+    assert main(["bench", "--quick", "--schedules", "nope", "--out", str(tmp_path)]) == 2
+    assert "--schedules" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()

@@ -1,0 +1,132 @@
+"""The bench's pure parts: options, variants, stage layout, order of runs, summaries."""
+
+import pytest
+
+from twobp.bench import matrix
+from twobp.bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
+from twobp.bench.matrix import Variant
+from twobp.bench.stats import paired_ratios, speedup, summarize
+from twobp.partition import stage_ranges
+
+
+def test_default_plan_is_the_two_llama_regimes_at_p_2p_and_8():
+    plan = resolve(BenchConfig())
+    assert [r.name for r in plan.regimes] == ["large", "small"]
+    assert plan.microbatch_counts == (2, 4, 8)
+    large, small = plan.regimes
+    assert large.microbatch_size * large.overrides["seq_len"] >= 256
+    assert small.microbatch_size * small.overrides["seq_len"] <= 32
+    assert (large.overrides["dim"], small.overrides["dim"]) == (256, 512)
+    # The 2BP limit reference is measured where W concatenation matters: small micro-batches.
+    assert "2bp-limit" in small.references and "2bp-limit" not in large.references
+
+
+def test_quick_plan_is_tiny_and_overrides_reach_every_regime():
+    plan = resolve(BenchConfig(quick=True, overrides="n_layers=3"))
+    assert [r.name for r in plan.regimes] == ["quick"]
+    assert plan.regimes[0].overrides["n_layers"] == 3
+    assert plan.microbatch_counts == (2,)
+    assert plan.rounds <= 2
+    other = resolve(BenchConfig(model="bert", microbatch_size=3))
+    assert [(r.name, r.microbatch_size) for r in other.regimes] == [("preset", 3)]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "option"),
+    [
+        (BenchConfig(schedules=["nope"]), "--schedules"),
+        (BenchConfig(torch_schedules=["Schedule1F1B"]), "--torch-schedules"),
+        (BenchConfig(policies=["late"]), "--policies"),
+        (BenchConfig(regimes=["huge"]), "--regimes"),
+        (BenchConfig(warmup=0), "--warmup"),
+        (BenchConfig(overrides="dim"), "--overrides"),
+    ],
+)
+def test_bad_options_name_the_option(cfg, option):
+    with pytest.raises(ValueError, match=option):
+        resolve(cfg)
+
+
+def test_parse_overrides_reads_numbers():
+    assert parse_overrides("dim=128, norm_eps=1e-6,name=x") == {
+        "dim": 128,
+        "norm_eps": 1e-6,
+        "name": "x",
+    }
+    assert parse_overrides("") == {}
+    assert default_microbatch_counts(4) == (4, 8)
+
+
+def test_variants_pair_each_fused_schedule_with_and_without_2bp():
+    variants = matrix.build_variants(["1f1b", "zb-v"], ["1F1B"], ["paper", "fill"])
+    labels = [v.label for v in variants]
+    assert labels == [
+        "twobp 1f1b",
+        "twobp 1f1b+2bp",
+        "twobp 1f1b+2bp:fill",
+        "twobp zb-v",
+        "torch 1F1B",
+        "reference microbatched",
+        "reference whole-batch",
+        "reference 2bp-limit",
+    ]
+    assert len(set(labels)) == len(labels)
+    only_2bp = matrix.build_variants(["gpipe"], [], ["paper"], without_2bp=False, references=())
+    assert [v.label for v in only_2bp] == ["twobp gpipe+2bp"]
+    some = matrix.build_variants([], ["GPipe"], [], references=["whole-batch"])
+    assert [v.label for v in some] == ["torch GPipe", "reference whole-batch"]
+    with pytest.raises(ValueError, match="unknown reference"):
+        matrix.build_variants([], [], [], references=["fastest"])
+
+
+def test_placements_match_the_schedules():
+    assert matrix.placement(Variant("torch", "1F1B"), 2) == (0, 1)
+    assert matrix.placement(Variant("torch", "Interleaved1F1B"), 2) == (0, 1, 0, 1)
+    assert matrix.placement(Variant("torch", "ZBVZeroBubble"), 2) == (0, 1, 1, 0)
+    assert matrix.placement(Variant("torch", "DualPipeV"), 3) == (0, 1, 2, 2, 1, 0)
+    # twobp's zb-v puts its stages where torch's ZBV does: the same partition means the same work.
+    assert matrix.placement(Variant("twobp", "zb-v", True), 2) == (0, 1, 1, 0)
+    assert matrix.placement(Variant("twobp", "interleaved-1f1b"), 2) == (0, 1, 0, 1)
+    assert matrix.stages_of_rank((0, 1, 1, 0), 0) == [0, 3]
+
+
+def test_stage_partition_spreads_the_body_and_keeps_the_ends_outside():
+    kinds = ["embedding", *["body"] * 4, "head"]
+    assert matrix.stage_partition(kinds, 2) == (3, 3)
+    assert matrix.stage_partition(kinds, 4) == (2, 1, 1, 2)
+    assert matrix.stage_partition(kinds, 1) == (6,)
+    # Too few body blocks: fall back to an even split of all blocks.
+    assert matrix.stage_partition(["embedding", "body", "body", "head"], 4) == (1, 1, 1, 1)
+    # With the V placement, each rank holds the same number of body blocks.
+    ranges = stage_ranges(list(matrix.stage_partition(kinds, 4)))
+    for rank in (0, 1):
+        held = [i for s in matrix.stages_of_rank((0, 1, 1, 0), rank) for i in ranges[s]]
+        assert sum(kinds[i] == "body" for i in held) == 2
+
+
+def test_round_robin_alternates_variants():
+    assert matrix.round_robin(2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    order = matrix.round_robin(3, 4)
+    assert [v for _, v in order] == [0, 1, 2] * 4
+
+
+def test_twobp_refusal_says_why():
+    assert matrix.twobp_refusal(Variant("twobp", "1f1b"), 2, 3) is None
+    reason = matrix.twobp_refusal(Variant("twobp", "interleaved-1f1b"), 2, 3)
+    assert reason is not None and "interleaved" in reason
+    assert matrix.twobp_refusal(Variant("torch", "DualPipeV"), 2, 2) is None
+
+
+def test_summaries_and_paired_speedups():
+    s = summarize([3.0, 1.0, 2.0, 4.0, 100.0])
+    assert (s.median, s.low, s.high, s.n) == (3.0, 1.0, 100.0, 5)
+    assert s.q1 == 2.0 and s.q3 == 4.0
+    assert summarize([2.0]).iqr_fraction == 0.0
+    inverse = s.inverse(6.0)
+    assert inverse.median == 2.0 and inverse.low == 6.0 / 100.0 and inverse.high == 6.0
+    assert paired_ratios([2.0, 4.0], [1.0, 1.0]) == [2.0, 4.0]
+    assert speedup([2.0, 3.0, 4.0], [1.0, 1.0, 2.0]).median == 2.0
+    with pytest.raises(ValueError):
+        summarize([])
+    with pytest.raises(ValueError):
+        paired_ratios([1.0], [0.0])

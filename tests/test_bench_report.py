@@ -1,0 +1,132 @@
+"""From rank records to figures, targets, markdown and chart, on made-up timings."""
+
+import json
+
+import pytest
+
+from twobp.bench import matrix
+from twobp.bench.analysis import analyse_regime
+from twobp.bench.config import Regime
+from twobp.bench.job import RankReport, VariantRecord
+from twobp.bench.report import render_markdown
+from twobp.bench.run import write_outputs
+from twobp.bench.targets import evaluate
+
+# Step seconds of each variant in three rounds (m = 2, batch 2 * 4 = 8 samples).
+TIMES = {
+    "twobp 1f1b": [2.0, 2.2, 2.0],
+    "twobp 1f1b+2bp": [1.0, 1.0, 1.1],
+    "torch 1F1B": [2.0, 2.0, 2.2],
+    "torch DualPipeV": None,
+    "reference microbatched": [3.0, 3.0, 3.0],
+    "reference whole-batch": [1.8, 1.8, 1.8],
+    "reference 2bp-limit": [2.0, 2.0, 2.0],
+}
+PEAK = {"twobp 1f1b": 1000, "twobp 1f1b+2bp": 1500, "torch 1F1B": 1200}
+
+
+def _records(rank: int) -> list[VariantRecord]:
+    variants = matrix.build_variants(["1f1b"], ["1F1B", "DualPipeV"], ["paper"])
+    out = []
+    for v in variants:
+        times = TIMES[v.label]
+        rec = VariantRecord(v, 2, (3, 3), matrix.placement(v, 2))
+        if times is None:
+            rec.skipped = "rank 0: ValueError: DualPipeV requires at least as many microbatches"
+        else:
+            rec.step_seconds = list(times)
+            rec.bubble_ratios = [0.1, 0.2, 0.3] if v.framework == "twobp" else []
+            rec.peak_step_bytes = PEAK.get(v.label, 2000) + rank
+            rec.stashed_bytes = 300 if v.two_bp else None
+            rec.grad_norm = 2.0 if v.label != "torch 1F1B" else 2.1
+            rec.parameter_bytes = 4000
+        out.append(rec)
+    return out
+
+
+def _reports(name: str) -> list[RankReport]:
+    regime = Regime(name, f"{name} micro-batches", {"seq_len": 64}, 4)
+    return [
+        RankReport(
+            rank=r,
+            regime=regime,
+            model_config={"dim": 8, "seq_len": 64},
+            block_kinds=["embedding", "body", "body", "body", "body", "head"],
+            records=_records(r),
+            profiles={},
+            peak_rss_bytes=10_000_000,
+            device="cpu",
+            threads=1,
+        )
+        for r in range(2)
+    ]
+
+
+@pytest.fixture
+def results():
+    regimes = [analyse_regime(_reports("large"), 2)]
+    return {
+        "command": "twobp bench --test",
+        "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
+        | {"load_after": [1, 1, 1]},
+        "n_ranks": 2,
+        "threads": 1,
+        "rounds": 3,
+        "warmup": 1,
+        "wall_s": 1.0,
+        "regimes": regimes,
+        "targets": evaluate(regimes, 2),
+    }
+
+
+def test_figures_of_a_group(results):
+    group = results["regimes"][0]["groups"][0]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert group["batch_size"] == 8
+    assert results["regimes"][0]["rows_per_gemm"] == 256
+    two_bp = variants["twobp 1f1b+2bp"]
+    assert two_bp["step_s"]["median"] == 1.0
+    assert two_bp["samples_per_s"]["median"] == 8.0
+    assert two_bp["bubble_ratio"] == pytest.approx(0.2)
+    # Bounds are the references' times over p = 2.
+    assert group["reference_bounds_s"] == pytest.approx(
+        {"microbatched": 1.5, "whole-batch": 0.9, "2bp-limit": 1.0}
+    )
+    assert two_bp["efficiency"]["whole-batch"] == pytest.approx(0.9)
+    (pair,) = group["two_bp_speedups"]
+    assert pair["speedup"]["median"] == pytest.approx(2.0)
+    assert pair["memory_ratio"] == pytest.approx(1501 / 1001)
+    assert group["best"]["twobp"] == "twobp 1f1b+2bp"
+    assert group["best"]["torch"] == "torch 1F1B"
+    assert group["best"]["speedup"]["median"] == pytest.approx(2.0)
+    assert variants["torch DualPipeV"]["skipped"].startswith("rank 0: ValueError")
+    assert variants["torch 1F1B"]["grad_rel_error"] == pytest.approx(0.05)
+
+
+def test_targets_report_met_and_missed(results):
+    by_name = {t["target"]: t for t in results["targets"]}
+    assert by_name["best twobp / best torch"]["met"] is True
+    assert by_name["1f1b: 2BP / no 2BP"]["value"] == pytest.approx(2.0)
+    assert by_name["efficiency vs whole-batch"]["value"] == pytest.approx(0.9)
+    assert by_name["efficiency vs whole-batch"]["met"] is False
+    # No profile, no simulator figure: no verdict.
+    assert by_name["largest |simulator error|"]["met"] is None
+
+
+def test_markdown_json_and_chart_hold_every_variant(results, tmp_path):
+    text = render_markdown(results)
+    for label in TIMES:
+        assert label in text
+    assert "MISSED" in text and "DIFFERS" in text
+    assert "| large (256 rows/GEMM) | 1f1b+2bp | 2 |" in text
+    write_outputs(results, tmp_path)
+    loaded = json.loads((tmp_path / "results.json").read_text())
+    labels = [v["label"] for v in loaded["regimes"][0]["groups"][0]["variants"]]
+    assert labels == list(TIMES)
+    png = (tmp_path / "throughput.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_regimes_without_thresholds_get_no_verdict():
+    regimes = [analyse_regime(_reports("preset"), 2)]
+    assert all(t["met"] is None for t in evaluate(regimes, 2))
