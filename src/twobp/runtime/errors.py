@@ -52,6 +52,35 @@ class ShapeMismatchError(PipelineError):
     """
 
 
+class NonFiniteLossError(PipelineError, ArithmeticError):
+    """The mean loss of a step is NaN or infinite (with ``nonfinite="raise"``).
+
+    Every rank raises it, after the step's gradients were dropped, so the
+    pipeline can go on (for example after lowering the learning rate).
+
+    Args:
+        message: the full text of the error.
+        step: the index of the step (0 for the first step of the pipeline).
+        loss: the mean loss that was not finite.
+    """
+
+    def __init__(self, message: str, step: int, loss: float) -> None:
+        super().__init__(message)
+        self.step = step
+        self.loss = loss
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.step, self.loss))
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint cannot be written, found or loaded into this pipeline."""
+
+
+class ModelMismatchError(PipelineConfigError):
+    """The ranks built different models or were given different pipeline options."""
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """How one process of a :func:`twobp.runtime.launch` group ended badly.
@@ -63,6 +92,12 @@ class RankFailure:
         message: the exception message, or a description of the signal.
         traceback: the formatted traceback, when the process reported one.
         when: wall-clock time (``time.time()``) of the failure, when known.
+        peer: for a peer error, the rank this one was waiting on (None for a
+            collective or another error).
+        stack: where the process was when the launcher terminated it (the
+            innermost frames), when it was terminated.
+        stuck: True if the process was terminated while others waited on it
+            in vain: it is the cause of their time-outs.
     """
 
     rank: int
@@ -71,12 +106,33 @@ class RankFailure:
     message: str = ""
     traceback: str = ""
     when: float | None = None
+    peer: int | None = None
+    stack: str = ""
+    stuck: bool = False
 
     def summary(self) -> str:
-        """One line: ``rank 1: ValueError: bad input`` or ``rank 2: killed by SIGKILL``."""
+        """One line: ``rank 1: ValueError: bad input`` or ``rank 2: killed by SIGKILL``.
+
+        A terminated process adds the innermost frame of where it was.
+        """
         if self.error_type:
             return f"rank {self.rank}: {self.error_type}: {self.message}"
-        return f"rank {self.rank}: {self.message or f'exit code {self.exitcode}'}"
+        text = f"rank {self.rank}: {self.message or f'exit code {self.exitcode}'}"
+        where = last_frame(self.stack)
+        return f"{text}; it was at {where}" if where else text
+
+
+def last_frame(stack: str) -> str:
+    """The innermost ``File "...", line N, in f`` of a Python stack dump, shortened.
+
+    ``faulthandler`` lists the innermost frame first, after the line that
+    names the thread; a traceback lists it last. Both are read here.
+    """
+    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return ""
+    innermost = frames[0] if "most recent call first" in stack else frames[-1]
+    return innermost.removeprefix("File ")
 
 
 class LaunchError(PipelineError):
@@ -92,9 +148,15 @@ class LaunchError(PipelineError):
         self.nprocs = nprocs
         lines = [f"{len(self.failures)} of {nprocs} processes failed"]
         if self.failures:
-            lines[0] += f"; the first was rank {self.failures[0].rank}"
+            cause = self.failures[0]
+            if cause.stuck:
+                lines[0] += f"; rank {cause.rank} was stuck (the others timed out waiting on it)"
+            else:
+                lines[0] += f"; the first was rank {cause.rank}"
         lines += ["  " + f.summary() for f in self.failures]
         first = self.failures[0] if self.failures else None
         if first is not None and first.traceback:
             lines += [f"traceback of rank {first.rank}:", first.traceback.rstrip()]
+        elif first is not None and first.stack:
+            lines += [f"stack of rank {first.rank} when it was terminated:", first.stack.rstrip()]
         super().__init__("\n".join(lines))

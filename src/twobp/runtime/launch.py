@@ -5,7 +5,10 @@ process per rank, initialises the default group in each (``env://`` on a free
 port of 127.0.0.1), runs ``fn(*args)`` and brings each rank's return value
 back to the caller. If a rank fails or is killed, the others get a grace
 period to fail on their own (they notice the closed connections), then are
-terminated, and :class:`LaunchError` lists what happened on every rank.
+terminated, and :class:`LaunchError` lists what happened on every rank, the
+cause first. A rank that stalls makes its peers time out; the launcher then
+terminates it, names it as stuck and shows where it was (its stack, dumped by
+``faulthandler`` on ``SIGTERM``).
 
 Results and errors come back through files in a temporary folder rather than
 a queue: a file written before exit survives a peer's crash, and tensors in a
@@ -14,7 +17,9 @@ result are pickled by value.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -157,30 +162,67 @@ def _supervise(procs: list[Any], grace_period: float, timeout: float | None) -> 
 
 
 def _collect(procs: list[Any], folder: Path, terminated: dict[int, str]) -> list[Any]:
-    """Read each rank's result, or raise :class:`LaunchError` listing the failures."""
+    """Read each rank's result, or raise :class:`LaunchError` listing the failures.
+
+    The failures are ordered cause first: a rank that raised an error of its
+    own or was killed, or a rank that others timed out waiting on and that
+    the launcher had to terminate (stuck); then the ranks that failed because
+    of a peer; then the other terminated ranks.
+    """
     results: list[Any] = []
-    failures: list[tuple[tuple[int, float, int], RankFailure]] = []
+    failures: dict[int, RankFailure] = {}
     for rank, proc in enumerate(procs):
         ok, err = folder / f"rank{rank}.ok", folder / f"rank{rank}.err"
         if proc.exitcode == 0 and ok.exists():
             results.append(pickle.loads(ok.read_bytes()))
             continue
         if err.exists():
-            report = pickle.loads(err.read_bytes())
-            # A peer error is a consequence of another rank's failure: list it after.
-            order = 1 if report.pop("secondary") else 0
-            failure = RankFailure(rank, proc.exitcode, **report)
+            failures[rank] = RankFailure(rank, proc.exitcode, **pickle.loads(err.read_bytes()))
         elif rank in terminated:
-            failure = RankFailure(rank, proc.exitcode, message=terminated[rank])
-            order = 2
+            stack_file = folder / f"rank{rank}.stack"
+            stack = stack_file.read_text(errors="replace") if stack_file.exists() else ""
+            failures[rank] = RankFailure(rank, proc.exitcode, message=terminated[rank], stack=stack)
         else:
-            failure = RankFailure(rank, proc.exitcode, message=_describe_exit(proc.exitcode))
-            order = 0
-        failures.append(((order, failure.when or float("inf"), rank), failure))
-    if failures:
-        failures.sort(key=lambda item: item[0])
-        raise LaunchError([f for _, f in failures], len(procs))
-    return results
+            failures[rank] = RankFailure(rank, proc.exitcode, message=_describe_exit(proc.exitcode))
+    if not failures:
+        return results
+    waited_on = {_waited_on(f, len(procs)) for f in failures.values()}
+    for rank in sorted(r for r in waited_on if r in terminated and r in failures):
+        failure = failures[rank]
+        failures[rank] = dataclasses.replace(
+            failure,
+            stuck=True,
+            message=f"stuck: rank(s) {_ranks_waiting(failures, rank, len(procs))} timed out "
+            f"waiting on it; {failure.message}",
+        )
+
+    def order(f: RankFailure) -> tuple[int, float, int]:
+        if f.stuck or (f.rank not in terminated and f.error_type not in _PEER_ERRORS):
+            group = 0
+        elif f.error_type in _PEER_ERRORS:
+            group = 1
+        else:
+            group = 2
+        return (group, f.when or float("inf"), f.rank)
+
+    raise LaunchError(sorted(failures.values(), key=order), len(procs))
+
+
+_PEER_ERRORS = ("PeerError", "PeerFailedError", "PeerTimeoutError")
+
+
+def _waited_on(failure: RankFailure, nprocs: int) -> int | None:
+    """The rank a time-out names (the other rank of a 2-rank collective), else None."""
+    if failure.error_type != "PeerTimeoutError":
+        return None
+    if failure.peer is None and nprocs == 2:
+        return 1 - failure.rank
+    return failure.peer
+
+
+def _ranks_waiting(failures: dict[int, RankFailure], rank: int, nprocs: int) -> str:
+    waiting = [r for r, f in sorted(failures.items()) if _waited_on(f, nprocs) == rank]
+    return ", ".join(map(str, waiting))
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -216,6 +258,10 @@ def _child_main(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
+    # If the launcher has to terminate this rank (stuck, or after a peer
+    # failed), the stack tells where it was; the default action then ends it.
+    stack_file = (Path(folder) / f"rank{rank}.stack").open("w")
+    faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=False, chain=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -230,7 +276,7 @@ def _child_main(
             "message": str(exc),
             "traceback": traceback.format_exc(),
             "when": time.time(),
-            "secondary": isinstance(exc, PeerError),
+            "peer": exc.peer if isinstance(exc, PeerError) else None,
         }
         traceback.print_exc()
         _write(Path(folder) / f"rank{rank}.err", report)
@@ -240,6 +286,8 @@ def _child_main(
         # the peers that this rank is gone, so they fail fast instead of hanging.
         os._exit(1)
     dist.destroy_process_group()
+    faulthandler.unregister(signal.SIGTERM)
+    stack_file.close()
 
 
 def _write(path: Path, value: Any) -> None:

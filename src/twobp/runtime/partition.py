@@ -81,11 +81,8 @@ def balanced_counts(
     Raises:
         PipelineConfigError: if no example input was given.
     """
-    if example_input is None:
-        raise PipelineConfigError(
-            "partition='balanced' profiles the blocks and needs example_input=<one "
-            "micro-batch of model inputs>; pass it, or give the block counts per stage"
-        )
+    example_input_needed(example_input)
+    assert example_input is not None
     answer: list[list[int] | None] = [None]
     if world.rank == 0:
         from twobp.partition.profiler import profile_blocks, solver_costs
@@ -100,6 +97,19 @@ def balanced_counts(
         dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
     assert answer[0] is not None
     return answer[0]
+
+
+def example_input_needed(example_input: Batch | None) -> None:
+    """Check that a balanced partition has its example input.
+
+    Raises:
+        PipelineConfigError: if ``example_input`` is None.
+    """
+    if example_input is None:
+        raise PipelineConfigError(
+            "partition='balanced' profiles the blocks and needs example_input=<one "
+            "micro-batch of model inputs>; pass it, or give the block counts per stage"
+        )
 
 
 def _device_of(block: nn.Module) -> torch.device:

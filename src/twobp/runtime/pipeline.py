@@ -16,35 +16,39 @@ Example (2 ranks, under ``torchrun --nproc-per-node 2`` or :func:`launch`)::
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from twobp.partition import stage_ranges
 from twobp.runtime import collective
 from twobp.runtime.backward import stage_gradients
+from twobp.runtime.build import build_layout
+from twobp.runtime.checks import nonfinite_error
 from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
 from twobp.runtime.dispatcher import StepResult, StepRun
-from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.grad_norm import clip_grad_norm_
 from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
-from twobp.runtime.microbatch import Batch, concat_microbatches, split_batch, to_device, unflatten
-from twobp.runtime.partition import balanced_counts, check_no_shared_parameters, stage_counts
-from twobp.runtime.resolve import resolve_schedule
+from twobp.runtime.microbatch import (
+    Batch,
+    concat_microbatches,
+    unflatten,
+)
+from twobp.runtime.pipeline_state import PipelineState
 from twobp.runtime.stage import LossFn, Stage
+from twobp.runtime.step_start import StepInputs, start_step
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.schedule import Schedule
 from twobp.timeline import Span
 
 
-class Pipeline:
+class Pipeline(PipelineState):
     """A model run as a pipeline of stages over the ranks of a process group.
 
     Args:
@@ -73,9 +77,20 @@ class Pipeline:
             the ranks of this machine unless ``OMP_NUM_THREADS`` is set.
         example_input: one micro-batch of model inputs, needed by
             ``partition="balanced"`` (rank 0 profiles the blocks on it).
+        nonfinite: what :meth:`step` does when the mean loss is NaN or
+            infinite: ``"raise"`` :class:`NonFiniteLossError`, or ``"skip"``
+            the step (see :attr:`last_step_skipped`). Either way the step's
+            gradients are dropped on every rank.
+
+    Construction is collective: the ranks check that they resolved the same
+    schedule and partition and built the same model (a fingerprint of every
+    block's parameter names, shapes and dtypes; a sample of values only warns).
 
     Raises:
-        PipelineConfigError: if the schedule, partition or model do not fit.
+        PipelineConfigError: on every rank, if the schedule, partition, options
+            or model do not fit on any rank.
+        ModelMismatchError: if the ranks were given other options or built
+            other models (it names the ranks and the first differing block).
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
     """
 
@@ -96,6 +111,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         num_threads: int | None = None,
         example_input: Batch | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
@@ -109,23 +125,26 @@ class Pipeline:
             torch.cuda.set_device(self.device)
         self.rank = self.world.rank
         set_threads_per_rank(self.world.local_size, num_threads)
-        self.schedule = resolve_schedule(
-            schedule,
-            n_ranks=self.world.size,
+        all_blocks = list(blocks)
+        layout = build_layout(
+            all_blocks,
+            self.world,
+            self.device,
+            self.timeout,
+            schedule=schedule,
             n_microbatches=n_microbatches,
             two_bp=two_bp,
             policy=two_bp_policy,
             stages_per_rank=stages_per_rank,
+            partition=partition,
+            example_input=example_input,
+            nonfinite=nonfinite,
         )
+        self.schedule = layout.schedule
         self.n_microbatches = self.schedule.n_microbatches
+        self.nonfinite = nonfinite
         self._weight_group_size = weight_group_size
-        all_blocks = list(blocks)
-        n_stages = self.schedule.n_stages
-        counts = stage_counts(len(all_blocks), n_stages, partition)
-        if counts is None:
-            counts = balanced_counts(all_blocks, n_stages, example_input, self.world, self.device)
-        ranges = tuple(stage_ranges(counts))
-        check_no_shared_parameters(all_blocks, ranges, self.schedule.placement)
+        ranges = layout.ranges
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
         mine = self.schedule.stages_of(self.rank)
@@ -156,6 +175,12 @@ class Pipeline:
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
         self._peak_stashed_bytes = 0
+        self.step_count = 0
+        """Steps run so far (restored by :meth:`load`); the index of the next step."""
+        self.skipped_steps: list[int] = []
+        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
+        self.last_step_skipped = False
+        """True if the last step's loss was not finite and its gradients were dropped."""
 
     # -- training and evaluation ---------------------------------------------------
 
@@ -172,23 +197,42 @@ class Pipeline:
                 needs it (others may pass None).
 
         Returns:
-            The mean loss over the batch (mean of the micro-batch losses), on every rank.
+            The mean loss over the batch (mean of the micro-batch losses), on
+            every rank. NaN or infinite only with ``nonfinite="skip"``, when
+            the step was skipped.
 
         Raises:
-            PipelineConfigError: if a needed batch is missing or does not split.
+            PipelineConfigError: on every rank, if a needed batch is missing or
+                does not split on any rank, the inputs and targets disagree on
+                the batch size, or the ranks are not at the same step.
+            NonFiniteLossError: on every rank, if the mean loss is not finite
+                (with ``nonfinite="raise"``); the gradients were dropped.
             ShapeMismatchError: if activations change shape after the first step.
-            PeerError: if a peer fails or times out.
+            PeerError: if a peer fails or times out. After an error in the middle
+                of a step (in a block, the loss, a transfer) the ranks are out of
+                step: end the process (``torchrun`` can restart the group, and a
+                checkpoint resumes the run).
         """
+        mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
         try:
-            result = self._run(self.schedule, self._plan, self._layouts, inputs, targets)
+            result = self._run(self.schedule, self._plan, self._layouts, mb_inputs, mb_targets)
         except BaseException:
             for stage in self.stages.values():
                 stage.abandon_step()
             raise
         for stage in self.stages.values():
             stage.finish_step()
-        loss = self._share_loss(result)
+        loss, first_bad = self._share_loss(result)
         assert loss is not None
+        step, self.step_count = self.step_count, self.step_count + 1
+        self.last_step_skipped = not math.isfinite(loss)
+        if self.last_step_skipped:
+            # Every rank learnt the loss from the last stage: all drop the step alike.
+            self.zero_grad(set_to_none=True)
+            if self.nonfinite == "raise":
+                last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
+                raise nonfinite_error(self.rank, step, loss, first_bad, last_rank)
+            self.skipped_steps.append(step)
         return loss
 
     @torch.no_grad()
@@ -208,10 +252,11 @@ class Pipeline:
             self._forward_schedule = forward_only(self.schedule)
             self._forward_plan = plan_communication(self._forward_schedule, self.rank)
         assert self._forward_schedule is not None
+        mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):
         # exchange layouts afresh each call.
-        result = self._run(self._forward_schedule, self._forward_plan, {}, inputs, targets)
-        loss = self._share_loss(result)
+        result = self._run(self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets)
+        loss, _ = self._share_loss(result)
         if loss is not None:
             return loss
         if not result.outputs:
@@ -219,18 +264,27 @@ class Pipeline:
         parts = [unflatten(*result.outputs[m]) for m in range(self.n_microbatches)]
         return concat_microbatches(parts)
 
+    def _prepare(
+        self, inputs: Batch | None, targets: Batch | None, training: bool
+    ) -> tuple[list[Batch] | None, list[Batch] | None]:
+        return start_step(
+            self.world,
+            self.device,
+            self.timeout,
+            StepInputs(inputs, targets, training, self.step_count),
+            set(self.stages),
+            self.schedule.n_stages,
+            self.n_microbatches,
+        )
+
     def _run(
         self,
         schedule: Schedule,
         plan: CommPlan,
         layouts: Layouts,
-        inputs: Batch | None,
-        targets: Batch | None,
+        mb_inputs: list[Batch] | None,
+        mb_targets: list[Batch] | None,
     ) -> StepResult:
-        last = self.schedule.n_stages - 1
-        mb_inputs = self._split(inputs, "inputs") if 0 in self.stages else None
-        mb_targets = self._split(targets, "targets") if last in self.stages else None
-        collective.barrier(self.world, self.timeout, "at the start of the step")
         clock = StepClock(self.device)
         channel = None
         if plan.peers:
@@ -258,97 +312,22 @@ class Pipeline:
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
 
-    def _split(self, batch: Batch | None, what: str) -> list[Batch] | None:
-        if batch is None:
-            if what == "targets":
-                return None
-            raise PipelineConfigError(
-                f"rank {self.rank} holds stage 0 and needs the inputs, but got None"
-            )
-        return split_batch(to_device(batch, self.device), self.n_microbatches, what)
+    def _share_loss(self, result: StepResult) -> tuple[float | None, int]:
+        """The mean loss from the last stage's rank, on every rank (None: no targets).
 
-    def _share_loss(self, result: StepResult) -> float | None:
-        """The mean loss from the last stage's rank, on every rank (None: no targets)."""
+        Also the first micro-batch whose loss is not finite (-1 if none).
+        """
         last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
-        message = torch.zeros(2, dtype=torch.float64, device=self.device)
+        message = torch.zeros(3, dtype=torch.float64, device=self.device)
         if self.rank == last_rank and result.losses:
-            losses = [result.losses[m].double() for m in range(self.n_microbatches)]
+            losses = torch.stack([result.losses[m].double() for m in range(self.n_microbatches)])
+            bad = (~torch.isfinite(losses)).nonzero()
             message[0] = 1.0
-            message[1] = torch.stack(losses).sum() / self.n_microbatches
+            message[1] = losses.sum() / self.n_microbatches
+            message[2] = float(bad[0, 0]) if len(bad) else -1.0
         collective.broadcast(self.world, message, last_rank, self.timeout, "the step's loss")
-        return float(message[1]) if bool(message[0]) else None
-
-    # -- parameters, state, gradients --------------------------------------------------
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """This rank's parameters."""
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, named as in ``nn.Sequential(*blocks)`` (``3.attn.q.weight``)."""
-        return self.module.named_parameters(prefix)
-
-    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
-        """This rank's buffers, named like :meth:`named_parameters`."""
-        return self.module.named_buffers(prefix)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers, named as in ``nn.Sequential(*blocks)``."""
-        return dict(self.module.state_dict())
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load this rank's entries of a state dict of the whole model (or of this rank).
-
-        Entries of blocks on other ranks are ignored, so every rank can load
-        the same single-process ``state_dict``.
-
-        Args:
-            state_dict: names as in ``nn.Sequential(*blocks).state_dict()``.
-            strict: raise if an entry of a local block is missing or unknown.
-
-        Returns:
-            torch's ``(missing_keys, unexpected_keys)`` for the local blocks.
-
-        Raises:
-            RuntimeError: with ``strict``, on missing or unexpected local keys.
-        """
-        local_blocks = {name for name, _ in self.module.named_children()}
-        own = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in local_blocks}
-        unknown = [k for k in state_dict if not k.split(".", 1)[0].isdigit()]
-        result = self.module.load_state_dict(own, strict=False)
-        result.unexpected_keys.extend(unknown)
-        if strict and (result.missing_keys or result.unexpected_keys):
-            raise RuntimeError(
-                f"rank {self.rank}: error loading the state dict: missing keys "
-                f"{result.missing_keys}, unexpected keys {result.unexpected_keys}"
-            )
-        return result
-
-    def train(self, mode: bool = True) -> Pipeline:
-        """Set training mode of the local blocks (dropout, batch norm)."""
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        """Set evaluation mode of the local blocks."""
-        return self.train(False)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of this rank's parameters."""
-        self.module.zero_grad(set_to_none=set_to_none)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip the gradients of the whole model by their global norm (over all ranks).
-
-        Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
-        Collective: every rank calls it.
-
-        Returns:
-            The global norm of all gradients before clipping (a 0-dim tensor).
-        """
-        return clip_grad_norm_(
-            self.parameters(), max_norm, norm_type, self.world, self.device, self.timeout
-        )
+        values = message.tolist()
+        return (values[1] if values[0] else None), int(values[2])
 
     # -- timing ------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from twobp.runtime.errors import PipelineConfigError
 from twobp.schedule import (
     SCHEDULES,
+    TWO_BP_POLICIES,
     Kind,
     Schedule,
     apply_two_bp,
@@ -71,10 +72,18 @@ def resolve_schedule(
         The schedule to run.
 
     Raises:
-        PipelineConfigError: if the schedule is unknown, does not fit the
-            group or the micro-batch count, or cannot be merged.
+        PipelineConfigError: if the schedule or 2BP policy is unknown, the
+            schedule does not fit the group or the micro-batch count, or
+            cannot be merged.
         twobp.schedule.ScheduleError: if it is incomplete or deadlocks.
     """
+    if policy not in TWO_BP_POLICIES:
+        raise PipelineConfigError(
+            f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
+            "(two_bp_policy= of the Pipeline, --policy of twobp train)"
+        )
+    if n_microbatches is not None and n_microbatches < 1:
+        raise PipelineConfigError(f"n_microbatches must be at least 1, got {n_microbatches}")
     if isinstance(schedule, Schedule):
         resolved = schedule
         if n_microbatches is not None and n_microbatches != schedule.n_microbatches:

@@ -1,0 +1,127 @@
+"""Decide, the same way on every rank, which schedule runs and which blocks each stage holds.
+
+Every rank resolves the schedule and the partition from its own arguments.
+Before any rank goes on, the ranks compare what they found
+(:func:`twobp.runtime.checks.check_same_pipeline`): a configuration error on
+any rank is raised on every rank, and ranks that were given other options or
+built another model fail at once, naming the difference, instead of
+deadlocking in the first step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from twobp.partition import stage_ranges
+from twobp.runtime.checks import check_same_pipeline, stable_hash
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.group import World
+from twobp.runtime.microbatch import Batch
+from twobp.runtime.partition import (
+    balanced_counts,
+    check_no_shared_parameters,
+    example_input_needed,
+    stage_counts,
+)
+from twobp.runtime.resolve import resolve_schedule
+from twobp.schedule import Schedule, ScheduleError
+
+NONFINITE_POLICIES = ("raise", "skip")
+"""What a pipeline does when a step's mean loss is NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The schedule every rank runs and the blocks of every stage.
+
+    Args:
+        schedule: the resolved, validated compute schedule.
+        ranges: the block indices of every stage.
+    """
+
+    schedule: Schedule
+    ranges: tuple[range, ...]
+
+
+def build_layout(
+    blocks: Sequence[nn.Module],
+    world: World,
+    device: torch.device,
+    timeout: float,
+    *,
+    schedule: str | os.PathLike[str] | Schedule,
+    n_microbatches: int | None,
+    two_bp: bool,
+    policy: str,
+    stages_per_rank: int | None,
+    partition: Sequence[int] | str | None,
+    example_input: Batch | None,
+    nonfinite: str,
+) -> Layout:
+    """Resolve the schedule and the partition, and check that every rank agrees.
+
+    Collective: every rank calls it. The arguments are those of
+    :class:`twobp.runtime.Pipeline`.
+
+    Returns:
+        The layout, the same on every rank.
+
+    Raises:
+        PipelineConfigError: on every rank, if any rank's options do not fit
+            (naming the rank and what to change).
+        twobp.schedule.ScheduleError: on every rank, if the schedule is
+            incomplete or deadlocks.
+        ModelMismatchError: if ranks have other options or other models.
+    """
+    problem: Exception | None = None
+    resolved: Schedule | None = None
+    counts: list[int] | None = None
+    try:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise PipelineConfigError(
+                f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
+                "'skip' (drop the step's gradients and go on)"
+            )
+        resolved = resolve_schedule(
+            schedule,
+            n_ranks=world.size,
+            n_microbatches=n_microbatches,
+            two_bp=two_bp,
+            policy=policy,
+            stages_per_rank=stages_per_rank,
+        )
+        counts = stage_counts(len(blocks), resolved.n_stages, partition)
+        if counts is None:
+            example_input_needed(example_input)
+        else:
+            check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
+    except (PipelineConfigError, ScheduleError) as exc:
+        problem = exc
+    options = "" if resolved is None else _options_text(resolved, counts, partition, nonfinite)
+    check_same_pipeline(world, device, timeout, problem, options, blocks)
+    assert resolved is not None
+    if counts is None:
+        counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
+        check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
+    return Layout(resolved, tuple(stage_ranges(counts)))
+
+
+def _options_text(
+    schedule: Schedule,
+    counts: Sequence[int] | None,
+    partition: Sequence[int] | str | None,
+    nonfinite: str,
+) -> str:
+    """What must be the same on every rank, short enough to show in an error."""
+    blocks = list(counts) if counts is not None else partition
+    digest = f"{stable_hash(str(schedule)):x}"[:8]
+    return (
+        f"schedule {schedule.name or 'custom'} ({schedule.n_stages} stages on ranks "
+        f"{list(schedule.placement)}, {schedule.n_microbatches} micro-batches, text #{digest}), "
+        f"blocks per stage {blocks}, nonfinite={nonfinite}"
+    )

@@ -1,0 +1,433 @@
+"""Checkpoints of a pipeline: one file per rank, a manifest, atomic on disk.
+
+A folder of checkpoints holds one sub-folder per saved step::
+
+    checkpoints/
+      step-00000200/
+        rank-00000.pt     weights and buffers (single-process names), optimizer
+        rank-00001.pt     state by name, RNG states, step, the caller's extra
+        manifest.json     written last: world size, schedule, stages, names -> shapes
+
+Every rank writes its file into ``.partial-step-00000200`` (a temporary file,
+fsync, rename); once all ranks have, rank 0 writes the manifest and renames the
+folder to ``step-00000200``. A crash at any moment leaves the earlier
+checkpoints as they were: a folder without a manifest is never loaded, and
+older checkpoints are deleted only after the new one is complete.
+
+Because tensors are named as in ``nn.Sequential(*blocks)``, a checkpoint loads
+into another partition, schedule or number of ranks, and :func:`merge` turns
+it into a single-process state dict. The folder must be on a file system that
+every rank sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from twobp.runtime import collective
+from twobp.runtime.checkpoint_state import (
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    parameter_names,
+    rng_state,
+    set_rng_state,
+)
+from twobp.runtime.checks import agree
+from twobp.runtime.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from twobp.runtime.pipeline_state import PipelineState as Pipeline
+
+FORMAT = "twobp-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_FOLDER = re.compile(r"^(?:\.partial-|\.replaced-)?step-(\d+)$")
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s file in a checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def step_folder(step: int) -> str:
+    """The name of the checkpoint of step ``step`` in a folder of checkpoints."""
+    return f"step-{step:08d}"
+
+
+# -- finding checkpoints ---------------------------------------------------------------
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is one complete checkpoint (it has its manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint of the highest step in a folder of checkpoints, or None.
+
+    Folders a crash left behind count if they are complete (a manifest is
+    written only once every rank's file is in place).
+    """
+    found: list[tuple[int, int, Path]] = []
+    folder = Path(root)
+    if not folder.is_dir():
+        return None
+    for child in folder.iterdir():
+        match = _STEP_FOLDER.match(child.name)
+        if match and is_checkpoint(child):
+            preferred = 1 if child.name.startswith("step-") else 0
+            found.append((int(match.group(1)), preferred, child))
+    return max(found)[2] if found else None
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``path`` names: itself, or the latest one inside it.
+
+    Args:
+        path: a checkpoint, a folder of checkpoints, or a folder holding a
+            ``checkpoints`` folder (the output folder of ``twobp train``).
+
+    Raises:
+        CheckpointError: if there is no complete checkpoint there.
+    """
+    folder = Path(path)
+    if is_checkpoint(folder):
+        return folder
+    for root in (folder, folder / "checkpoints"):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    what = "does not exist" if not folder.exists() else "holds no complete checkpoint"
+    raise CheckpointError(
+        f"{folder} {what}: give a checkpoint folder (with {MANIFEST}), a folder of "
+        "checkpoints or the output folder of a run that saved some"
+    )
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint ``path`` names (see :func:`find_checkpoint`).
+
+    Raises:
+        CheckpointError: if there is none, or it is not a twobp manifest.
+    """
+    folder = find_checkpoint(path)
+    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{folder / MANIFEST} is not a twobp checkpoint manifest of version <= {VERSION}"
+        )
+    manifest["path"] = str(folder)
+    return manifest
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def save(
+    pipe: Pipeline,
+    root: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    *,
+    step: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    keep: int = 1,
+) -> Path:
+    """Write a checkpoint of ``pipe`` into the folder of checkpoints ``root``.
+
+    Collective: every rank calls it. See :meth:`Pipeline.save`.
+
+    Returns:
+        The checkpoint's folder.
+
+    Raises:
+        CheckpointError: on every rank, if any rank cannot write.
+    """
+    if keep < 1:
+        raise CheckpointError(f"keep={keep}: keep at least the checkpoint being written")
+    step = pipe.step_count if step is None else step
+    folder = Path(root)
+    final = folder / step_folder(step)
+    partial = folder / f".partial-{final.name}"
+    world, device, timeout = pipe.world, pipe.device, pipe.timeout
+    problem: Exception | None = None
+    if pipe.rank == 0:
+        problem = _attempt(lambda: _fresh_folder(partial), f"cannot create {partial}")
+    agree(world, device, timeout, problem, "starting to save a checkpoint")
+    payload = {
+        "format": VERSION,
+        "rank": pipe.rank,
+        "step": step,
+        "model": pipe.state_dict(),
+        "optimizer": None,
+        "rng": rng_state(device),
+        "extra": extra,
+    }
+    problem = None
+    try:
+        if optimizer is not None:
+            payload["optimizer"] = optimizer_state_by_name(
+                optimizer, parameter_names(pipe.named_parameters())
+            )
+        if not partial.is_dir():
+            raise CheckpointError(
+                f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
+                "folder must be on a file system that every rank shares"
+            )
+        _write_atomic(partial / rank_file(pipe.rank), lambda f: torch.save(payload, f))
+    except (CheckpointError, OSError, RuntimeError) as exc:
+        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot write its checkpoint file")
+    agree(world, device, timeout, problem, "writing a checkpoint")
+    described = {
+        n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in payload["model"].items()
+    }
+    every = collective.all_gather_objects(world, described)
+    problem = None
+    if pipe.rank == 0:
+        manifest = _manifest(pipe, step, every, optimizer, meta)
+        problem = _attempt(
+            lambda: _publish(partial, final, manifest, keep), f"cannot complete {final}"
+        )
+    agree(world, device, timeout, problem, "completing a checkpoint")
+    return final
+
+
+def _manifest(
+    pipe: Pipeline,
+    step: int,
+    every: list[dict[str, tuple[list[int], str]]],
+    optimizer: torch.optim.Optimizer | None,
+    meta: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    tensors = {
+        name: {"shape": shape, "dtype": dtype, "file": rank}
+        for rank, described in enumerate(every)
+        for name, (shape, dtype) in described.items()
+    }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "world_size": pipe.world.size,
+        "schedule": pipe.schedule.name,
+        "n_microbatches": pipe.n_microbatches,
+        "placement": list(pipe.schedule.placement),
+        "stage_blocks": [[r.start, r.stop] for r in pipe.stage_blocks],
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "files": [rank_file(r) for r in range(pipe.world.size)],
+        "tensors": dict(sorted(tensors.items(), key=lambda item: _block_order(item[0]))),
+        "meta": dict(meta or {}),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _block_order(name: str) -> tuple[int, str]:
+    head = name.split(".", 1)[0]
+    return (int(head) if head.isdigit() else -1, name)
+
+
+def _fresh_folder(partial: Path) -> None:
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+
+
+def _publish(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
+    """Mark ``partial`` complete, move it into place, then drop what it replaces."""
+    text = json.dumps(manifest, indent=1)
+    _write_atomic(partial / MANIFEST, lambda f: f.write(text.encode()))
+    _fsync_folder(partial)
+    replaced = final.with_name(f".replaced-{final.name}")
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        final.rename(replaced)
+    partial.rename(final)
+    _fsync_folder(final.parent)
+    _prune(final, keep)
+
+
+def _prune(final: Path, keep: int) -> None:
+    """Delete leftovers, later steps (a rolled-back run) and all but ``keep`` checkpoints."""
+    step = int(final.name.removeprefix("step-"))
+    complete = []
+    for child in final.parent.iterdir():
+        match = _STEP_FOLDER.match(child.name)
+        if match is None or child == final:
+            continue
+        if not child.name.startswith("step-") or int(match.group(1)) > step:
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            complete.append((int(match.group(1)), child))
+    for _, child in sorted(complete)[: max(0, len(complete) - (keep - 1))]:
+        shutil.rmtree(child, ignore_errors=True)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    """Write a file through a temporary name, fsync it, then rename it into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _attempt(action: Any, what: str) -> Exception | None:
+    try:
+        action()
+    except (OSError, RuntimeError) as exc:
+        return _as_checkpoint_error(exc, what)
+    return None
+
+
+def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+# -- reading ---------------------------------------------------------------------------
+
+
+def load(
+    pipe: Pipeline,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Any:
+    """Load a checkpoint into ``pipe`` (and ``optimizer``); returns the saved extra.
+
+    Collective: every rank calls it. Every rank first reads and checks what it
+    needs; only when all ranks succeeded does any rank change its state.
+    See :meth:`Pipeline.load`.
+
+    Raises:
+        CheckpointError: on every rank, if any rank cannot load.
+    """
+    problem: Exception | None = None
+    plan: _LoadPlan | None = None
+    try:
+        plan = _read(pipe, path, optimizer)
+    except (CheckpointError, OSError, RuntimeError, KeyError, ValueError) as exc:
+        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
+    agree(pipe.world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
+    assert plan is not None
+    pipe.module.load_state_dict(plan.model, strict=True)
+    if optimizer is not None:
+        load_optimizer_state_by_name(
+            optimizer, parameter_names(pipe.named_parameters()), plan.optimizer
+        )
+    if plan.rng is not None:
+        set_rng_state(plan.rng, pipe.device)
+    pipe.step_count = plan.step
+    return plan.extra
+
+
+class _LoadPlan:
+    def __init__(
+        self, model: dict[str, Tensor], optimizer: list[Any], rng: Any, extra: Any, step: int
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.rng = rng
+        self.extra = extra
+        self.step = step
+
+
+def _read(
+    pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+) -> _LoadPlan:
+    """Read and check everything this rank needs, changing nothing."""
+    manifest = read_manifest(path)
+    folder = Path(manifest["path"])
+    saved = manifest["tensors"]
+    own = pipe.state_dict()
+    missing = [n for n in own if n not in saved]
+    wrong = [
+        f"{n} is {list(t.shape)} here but {saved[n]['shape']} in the checkpoint"
+        for n, t in own.items()
+        if n in saved and list(t.shape) != saved[n]["shape"]
+    ]
+    if missing or wrong:
+        problems = (
+            f"missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+            if missing
+            else ""
+        ) + "; ".join(wrong[:5])
+        raise CheckpointError(
+            f"rank {pipe.rank}: {folder} does not fit this model ({problems}); load a "
+            "checkpoint of the same model (any partition and number of ranks will do)"
+        )
+    if optimizer is not None and manifest["optimizer"] is None:
+        raise CheckpointError(
+            f"{folder} was saved without an optimizer; load it with optimizer=None"
+        )
+    if optimizer is not None and manifest["optimizer"] != type(optimizer).__name__:
+        raise CheckpointError(
+            f"{folder} holds the state of a {manifest['optimizer']}, not of a "
+            f"{type(optimizer).__name__}; use the same optimizer class"
+        )
+    same_world = manifest["world_size"] == pipe.world.size
+    home = pipe.rank if same_world else 0
+    needed = sorted({saved[n]["file"] for n in own} | {home})
+    files = {
+        r: torch.load(
+            folder / manifest["files"][r], map_location="cpu", mmap=True, weights_only=False
+        )
+        for r in needed
+    }
+    model = {n: files[saved[n]["file"]]["model"][n] for n in own}
+    optimizer_parts = [files[r]["optimizer"] for r in needed if files[r]["optimizer"] is not None]
+    return _LoadPlan(
+        model=model,
+        optimizer=optimizer_parts,
+        # Another number of ranks: the RNG streams no longer match ranks, keep this process's.
+        rng=files[home]["rng"] if same_world else None,
+        extra=files[home]["extra"],
+        step=int(manifest["step"]),
+    )
+
+
+def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The single-process state dict of a checkpoint (what ``nn.Sequential(*blocks)`` loads).
+
+    Args:
+        path: a checkpoint, or a folder of checkpoints (its latest is used).
+
+    Returns:
+        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
+
+    Raises:
+        CheckpointError: if there is no complete checkpoint.
+    """
+    manifest = read_manifest(path)
+    folder = Path(manifest["path"])
+    merged: dict[str, Tensor] = {}
+    parts = [
+        torch.load(folder / name, map_location="cpu", weights_only=False)["model"]
+        for name in manifest["files"]
+    ]
+    for name, entry in manifest["tensors"].items():
+        merged[name] = parts[entry["file"]][name]
+    return merged
