@@ -102,7 +102,7 @@ def build_layout(
             check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
     except (PipelineConfigError, ScheduleError) as exc:
         problem = exc
-    options = "" if resolved is None else _options_text(resolved, counts, partition, nonfinite)
+    options = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
     check_same_pipeline(world, device, timeout, problem, options, blocks)
     assert resolved is not None
     if counts is None:
@@ -111,17 +111,17 @@ def build_layout(
     return Layout(resolved, tuple(stage_ranges(counts)))
 
 
-def _options_text(
+def _options(
     schedule: Schedule,
     counts: Sequence[int] | None,
     partition: Sequence[int] | str | None,
     nonfinite: str,
-) -> str:
-    """What must be the same on every rank, short enough to show in an error."""
-    blocks = list(counts) if counts is not None else partition
-    digest = f"{stable_hash(str(schedule)):x}"[:8]
-    return (
-        f"schedule {schedule.name or 'custom'} ({schedule.n_stages} stages on ranks "
-        f"{list(schedule.placement)}, {schedule.n_microbatches} micro-batches, text #{digest}), "
-        f"blocks per stage {blocks}, nonfinite={nonfinite}"
-    )
+) -> dict[str, str]:
+    """What must be the same on every rank, by name, short enough to show in an error."""
+    return {
+        "schedule": f"{schedule.name or 'custom'} (text #{stable_hash(str(schedule)) % 16**8:08x})",
+        "stages": f"{schedule.n_stages} on ranks {list(schedule.placement)}",
+        "micro-batches": str(schedule.n_microbatches),
+        "blocks per stage": str(list(counts) if counts is not None else partition),
+        "nonfinite": nonfinite,
+    }

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,9 @@ _SHARED_CLASSES: dict[str, type[Exception]] = {
 """Error classes a peer's problem is raised as, by name (others become PeerFailedError)."""
 
 _SAMPLES_PER_TENSOR = 8
+
+Details = Sequence[tuple[int, Mapping[str, str], list["BlockPrint"]]]
+"""Per rank: the number of blocks, the options by name, the fingerprint of every block."""
 
 
 class ValuesDifferWarning(UserWarning):
@@ -111,6 +114,9 @@ def _raise_shared(world: World, problem: Exception | None) -> None:
     mine = None if problem is None else (type(problem).__name__, str(problem))
     reports = collective.all_gather_objects(world, mine)
     if problem is not None:
+        cls = _SHARED_CLASSES.get(type(problem).__name__)
+        if cls is type(problem) and not str(problem).startswith("rank "):
+            raise cls(f"rank {world.rank}: {problem}") from problem
         raise problem
     failed = [(r, report) for r, report in enumerate(reports) if report is not None]
     rank, (name, message) = failed[0]
@@ -215,7 +221,7 @@ def check_same_pipeline(
     device: torch.device,
     timeout: float,
     problem: Exception | None,
-    options: str,
+    options: Mapping[str, str],
     blocks: Sequence[nn.Module],
 ) -> None:
     """Raise on every rank if any rank has a problem, other options or another model.
@@ -228,7 +234,7 @@ def check_same_pipeline(
         device: where the all-reduce runs.
         timeout: seconds to wait for the other ranks.
         problem: this rank's configuration error so far, or None.
-        options: a text of every option that must be the same on every rank.
+        options: every option that must be the same on every rank, by name.
         blocks: this rank's copy of the whole model.
 
     Raises:
@@ -243,14 +249,14 @@ def check_same_pipeline(
     prints = [block_print(b) for b in blocks] if problem is None else []
     numbers = [
         len(blocks),
-        stable_hash(options),
+        stable_hash(repr(sorted(options.items()))),
         stable_hash(repr([p.structure for p in prints])),
         stable_hash(repr([p.values for p in prints])),
     ]
     table = agree(world, device, timeout, problem, "building the pipeline", numbers)
     if all(row == table[0] for row in table):
         return
-    details = collective.all_gather_objects(world, (len(blocks), options, prints))
+    details = collective.all_gather_objects(world, (len(blocks), dict(options), prints))
     message = describe_difference(details)
     if message is not None:
         raise ModelMismatchError(message)
@@ -265,21 +271,15 @@ def check_same_pipeline(
     )
 
 
-def describe_difference(details: Sequence[tuple[int, str, list[BlockPrint]]]) -> str | None:
-    """What differs between the ranks' options or block structures (None: nothing).
+def describe_difference(details: Details) -> str | None:
+    """What differs between the ranks' block structures or options (None: nothing).
 
     Args:
-        details: per rank, the number of blocks, the options text and the
+        details: per rank, the number of blocks, the options by name and the
             fingerprint of every block.
     """
     n0, options0, prints0 = details[0]
     for rank, (n, options, prints) in enumerate(details[1:], start=1):
-        if options != options0:
-            return (
-                f"the ranks were given different pipeline options: rank 0 has {options0}, "
-                f"rank {rank} has {options}; pass the same schedule, micro-batches, partition "
-                "and 2BP options on every rank"
-            )
         if n != n0:
             return (
                 f"rank 0 built a model of {n0} blocks and rank {rank} one of {n}; every rank "
@@ -292,12 +292,19 @@ def describe_difference(details: Sequence[tuple[int, str, list[BlockPrint]]]) ->
                     f"({b.summary}): its parameters or buffers have other names, shapes or "
                     "dtypes; every rank must build the same whole model"
                 )
+        differ = [k for k in options0 if options0[k] != options.get(k)]
+        if differ:
+            shown = "; ".join(
+                f"{k} {options0[k]} on rank 0, {options.get(k)} on rank {rank}" for k in differ
+            )
+            return (
+                f"the ranks were given different pipeline options ({shown}); pass the same "
+                "schedule, micro-batches, partition and 2BP options on every rank"
+            )
     return None
 
 
-def _first_value_difference(
-    details: Sequence[tuple[int, str, list[BlockPrint]]],
-) -> tuple[int, int]:
+def _first_value_difference(details: Details) -> tuple[int, int]:
     prints0 = details[0][2]
     for rank, (_, _, prints) in enumerate(details[1:], start=1):
         for i, (a, b) in enumerate(zip(prints0, prints, strict=True)):

@@ -1,0 +1,328 @@
+"""Functions the reliability tests run on every rank of a launched group.
+
+Starting processes costs seconds, so one launch tries many bad inputs in a row:
+each is caught on every rank and recorded as ``(error class, message)``. A
+session that ends with a fatal failure (a rank raising out of ``fn``, a stall,
+a kill) saves what it recorded into a folder first, since the launcher returns
+no result then.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from runtime_models import build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline
+from twobp.runtime.checks import ValuesDifferWarning
+from twobp.schedule import Kind, generate
+
+N_MB = 4
+BATCH = 2 * N_MB
+
+Outcome = tuple[str, str] | None
+"""``(error class name, message)``, or None if the call returned."""
+
+
+def outcome_of(call: Callable[[], Any]) -> Outcome:
+    """What ``call`` raised, or None."""
+    try:
+        call()
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+    return None
+
+
+def save_outcomes(folder: str, outcomes: dict[str, Any]) -> None:
+    """Write this rank's outcomes into ``folder`` (read back by the test)."""
+    path = Path(folder) / f"rank{dist.get_rank()}.pkl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(outcomes))
+    tmp.replace(path)
+
+
+def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
+    first, last = 0, pipe.schedule.n_stages - 1
+    return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
+
+
+def mlp(timeout: float, **options: Any) -> Pipeline:
+    """The test MLP as a pipeline (blocks from ``options["blocks"]`` if given)."""
+    blocks = options.pop("blocks", None) or build_blocks("mlp")
+    options.setdefault("n_microbatches", N_MB)
+    options.setdefault("schedule", "1f1b")
+    return Pipeline(blocks, loss_fn("mlp"), device="cpu", timeout=timeout, **options)
+
+
+# -- bad inputs ------------------------------------------------------------------------
+
+
+def _construction_cases(rank: int, timeout: float) -> dict[str, Callable[[], Any]]:
+    def wider_block_4() -> list[nn.Module]:
+        blocks = build_blocks("mlp")
+        if rank == 1:
+            blocks[4] = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).double()
+        return blocks
+
+    def one_more_block() -> list[nn.Module]:
+        blocks = build_blocks("mlp")
+        return [*blocks, nn.Identity()] if rank == 1 else blocks
+
+    four_rank_schedule = generate("1f1b", 4, N_MB)
+    return {
+        "unknown schedule": lambda: mlp(timeout, schedule="2f2b"),
+        "unknown policy": lambda: mlp(timeout, two_bp_policy="sometimes"),
+        "more stages than blocks": lambda: mlp(timeout, blocks=build_blocks("mlp")[:1]),
+        "partition sum": lambda: mlp(timeout, partition=[3, 3]),
+        "too few micro-batches": lambda: mlp(
+            timeout, schedule="interleaved-1f1b", n_microbatches=3
+        ),
+        "world size": lambda: mlp(timeout, schedule=four_rank_schedule, n_microbatches=None),
+        "unknown nonfinite": lambda: mlp(timeout, nonfinite="ignore"),
+        "bad partition on one rank": lambda: mlp(timeout, partition=[5, 6] if rank else None),
+        "options differ": lambda: mlp(timeout, partition=[3, 7] if rank else None),
+        "blocks differ": lambda: mlp(timeout, blocks=wider_block_4()),
+        "block count differs": lambda: mlp(timeout, blocks=one_more_block()),
+    }
+
+
+def _step_cases(pipe: Pipeline, rank: int) -> dict[str, Callable[[], Any]]:
+    x, y = make_batch("mlp", 0, BATCH)
+    return {
+        "batch does not split": lambda: pipe.step(*_needed(pipe, x[:6], y[:6])),
+        "inputs missing": lambda: pipe.step(None, y),
+        "targets missing": lambda: pipe.step(x, None),
+        "batch sizes differ": lambda: pipe.step(*_needed(pipe, x, torch.cat([y, y[:4]]))),
+        "inputs not tensors": lambda: pipe.step([1, 2, 3], y),  # type: ignore[arg-type]
+        "different calls": lambda: pipe.step(x, y) if rank == 0 else pipe.eval_step(x, y),
+    }
+
+
+def bad_inputs_session(folder: str, timeout: float) -> None:
+    """Try every bad input on both ranks, then mid-step failures, then raise for real."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for name, call in _construction_cases(rank, timeout).items():
+        out[name] = outcome_of(call)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shifted = build_blocks("mlp")
+        if rank == 1:
+            with torch.no_grad():
+                shifted[2][0].weight.add_(1.0)
+        mlp(timeout, blocks=shifted)
+    out["values differ"] = [str(w.message) for w in caught if w.category is ValuesDifferWarning]
+    merged = mlp(timeout, schedule="zb-h1", two_bp=False)
+    out["zb-h1 without 2BP"] = sorted({a.kind.value for a in merged.schedule.actions[rank]})
+    assert Kind.BACKWARD_WEIGHT.value not in out["zb-h1 without 2BP"]
+
+    pipe = mlp(timeout)
+    for name, call in _step_cases(pipe, rank).items():
+        out[name] = outcome_of(call)
+    x, y = make_batch("mlp", 0, BATCH)
+    out["usable after bad inputs"] = pipe.step(*_needed(pipe, x, y))
+    pipe.zero_grad()
+    nan_targets = y.clone()
+    nan_targets[5, 0] = float("nan")  # micro-batch 2
+    out["nan raise"] = outcome_of(lambda: pipe.step(x, nan_targets))
+    out["nan raise grads"] = [p.grad is None for p in pipe.parameters()]
+    skipping = mlp(timeout, nonfinite="skip")
+    inf_targets = y.clone()
+    inf_targets[0, 0] = float("inf")
+    out["inf skip loss"] = skipping.step(*_needed(skipping, x, inf_targets))
+    out["inf skip flags"] = (
+        skipping.last_step_skipped,
+        skipping.skipped_steps,
+        [p.grad is None for p in skipping.parameters()],
+    )
+    out["after skip"] = (skipping.step(x, y), skipping.last_step_skipped, skipping.step_count)
+    save_outcomes(folder, out)
+
+    out.update(_mid_step_failures(rank))
+    save_outcomes(folder, out)
+    dist.barrier()
+    # Finally a rank raises out of its function: its process ends, the peer must not hang.
+    fatal = mlp(30.0, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
+    fatal.step(*_needed(fatal, x, y))
+
+
+class _RaisesOnRank1(nn.Linear):
+    def __init__(self, rank: int) -> None:
+        torch.manual_seed(0)
+        super().__init__(8, 4, dtype=torch.float64)
+        self.rank = rank
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.rank == 1:
+            raise RuntimeError("block 9 failed on purpose")
+        return super().forward(x)
+
+
+class _DtypeFlip(nn.Module):
+    """Passes float64 through on its first call, float32 afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x if self.calls <= N_MB else x.float()
+
+
+def _non_scalar_loss(out: Tensor, y: Tensor) -> Tensor:
+    return (out - y) ** 2
+
+
+def _mid_step_failures(rank: int) -> dict[str, Any]:
+    """Errors in the middle of a step, caught on the rank that raises them.
+
+    The peer cannot be told (it waits on a transfer), so it times out naming
+    the rank. Each case runs in a fresh group, so the transfers left pending
+    by one case cannot meet those of the next.
+    """
+    out: dict[str, Any] = {}
+    x, y = make_batch("mlp", 0, BATCH)
+    timeout = 2.0
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    pipe = Pipeline(
+        build_blocks("mlp"), _non_scalar_loss, n_microbatches=N_MB, device="cpu", group=group,
+        timeout=timeout,
+    )  # fmt: skip
+    start = time.monotonic()
+    out["non-scalar loss"] = outcome_of(lambda: pipe.step(*_needed(pipe, x, y)))
+    out["non-scalar loss seconds"] = time.monotonic() - start
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    blocks = build_blocks("mlp")
+    blocks[4] = nn.Sequential(blocks[4], _DtypeFlip())
+    pipe = Pipeline(
+        blocks, loss_fn("mlp"), n_microbatches=N_MB, device="cpu", group=group, timeout=timeout
+    )
+    pipe.step(*_needed(pipe, x, y))
+    out["dtype change"] = outcome_of(lambda: pipe.step(*_needed(pipe, x, y)))
+    return out
+
+
+# -- a stalled rank ----------------------------------------------------------------------
+
+
+class StallingLoss:
+    """A loss whose call of the second step never returns."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, out: Tensor, y: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls > N_MB:
+            time.sleep(3600)
+        return loss_fn("mlp")(out, y)
+
+
+def stalled_rank_session(timeout: float) -> None:
+    """Rank 1 (last stage) stalls in the loss of its second step."""
+    pipe = Pipeline(
+        build_blocks("mlp"), StallingLoss(), n_microbatches=N_MB, device="cpu", timeout=timeout
+    )
+    x, y = make_batch("mlp", 0, BATCH)
+    pipe.step(*_needed(pipe, x, y))
+    pipe.step(*_needed(pipe, x, y))
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+
+class KillWhilePickled:
+    """An object whose pickling kills its process (a crash in the middle of a save)."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+def conv(timeout: float, **options: Any) -> Pipeline:
+    """The test convolutional model (BatchNorm buffers) as a pipeline."""
+    options.setdefault("n_microbatches", N_MB)
+    return Pipeline(build_blocks("conv"), loss_fn("conv"), device="cpu", timeout=timeout, **options)
+
+
+def train_steps(pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    """AdamW steps on the conv batches of ``steps``; the losses."""
+    losses = []
+    for step in steps:
+        x, y = make_batch("conv", step, BATCH)
+        losses.append(pipe.step(*_needed(pipe, x, y)))
+        optimizer.step()
+        pipe.zero_grad()
+    return losses
+
+
+def _state(pipe: Pipeline) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def checkpoint_session(folder: str, timeout: float) -> None:
+    """Save, load into the same and another layout, fail to load, then die while saving."""
+    rank = dist.get_rank()
+    root = Path(folder)
+    out: dict[str, Any] = {}
+    a = conv(timeout)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    out["losses before"] = train_steps(a, opt_a, range(2))
+    out["saved path"] = str(
+        a.save(root / "ckpt", opt_a, extra={"rank": rank, "position": 2}, meta={"note": "hi"})
+    )
+    out["saved state"] = _state(a)
+    out["continued losses"] = train_steps(a, opt_a, range(2, 4))
+    out["continued state"] = _state(a)
+
+    b = conv(timeout)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.5)
+    out["extra"] = b.load(root / "ckpt", opt_b)
+    out["step count"] = b.step_count
+    out["same layout losses"] = train_steps(b, opt_b, range(2, 4))
+    out["same layout state"] = _state(b)
+
+    c = conv(timeout, schedule="interleaved-1f1b", partition=[1, 4, 3, 2])
+    opt_c = torch.optim.AdamW(c.parameters(), lr=0.5)
+    c.load(root / "ckpt", opt_c)
+    out["repartitioned losses"] = train_steps(c, opt_c, range(2, 4))
+    out["repartitioned state"] = _state(c)
+
+    other = mlp(timeout)
+    out["other model"] = outcome_of(lambda: other.load(root / "ckpt"))
+    out["missing"] = outcome_of(lambda: b.load(root / "nothing-here"))
+    sgd = torch.optim.SGD(b.parameters(), lr=0.1)
+    out["optimizer class"] = outcome_of(lambda: b.load(root / "ckpt", sgd))
+    foreign = torch.optim.SGD([*b.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    out["foreign parameter"] = outcome_of(lambda: b.save(root / "bad", foreign))
+    if rank == 0:
+        broken = root / "broken"
+        import shutil
+
+        shutil.copytree(out["saved path"], broken)
+        (broken / "rank-00001.pt").unlink()
+    dist.barrier()
+    before = _state(b)
+    out["file of rank 1 missing"] = outcome_of(lambda: b.load(root / "broken", opt_b))
+    out["unchanged after failed load"] = all(
+        torch.equal(before[k], v) for k, v in b.state_dict().items()
+    )
+
+    out["crash saved"] = str(b.save(root / "crash", opt_b, step=1))
+    out["crash state"] = _state(b)
+    save_outcomes(folder, out)
+    dist.barrier()
+    b.save(root / "crash", opt_b, extra=KillWhilePickled() if rank == 1 else None, step=2)
