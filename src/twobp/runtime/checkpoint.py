@@ -231,9 +231,10 @@ def _manifest(
     }
 
 
-def _block_order(name: str) -> tuple[int, str]:
+def _block_order(name: str) -> int:
+    # Sorting is stable: the entries of a block keep their state-dict order.
     head = name.split(".", 1)[0]
-    return (int(head) if head.isdigit() else -1, name)
+    return int(head) if head.isdigit() else -1
 
 
 def _fresh_folder(partial: Path) -> None:

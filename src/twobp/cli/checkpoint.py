@@ -1,0 +1,96 @@
+"""``twobp checkpoint``: look into a pipeline checkpoint, or merge it into one state dict."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``checkpoint`` sub-command."""
+    parser = subparsers.add_parser(
+        "checkpoint",
+        help="show or merge a pipeline checkpoint",
+        description=(
+            "Checkpoints of Pipeline.save / twobp train hold one file per rank. 'info' prints "
+            "the manifest; 'merge' writes the single-process state dict that "
+            "nn.Sequential(*blocks).load_state_dict takes."
+        ),
+    )
+    _add_actions(parser)
+
+
+def _add_actions(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = actions.add_parser("info", help="print what a checkpoint holds")
+    info.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
+    info.set_defaults(func=_guarded(_info))
+    merge = actions.add_parser("merge", help="write the single-process state dict (torch.save)")
+    merge.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
+    merge.add_argument("output", help="the .pt file to write")
+    merge.set_defaults(func=_guarded(_merge))
+
+
+def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``action`` with a missing or bad checkpoint reported as a one-line error (exit 2)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from twobp.runtime.errors import CheckpointError
+
+        try:
+            return action(args)
+        except CheckpointError as exc:
+            print(f"twobp checkpoint: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _info(args: argparse.Namespace) -> int:
+    from twobp.runtime.checkpoint import read_manifest
+
+    manifest = read_manifest(args.path)
+    tensors = manifest["tensors"]
+    n_values = sum(_numel(t["shape"]) for t in tensors.values())
+    print(f"checkpoint {manifest['path']}")
+    print(f"  step {manifest['step']}, written {manifest['created']}")
+    print(
+        f"  {manifest['world_size']} ranks, schedule {manifest['schedule']} with "
+        f"{manifest['n_microbatches']} micro-batches, stages on ranks {manifest['placement']}"
+    )
+    blocks = ", ".join(f"{a}-{b - 1}" for a, b in manifest["stage_blocks"])
+    print(f"  blocks per stage: {blocks}")
+    print(f"  {len(tensors)} tensors, {n_values:,} values; optimizer: {manifest['optimizer']}")
+    return 0
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _merge(args: argparse.Namespace) -> int:
+    import torch
+
+    from twobp.runtime.checkpoint import merge
+
+    state = merge(args.path)
+    torch.save(state, args.output)
+    print(f"wrote {len(state)} tensors to {args.output}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``twobp checkpoint`` on its own (``python -m twobp.cli.checkpoint``)."""
+    parser = argparse.ArgumentParser(prog="twobp checkpoint")
+    _add_actions(parser)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Checkpoints of a pipeline: save, load into any layout, merge, and survive a crash mid-save.
+
+One launch of 2 ranks saves the conv model (BatchNorm buffers, AdamW state),
+loads it into the same layout (the continuation is bitwise identical) and into
+another schedule and partition (equal to 1e-10 in float64), fails to load
+broken checkpoints on every rank, and ends with rank 1 killed in the middle of
+a save. The rest runs here, in a world of one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reliability_workers import BATCH, checkpoint_session, conv, train_steps
+from runtime_models import build_blocks, make_batch, one_thread
+from twobp.cli.checkpoint import main as checkpoint_cli
+from twobp.runtime import LaunchError, launch
+from twobp.runtime.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
+from twobp.runtime.checkpoint_state import (
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    parameter_names,
+)
+from twobp.runtime.errors import CheckpointError
+from twobp.runtime.group import LAUNCHER_VARIABLES
+
+TOL = 1e-10
+
+pytestmark = pytest.mark.skipif(
+    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
+    reason="needs a process without a process group",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], LaunchError]:
+    folder = tmp_path_factory.mktemp("checkpoints")
+    with pytest.raises(LaunchError) as info:
+        launch(
+            checkpoint_session, 2, str(folder), 30.0, threads_per_rank=1, grace_period=5.0,
+            timeout=180,
+        )  # fmt: skip
+    outcomes = [pickle.loads((folder / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    return folder, outcomes, info.value
+
+
+def _union(outcomes: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for out in outcomes:
+        assert not set(merged) & set(out[key]), "a tensor on two ranks"
+        merged.update(out[key])
+    return merged
+
+
+def test_layout_of_a_checkpoint(session):
+    folder, outcomes, _ = session
+    path = Path(outcomes[0]["saved path"])
+    assert path == folder / "ckpt" / "step-00000002"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
+    manifest = read_manifest(folder / "ckpt")
+    assert manifest["step"] == 2 and manifest["world_size"] == 2
+    assert manifest["stage_blocks"] == [[0, 5], [5, 10]] and manifest["placement"] == [0, 1]
+    assert manifest["optimizer"] == "AdamW" and manifest["meta"] == {"note": "hi"}
+    state = _union(outcomes, "saved state")
+    assert list(manifest["tensors"]) == list(nn.Sequential(*build_blocks("conv")).state_dict())
+    for name, tensor in state.items():
+        assert manifest["tensors"][name]["shape"] == list(tensor.shape)
+    assert manifest["tensors"]["0.1.running_mean"]["file"] == 0
+    assert manifest["tensors"]["9.weight"]["file"] == 1
+
+
+def test_same_layout_resumes_bitwise(session):
+    _, outcomes, _ = session
+    for rank, out in enumerate(outcomes):
+        assert out["extra"] == {"rank": rank, "position": 2}
+        assert out["step count"] == 2
+        assert out["same layout losses"] == out["continued losses"]
+        for name, want in out["continued state"].items():
+            assert torch.equal(out["same layout state"][name], want), name
+
+
+def test_another_schedule_and_partition_loads_by_name(session):
+    _, outcomes, _ = session
+    want = _union(outcomes, "continued state")
+    got = _union(outcomes, "repartitioned state")
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOL, msg=name)
+    for out in outcomes:
+        for a, b in zip(out["repartitioned losses"], out["continued losses"], strict=True):
+            assert abs(a - b) < TOL
+
+
+@pytest.mark.parametrize(
+    ("case", "text"),
+    [
+        ("other model", "does not fit this model ("),
+        ("missing", "nothing-here does not exist"),
+        ("optimizer class", "holds the state of a AdamW, not of a SGD"),
+        ("foreign parameter", "the optimizer holds a parameter of shape [3]"),
+        ("file of rank 1 missing", "rank-00001.pt"),
+    ],
+)
+def test_a_bad_checkpoint_fails_on_every_rank(session, case, text):
+    _, outcomes, _ = session
+    for rank, out in enumerate(outcomes):
+        assert out[case] is not None, (rank, case)
+        name, message = out[case]
+        assert name == "CheckpointError" and text in message, (rank, message)
+    assert "0.0.weight is [8, 8] here but [4, 3, 3, 3]" in outcomes[0]["other model"][1]
+    # Rank 0 could read its own file, but learnt of rank 1's failure.
+    assert outcomes[0]["file of rank 1 missing"][1].startswith("rank 1 reported:")
+    assert all(out["unchanged after failed load"] for out in outcomes)
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint(session):
+    folder, outcomes, error = session
+    killed, waiting = error.failures
+    assert killed.rank == 1 and killed.message == "killed by SIGKILL"
+    assert waiting.rank == 0 and waiting.error_type == "PeerFailedError"
+    assert "writing a checkpoint" in waiting.message
+    root = folder / "crash"
+    partial = root / ".partial-step-00000002"
+    assert partial.is_dir() and not is_checkpoint(partial)
+    assert latest_checkpoint(root) == root / "step-00000001"
+    # The previous checkpoint loads, here in a world of one process.
+    pipe = conv(5.0)
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    pipe.load(root, optimizer)
+    want = _union(outcomes, "crash state")
+    for name, tensor in pipe.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    # The next save completes and clears what the crash left.
+    pipe.save(root, optimizer)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    pipe.save(root, optimizer, step=3)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+
+
+def test_a_two_rank_checkpoint_loads_into_one_process_and_trains_on(session):
+    folder, outcomes, _ = session
+    pipe = conv(5.0)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+    # Fewer ranks than saved: each rank gets rank 0's extra.
+    assert pipe.load(folder / "ckpt", optimizer) == {"rank": 0, "position": 2}
+    losses = train_steps(pipe, optimizer, range(2, 4))
+    want = _union(outcomes, "continued state")
+    for name, tensor in pipe.state_dict().items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=TOL, msg=name)
+    for a, b in zip(losses, outcomes[0]["continued losses"], strict=True):
+        assert abs(a - b) < TOL
+
+
+def test_merge_gives_the_single_process_state_dict(session, tmp_path, capsys):
+    folder, outcomes, _ = session
+    merged = merge(folder / "ckpt")
+    want = _union(outcomes, "saved state")
+    assert list(merged) == list(nn.Sequential(*build_blocks("conv")).state_dict())
+    assert all(torch.equal(merged[k], want[k]) for k in want)
+    model = nn.Sequential(*build_blocks("conv"))
+    model.load_state_dict(merged)
+    # ... and back: a single-process state dict loads into a pipeline.
+    pipe = conv(5.0)
+    pipe.load_state_dict(model.state_dict())
+    inputs, _ = make_batch("conv", 0, BATCH)
+    model.eval()
+    pipe.eval()
+    torch.testing.assert_close(pipe.eval_step(inputs), model(inputs), rtol=0, atol=TOL)
+    out = tmp_path / "merged.pt"
+    assert checkpoint_cli(["merge", str(folder / "ckpt"), str(out)]) == 0
+    assert set(torch.load(out)) == set(merged)
+    assert checkpoint_cli(["info", str(folder / "ckpt")]) == 0
+    printed = capsys.readouterr().out
+    assert "step 2" in printed and "blocks per stage: 0-4, 5-9" in printed
+    assert checkpoint_cli(["info", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# -- in one process --------------------------------------------------------------------
+
+
+def test_keep_and_a_rolled_back_run(tmp_path):
+    pipe = conv(5.0)
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    for step in (1, 2, 3):
+        pipe.save(tmp_path, optimizer, step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    # Saving an earlier step (a run resumed from an older checkpoint) drops the later ones.
+    pipe.save(tmp_path, optimizer, step=2, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    with pytest.raises(CheckpointError, match="keep=0"):
+        pipe.save(tmp_path, keep=0)
+
+
+def test_a_crash_between_the_renames_is_found(tmp_path):
+    pipe = conv(5.0)
+    pipe.save(tmp_path, step=4)
+    # As if a crash came after the old step-4 moved aside, before the new one moved in.
+    (tmp_path / "step-00000004").rename(tmp_path / ".replaced-step-00000004")
+    assert latest_checkpoint(tmp_path) == tmp_path / ".replaced-step-00000004"
+    manifest = json.loads((tmp_path / ".replaced-step-00000004" / "manifest.json").read_text())
+    assert manifest["step"] == 4
+
+
+def test_load_restores_rng_and_step(tmp_path):
+    pipe = conv(5.0)
+    torch.manual_seed(7)
+    pipe.save(tmp_path, extra="x")
+    expected = torch.rand(3)
+    other = conv(5.0)
+    assert other.load(tmp_path) == "x"
+    assert torch.equal(torch.rand(3), expected)
+    assert other.step_count == 0
+
+
+def test_optimizer_state_by_name_survives_other_groups():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    names = parameter_names(model.named_parameters())
+    first = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters()}], lr=0.2
+    )
+    model(torch.ones(1, 2)).sum().backward()
+    first.step()
+    saved = optimizer_state_by_name(first, names)
+    assert set(saved["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    # Another order, another grouping: every parameter finds its state and its group's lr.
+    second = torch.optim.AdamW([*model[1].parameters(), *model[0].parameters()], lr=0.9)
+    load_optimizer_state_by_name(second, names, [saved])
+    state = second.state_dict()
+    assert torch.equal(state["state"][0]["exp_avg"], saved["state"]["1.weight"]["exp_avg"])
+    assert second.param_groups[0]["lr"] == 0.2
