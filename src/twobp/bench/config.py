@@ -143,7 +143,7 @@ class BenchConfig:
     )
     without_2bp: bool = doc("also run every fused twobp schedule without 2BP", True)
     rounds: int = doc("timed rounds; each round runs every variant once, in turn", 5)
-    warmup: int = doc("untimed rounds first (the last one also probes memory)", 2)
+    warmup: int = doc("untimed rounds first (the last one also probes memory)", 1)
     references: bool = doc("measure the single-process references (efficiency)", True)
     simulate: bool = doc("profile the blocks and compare simulated with measured step time", True)
     dtype: str = doc("parameter dtype", "float32", choices=("float32", "float64", "bfloat16"))

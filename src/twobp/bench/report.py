@@ -269,9 +269,11 @@ def _notes() -> list[str]:
         "`return_outputs=False`.",
         "- References run on every rank at once, each rank alone with the whole model; the bound "
         "is their time divided by p. Efficiency = bound / step time.",
-        "- Step peak: the most bytes allocated during one step beyond what was held before it "
-        "(activations, W stash, buffers, new gradients; not the parameters), read from "
-        "torch.profiler's allocation events on the CPU, torch.cuda.max_memory_allocated on GPUs.",
+        "- Step peak: the most bytes allocated during the last warm-up step beyond what was held "
+        "before it (activations, W stash, buffers, new gradients; not the parameters), read from "
+        "torch.profiler's allocation events on the CPU, torch.cuda.max_memory_allocated on GPUs. "
+        "With one warm-up round this is each variant's first step, so buffers made once and kept "
+        "(torch's receive buffers) count too.",
         "- Bubble and busy: idle fraction of the step and compute time per rank (mean over "
         "ranks), from the twobp runtime's own timeline (n/a for torch).",
         "- Simulator: twobp.sim on the blocks' F, I, W, B times and the time of one W over all m "
