@@ -58,14 +58,16 @@ def test_parse_overrides_reads_numbers():
 
 
 def test_variants_pair_each_fused_schedule_with_and_without_2bp():
-    variants = matrix.build_variants(["1f1b", "zb-v"], ["1F1B"], ["paper", "fill"])
+    variants = matrix.build_variants(["1f1b", "zb-v"], ["GPipe", "1F1B"], ["paper", "fill"])
     labels = [v.label for v in variants]
+    # Compared variants run next to each other: each twobp schedule with torch's of the same order.
     assert labels == [
         "twobp 1f1b",
         "twobp 1f1b+2bp",
         "twobp 1f1b+2bp:fill",
-        "twobp zb-v",
         "torch 1F1B",
+        "twobp zb-v",
+        "torch GPipe",
         "reference microbatched",
         "reference whole-batch",
         "reference 2bp-limit",

@@ -20,14 +20,6 @@ from twobp.bench.profile import RankProfile
 from twobp.bench.simcheck import simulated_step
 from twobp.bench.stats import Summary, speedup, summarize
 
-SAME_SCHEDULE: Mapping[str, str] = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "zb-v": "ZBVZeroBubble",
-}
-"""twobp schedules and the torch schedule that runs the same order."""
-
 
 def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any]:
     """The figures of one regime from every rank's report.
@@ -227,7 +219,7 @@ def _max_bytes(records: Sequence[VariantRecord]) -> int | None:
 def _same_schedule(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:
     """twobp against torch on the same schedule, without and with 2BP."""
     out = []
-    for ours, theirs in SAME_SCHEDULE.items():
+    for ours, theirs in matrix.SAME_SCHEDULE.items():
         torch_label = matrix.Variant(matrix.TORCH, theirs).label
         if torch_label not in times:
             continue

@@ -59,6 +59,16 @@ class TorchScheduleInfo:
         return f"Schedule{self.name}"
 
 
+SAME_SCHEDULE: Mapping[str, str] = MappingProxyType(
+    {
+        "gpipe": "GPipe",
+        "1f1b": "1F1B",
+        "interleaved-1f1b": "Interleaved1F1B",
+        "zb-v": "ZBVZeroBubble",
+    }
+)
+"""twobp schedules and the torch schedule that runs the same order of F and B."""
+
 TORCH_SCHEDULES: Mapping[str, TorchScheduleInfo] = MappingProxyType(
     {
         info.name: info
@@ -132,7 +142,10 @@ def build_variants(
     without_2bp: bool = True,
     references: Sequence[str] = REFERENCES,
 ) -> list[Variant]:
-    """Every variant of one group: twobp, then torch, then the references.
+    """Every variant of one group, in run order.
+
+    Each twobp schedule's variants come with the torch schedule of the same
+    order (:data:`SAME_SCHEDULE`), then the other torch schedules, then the references.
 
     Raises:
         ValueError: on an unknown reference name.
@@ -140,8 +153,15 @@ def build_variants(
     unknown = [r for r in references if r not in REFERENCES]
     if unknown:
         raise ValueError(f"unknown reference(s) {unknown}; choose from {', '.join(REFERENCES)}")
-    out = twobp_variants(schedules, policies, without_2bp)
-    out.extend(Variant(TORCH, name, two_bp="ZeroBubble" in name) for name in torch_schedules)
+    ours = twobp_variants(schedules, policies, without_2bp)
+    theirs = [Variant(TORCH, name, two_bp="ZeroBubble" in name) for name in torch_schedules]
+    # Variants compared with each other run next to each other: a burst of load
+    # from another process then touches both sides of a comparison alike.
+    out: list[Variant] = []
+    for name in dict.fromkeys(v.schedule for v in ours):
+        out.extend(v for v in ours if v.schedule == name)
+        out.extend(v for v in theirs if v.schedule == SAME_SCHEDULE.get(name))
+    out.extend(v for v in theirs if v not in out)
     out.extend(
         Variant(REFERENCE, name, two_bp=name == REFERENCE_TWO_BP_LIMIT)
         for name in REFERENCES
