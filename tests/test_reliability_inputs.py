@@ -19,9 +19,9 @@ import pytest
 
 from reliability_workers import bad_inputs_session
 from twobp.runtime import LaunchError, launch
-from twobp.runtime.checks import BlockPrint, describe_difference
+from twobp.runtime.checks import SMALL_BITS, BlockPrint, describe_difference
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.step_start import check_same_call
+from twobp.runtime.step_start import CallInfo, check_same_call
 
 TIMEOUT = 30.0
 
@@ -150,11 +150,21 @@ def test_a_rank_that_raises_ends_the_others_at_once(session):
 
 
 def test_check_same_call_names_what_differs():
-    check_same_call([[1, 3, 8, 0], [1, 3, 0, 8]])
+    check_same_call([CallInfo(True, 3, 8), CallInfo(True, 3, 8)], first=0, last=1)
     with pytest.raises(PipelineConfigError, match=r"rank 0 is at step 3 but rank 1 at step 2"):
-        check_same_call([[1, 3, 8, 0], [1, 2, 0, 8]])
+        check_same_call([CallInfo(True, 3, 8), CallInfo(True, 2, 8)], first=0, last=1)
     with pytest.raises(PipelineConfigError, match=r"rank 0 hold 8 samples.*rank 2 hold 4"):
-        check_same_call([[1, 0, 8, 0], [1, 0, 0, 0], [1, 0, 0, 4]])
+        calls = [CallInfo(True, 0, 8), CallInfo(True, 0, 0), CallInfo(True, 0, 4)]
+        check_same_call(calls, first=0, last=2)
+    # A rank holding no batch says 0, and is not compared.
+    check_same_call([CallInfo(False, 0, 8), CallInfo(False, 0, 0)], first=0, last=1)
+
+
+@pytest.mark.parametrize("info", [CallInfo(True, 2047, 2**18 - 1), CallInfo(False, 0, 0)])
+def test_call_info_fits_in_the_small_number(info):
+    packed = info.pack()
+    assert 0 <= packed < 2**SMALL_BITS
+    assert CallInfo.unpack(packed) == info
 
 
 def test_describe_difference_reports_structure_before_options():

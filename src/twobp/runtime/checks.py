@@ -72,7 +72,8 @@ def agree(
 
     Collective: every rank calls it with as many ``numbers``. Costs one
     all-reduce of ``size * (1 + len(numbers))`` integers; only when a rank
-    reports a problem do the ranks also exchange the messages.
+    reports a problem do the ranks also exchange the messages. (The start of
+    every step uses the cheaper :func:`agree_small`.)
 
     Args:
         world: the group.
@@ -107,6 +108,60 @@ def agree(
     if any(r[0] for r in table):
         _raise_shared(world, problem)
     return [r[1:] for r in table]
+
+
+SMALL_BITS = 30
+"""Bits of the number each rank shares in :func:`agree_small`."""
+
+_SLOT_BITS = SMALL_BITS + 1
+_RANKS_PER_INTEGER = 2
+
+
+def agree_small(
+    world: World,
+    device: torch.device,
+    timeout: float,
+    problem: Exception | None,
+    where: str,
+    value: int,
+) -> list[int]:
+    """:func:`agree` for one number below ``2**SMALL_BITS`` per rank, at the least cost.
+
+    Two ranks share each 62-bit integer of the all-reduce, so 2 ranks reduce a
+    single integer: under gloo, as cheap as the barrier it replaces at the start
+    of a step (an all-reduce of a few integers per rank costs more).
+
+    Returns:
+        Every rank's ``value``, indexed by rank.
+
+    Raises:
+        Exception: as :func:`agree`.
+    """
+    if not 0 <= value < 1 << SMALL_BITS:
+        raise ValueError(f"agree_small takes values in [0, 2**{SMALL_BITS}), got {value}")
+    slot = (value << 1) | (0 if problem is None else 1)
+    if world.group is None:
+        slots = [slot]
+    else:
+        size = world.size
+        tensor = torch.zeros(-(-size // _RANKS_PER_INTEGER), dtype=torch.int64)
+        shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
+        tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
+        tensor = tensor.to(device)
+        peer = 1 - world.rank if size == 2 else None
+        work = dist.all_reduce(tensor, group=world.group, async_op=True)
+        collective.wait_work(
+            work, rank=world.rank, peer=peer, where=where, what="the other ranks", timeout=timeout
+        )
+        packed = tensor.cpu().tolist()
+        mask = (1 << _SLOT_BITS) - 1
+        slots = [
+            (packed[r // _RANKS_PER_INTEGER] >> (_SLOT_BITS * (r % _RANKS_PER_INTEGER))) & mask
+            for r in range(size)
+        ]
+    if any(s & 1 for s in slots):
+        _raise_shared(world, problem)
+    return [s >> 1 for s in slots]
 
 
 def _raise_shared(world: World, problem: Exception | None) -> None:

@@ -99,11 +99,7 @@ def join_world(
         RuntimeError: if initialising the default group fails.
     """
     if group is None and not dist.is_initialized() and launched_by_env():
-        dist.init_process_group(
-            backend_for(device),
-            init_method="env://",
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        init_from_env(backend_for(device), timeout)
     if group is None and not dist.is_initialized():
         return World(rank=0, size=1, local_size=1, group=None, backend=None)
     active = group if group is not None else dist.group.WORLD
@@ -117,6 +113,39 @@ def join_world(
         group=active,
         backend=str(dist.get_backend(active)),
     )
+
+
+def init_from_env(backend: str, timeout: float) -> None:
+    """Initialise the default group from the launcher's environment (``env://``).
+
+    ``torchrun --max-restarts`` keeps one store for all the attempts of a
+    group. Under plain ``env://`` a rank of a restarted group can read the
+    address that a dead rank of the previous attempt left in it, and fail with
+    "Connection refused". Under torchrun the keys of each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) therefore go under a prefix of their own.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: seconds, the group's collective timeout.
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, init_method="env://", timeout=delta)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The agent hosts the store when it says so; otherwise rank 0 does, as env:// would.
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=not agent_hosts and rank == 0,
+        timeout=delta,
+        multi_tenant=not agent_hosts,
+    )
+    prefixed = dist.PrefixStore(f"twobp/attempt-{attempt}/", store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=delta)
 
 
 def set_threads_per_rank(local_size: int, num_threads: int | None) -> int:

@@ -272,8 +272,7 @@ class Pipeline(PipelineState):
             self.device,
             self.timeout,
             StepInputs(inputs, targets, training, self.step_count),
-            set(self.stages),
-            self.schedule.n_stages,
+            self.schedule.placement,
             self.n_microbatches,
         )
 
@@ -346,7 +345,8 @@ class Pipeline(PipelineState):
     def timeline(self) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.
 
-        Times are seconds from the step start, which a barrier aligns across ranks.
+        Times are seconds from the step start, which the all-reduce that opens every
+        step aligns across ranks.
         """
         mine = [(s.rank, str(s.action), s.start, s.end) for s in self._spans]
         merged = [

@@ -2,26 +2,31 @@
 
 Only the rank of the first stage sees the inputs and only the rank of the last
 stage the targets, so only they can tell that a batch is missing or does not
-split. Every step starts with one small all-reduce (it replaces the barrier
-that aligns the ranks' clocks, so it costs no extra round trip) in which each
-rank says whether its batches are fine, their sizes, which call it is in and
-its step count. A problem on any rank is then raised on every rank, before any
-rank sends anything, and the pipeline stays usable.
+split. Every step starts with one small all-reduce, which replaces the barrier
+that aligns the ranks' clocks: each rank says whether its batches are fine,
+which call it is in, its step count and the size of the batch it holds, all in
+31 bits (:func:`twobp.runtime.checks.agree_small`; with 2 ranks, one integer).
+A problem on any rank is then raised on every rank, before any rank sends
+anything, and the pipeline stays usable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from twobp.runtime.checks import agree
+from twobp.runtime.checks import SMALL_BITS, agree_small
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.group import World
 from twobp.runtime.microbatch import Batch, flatten, split_batch, to_device
 
 _CALLS = {1: "step()", 0: "eval_step()"}
+# 1 bit for the call, then the step count and the batch size, both modulo (a
+# collision only skips a consistency check).
+_STEP_BITS = 11
+_SIZE_BITS = SMALL_BITS - 1 - _STEP_BITS
 
 
 @dataclass(frozen=True)
@@ -41,13 +46,41 @@ class StepInputs:
     step_count: int
 
 
+@dataclass(frozen=True)
+class CallInfo:
+    """What the ranks compare at the start of a step.
+
+    Args:
+        training: True for ``step``, False for ``eval_step``.
+        step_count: the step count, modulo ``2**11``.
+        size: the batch size this rank holds (inputs if it holds stage 0,
+            else targets), modulo ``2**18``; 0 if it holds none.
+    """
+
+    training: bool
+    step_count: int
+    size: int
+
+    def pack(self) -> int:
+        """This as one integer below ``2**SMALL_BITS``."""
+        step = self.step_count % (1 << _STEP_BITS)
+        size = self.size % (1 << _SIZE_BITS)
+        return (((int(self.training) << _STEP_BITS) | step) << _SIZE_BITS) | size
+
+    @classmethod
+    def unpack(cls, value: int) -> CallInfo:
+        """Inverse of :meth:`pack`."""
+        size = value & ((1 << _SIZE_BITS) - 1)
+        value >>= _SIZE_BITS
+        return cls(bool(value >> _STEP_BITS), value & ((1 << _STEP_BITS) - 1), size)
+
+
 def start_step(
     world: World,
     device: torch.device,
     timeout: float,
     given: StepInputs,
-    stages: Collection[int],
-    n_stages: int,
+    placement: Sequence[int],
     n_microbatches: int,
 ) -> tuple[list[Batch] | None, list[Batch] | None]:
     """This rank's micro-batches of inputs and targets, once every rank's are known to fit.
@@ -59,8 +92,7 @@ def start_step(
         device: where the micro-batches go.
         timeout: seconds to wait for the other ranks.
         given: this rank's batches and call.
-        stages: the stages of this rank.
-        n_stages: stages of the pipeline.
+        placement: the rank of every stage.
         n_microbatches: micro-batches per step.
 
     Returns:
@@ -72,65 +104,75 @@ def start_step(
             batch does not split into equal micro-batches, inputs and targets
             differ in size, or the ranks are in different calls or steps.
     """
-    last = n_stages - 1
-    mb_inputs = mb_targets = None
-    sizes = [0, 0]
-    problem = None
     rank = world.rank
+    first, last = placement[0], placement[-1]
+    mb_inputs = mb_targets = None
+    size = 0
+    problem = None
     try:
-        if 0 in stages:
+        if rank == first:
             if given.inputs is None:
                 raise PipelineConfigError(
                     f"rank {rank} holds stage 0 and needs the inputs, but got None; "
                     "pass the batch of inputs on this rank"
                 )
             mb_inputs = split_batch(to_device(given.inputs, device), n_microbatches)
-            sizes[0] = flatten(given.inputs)[0][0].shape[0]
-        if last in stages and (given.training or given.targets is not None):
+            size = flatten(given.inputs)[0][0].shape[0]
+        if rank == last and (given.training or given.targets is not None):
             if given.targets is None:
                 raise PipelineConfigError(
-                    f"rank {rank} holds the last stage ({last}) and needs the targets to "
-                    "compute the loss, but got None; pass the batch of targets on this rank "
-                    "(eval_step(inputs) without targets returns the outputs)"
+                    f"rank {rank} holds the last stage ({len(placement) - 1}) and needs the "
+                    "targets to compute the loss, but got None; pass the batch of targets on "
+                    "this rank (eval_step(inputs) without targets returns the outputs)"
                 )
             mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
-            sizes[1] = flatten(given.targets)[0][0].shape[0]
+            n_targets = flatten(given.targets)[0][0].shape[0]
+            if rank == first:
+                check_sizes(rank, size, rank, n_targets)
+            size = n_targets if rank != first else size
     except PipelineConfigError as exc:
         problem = exc
     call = _CALLS[int(given.training)]
+    mine = CallInfo(given.training, given.step_count, size)
     where = f"at the start of {call} {given.step_count}"
-    numbers = [int(given.training), given.step_count, *sizes]
-    check_same_call(agree(world, device, timeout, problem, where, numbers))
+    values = agree_small(world, device, timeout, problem, where, mine.pack())
+    check_same_call([CallInfo.unpack(v) for v in values], first, last)
     return mb_inputs, mb_targets
 
 
-def check_same_call(table: list[list[int]]) -> None:
+def check_same_call(calls: Sequence[CallInfo], first: int, last: int) -> None:
     """Raise if the ranks are in different calls or steps, or disagree on the batch size.
 
     Args:
-        table: per rank, ``[training, step_count, input_size, target_size]``
-            (sizes 0 where the rank does not hold the batch).
+        calls: what each rank reported, by rank.
+        first: the rank of the first stage (it reported the inputs' size).
+        last: the rank of the last stage (it reported the targets' size).
 
     Raises:
         PipelineConfigError: saying which ranks differ and how.
     """
-    first = table[0]
-    for rank, row in enumerate(table[1:], start=1):
-        if row[0] != first[0]:
+    lead = calls[0]
+    for rank, call in enumerate(calls[1:], start=1):
+        if call.training != lead.training:
             raise PipelineConfigError(
-                f"rank 0 called {_CALLS[first[0]]} but rank {rank} called {_CALLS[row[0]]}; "
-                "every rank must make the same calls of the pipeline, in the same order"
+                f"rank 0 called {_CALLS[lead.training]} but rank {rank} called "
+                f"{_CALLS[call.training]}; every rank must make the same calls of the "
+                "pipeline, in the same order"
             )
-        if row[1] != first[1]:
+        if call.step_count != lead.step_count:
             raise PipelineConfigError(
-                f"rank 0 is at step {first[1]} but rank {rank} at step {row[1]}; every rank "
-                "must call step() the same number of times (a rank skipped or repeated one)"
+                f"rank 0 is at step {lead.step_count} but rank {rank} at step "
+                f"{call.step_count}; every rank must call step() the same number of times "
+                "(a rank skipped or repeated one)"
             )
-    inputs = [(r, row[2]) for r, row in enumerate(table) if row[2]]
-    targets = [(r, row[3]) for r, row in enumerate(table) if row[3]]
-    if inputs and targets and inputs[0][1] != targets[0][1]:
-        (r_in, n_in), (r_t, n_t) = inputs[0], targets[0]
+    if first != last and calls[first].size and calls[last].size:
+        check_sizes(first, calls[first].size, last, calls[last].size)
+
+
+def check_sizes(input_rank: int, n_inputs: int, target_rank: int, n_targets: int) -> None:
+    """Raise if the inputs and the targets hold different numbers of samples."""
+    if n_inputs != n_targets:
         raise PipelineConfigError(
-            f"the inputs on rank {r_in} hold {n_in} samples but the targets on rank {r_t} "
-            f"hold {n_t}; pass the same batch on every rank"
+            f"the inputs on rank {input_rank} hold {n_inputs} samples but the targets on rank "
+            f"{target_rank} hold {n_targets}; pass the same batch on every rank"
         )
