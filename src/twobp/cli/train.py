@@ -19,7 +19,9 @@ def register(subparsers: Any) -> None:
             "Train a reference model over local ranks (or the ranks of torchrun) and write a "
             "report: throughput, bubble ratio, peak memory per rank, loss curve and the last "
             "step's timeline. Defaults: the tiny LLaMA-like model as a byte-level language "
-            "model on Python's own sources, 2 ranks, 1f1b with 2BP."
+            "model on Python's own sources, 2 ranks, 1f1b with 2BP. Checkpoints go to "
+            "OUT/checkpoints; --resume OUT continues a run where it stopped (under torchrun "
+            "--max-restarts, pass --resume auto)."
         ),
     )
     add_arguments(parser, TrainConfig)
@@ -27,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from twobp.runtime import LaunchError
+    from twobp.runtime import PipelineError
     from twobp.train.run import run_training
 
     cfg = from_namespace(TrainConfig, args)
@@ -36,7 +38,9 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"twobp train: {exc}", file=sys.stderr)
         return 2
-    except LaunchError as exc:
+    except PipelineError as exc:
+        # A failed local rank (LaunchError lists them all), or this rank's
+        # error under torchrun, which then ends or restarts the group.
         print(f"twobp train: {exc}", file=sys.stderr)
         return 1
     if summary is not None:
@@ -46,4 +50,9 @@ def _run(args: argparse.Namespace) -> int:
             f"{summary['tokens_per_s']:.0f} tokens/s; bubble {summary['bubble_ratio']:.3f}; "
             f"report in {cfg.out}/report.md"
         )
+        if summary["steps_run"] < cfg.steps:
+            print(
+                f"stopped after step {summary['steps_run']} of {cfg.steps}; continue with the "
+                f"same options and --resume {cfg.out}"
+            )
     return 0

@@ -47,3 +47,23 @@ class TrainConfig:
     threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
     log_every: int = doc("steps between progress updates", 10)
     timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
+    nonfinite: str = doc(
+        "when a step's loss is NaN or infinite: raise (stop the run with an error) or skip "
+        "(drop the step's gradients on every rank and go on; the report lists skipped steps)",
+        "raise",
+        choices=("raise", "skip"),
+    )
+    save: bool = doc("write checkpoints into OUT/checkpoints (the last step's, at least)", True)
+    save_every: int = doc("steps between checkpoints (0: only at the end of the run)", 0)
+    keep_checkpoints: int = doc("checkpoints kept in OUT/checkpoints, the newest", 1)
+    resume: str | None = doc(
+        "continue a run from a checkpoint: a checkpoint folder, a folder of checkpoints or a "
+        "run's --out folder (its latest), or 'auto': this --out's latest if there is one, else "
+        "start afresh (what a torchrun --max-restarts job needs)",
+        None,
+    )
+    stop_after: int | None = doc(
+        "end this run once this many steps are done in all, with a checkpoint; the learning "
+        "rate schedule still spans --steps (for jobs with a time limit: continue with --resume)",
+        None,
+    )

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import resource
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from twobp.runtime import Pipeline
 from twobp.timeline import Span
+from twobp.train import checkpointing
 from twobp.train.config import TrainConfig
 from twobp.train.progress import Progress
 from twobp.train.task import build_task
@@ -48,6 +49,18 @@ class RankResult:
     tokens_per_sample: int = 1
     n_parameters: int = 0
     """Parameters held by this rank."""
+    resumed_from: int | None = None
+    """The step the run continued from (None: a fresh start)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps whose loss was not finite and whose gradients were dropped (``--nonfinite skip``)."""
+    save_seconds: list[float] = field(default_factory=list)
+    """Wall time of every checkpoint this run wrote."""
+    checkpoint: str = ""
+    """The last checkpoint this run wrote ("" if none)."""
+
+
+StepHook = Callable[[int, int], None]
+"""``hook(rank, step)``, called before each step (tests use it to inject failures)."""
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -58,8 +71,15 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_rank(cfg: TrainConfig) -> RankResult:
-    """Train on this rank of the current process group; returns its figures."""
+def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
+    """Train on this rank of the current process group; returns its figures.
+
+    Resumes from ``cfg.resume`` if given, and saves checkpoints as ``cfg`` says.
+
+    Args:
+        cfg: the run's options.
+        on_step: called with ``(rank, step)`` before each step.
+    """
     task = build_task(cfg)
     pipe = Pipeline(
         task.spec.blocks,
@@ -72,6 +92,7 @@ def train_rank(cfg: TrainConfig) -> RankResult:
         stages_per_rank=cfg.stages_per_rank,
         timeout=cfg.timeout,
         num_threads=cfg.threads,
+        nonfinite=cfg.nonfinite,
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.microbatches]
             if cfg.partition == "balanced"
@@ -88,28 +109,40 @@ def train_rank(cfg: TrainConfig) -> RankResult:
         n_parameters=sum(p.numel() for p in pipe.parameters()),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    history = checkpointing.resume(pipe, optimizer, cfg)
+    if history.step:
+        result.resumed_from = history.step
+    # The same lists: what the loop appends is in the next checkpoint's history.
+    result.losses, result.skipped_steps = history.losses, history.skipped_steps
     progress = Progress(cfg.steps, cfg.log_every) if pipe.rank == 0 else None
-    for step in range(cfg.steps):
+    for step in range(history.step, checkpointing.last_step(cfg)):
+        if on_step is not None:
+            on_step(pipe.rank, step)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
         inputs, targets = task.batch_at(step, "train")
         start = time.perf_counter()
         loss = float(pipe.step(inputs, targets))
-        if cfg.grad_clip > 0:
-            pipe.clip_grad_norm_(cfg.grad_clip)
-        optimizer.step()
+        if pipe.last_step_skipped:
+            result.skipped_steps.append(step)
+        else:
+            if cfg.grad_clip > 0:
+                pipe.clip_grad_norm_(cfg.grad_clip)
+            optimizer.step()
         pipe.zero_grad()
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)
         result.peak_stashed_bytes = max(result.peak_stashed_bytes, pipe.peak_stashed_bytes())
+        history.step = step + 1
         if progress is not None:
             recent = result.step_seconds[WARMUP_STEPS:][-20:] or result.step_seconds[-1:]
             per_step = sum(recent) / len(recent)
             samples = cfg.batch_size / per_step
             progress.update(step + 1, loss, samples, samples * task.tokens_per_sample)
-        if not math.isfinite(loss):
-            print(f"rank {pipe.rank}: loss is {loss} at step {step}; stopping", file=sys.stderr)
-            break
+        if checkpointing.save_due(cfg, history.step):
+            start = time.perf_counter()
+            result.checkpoint = str(checkpointing.save(pipe, optimizer, cfg, history))
+            result.save_seconds.append(time.perf_counter() - start)
     spans = pipe.timeline()
     if pipe.rank == 0:
         result.spans = spans

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,14 +32,23 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
     seconds_per_step = statistics.median(timed) if timed else float("nan")
     samples_per_s = cfg.batch_size / seconds_per_step
     losses = lead.losses
-    window = max(1, min(10, len(losses) // 5 or 1))
-    first = statistics.fmean(losses[:window])
-    last = statistics.fmean(losses[-window:])
+    # Skipped steps (non-finite loss) stay in the curve but not in the means.
+    finite = [x for x in losses if math.isfinite(x)] or [math.nan]
+    window = max(1, min(10, len(finite) // 5 or 1))
+    first = statistics.fmean(finite[:window])
+    last = statistics.fmean(finite[-window:])
     ranks = sorted({s.rank for s in lead.spans}) or [r.rank for r in results]
     return {
         "config": dataclasses.asdict(cfg),
         "data": lead.data_source,
         "steps_run": len(losses),
+        "steps_this_run": len(lead.step_seconds),
+        "resumed_from_step": lead.resumed_from,
+        "skipped_steps": lead.skipped_steps,
+        "checkpoint": lead.checkpoint or None,
+        "checkpoint_seconds_median": (
+            statistics.median(lead.save_seconds) if lead.save_seconds else None
+        ),
         "seconds_per_step_median": seconds_per_step,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * lead.tokens_per_sample,
@@ -89,6 +99,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         f"{summary['loss_last']:.4f} (mean of last {summary['loss_window']}), "
         f"drop {summary['loss_drop']:.4f}; held-out loss {summary['eval_loss']:.4f}",
         f"- bubble ratio of the last step (measured): {summary['bubble_ratio']:.3f}",
+        *_reliability_lines(summary),
         "",
         "| rank | stages (blocks) | parameters | bubble | peak RSS MiB | peak 2BP stash MiB |",
         "|---:|---|---:|---:|---:|---:|",
@@ -107,6 +118,26 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
     if lead.spans:
         lines += ["", "Last step:", "", "```", render_ascii(lead.spans, width=100), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _reliability_lines(summary: dict[str, Any]) -> list[str]:
+    """Resume, skipped steps and checkpoint lines of the report (pure)."""
+    lines = []
+    if summary["resumed_from_step"] is not None:
+        lines.append(
+            f"- resumed from step {summary['resumed_from_step']}; "
+            f"{summary['steps_this_run']} steps in this run"
+        )
+    if summary["skipped_steps"]:
+        steps = ", ".join(map(str, summary["skipped_steps"][:20]))
+        more = " ..." if len(summary["skipped_steps"]) > 20 else ""
+        lines.append(
+            f"- {len(summary['skipped_steps'])} steps skipped for a non-finite loss: {steps}{more}"
+        )
+    if summary["checkpoint"]:
+        seconds = summary["checkpoint_seconds_median"]
+        lines.append(f"- checkpoint: {summary['checkpoint']} (median save {seconds:.3f} s)")
+    return lines
 
 
 def _loss_png(losses: Sequence[float], path: Path, title: str) -> None:

@@ -9,17 +9,23 @@ import torch.distributed as dist
 
 from twobp.runtime import launch
 from twobp.runtime.group import launched_by_env
+from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig
-from twobp.train.loop import RankResult, train_rank
+from twobp.train.loop import RankResult, StepHook, train_rank
 from twobp.train.report import write_report
 
 
-def run_training(cfg: TrainConfig) -> dict[str, Any] | None:
+def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str, Any] | None:
     """Train as ``cfg`` says and write the report.
 
     Under ``torchrun`` this process is one rank: the results are gathered to
     rank 0, which writes the report and returns the summary (other ranks
     return None). Otherwise ``cfg.ranks`` local processes are started.
+
+    Args:
+        cfg: the run's options.
+        on_step: called on every rank with ``(rank, step)`` before each step
+            (a picklable module-level function when local ranks are started).
 
     Raises:
         twobp.runtime.LaunchError: if a local rank failed (it names the rank).
@@ -28,13 +34,13 @@ def run_training(cfg: TrainConfig) -> dict[str, Any] | None:
     check_config(cfg)
     out = Path(cfg.out)
     if launched_by_env() or dist.is_initialized():
-        mine = train_rank(cfg)
+        mine = train_rank(cfg, on_step)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
             return None
         return write_report(cfg, _by_rank(gathered), out)
-    results = launch(train_rank, cfg.ranks, cfg, threads_per_rank=cfg.threads)
+    results = launch(train_rank, cfg.ranks, cfg, on_step, threads_per_rank=cfg.threads)
     return write_report(cfg, _by_rank(results), out)
 
 
@@ -59,3 +65,10 @@ def check_config(cfg: TrainConfig) -> None:
             f"--batch-size {cfg.batch_size} does not divide into {cfg.microbatches} "
             f"micro-batches; pick a batch size that is a multiple of --microbatches"
         )
+    if cfg.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0, got {cfg.save_every}")
+    if cfg.keep_checkpoints < 1:
+        raise ValueError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
+    if cfg.stop_after is not None and cfg.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
+    check_resume(cfg)

@@ -1,0 +1,136 @@
+"""Checkpoints of ``twobp train``: where they go, when, and how a run resumes.
+
+A run saves into ``OUT/checkpoints`` every ``--save-every`` steps and at its
+end. A checkpoint holds, besides the pipeline's weights, optimizer and RNG
+states, the run's history (the step reached, the loss of every step, the
+skipped steps) and, in its manifest, the run's options. Data batches are a
+pure function of ``(seed, step)``, so the step is the data position: a
+resumed run sees the batches an uninterrupted run would have seen, and ends
+with the same weights (bitwise on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twobp.runtime import Pipeline
+from twobp.runtime.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
+from twobp.runtime.errors import CheckpointError
+from twobp.train.config import TrainConfig
+
+SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "seed", "data")
+"""Options a resumed run must share with the run it continues: they define the model and data."""
+
+
+@dataclass
+class History:
+    """What a run carries over a resume (saved as the checkpoint's ``extra``)."""
+
+    step: int = 0
+    """Steps done: the next step to run, and the data position."""
+    losses: list[float] = field(default_factory=list)
+    """The mean loss of every step done."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps whose loss was not finite and whose gradients were dropped."""
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """The folder of this run's checkpoints."""
+    return Path(cfg.out) / "checkpoints"
+
+
+def last_step(cfg: TrainConfig) -> int:
+    """The step this run ends at (``--stop-after`` or ``--steps``)."""
+    return cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+
+
+def resume_source(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run continues from, or None for a fresh start.
+
+    Raises:
+        CheckpointError: if ``--resume`` names no complete checkpoint.
+    """
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        return latest_checkpoint(checkpoint_root(cfg))
+    return find_checkpoint(cfg.resume)
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """Refuse a resume that cannot continue the run, before any rank starts.
+
+    Raises:
+        ValueError: if the checkpoint is missing, comes from another model or
+            data, or already reached the step this run would end at.
+    """
+    try:
+        source = resume_source(cfg)
+        if source is None:
+            return
+        manifest = read_manifest(source)
+    except CheckpointError as exc:
+        raise ValueError(f"--resume {cfg.resume}: {exc}") from None
+    saved = manifest.get("meta", {}).get("config")
+    if saved is None:
+        raise ValueError(
+            f"--resume {cfg.resume}: {source} was not written by twobp train (no options in "
+            "its manifest); load it from Python with Pipeline.load"
+        )
+    differ = [
+        f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(cfg, name)})"
+        for name in SAME_MODEL_OPTIONS
+        if saved.get(name) != getattr(cfg, name)
+    ]
+    if differ:
+        raise ValueError(
+            f"--resume {cfg.resume}: {source} was trained with {', '.join(differ)}; pass the "
+            "same model and data options, or start a new run without --resume"
+        )
+    if manifest["step"] >= last_step(cfg):
+        raise ValueError(
+            f"--resume {cfg.resume}: {source} is at step {manifest['step']} already, and this "
+            f"run would end at step {last_step(cfg)}; raise --steps (or --stop-after) to train on"
+        )
+
+
+def resume(pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> History:
+    """Load the checkpoint ``--resume`` names into ``pipe`` and ``optimizer``. Collective.
+
+    Returns:
+        The history of the run so far (empty for a fresh start).
+    """
+    source = resume_source(cfg)
+    if source is None:
+        return History()
+    saved = pipe.load(source, optimizer)
+    return History(**saved)
+
+
+def save_due(cfg: TrainConfig, done: int) -> bool:
+    """True if the run saves a checkpoint after ``done`` steps."""
+    if not cfg.save:
+        return False
+    if done == last_step(cfg):
+        return True
+    return cfg.save_every > 0 and done % cfg.save_every == 0
+
+
+def save(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig, history: History
+) -> Path:
+    """Write this run's checkpoint after ``history.step`` steps. Collective."""
+    meta: dict[str, Any] = {"config": dataclasses.asdict(cfg), "step": history.step}
+    return pipe.save(
+        checkpoint_root(cfg),
+        optimizer,
+        extra=dataclasses.asdict(history),
+        step=history.step,
+        meta=meta,
+        keep=cfg.keep_checkpoints,
+    )
