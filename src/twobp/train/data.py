@@ -118,7 +118,7 @@ class SyntheticData:
     """Labelled synthetic data for the families that have no offline corpus.
 
     Batches are drawn from a fixed random "teacher" so there is something to
-    learn: images are classified by a random linear map of their pixels; token
+    learn: each image class is a fixed smooth random pattern under noise; token
     streams follow a fixed random bigram table.
     """
 
@@ -138,11 +138,16 @@ class SyntheticData:
         teacher = torch.Generator().manual_seed(seed)
         gen = torch.Generator().manual_seed(_mix(seed, step, split))
         if self.kind == "images":
-            n_pixels = int(torch.tensor(self.shape).prod())
-            proj = torch.randn(n_pixels, self.n_classes, generator=teacher)
-            images = torch.randn(batch_size, *self.shape, generator=gen)
-            labels = (images.flatten(1) @ proj).argmax(dim=1)
-            return images, labels
+            # Each class has a smooth random template (a 4x4 pattern scaled up);
+            # an image is its class's template under as much noise again.
+            channels, height, width = self.shape
+            coarse = torch.randn(self.n_classes, channels, 4, 4, generator=teacher)
+            templates = torch.nn.functional.interpolate(
+                coarse, size=(height, width), mode="bilinear", align_corners=False
+            )
+            labels = torch.randint(0, self.n_classes, (batch_size,), generator=gen)
+            noise = torch.randn(batch_size, channels, height, width, generator=gen)
+            return templates[labels] + noise, labels
         # Tokens: a sparse random bigram chain (each token has 4 likely successors).
         (seq_len,) = self.shape
         successors = torch.randint(0, self.n_classes, (self.n_classes, 4), generator=teacher)
