@@ -40,7 +40,14 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
         if dist.get_rank() != 0:
             return None
         return write_report(cfg, _by_rank(gathered), out)
-    results = launch(train_rank, cfg.ranks, cfg, on_step, threads_per_rank=cfg.threads)
+    results = launch(
+        train_rank,
+        cfg.ranks,
+        cfg,
+        on_step,
+        threads_per_rank=cfg.threads,
+        group_timeout=cfg.timeout,
+    )
     return write_report(cfg, _by_rank(results), out)
 
 
