@@ -22,10 +22,7 @@ every rank sees.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +32,20 @@ import torch
 from torch import Tensor
 
 from twobp.runtime import collective
+from twobp.runtime.checkpoint_files import (
+    FORMAT,
+    VERSION,
+    find_checkpoint,
+    fresh_folder,
+    is_checkpoint,
+    latest_checkpoint,
+    merge,
+    publish,
+    rank_file,
+    read_manifest,
+    step_folder,
+    write_atomic,
+)
 from twobp.runtime.checkpoint_state import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
@@ -45,90 +56,18 @@ from twobp.runtime.checkpoint_state import (
 from twobp.runtime.checks import agree
 from twobp.runtime.errors import CheckpointError
 
+__all__ = [
+    "find_checkpoint",
+    "is_checkpoint",
+    "latest_checkpoint",
+    "load",
+    "merge",
+    "read_manifest",
+    "save",
+]
+
 if TYPE_CHECKING:
     from twobp.runtime.pipeline_state import PipelineState as Pipeline
-
-FORMAT = "twobp-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-_STEP_FOLDER = re.compile(r"^(?:\.partial-|\.replaced-)?step-(\d+)$")
-
-
-def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s file in a checkpoint."""
-    return f"rank-{rank:05d}.pt"
-
-
-def step_folder(step: int) -> str:
-    """The name of the checkpoint of step ``step`` in a folder of checkpoints."""
-    return f"step-{step:08d}"
-
-
-# -- finding checkpoints ---------------------------------------------------------------
-
-
-def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """True if ``path`` is one complete checkpoint (it has its manifest)."""
-    return (Path(path) / MANIFEST).is_file()
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint of the highest step in a folder of checkpoints, or None.
-
-    Folders a crash left behind count if they are complete (a manifest is
-    written only once every rank's file is in place).
-    """
-    found: list[tuple[int, int, Path]] = []
-    folder = Path(root)
-    if not folder.is_dir():
-        return None
-    for child in folder.iterdir():
-        match = _STEP_FOLDER.match(child.name)
-        if match and is_checkpoint(child):
-            preferred = 1 if child.name.startswith("step-") else 0
-            found.append((int(match.group(1)), preferred, child))
-    return max(found)[2] if found else None
-
-
-def find_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint ``path`` names: itself, or the latest one inside it.
-
-    Args:
-        path: a checkpoint, a folder of checkpoints, or a folder holding a
-            ``checkpoints`` folder (the output folder of ``twobp train``).
-
-    Raises:
-        CheckpointError: if there is no complete checkpoint there.
-    """
-    folder = Path(path)
-    if is_checkpoint(folder):
-        return folder
-    for root in (folder, folder / "checkpoints"):
-        latest = latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    what = "does not exist" if not folder.exists() else "holds no complete checkpoint"
-    raise CheckpointError(
-        f"{folder} {what}: give a checkpoint folder (with {MANIFEST}), a folder of "
-        "checkpoints or the output folder of a run that saved some"
-    )
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the checkpoint ``path`` names (see :func:`find_checkpoint`).
-
-    Raises:
-        CheckpointError: if there is none, or it is not a twobp manifest.
-    """
-    folder = find_checkpoint(path)
-    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{folder / MANIFEST} is not a twobp checkpoint manifest of version <= {VERSION}"
-        )
-    manifest["path"] = str(folder)
-    return manifest
-
 
 # -- writing ---------------------------------------------------------------------------
 
@@ -162,7 +101,7 @@ def save(
     world, device, timeout = pipe.world, pipe.device, pipe.timeout
     problem: Exception | None = None
     if pipe.rank == 0:
-        problem = _attempt(lambda: _fresh_folder(partial), f"cannot create {partial}")
+        problem = _attempt(lambda: fresh_folder(partial), f"cannot create {partial}")
     agree(world, device, timeout, problem, "starting to save a checkpoint")
     payload = {
         "format": VERSION,
@@ -184,7 +123,7 @@ def save(
                 f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
                 "folder must be on a file system that every rank shares"
             )
-        _write_atomic(partial / rank_file(pipe.rank), lambda f: torch.save(payload, f))
+        write_atomic(partial / rank_file(pipe.rank), lambda f: torch.save(payload, f))
     except (CheckpointError, OSError, RuntimeError) as exc:
         problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot write its checkpoint file")
     agree(world, device, timeout, problem, "writing a checkpoint")
@@ -196,7 +135,7 @@ def save(
     if pipe.rank == 0:
         manifest = _manifest(pipe, step, every, optimizer, meta)
         problem = _attempt(
-            lambda: _publish(partial, final, manifest, keep), f"cannot complete {final}"
+            lambda: publish(partial, final, manifest, keep), f"cannot complete {final}"
         )
     agree(world, device, timeout, problem, "completing a checkpoint")
     return final
@@ -225,72 +164,16 @@ def _manifest(
         "stage_blocks": [[r.start, r.stop] for r in pipe.stage_blocks],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "files": [rank_file(r) for r in range(pipe.world.size)],
-        "tensors": dict(sorted(tensors.items(), key=lambda item: _block_order(item[0]))),
+        "tensors": dict(sorted(tensors.items(), key=lambda item: block_order(item[0]))),
         "meta": dict(meta or {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
-def _block_order(name: str) -> int:
+def block_order(name: str) -> int:
     # Sorting is stable: the entries of a block keep their state-dict order.
     head = name.split(".", 1)[0]
     return int(head) if head.isdigit() else -1
-
-
-def _fresh_folder(partial: Path) -> None:
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir()
-
-
-def _publish(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
-    """Mark ``partial`` complete, move it into place, then drop what it replaces."""
-    text = json.dumps(manifest, indent=1)
-    _write_atomic(partial / MANIFEST, lambda f: f.write(text.encode()))
-    _fsync_folder(partial)
-    replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():
-        if replaced.exists():
-            shutil.rmtree(replaced)
-        final.rename(replaced)
-    partial.rename(final)
-    _fsync_folder(final.parent)
-    _prune(final, keep)
-
-
-def _prune(final: Path, keep: int) -> None:
-    """Delete leftovers, later steps (a rolled-back run) and all but ``keep`` checkpoints."""
-    step = int(final.name.removeprefix("step-"))
-    complete = []
-    for child in final.parent.iterdir():
-        match = _STEP_FOLDER.match(child.name)
-        if match is None or child == final:
-            continue
-        if not child.name.startswith("step-") or int(match.group(1)) > step:
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            complete.append((int(match.group(1)), child))
-    for _, child in sorted(complete)[: max(0, len(complete) - (keep - 1))]:
-        shutil.rmtree(child, ignore_errors=True)
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    """Write a file through a temporary name, fsync it, then rename it into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _attempt(action: Any, what: str) -> Exception | None:
@@ -408,27 +291,3 @@ def _read(
         extra=files[home]["extra"],
         step=int(manifest["step"]),
     )
-
-
-def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """The single-process state dict of a checkpoint (what ``nn.Sequential(*blocks)`` loads).
-
-    Args:
-        path: a checkpoint, or a folder of checkpoints (its latest is used).
-
-    Returns:
-        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
-
-    Raises:
-        CheckpointError: if there is no complete checkpoint.
-    """
-    manifest = read_manifest(path)
-    folder = Path(manifest["path"])
-    merged: dict[str, Tensor] = {}
-    parts = [
-        torch.load(folder / name, map_location="cpu", weights_only=False)["model"]
-        for name in manifest["files"]
-    ]
-    for name, entry in manifest["tensors"].items():
-        merged[name] = parts[entry["file"]][name]
-    return merged

@@ -322,7 +322,7 @@ def check_same_pipeline(
         "is not the one a single process would build: seed the model's construction alike on "
         "every rank (torch.manual_seed before building it) or load a checkpoint",
         ValuesDifferWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

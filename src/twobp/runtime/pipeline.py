@@ -12,6 +12,10 @@ Example (2 ranks, under ``torchrun --nproc-per-node 2`` or :func:`launch`)::
     loss = pipe.step(x, y)
     optimizer.step()
     pipe.zero_grad()
+    pipe.save("checkpoints", optimizer, extra={"step": 1})  # pipe.load(...) resumes
+
+A problem that one rank sees (a missing batch, a bad option) is raised on
+every rank; see :mod:`twobp.runtime.step_start` and :mod:`twobp.runtime.build`.
 """
 
 from __future__ import annotations
