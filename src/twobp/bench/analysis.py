@@ -176,8 +176,9 @@ def _variant(
         entry["efficiency"] = {name: bound / step.median for name, bound in bounds.items()}
     if v.framework == matrix.TWOBP and lead.schedule is not None and all(profiles):
         simulated = simulated_step(lead.schedule, profiles, lead.partition)
-        entry["sim_step_s"] = simulated
-        entry["sim_error"] = simulated / step.median - 1.0
+        entry["sim_step_s"] = simulated.makespan
+        entry["sim_busy_s"] = sum(simulated.busy) / len(simulated.busy)
+        entry["sim_error"] = simulated.makespan / step.median - 1.0
     return entry
 
 

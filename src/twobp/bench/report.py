@@ -198,7 +198,7 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
         "step ms [IQR]",
         "samples/s",
         "bubble",
-        "busy ms",
+        "busy ms (sim)",
         *[f"eff. vs {n}" for n in names],
         "sim ms",
         "sim error",
@@ -220,7 +220,7 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
                 f"{step['median'] * 1e3:.1f} [{step['q1'] * 1e3:.1f}-{step['q3'] * 1e3:.1f}]",
                 f"{v['samples_per_s']['median']:.1f}",
                 "n/a" if v.get("bubble_ratio") is None else f"{v['bubble_ratio']:.3f}",
-                "n/a" if v.get("busy_s") is None else f"{v['busy_s'] * 1e3:.1f}",
+                _busy(v),
                 *["-" if efficiency.get(n) is None else f"{efficiency[n]:.2f}" for n in names],
                 "-" if v.get("sim_step_s") is None else f"{v['sim_step_s'] * 1e3:.1f}",
                 "-" if v.get("sim_error") is None else f"{v['sim_error'] * 100:+.1f}%",
@@ -240,6 +240,16 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
     if skipped:
         lines += ["Skipped:", "", *skipped, ""]
     return lines
+
+
+def _busy(variant: Mapping[str, Any]) -> str:
+    """Measured compute time per rank, and the simulator's in brackets."""
+    if variant.get("busy_s") is None:
+        return "n/a"
+    text = f"{variant['busy_s'] * 1e3:.1f}"
+    if variant.get("sim_busy_s") is not None:
+        text += f" ({variant['sim_busy_s'] * 1e3:.1f})"
+    return text
 
 
 def _per_rank_mib(values: Sequence[float | None] | None) -> str:
@@ -275,7 +285,9 @@ def _notes() -> list[str]:
         "With one warm-up round this is each variant's first step, so buffers made once and kept "
         "(torch's receive buffers) count too.",
         "- Bubble and busy: idle fraction of the step and compute time per rank (mean over "
-        "ranks), from the twobp runtime's own timeline (n/a for torch).",
+        "ranks), from the twobp runtime's own timeline (n/a for torch); in brackets the "
+        "simulator's busy time: where the two differ, the profiled costs are off; where they "
+        "agree and the step times do not, the schedule or communication model is.",
         "- Simulator: twobp.sim on the blocks' F, I, W, B times and the time of one W over all m "
         "micro-batches, profiled by every rank after each timed round (medians; each stage "
         "costed by the rank that runs it), and the measured link.",

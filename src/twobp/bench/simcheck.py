@@ -15,7 +15,7 @@ from typing import Protocol
 
 from twobp.partition.solver import stage_ranges
 from twobp.schedule import Schedule
-from twobp.sim import CostModel, simulate
+from twobp.sim import CostModel, SimResult, simulate
 
 
 class BlockTimes(Protocol):
@@ -94,7 +94,11 @@ def stage_costs(
 
 def simulated_step(
     schedule: Schedule, profiles: Sequence[ProfileLike], partition: Sequence[int]
-) -> float:
-    """The simulated makespan of ``schedule`` (seconds) under the profiled costs."""
-    model = stage_costs(profiles, partition, schedule.placement)
-    return simulate(schedule, model).makespan
+) -> SimResult:
+    """The simulation of ``schedule`` under the profiled costs.
+
+    Its ``makespan`` is the predicted step time; its ``busy`` the predicted
+    compute time of each rank, which tells a cost error (busy times disagree)
+    from a schedule or communication error (they agree, the makespan does not).
+    """
+    return simulate(schedule, stage_costs(profiles, partition, schedule.placement))
