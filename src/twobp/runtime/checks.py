@@ -124,12 +124,24 @@ def agree_small(
     problem: Exception | None,
     where: str,
     value: int,
+    buffer: Tensor | None = None,
 ) -> list[int]:
     """:func:`agree` for one number below ``2**SMALL_BITS`` per rank, at the least cost.
 
     Two ranks share each 62-bit integer of the all-reduce, so 2 ranks reduce a
     single integer: under gloo, as cheap as the barrier it replaces at the start
     of a step (an all-reduce of a few integers per rank costs more).
+
+    Args:
+        world: the group.
+        device: where the all-reduce runs (the backend's device).
+        timeout: seconds to wait for the other ranks.
+        problem: this rank's problem, or None.
+        where: what the ranks were doing, for time-out messages.
+        value: this rank's number, in ``[0, 2**SMALL_BITS)``.
+        buffer: an int64 tensor of :func:`small_buffer_size` elements on
+            ``device`` (see :func:`small_buffer`) to reuse from call to call:
+            gloo reduces a tensor it has seen before faster than a new one.
 
     Returns:
         Every rank's ``value``, indexed by rank.
@@ -144,10 +156,10 @@ def agree_small(
         slots = [slot]
     else:
         size = world.size
-        tensor = torch.zeros(-(-size // _RANKS_PER_INTEGER), dtype=torch.int64)
+        tensor = buffer if buffer is not None else small_buffer(world.size, device)
+        tensor.zero_()
         shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
         tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
-        tensor = tensor.to(device)
         peer = 1 - world.rank if size == 2 else None
         work = dist.all_reduce(tensor, group=world.group, async_op=True)
         collective.wait_work(
@@ -162,6 +174,11 @@ def agree_small(
     if any(s & 1 for s in slots):
         _raise_shared(world, problem)
     return [s >> 1 for s in slots]
+
+
+def small_buffer(world_size: int, device: torch.device) -> Tensor:
+    """A buffer for :func:`agree_small` in a group of ``world_size`` ranks."""
+    return torch.zeros(-(-world_size // _RANKS_PER_INTEGER), dtype=torch.int64, device=device)
 
 
 def _raise_shared(world: World, problem: Exception | None) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from twobp.runtime import collective
 from twobp.runtime.backward import stage_gradients
 from twobp.runtime.build import build_layout
-from twobp.runtime.checks import nonfinite_error
+from twobp.runtime.checks import nonfinite_error, small_buffer
 from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
@@ -179,6 +179,7 @@ class Pipeline(PipelineState):
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
         self._peak_stashed_bytes = 0
+        self._start_buffer = small_buffer(self.world.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
         self.skipped_steps: list[int] = []
@@ -278,6 +279,7 @@ class Pipeline(PipelineState):
             StepInputs(inputs, targets, training, self.step_count),
             self.schedule.placement,
             self.n_microbatches,
+            self._start_buffer,
         )
 
     def _run(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from twobp.runtime.checks import SMALL_BITS, agree_small
 from twobp.runtime.errors import PipelineConfigError
@@ -82,6 +83,7 @@ def start_step(
     given: StepInputs,
     placement: Sequence[int],
     n_microbatches: int,
+    buffer: Tensor | None = None,
 ) -> tuple[list[Batch] | None, list[Batch] | None]:
     """This rank's micro-batches of inputs and targets, once every rank's are known to fit.
 
@@ -94,6 +96,7 @@ def start_step(
         given: this rank's batches and call.
         placement: the rank of every stage.
         n_microbatches: micro-batches per step.
+        buffer: the all-reduce buffer to reuse (see :func:`agree_small`).
 
     Returns:
         The micro-batches of inputs (rank of stage 0, else None) and of targets
@@ -135,7 +138,7 @@ def start_step(
     call = _CALLS[int(given.training)]
     mine = CallInfo(given.training, given.step_count, size)
     where = f"at the start of {call} {given.step_count}"
-    values = agree_small(world, device, timeout, problem, where, mine.pack())
+    values = agree_small(world, device, timeout, problem, where, mine.pack(), buffer)
     check_same_call([CallInfo.unpack(v) for v in values], first, last)
     return mb_inputs, mb_targets
 
