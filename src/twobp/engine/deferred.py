@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from twobp.engine.stash import SharedRows
+
 # (micro-batch, layer index, stashed tensors) -> None
 StashSink = Callable[[int, int, tuple[Tensor, ...]], None]
 
@@ -50,6 +52,10 @@ class DeferredLayer(ABC):
         self.name = name
         self.module = module
         self.sink = sink
+        # What the Function's backward returns after the input gradient: no
+        # gradient for the parameters (W adds it later). Built once: the
+        # backward runs for every call.
+        self.no_parameter_grads: tuple[None, ...] = (None,) * len(self.parameter_names)
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:
@@ -62,17 +68,21 @@ class DeferredLayer(ABC):
         # call, and this runs for every layer call in F, I and W.
         return tuple(map(self.module._parameters.get, self.parameter_names))
 
-    def run(self, mb: int, x: Tensor) -> Tensor:
+    def run(self, mb: int, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
         """The module's forward for micro-batch ``mb``, with its W deferred.
 
         Subclasses override this to do what the module's own forward does
         around the core operation (padding, statistics bookkeeping).
-        """
-        return self.apply(mb, None, x)
 
-    def apply(self, mb: int, options: Any, x: Tensor) -> Tensor:
+        Args:
+            mb: the micro-batch.
+            x: the layer input.
+            params: :meth:`weight_parameters`, read by the caller for this call.
+        """
+        return self.apply(mb, None, x, params)
+
+    def apply(self, mb: int, options: Any, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
         """Run the core operation on ``x`` through :class:`DeferredWeightFunction`."""
-        params = self.weight_parameters()
         out: Tensor = DeferredWeightFunction.apply(self, mb, options, x, *params)  # type: ignore[no-untyped-call]
         return out
 
@@ -109,12 +119,19 @@ class DeferredLayer(ABC):
         """
 
     @abstractmethod
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         """The weight pass over stashes of any number of calls and micro-batches.
 
-        Computes the weight gradients with as few, as large operations as the
-        shapes allow and adds them into ``.grad`` of every parameter that
-        requires a gradient.
+        Computes the weight gradients with as few operations as pay off (a
+        matrix product concatenates stashes up to
+        :data:`~twobp.engine.stash.CONCAT_ROWS` rows) and adds them into
+        ``.grad`` of every parameter that requires a gradient.
+
+        Args:
+            stashes: what :meth:`input_grad` stashed, one tuple per call.
+            shared: concatenations of inputs, shared with the previous layer.
         """
 
 
@@ -129,7 +146,6 @@ class DeferredWeightFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.mb = mb
         ctx.state = state
-        ctx.n_params = len(params)
         ctx.save_for_backward(*saved)
         return out
 
@@ -146,6 +162,4 @@ class DeferredWeightFunction(torch.autograd.Function):
             grad_out, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[3]
         )
         layer.sink(ctx.mb, layer.index, stash)
-        # No gradient for the parameters: W adds it later.
-        grads: tuple[Tensor | None, ...] = (None, None, None, grad_in) + (None,) * ctx.n_params
-        return grads
+        return (None, None, None, grad_in, *layer.no_parameter_grads)

@@ -54,21 +54,24 @@ def install_forward(layer: DeferredLayer, store: ActiveMicrobatch) -> Callable[[
     )
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Runs for every call of every covered layer: the common case (one
+        # tensor, grad mode on) is tested first, with as few lookups as possible.
         mb = store.active_microbatch
+        if mb is not None and self is module and len(args) == 1 and not kwargs:
+            x = args[0]
+            if (
+                isinstance(x, torch.Tensor)
+                and torch.is_grad_enabled()
+                and not torch.is_autocast_enabled(x.device.type)
+            ):
+                params = layer.weight_parameters()
+                for p in params:
+                    if p is not None and p.requires_grad:
+                        return layer.run(mb, x, params)
         if self is not module:
             # A deep copy of a patched module: behave like the unpatched class.
             return type(self).forward(self, *args, **kwargs)
-        if (
-            mb is None
-            or kwargs
-            or len(args) != 1
-            or not isinstance(args[0], torch.Tensor)
-            or not torch.is_grad_enabled()
-            or torch.is_autocast_enabled(args[0].device.type)
-            or not any(p is not None and p.requires_grad for p in layer.weight_parameters())
-        ):
-            return plain(*args, **kwargs)
-        return layer.run(mb, args[0])
+        return plain(*args, **kwargs)
 
     setattr(forward, _OWNER, store)
     module.__dict__["forward"] = types.MethodType(forward, module)

@@ -61,6 +61,69 @@ def cat_rows(tensors: Sequence[Tensor], row_shape: Sequence[int]) -> Tensor:
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
+CONCAT_ROWS = 256
+"""Rows from which a matrix product of the weight pass runs near the machine's
+peak: stashes are concatenated only up to this many rows. Fewer, larger
+products save passes over the weight gradient; past this size a concatenation
+costs a copy of the stashes and saves nothing."""
+
+
+def row_chunks(
+    stashes: Sequence[tuple[Tensor, ...]], row_size: int, min_rows: int = CONCAT_ROWS
+) -> list[Sequence[tuple[Tensor, ...]]]:
+    """Consecutive groups of stashes, each of at least ``min_rows`` rows (but the last).
+
+    Args:
+        stashes: the stashes of one layer, in order.
+        row_size: elements per row of each stash's first tensor.
+        min_rows: rows from which a group is closed.
+
+    Returns:
+        The groups; a stash of ``min_rows`` rows or more is a group of its own.
+    """
+    chunks: list[Sequence[tuple[Tensor, ...]]] = []
+    start = rows = 0
+    for i, stash in enumerate(stashes):
+        rows += stash[0].numel() // max(1, row_size)
+        if rows >= min_rows:
+            chunks.append(stashes[start : i + 1])
+            start, rows = i + 1, 0
+    if start < len(stashes):
+        chunks.append(stashes[start:])
+    return chunks
+
+
+class SharedRows:
+    """Concatenations of stashed inputs, shared by the layers of one weight pass.
+
+    Layers that read the same input (the query, key and value projections of
+    an attention block) stash the same tensors; their weight passes run one
+    after another, so a concatenation made by one layer is kept for the next
+    and dropped after a layer that did not use it.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[object, ...], Tensor] = {}
+        self._used: dict[tuple[object, ...], Tensor] = {}
+
+    def next_layer(self) -> None:
+        """Start the weight pass of the next layer: keep only what the last one used."""
+        self._kept, self._used = self._used, {}
+
+    def cat(self, tensors: Sequence[Tensor], row_shape: Sequence[int]) -> Tensor:
+        """:func:`cat_rows` of ``tensors``, made once for every layer that asks in turn."""
+        if len(tensors) == 1:
+            return cat_rows(tensors, row_shape)
+        key = (tuple(row_shape), *((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
+        rows = self._kept.get(key)
+        if rows is None:
+            rows = self._used.get(key)
+        if rows is None:
+            rows = cat_rows(tensors, row_shape)
+        self._used[key] = rows
+        return rows
+
+
 def group_by_shape(stashes: Iterable[tuple[Tensor, ...]]) -> list[list[tuple[Tensor, ...]]]:
     """Split stashes into groups whose tensors agree in every dim but the first.
 

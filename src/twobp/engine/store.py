@@ -30,7 +30,7 @@ from twobp.engine.coverage import CoveragePlan, Route, plan_coverage
 from twobp.engine.deferred import DeferredLayer
 from twobp.engine.patch import install_forward, patched_by
 from twobp.engine.phases import MicrobatchPhases, TwoStageBackwardError
-from twobp.engine.stash import StashEntry, held_bytes
+from twobp.engine.stash import SharedRows, StashEntry, held_bytes
 
 
 class WeightGradStore:
@@ -52,6 +52,12 @@ class WeightGradStore:
         self._plan: CoveragePlan = plan_coverage(module)
         self._phases = MicrobatchPhases(label)
         self._stash: dict[int, dict[int, list[StashEntry]]] = {}
+        # The stash of the micro-batch whose I runs now, filled by _put_stash.
+        self._collecting: dict[int, list[StashEntry]] | None = None
+        # Bytes of each micro-batch's stash, counted once after its I.
+        self._held: dict[int, int] = {}
+        # True during B: covered layers add their weight gradients at once.
+        self._weights_now = False
         self._input_pass_mb: int | None = None
         self.active_microbatch: int | None = None
         """The micro-batch whose forward (or recomputation during its I) runs now."""
@@ -105,7 +111,8 @@ class WeightGradStore:
 
     def _put_stash(self, mb: int, layer_index: int, tensors: tuple[Tensor, ...]) -> None:
         """Called by covered layers during I: keep what their W needs."""
-        if self._input_pass_mb != mb:
+        collecting = self._collecting
+        if collecting is None or self._input_pass_mb != mb:
             name = self._layers[layer_index].name
             during = (
                 "outside backward_input"
@@ -118,8 +125,16 @@ class WeightGradStore:
                 f"made in store.forward({mb}) with store.backward_input({mb}, ...) or "
                 f"store.backward_full({mb}, ...)"
             )
-        entries = self._stash.setdefault(mb, {}).setdefault(layer_index, [])
-        entries.append(StashEntry.of(tensors))
+        if self._weights_now:
+            # B: the weight gradient now, while the layer's operands are in cache.
+            self._layers[layer_index].accumulate_weight_grads((tensors,), SharedRows())
+            return
+        entry = StashEntry.of(tensors)
+        entries = collecting.get(layer_index)
+        if entries is None:
+            collecting[layer_index] = [entry]
+        else:
+            entries.append(entry)
 
     def backward_input(
         self,
@@ -153,6 +168,17 @@ class WeightGradStore:
                 input that requires a gradient is not a leaf.
             TwoStageBackwardError: if I of ``mb`` already ran in this step.
         """
+        return self._backward(mb, outputs, grad_outputs, inputs, weights_now=False)
+
+    def _backward(
+        self,
+        mb: int,
+        outputs: Sequence[Tensor],
+        grad_outputs: Sequence[Tensor | None],
+        inputs: Sequence[Tensor],
+        weights_now: bool,
+    ) -> tuple[Tensor | None, ...]:
+        """The autograd pass of I (``weights_now=False``) or B (``True``)."""
         if len(outputs) != len(grad_outputs):
             raise ValueError(
                 f"backward_input of micro-batch {mb}: {len(outputs)} outputs but "
@@ -178,15 +204,21 @@ class WeightGradStore:
         # Active during I too: activation checkpointing re-runs the forward of
         # covered layers here, and the recomputation must take the same path.
         self._input_pass_mb = self.active_microbatch = mb
+        self._weights_now = weights_now
+        self._collecting = {} if weights_now else self._stash.setdefault(mb, {})
         try:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             grads = tuple(_input_grad(x) for x in inputs)
         finally:
-            self._input_pass_mb = self.active_microbatch = None
+            self._input_pass_mb = self.active_microbatch = self._collecting = None
+            self._weights_now = False
+            self._held.pop(mb, None)
             for x, g in zip(inputs, previous, strict=True):
                 x.grad = g
         self._phases.finish_input(mb)
+        if weights_now:
+            self._phases.finish_weight(mb)
         return grads
 
     # -- W -------------------------------------------------------------------
@@ -224,10 +256,14 @@ class WeightGradStore:
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]
                 stashes = [self._stash.pop(mb, {}) for mb in chunk]
+                for mb in chunk:
+                    self._held.pop(mb, None)
+                shared = SharedRows()
                 for layer in self._layers:
                     tensors = [e.tensors for s in stashes for e in s.pop(layer.index, ())]
                     if tensors:
-                        layer.accumulate_weight_grads(tensors)
+                        shared.next_layer()
+                        layer.accumulate_weight_grads(tensors, shared)
                 for mb in chunk:
                     self._phases.finish_weight(mb)
 
@@ -240,14 +276,18 @@ class WeightGradStore:
         grad_outputs: Sequence[Tensor | None],
         inputs: Sequence[Tensor],
     ) -> tuple[Tensor | None, ...]:
-        """B: I then W of micro-batch ``mb``; arguments and result as :meth:`backward_input`.
+        """B: I and W of micro-batch ``mb`` in one pass (arguments as :meth:`backward_input`).
 
-        Also valid when the forward of ``mb`` ran outside :meth:`forward`
-        (plain autograd): then every gradient comes from the autograd pass.
+        Each covered layer adds its weight gradient right after computing its
+        input gradient, while the operands are still in cache, and stashes
+        nothing. Also valid when the forward of ``mb`` ran outside
+        :meth:`forward` (plain autograd): then every gradient comes from the
+        autograd pass.
+
+        Raises:
+            TwoStageBackwardError: if I or W of ``mb`` already ran in this step.
         """
-        grads = self.backward_input(mb, outputs, grad_outputs, inputs)
-        self.backward_weight([mb])
-        return grads
+        return self._backward(mb, outputs, grad_outputs, inputs, weights_now=True)
 
     def finish_step(self) -> None:
         """End the step: check that every micro-batch is done, then forget them all.
@@ -257,6 +297,7 @@ class WeightGradStore:
                 W. The state and stashes are cleared anyway.
         """
         self._stash.clear()
+        self._held.clear()
         self._phases.end_step()
 
     def pending_weight(self) -> tuple[int, ...]:
@@ -266,17 +307,14 @@ class WeightGradStore:
     def stashed_bytes(self) -> dict[int, int]:
         """Bytes of tensors kept for W, per micro-batch of this step (0 once its W ran).
 
-        Storages shared by several stashed tensors are counted once.
+        Storages shared by several stashed tensors of a micro-batch are
+        counted once. Counted once per micro-batch, after its I.
         """
-        return {
-            mb: held_bytes(
-                t
-                for entries in self._stash.get(mb, {}).values()
-                for e in entries
-                for t in e.tensors
-            )
-            for mb in self._phases.known()
-        }
+        held = self._held
+        for mb, entries in self._stash.items():
+            if mb not in held:
+                held[mb] = held_bytes(t for es in entries.values() for e in es for t in e.tensors)
+        return {mb: held.get(mb, 0) for mb in self._phases.known()}
 
     # -- coverage ------------------------------------------------------------
 
@@ -301,6 +339,7 @@ class WeightGradStore:
             undo()
         self._undo = []
         self._stash.clear()
+        self._held.clear()
 
 
 def _input_grad(x: Tensor) -> Tensor | None:

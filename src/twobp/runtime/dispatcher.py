@@ -7,7 +7,9 @@ output on (locally, or with a send posted at once). The compute part of every
 action is timed (see :mod:`twobp.runtime.clock`); waiting for inputs is not,
 so idle time shows as bubble.
 Communication actions of a lowered schedule need no work: transfers follow
-from the compute actions (see :mod:`twobp.runtime.comm_plan`).
+from the compute actions (see :mod:`twobp.runtime.comm_plan`). On the first
+stage, an ``I`` directly followed by its own ``W`` runs as one ``B``
+(:func:`fuse_first_stage_backward`).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class StepRun:
         """
         if self._channel is not None:
             self._channel.post_ahead()
-        for action in actions:
+        for action in fuse_first_stage_backward(actions, self._first_stages()):
             if self._channel is not None:
                 self._channel.action = action
             try:
@@ -149,12 +151,13 @@ class StepRun:
         split = action.kind is Kind.BACKWARD_INPUT
         grads = stage.backward(mb, grad_outputs, split=split)
         self._record(action, start)
+        if not stage.is_first:
+            # First: another stage may be waiting for it.
+            self._give(action, grads, False)
         if split:
             # The stash for W only grows at I: its peak follows one.
             held = sum(sum(s.gradients.stashed_bytes().values()) for s in self._stages.values())
             self.result.peak_stashed_bytes = max(self.result.peak_stashed_bytes, held)
-        if not stage.is_first:
-            self._give(action, grads, False)
 
     def _weight(self, action: Action) -> None:
         start = self._clock.mark()
@@ -163,6 +166,9 @@ class StepRun:
 
     def _nothing(self, action: Action) -> None:
         return None
+
+    def _first_stages(self) -> frozenset[int]:
+        return frozenset(i for i, stage in self._stages.items() if stage.is_first)
 
     # -- hand-over between stages ---------------------------------------------------
 
@@ -189,3 +195,44 @@ class StepRun:
 
     def _record(self, action: Action, start: Any) -> None:
         self._marks.append((action, start, self._clock.mark()))
+
+
+def fuse_first_stage_backward(
+    actions: Sequence[Action], first_stages: frozenset[int]
+) -> list[Action]:
+    """The actions to run: on the first stage, ``I`` followed by its own ``W`` becomes ``B``.
+
+    The first stage's input gradient goes nowhere, so splitting its backward
+    gains nothing unless its ``W`` moves into a wait; when the schedule puts
+    ``Wk`` right after ``Ik``, one full backward does the same work with the
+    weight gradients computed while their operands are still in cache (the
+    engine's ``backward_full``). Such a pair runs, and shows in the timeline,
+    as one ``B``.
+
+    Args:
+        actions: one rank's actions, in order.
+        first_stages: the stages among them that are the pipeline's first
+            (at most stage 0).
+
+    Returns:
+        The actions, with each such pair replaced by a ``B``.
+    """
+    out: list[Action] = []
+    skip = False
+    for here, after in zip(actions, [*actions[1:], None], strict=True):
+        if skip:
+            skip = False
+            continue
+        if (
+            after is not None
+            and here.stage in first_stages
+            and here.kind is Kind.BACKWARD_INPUT
+            and after.kind is Kind.BACKWARD_WEIGHT
+            and after.stage == here.stage
+            and after.microbatches == here.microbatches
+        ):
+            out.append(Action(here.stage, Kind.FULL_BACKWARD, here.microbatches))
+            skip = True
+        else:
+            out.append(here)
+    return out

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from twobp.engine.deferred import DeferredLayer
-from twobp.engine.stash import accumulate_grad
+from twobp.engine.stash import SharedRows, accumulate_grad
 
 _batch_norm = torch.ops.aten.native_batch_norm.default
 _batch_norm_backward = torch.ops.aten.native_batch_norm_backward.default
@@ -27,7 +27,7 @@ class DeferredBatchNorm(DeferredLayer):
 
     layer_types = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
-    def run(self, mb: int, x: Tensor) -> Tensor:
+    def run(self, mb: int, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
         # The bookkeeping of nn.modules.batchnorm._BatchNorm.forward, unchanged.
         bn: nn.modules.batchnorm._BatchNorm = self.module  # type: ignore[assignment]
         bn._check_input_dim(x)  # type: ignore[no-untyped-call]
@@ -37,7 +37,7 @@ class DeferredBatchNorm(DeferredLayer):
             if bn.momentum is None:
                 momentum = 1.0 / float(bn.num_batches_tracked)
         use_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-        return self.apply(mb, (use_batch_stats, momentum), x)
+        return self.apply(mb, (use_batch_stats, momentum), x, params)
 
     def _running_stats(self) -> tuple[Tensor | None, Tensor | None]:
         """The running statistics the op reads or updates, as the module's forward passes them."""
@@ -81,7 +81,9 @@ class DeferredBatchNorm(DeferredLayer):
         )
         return grad_in, (grad_weight, grad_bias)
 
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         weight, bias = self.weight_parameters()
         accumulate_grad(weight, torch.stack([s[0] for s in stashes]).sum(0))
         accumulate_grad(bias, torch.stack([s[1] for s in stashes]).sum(0))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from twobp.engine.deferred import DeferredLayer, StashSink
-from twobp.engine.stash import accumulate_grad, cat_rows, group_by_shape
+from twobp.engine.stash import SharedRows, accumulate_grad, cat_rows, group_by_shape
 
 _convolution = torch.ops.aten.convolution.default
 _convolution_backward = torch.ops.aten.convolution_backward.default
@@ -68,13 +68,13 @@ class DeferredConv(DeferredLayer):
             conv.groups,
         )
 
-    def run(self, mb: int, x: Tensor) -> Tensor:
+    def run(self, mb: int, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
         unbatched = x.dim() == self._dims + 1
         if unbatched:
             x = x.unsqueeze(0)
         if self._pre_pad is not None:
             x = F.pad(x, self._pre_pad, mode=self._pad_mode)
-        out = self.apply(mb, None, x)
+        out = self.apply(mb, None, x, params)
         return out.squeeze(0) if unbatched else out
 
     def forward(
@@ -109,7 +109,9 @@ class DeferredConv(DeferredLayer):
             )[0]
         return grad_in, (x, grad_out)
 
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         weight, bias = self.weight_parameters()
         assert weight is not None
         stride, padding, dilation, output_padding, groups = self._geometry()

@@ -1,8 +1,8 @@
 """nn.Embedding with a deferred weight gradient.
 
 The indices need no gradient, so I computes nothing and stashes the indices
-and the output gradient; W scatters all stashed rows into the weight gradient
-with one ``index_add_``.
+and the output gradient; W scatters the stashed rows into the weight gradient
+with one ``index_add_`` per stash.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from twobp.engine.deferred import DeferredLayer
-from twobp.engine.stash import cat_rows
+from twobp.engine.stash import SharedRows
 
 
 class DeferredEmbedding(DeferredLayer):
@@ -49,16 +49,20 @@ class DeferredEmbedding(DeferredLayer):
         (indices,) = saved
         return None, (indices, grad_out)
 
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         (weight,) = self.weight_parameters()
         assert weight is not None
         if not weight.requires_grad:
             return
         emb: nn.Embedding = self.module  # type: ignore[assignment]
-        indices = cat_rows([s[0] for s in stashes], ())
-        rows = cat_rows([s[1] for s in stashes], weight.shape[1:])
-        if emb.padding_idx is not None:
-            rows = rows.masked_fill((indices == emb.padding_idx).unsqueeze(1), 0)
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, indices, rows)
+        # A scatter of rows: one call per stash, concatenating would only copy.
+        for indices, grad_out in stashes:
+            flat = indices.reshape(-1)
+            rows = grad_out.reshape(-1, *weight.shape[1:])
+            if emb.padding_idx is not None:
+                rows = rows.masked_fill((flat == emb.padding_idx).unsqueeze(1), 0)
+            weight.grad.index_add_(0, flat, rows)

@@ -2,11 +2,12 @@
 
 LayerNorm uses ATen's own kernels: ``native_layer_norm`` in F, then
 ``native_layer_norm_backward`` with only the input gradient requested in I,
-and with only the weight and bias gradients requested in W, over the stashed
-inputs, statistics and output gradients of all calls concatenated.
+and with only the weight and bias gradients requested in W, once per stashed
+call (a reduction over rows gains nothing from concatenating them).
 
-RMSNorm (``y = x * rstd * w`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``) is
-written out: CPU builds have no fused RMSNorm backward kernel.
+RMSNorm (``y = x_hat * w`` with ``x_hat = x * rstd`` and
+``rstd = 1 / sqrt(mean(x^2) + eps)``) is written out: CPU builds have no fused
+RMSNorm backward kernel. F keeps ``x_hat``, which both I and W read.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from twobp.engine.deferred import DeferredLayer
-from twobp.engine.stash import accumulate_grad, cat_rows
+from twobp.engine.stash import SharedRows, accumulate_grad
 
 _layer_norm = torch.ops.aten.native_layer_norm.default
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
@@ -49,23 +50,22 @@ class DeferredLayerNorm(DeferredLayer):
             )[0]
         return grad_in, (x, mean, rstd, grad_out)
 
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         weight, bias = self.weight_parameters()
         shape = list(self.module.normalized_shape)  # type: ignore[arg-type]
-        ones = [1] * len(shape)
-        x = cat_rows([s[0] for s in stashes], shape)
-        mean = cat_rows([s[1] for s in stashes], ones)
-        rstd = cat_rows([s[2] for s in stashes], ones)
-        dy = cat_rows([s[3] for s in stashes], shape)
         mask = [False, weight is not None and weight.requires_grad]
         mask.append(bias is not None and bias.requires_grad)
-        _, grad_weight, grad_bias = _layer_norm_backward(
-            dy, x, shape, mean, rstd, weight, bias, mask
-        )
-        if mask[1]:
-            accumulate_grad(weight, grad_weight)
-        if mask[2]:
-            accumulate_grad(bias, grad_bias)
+        # Reductions over rows: one call per stash, concatenating would only copy.
+        for x, mean, rstd, dy in stashes:
+            _, grad_weight, grad_bias = _layer_norm_backward(
+                dy, x, shape, mean, rstd, weight, bias, mask
+            )
+            if mask[1]:
+                accumulate_grad(weight, grad_weight)
+            if mask[2]:
+                accumulate_grad(bias, grad_bias)
 
 
 def _opmath(x: Tensor) -> Tensor:
@@ -93,27 +93,31 @@ class DeferredRMSNorm(DeferredLayer):
         if eps is None:
             eps = torch.finfo(xf.dtype).eps
         rstd = torch.rsqrt(xf.pow(2).mean(self._dims(), keepdim=True).add_(eps))
-        out = (xf * rstd).type_as(x) * weight
-        return out, (x, rstd, weight), None
+        # I and W both need x_hat: keep it instead of x.
+        x_hat = xf * rstd
+        out = x_hat.type_as(x) * weight
+        return out, (x_hat, rstd, weight), x.dtype
 
     def input_grad(
         self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
     ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
-        x, rstd, weight = saved
+        x_hat, rstd, weight = saved
         grad_in = None
         if needs_input_grad:
             g = _opmath(grad_out * weight)
-            x_hat = _opmath(x) * rstd
             dot = (g * x_hat).mean(self._dims(), keepdim=True)
-            grad_in = (rstd * (g - x_hat * dot)).type_as(x)
-        return grad_in, (x, rstd, grad_out)
+            grad_in = (rstd * (g - x_hat * dot)).to(state)
+        return grad_in, (x_hat.to(state), grad_out)
 
-    def accumulate_weight_grads(self, stashes: Sequence[tuple[Tensor, ...]]) -> None:
+    def accumulate_weight_grads(
+        self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
+    ) -> None:
         (weight,) = self.weight_parameters()
         assert weight is not None
-        shape = list(weight.shape)
-        x = cat_rows([s[0] for s in stashes], shape)
-        rstd = cat_rows([s[1] for s in stashes], [1] * len(shape))
-        dy = cat_rows([s[2] for s in stashes], shape)
-        x_hat = (_opmath(x) * rstd).type_as(x)
-        accumulate_grad(weight, (dy * x_hat).sum(0).to(weight.dtype))
+        if not weight.requires_grad:
+            return
+        shape = weight.shape
+        # A reduction over rows: one product per stash, concatenating would only copy.
+        for x_hat, dy in stashes:
+            grad = torch.mul(dy, x_hat).reshape(-1, *shape).sum(0)
+            accumulate_grad(weight, grad.to(weight.dtype))
