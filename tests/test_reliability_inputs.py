@@ -175,3 +175,14 @@ def test_describe_difference_reports_structure_before_options():
     assert text is not None and text.startswith("block 1 differs between rank 0 (Linear with 9")
     text = describe_difference([(2, same, [a, a]), (2, {"schedule": "gpipe"}, [a, a])])
     assert text is not None and "schedule 1f1b on rank 0, gpipe on rank 1" in text
+
+
+def test_twobp_train_stops_after_too_many_skipped_steps_in_a_row():
+    from twobp.runtime.errors import NonFiniteLossError
+    from twobp.train.loop import MAX_SKIPPED_IN_A_ROW, _check_skipped_in_a_row
+
+    in_a_row = list(range(3, 3 + MAX_SKIPPED_IN_A_ROW))
+    _check_skipped_in_a_row(in_a_row[:-1], rank=0)
+    _check_skipped_in_a_row([0, *in_a_row[1:], 100], rank=0)  # gaps: go on
+    with pytest.raises(NonFiniteLossError, match=r"10 steps in a row \(3 to 12\)"):
+        _check_skipped_in_a_row(in_a_row, rank=1)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from twobp.runtime import Pipeline
+from twobp.runtime.errors import NonFiniteLossError
 from twobp.timeline import Span
 from twobp.train import checkpointing
 from twobp.train.config import TrainConfig
@@ -20,6 +21,9 @@ from twobp.train.task import build_task
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
 WARMUP_STEPS = 2
+# With --nonfinite skip, this many skipped steps in a row end the run: the
+# weights themselves are then most likely broken, and skipping wastes the job.
+MAX_SKIPPED_IN_A_ROW = 10
 
 
 @dataclass
@@ -125,6 +129,7 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
         loss = float(pipe.step(inputs, targets))
         if pipe.last_step_skipped:
             result.skipped_steps.append(step)
+            _check_skipped_in_a_row(result.skipped_steps, pipe.rank)
         else:
             if cfg.grad_clip > 0:
                 pipe.clip_grad_norm_(cfg.grad_clip)
@@ -150,6 +155,25 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
     result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
+
+
+def _check_skipped_in_a_row(skipped: list[int], rank: int) -> None:
+    """Raise once the last :data:`MAX_SKIPPED_IN_A_ROW` steps were all skipped.
+
+    Every rank knows the same skipped steps, so every rank raises.
+
+    Raises:
+        NonFiniteLossError: naming the steps.
+    """
+    recent = skipped[-MAX_SKIPPED_IN_A_ROW:]
+    if len(recent) == MAX_SKIPPED_IN_A_ROW and recent[-1] - recent[0] == len(recent) - 1:
+        raise NonFiniteLossError(
+            f"rank {rank}: the loss was not finite in {len(recent)} steps in a row "
+            f"({recent[0]} to {recent[-1]}); the weights are probably broken. Resume from an "
+            "earlier checkpoint with a lower --lr (or more --warmup, --grad-clip)",
+            recent[-1],
+            math.nan,
+        )
 
 
 def _partition(text: str) -> list[int] | str:
