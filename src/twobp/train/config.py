@@ -49,7 +49,8 @@ class TrainConfig:
     timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
     nonfinite: str = doc(
         "when a step's loss is NaN or infinite: raise (stop the run with an error) or skip "
-        "(drop the step's gradients on every rank and go on; the report lists skipped steps)",
+        "(drop the step's gradients on every rank and go on; the report lists skipped steps; "
+        "10 in a row end the run)",
         "raise",
         choices=("raise", "skip"),
     )
