@@ -13,7 +13,10 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from twobp.engine import TwoStageBackwardError, WeightGradStore, defer_weight_grads
     from twobp.runtime import (
+        CheckpointError,
         LaunchError,
+        ModelMismatchError,
+        NonFiniteLossError,
         PeerError,
         PeerFailedError,
         PeerTimeoutError,
@@ -27,6 +30,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LaunchError": "twobp.runtime",
+    "NonFiniteLossError": "twobp.runtime",
+    "ModelMismatchError": "twobp.runtime",
+    "CheckpointError": "twobp.runtime",
     "PeerError": "twobp.runtime",
     "PeerFailedError": "twobp.runtime",
     "PeerTimeoutError": "twobp.runtime",
@@ -51,7 +57,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
     "LaunchError",
+    "ModelMismatchError",
+    "NonFiniteLossError",
     "PeerError",
     "PeerFailedError",
     "PeerTimeoutError",

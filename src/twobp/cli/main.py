@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import twobp
 
 # Sub-command modules, in the order `twobp --help` lists them.
-SUBCOMMANDS = ("train", "simulate", "plan", "profile", "bench")
+SUBCOMMANDS = ("train", "simulate", "plan", "profile", "bench", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,10 @@ local process group for it (a small ``torchrun``).
 """
 
 from twobp.runtime.errors import (
+    CheckpointError,
     LaunchError,
+    ModelMismatchError,
+    NonFiniteLossError,
     PeerError,
     PeerFailedError,
     PeerTimeoutError,
@@ -19,7 +22,10 @@ from twobp.runtime.launch import launch
 from twobp.runtime.pipeline import Pipeline
 
 __all__ = [
+    "CheckpointError",
     "LaunchError",
+    "ModelMismatchError",
+    "NonFiniteLossError",
     "PeerError",
     "PeerFailedError",
     "PeerTimeoutError",

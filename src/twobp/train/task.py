@@ -55,7 +55,7 @@ def build_task(cfg: TrainConfig) -> Task:
             "images",
             (3, size, size),
             spec.meta["num_classes"],
-            source=f"synthetic images {size}x{size}: one smooth random pattern per class, under noise",
+            source=f"synthetic {size}x{size} images: a smooth random pattern per class + noise",
         )
 
         def image_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
