@@ -13,9 +13,10 @@ Variants:
   eager     the same with 2BP, each W right after its I
   <s>:<p>   any other twobp schedule ``s`` with 2BP policy ``p`` (``--extra``;
             ``<s>:none`` runs it without 2BP)
+  torch:<S> a ``torch.distributed.pipelining`` schedule ``Schedule<S>`` (``--torch``)
 
 and single-process references, run by every rank at the same time on its own
-core (the bench's references, divided by ``p`` they bound the pipeline):
+core (the bench's references; divided by ``p`` they bound the pipeline):
 
   whole     F and B of the whole batch at once
   micro     F and B of each micro-batch in turn
@@ -26,16 +27,19 @@ Regimes (LLaMA-like, vocabulary 256, 4 decoder blocks, as ``twobp bench``):
   large     dim 256, 4 sequences x 64 tokens per micro-batch
   small     dim 512, 2 sequences x 16 tokens per micro-batch
 
-For every variant it prints the median step time, the ratio to ``fused``,
-the efficiency against ``whole / p`` and ``limit / p``, the measured bubble
-of each rank (idle share of the step from ``pipe.timeline()``) and the
-median compute time of each action kind per rank::
+For every variant it prints the median step time, ``fused / variant`` (the
+median of the per-round ratios, robust to slow rounds), the efficiency
+against ``whole / p`` and ``limit / p``, the measured bubble of each rank
+(idle share of the step, from ``pipe.timeline()``), the CPU seconds each rank
+spent in the step (all its threads: when it is well below the step time
+times the ranks, other work on the machine took the cores) and the median
+compute time of each action kind per rank::
 
     .venv/bin/python benchmarks/pipeline_overhead/run.py --regimes large,small \\
         --microbatches 2,4,8 --steps 10
 
 ``--profile VARIANT`` runs the timed steps of that variant under cProfile on
-every rank and writes ``rank<r>.prof`` files into ``--profile-dir``.
+every rank and writes ``<regime>-m<m>-rank<r>.prof`` into ``--profile-dir``.
 """
 
 from __future__ import annotations
@@ -55,18 +59,19 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.engine import defer_weight_grads
-from twobp.models import build_model
-from twobp.models.spec import ModelSpec
+from twobp.models import ModelSpec, build_model
 from twobp.runtime import Pipeline, launch
 from twobp.runtime.microbatch import split_batch
 from twobp.runtime.resolve import resolve_schedule
-from twobp.timeline import Span, bubble_ratio, busy_time, makespan
+from twobp.timeline import Span, bubble_ratio
 
 REGIMES: dict[str, tuple[dict[str, int], int]] = {
-    "large": (dict(dim=256, n_layers=4, n_heads=8, ffn_dim=688, seq_len=64), 4),
-    "small": (dict(dim=512, n_layers=4, n_heads=8, ffn_dim=1376, seq_len=16), 2),
+    "large": ({"dim": 256, "n_layers": 4, "n_heads": 8, "ffn_dim": 688, "seq_len": 64}, 4),
+    "small": ({"dim": 512, "n_layers": 4, "n_heads": 8, "ffn_dim": 1376, "seq_len": 16}, 2),
 }
 """Model overrides and sequences per micro-batch of each regime."""
+
+N_RANKS = 2
 
 
 @dataclass
@@ -77,7 +82,9 @@ class Variant:
     step: Callable[[], None]
     zero_grad: Callable[[], None]
     pipe: Pipeline | None = None
+    collective: bool = True
     seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
     bubbles: list[list[float]] = field(default_factory=list)
     kinds: list[dict[tuple[int, str], float]] = field(default_factory=list)
 
@@ -94,10 +101,10 @@ def stage_partition(n_blocks: int, n_stages: int) -> list[int]:
 def pipeline_variant(
     name: str, spec: ModelSpec, schedule: str, m: int, policy: str | None, args: Any
 ) -> Variant:
-    # A partition like the bench's: embedding with the first stage, head with the last.
+    """A twobp pipeline, partitioned as the bench does."""
     two_bp = policy is not None
     resolved = resolve_schedule(
-        schedule, n_ranks=2, n_microbatches=m, two_bp=two_bp, policy=policy or "paper"
+        schedule, n_ranks=N_RANKS, n_microbatches=m, two_bp=two_bp, policy=policy or "paper"
     )
     pipe = Pipeline(
         copy.deepcopy(spec.blocks),
@@ -107,34 +114,55 @@ def pipeline_variant(
         num_threads=args.threads,
         partition=stage_partition(len(spec.blocks), resolved.n_stages),
     )
-    n_stages = resolved.n_stages
     inputs, targets = spec.make_batch(args.seqs * m, 0)
-    first, last = 0 in pipe.stages, n_stages - 1 in pipe.stages
-    x = inputs if first else None
-    y = targets if last else None
-    return Variant(name, lambda: pipe.step(x, y) and None, pipe.zero_grad, pipe)
+    x = inputs if 0 in pipe.stages else None
+    y = targets if resolved.n_stages - 1 in pipe.stages else None
+
+    def step() -> None:
+        pipe.step(x, y)
+
+    return Variant(name, step, pipe.zero_grad, pipe)
+
+
+def torch_variant(name: str, spec: ModelSpec, m: int, args: Any) -> Variant:
+    """A ``torch.distributed.pipelining`` schedule, as the bench runs it."""
+    from twobp.bench.matrix import TORCH, placement
+    from twobp.bench.matrix import Variant as BenchVariant
+    from twobp.bench.torch_pipelining import TorchRunner
+
+    variant = BenchVariant(TORCH, name.split(":", 1)[1])
+    n_stages = len(placement(variant, N_RANKS))
+    inputs, targets = spec.make_batch(args.seqs * m, 0)
+    runner = TorchRunner(
+        variant,
+        copy.deepcopy(spec.blocks),
+        spec.loss_fn,
+        m,
+        stage_partition(len(spec.blocks), n_stages),
+        inputs,
+        targets,
+        rank=dist.get_rank(),
+        n_ranks=N_RANKS,
+        device=torch.device("cpu"),
+    )
+    return Variant(name, runner.step, runner.zero_grad)
 
 
 def reference_variant(name: str, spec: ModelSpec, m: int, args: Any) -> Variant:
+    """A single-process reference on this rank alone."""
     model = nn.Sequential(*copy.deepcopy(spec.blocks))
     inputs, targets = spec.make_batch(args.seqs * m, 0)
-    xs, ys = split_batch(inputs, m), split_batch(targets, m, "targets")
+    xs, ys = split_batch(inputs, m), list(torch.chunk(targets, m))
     loss_fn, scale = spec.loss_fn, 1.0 / m
-    if name == "whole":
+    store = defer_weight_grads(model) if name == "limit" else None
 
-        def step() -> None:
-            loss_fn(model(inputs), targets).backward()
-
-    elif name == "micro":
-
-        def step() -> None:
+    def step() -> None:
+        if name == "whole":
+            torch.autograd.backward([loss_fn(model(inputs), targets)])
+        elif store is None:
             for x, y in zip(xs, ys, strict=True):
-                (loss_fn(model(x), y) * scale).backward()
-
-    else:
-        store = defer_weight_grads(model)
-
-        def step() -> None:
+                torch.autograd.backward([loss_fn(model(x), y) * scale])
+        else:
             for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
                 with store.forward(mb):
                     loss = loss_fn(model(x), y) * scale
@@ -142,7 +170,7 @@ def reference_variant(name: str, spec: ModelSpec, m: int, args: Any) -> Variant:
             store.backward_weight(range(m))
             store.finish_step()
 
-    return Variant(name, step, lambda: model.zero_grad(set_to_none=True))
+    return Variant(name, step, lambda: model.zero_grad(set_to_none=True), collective=False)
 
 
 def kind_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
@@ -154,61 +182,62 @@ def kind_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
     return out
 
 
+def build_variants(spec: ModelSpec, m: int, args: Any) -> list[Variant]:
+    variants = [
+        pipeline_variant("fused", spec, args.schedule, m, None, args),
+        pipeline_variant("paper", spec, args.schedule, m, "paper", args),
+        pipeline_variant("eager", spec, args.schedule, m, "eager", args),
+    ]
+    for extra in args.extra:
+        schedule, _, policy = extra.partition(":")
+        chosen = None if policy == "none" else (policy or "paper")
+        variants.append(pipeline_variant(extra, spec, schedule, m, chosen, args))
+    variants += [torch_variant(f"torch:{name}", spec, m, args) for name in args.torch]
+    if not args.no_references:
+        variants += [reference_variant(n, spec, m, args) for n in ("whole", "micro", "limit")]
+    return variants
+
+
+def run_step(v: Variant, profiler: cProfile.Profile | None) -> tuple[float, float]:
+    """One step of ``v``: wall seconds (to the last rank's end) and this rank's CPU seconds."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    if profiler is not None:
+        profiler.enable()
+    v.step()
+    if profiler is not None:
+        profiler.disable()
+    cpu = time.process_time() - cpu
+    if v.collective:
+        dist.barrier()
+    return time.perf_counter() - start, cpu
+
+
 def measure(args: Any) -> list[dict[str, Any]]:
     """Body of each rank: every regime and micro-batch count, variants in turn."""
     torch.set_num_threads(args.threads)
     rank = dist.get_rank()
     results = []
     for regime in args.regimes:
-        overrides, seqs = REGIMES[regime]
-        args.seqs = seqs
-        spec = build_model("llama", "tiny", vocab_size=256, **overrides)
+        overrides, args.seqs = REGIMES[regime]
+        spec = build_model("llama", "tiny", vocab_size=256, **overrides)  # type: ignore[arg-type]
         for m in args.microbatches:
-            variants = [
-                pipeline_variant("fused", spec, args.schedule, m, None, args),
-                pipeline_variant("paper", spec, args.schedule, m, "paper", args),
-                pipeline_variant("eager", spec, args.schedule, m, "eager", args),
-            ]
-            for extra in args.extra:
-                schedule, _, policy = extra.partition(":")
-                chosen = None if policy == "none" else (policy or "paper")
-                variants.append(pipeline_variant(extra, spec, schedule, m, chosen, args))
-            if not args.no_references:
-                variants += [
-                    reference_variant(n, spec, m, args) for n in ("whole", "micro", "limit")
-                ]
+            variants = build_variants(spec, m, args)
             profiler = cProfile.Profile() if args.profile else None
             for step in range(args.warmup + args.steps):
+                timed = step >= args.warmup
                 for v in variants:
-                    profile = profiler is not None and v.name == args.profile
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if profile and step >= args.warmup:
-                        profiler.enable()  # type: ignore[union-attr]
-                    v.step()
-                    if profile and step >= args.warmup:
-                        profiler.disable()  # type: ignore[union-attr]
-                    if v.pipe is not None:
-                        dist.barrier()
-                    elapsed = time.perf_counter() - start
-                    if v.pipe is not None:
-                        spans = v.pipe.timeline()
+                    profiling = timed and v.name == args.profile
+                    seconds, cpu = run_step(v, profiler if profiling else None)
+                    spans = v.pipe.timeline() if v.pipe is not None else []
                     v.zero_grad()
-                    if step < args.warmup:
+                    if not timed:
                         continue
-                    v.seconds.append(elapsed)
-                    if v.pipe is not None:
-                        ranks = sorted({s.rank for s in spans})
-                        v.bubbles.append([bubble_ratio(spans, r) for r in ranks])
+                    v.seconds.append(seconds)
+                    v.cpu.append(cpu)
+                    if spans:
+                        v.bubbles.append([bubble_ratio(spans, r) for r in range(N_RANKS)])
                         v.kinds.append(kind_times(spans))
-                        if args.verbose and rank == 0:
-                            total = makespan(spans)
-                            print(
-                                f"{regime} m={m} {v.name}: {elapsed * 1e3:.1f} ms, makespan "
-                                f"{total * 1e3:.1f}, busy "
-                                + ", ".join(f"{busy_time(spans, r) * 1e3:.1f}" for r in ranks),
-                                flush=True,
-                            )
             if profiler is not None:
                 Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
                 profiler.dump_stats(f"{args.profile_dir}/{regime}-m{m}-rank{rank}.prof")
@@ -219,6 +248,7 @@ def measure(args: Any) -> list[dict[str, Any]]:
                     "variants": {
                         v.name: {
                             "seconds": v.seconds,
+                            "cpu": v.cpu,
                             "bubbles": v.bubbles,
                             "kinds": v.kinds,
                             "schedule": v.pipe.schedule.name if v.pipe is not None else v.name,
@@ -231,38 +261,46 @@ def measure(args: Any) -> list[dict[str, Any]]:
     return results
 
 
-def report(results: list[dict[str, Any]], p: int) -> None:
-    """Print one table per regime and micro-batch count (from rank 0's figures)."""
-    for r in results:
+def report(per_rank: list[list[dict[str, Any]]]) -> None:
+    """One table per regime and micro-batch count."""
+    for index, r in enumerate(per_rank[0]):
         vs = r["variants"]
+        cpu = {
+            name: [per_rank[k][index]["variants"][name]["cpu"] for k in range(N_RANKS)]
+            for name in vs
+        }
         med = {name: statistics.median(v["seconds"]) for name, v in vs.items()}
-        print(f"\n## {r['regime']}, m = {r['m']}  (median of {len(vs['fused']['seconds'])} steps)")
-        bounds = {k: med[k] / p for k in ("whole", "limit") if k in med}
-        head = "| variant | step ms | fused/x | eff whole/p | eff limit/p | bubble r0 | bubble r1 |"
-        print(head + " compute ms per rank (kind: r0/r1) |")
+        fused = vs["fused"]["seconds"]
+        rounds = len(fused)
+        print(f"\n## {r['regime']}, m = {r['m']}  (medians of {rounds} rounds)\n")
+        bounds = {k: med[k] / N_RANKS for k in ("whole", "limit") if k in med}
+        print(
+            "| variant | step ms | fused/x | eff whole/p | eff limit/p | bubble r0 / r1 "
+            "| CPU ms r0 / r1 | compute ms per kind, r0 / r1 |"
+        )
         print("|---" * 8 + "|")
         for name, v in vs.items():
-            eff = [
-                f"{bounds[k] / med[name]:.3f}" if k in bounds else "" for k in ("whole", "limit")
-            ]
-            ratio = med["fused"] / med[name]
-            bubbles = ["", ""]
-            kinds = ""
+            eff = [f"{bounds[k] / med[name]:.3f}" if k in bounds else "" for k in bounds]
+            eff += [""] * (2 - len(eff))
+            ratio = statistics.median(a / b for a, b in zip(fused, v["seconds"], strict=True))
+            cpus = " / ".join(f"{statistics.median(c) * 1e3:.0f}" for c in cpu[name])
+            bubbles = kinds = ""
             if v["bubbles"]:
-                per_rank = list(zip(*v["bubbles"], strict=True))
-                bubbles = [f"{statistics.median(b):.1%}" for b in per_rank[:2]]
+                per_rank_bubble = list(zip(*v["bubbles"], strict=True))
+                bubbles = " / ".join(f"{statistics.median(b):.1%}" for b in per_rank_bubble)
                 letters = sorted({k for step in v["kinds"] for _, k in step})
                 parts = []
                 for letter in letters:
                     times = [
-                        statistics.median(step.get((rk, letter), 0.0) for step in v["kinds"]) * 1e3
-                        for rk in range(p)
+                        statistics.median(step.get((rk, letter), 0.0) for step in v["kinds"])
+                        for rk in range(N_RANKS)
                     ]
-                    parts.append(f"{letter}: " + "/".join(f"{t:.1f}" for t in times))
+                    parts.append(f"{letter} {' / '.join(f'{t * 1e3:.0f}' for t in times)}")
                 kinds = ", ".join(parts)
+            label = name if v["schedule"] == name else f"{name} ({v['schedule']})"
             print(
-                f"| {name} | {med[name] * 1e3:.1f} | {ratio:.3f} | {eff[0]} | {eff[1]} "
-                f"| {bubbles[0]} | {bubbles[1]} | {kinds} |"
+                f"| {label} | {med[name] * 1e3:.1f} | {ratio:.3f} | {eff[0]} | {eff[1]} "
+                f"| {bubbles} | {cpus} | {kinds} |"
             )
 
 
@@ -272,28 +310,33 @@ def main() -> None:
     parser.add_argument(
         "--microbatches", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8]
     )
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default="1f1b", help="twobp schedule of fused/paper/eager")
     parser.add_argument(
         "--extra",
         type=lambda s: [x for x in s.split(",") if x],
         default=[],
         help="more twobp variants, schedule:policy (policy none: without 2BP)",
     )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--torch",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="torch.distributed.pipelining schedules, e.g. 1F1B,ZBVZeroBubble",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--no-references", action="store_true")
     parser.add_argument("--profile", default="", help="variant to run under cProfile")
     parser.add_argument("--profile-dir", default="/tmp/pipeline_overhead")
-    parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    results = launch(measure, 2, args, threads_per_rank=args.threads)[0]
+    per_rank = launch(measure, N_RANKS, args, threads_per_rank=args.threads)
     print(
-        f"2 ranks x {args.threads} thread(s), schedule {args.schedule}, "
-        f"{args.steps} timed steps after {args.warmup}, variants in turn"
+        f"{N_RANKS} ranks x {args.threads} thread(s), schedule {args.schedule}, "
+        f"{args.steps} timed rounds after {args.warmup}, variants in turn"
     )
-    report(results, 2)
+    report(per_rank)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
 
 

@@ -58,6 +58,8 @@ class WeightGradStore:
         self._held: dict[int, int] = {}
         # True during B: covered layers add their weight gradients at once.
         self._weights_now = False
+        # The order in which micro-batches finished their I in this step.
+        self._input_rank: dict[int, int] = {}
         self._input_pass_mb: int | None = None
         self.active_microbatch: int | None = None
         """The micro-batch whose forward (or recomputation during its I) runs now."""
@@ -217,6 +219,7 @@ class WeightGradStore:
             for x, g in zip(inputs, previous, strict=True):
                 x.grad = g
         self._phases.finish_input(mb)
+        self._input_rank[mb] = len(self._input_rank)
         if weights_now:
             self._phases.finish_weight(mb)
         return grads
@@ -255,7 +258,11 @@ class WeightGradStore:
         with torch.no_grad():
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]
-                stashes = [self._stash.pop(mb, {}) for mb in chunk]
+                # Newest stash first: the last I left part of it in cache.
+                newest_first = sorted(
+                    chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True
+                )
+                stashes = [self._stash.pop(mb, {}) for mb in newest_first]
                 for mb in chunk:
                     self._held.pop(mb, None)
                 shared = SharedRows()
@@ -298,6 +305,7 @@ class WeightGradStore:
         """
         self._stash.clear()
         self._held.clear()
+        self._input_rank.clear()
         self._phases.end_step()
 
     def pending_weight(self) -> tuple[int, ...]:
