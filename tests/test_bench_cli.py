@@ -41,6 +41,8 @@ def test_quick_bench_writes_every_variant(tmp_path, capsys):
         assert variants[label]["sim_step_s"] > 0
         assert 0 < variants[label]["sim_busy_s"] <= variants[label]["sim_step_s"]
         assert 0 < variants[label]["busy_s"] <= variants[label]["step_s"]["high"]
+        # Replaying the measured actions through the simulator gives back about the step time.
+        assert 0 < variants[label]["replay_step_s"] <= 2 * variants[label]["step_s"]["high"]
     assert variants["twobp 1f1b+2bp"]["stashed_bytes"][1] > 0
     assert set(group["reference_bounds_s"]) == {"microbatched", "whole-batch", "2bp-limit"}
     assert "report in" in capsys.readouterr().out

@@ -17,7 +17,7 @@ from typing import Any
 from twobp.bench import matrix
 from twobp.bench.job import RankReport, VariantRecord
 from twobp.bench.profile import RankProfile
-from twobp.bench.simcheck import simulated_step
+from twobp.bench.simcheck import replayed_step, simulated_step, stage_costs
 from twobp.bench.stats import Summary, speedup, summarize
 
 
@@ -179,6 +179,23 @@ def _variant(
         entry["sim_step_s"] = simulated.makespan
         entry["sim_busy_s"] = sum(simulated.busy) / len(simulated.busy)
         entry["sim_error"] = simulated.makespan / step.median - 1.0
+    if v.framework == matrix.TWOBP and lead.run_actions and lead.action_seconds:
+        link = (0.0, float("inf"))
+        send_bytes = None
+        if all(profiles):
+            link = (profiles[0].link_latency, profiles[0].link_bandwidth)
+            model = stage_costs(profiles, lead.partition, lead.stage_ranks)
+            send_bytes = model.send_bytes
+        replayed = replayed_step(
+            lead.run_actions,
+            lead.stage_ranks,
+            lead.n_microbatches,
+            lead.action_seconds,
+            link,
+            send_bytes,
+        )
+        entry["replay_step_s"] = replayed.makespan
+        entry["replay_error"] = replayed.makespan / step.median - 1.0
     return entry
 
 

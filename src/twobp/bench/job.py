@@ -40,6 +40,7 @@ from twobp.models import ModelSpec, build_model
 from twobp.runtime.group import default_device
 from twobp.runtime.microbatch import Batch, split_batch
 from twobp.schedule import Schedule
+from twobp.timeline import Span
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -63,6 +64,10 @@ class VariantRecord:
         grad_norm: the 2-norm of the whole model's gradients after one step.
         parameter_bytes: bytes of this rank's parameters.
         schedule: the compute schedule twobp ran (twobp only).
+        action_seconds: the measured durations of the compute actions of the
+            timed steps, by ``"stage:kind:micro-batches"`` (twobp only).
+        run_actions: the actions of each rank in the order the last step ran
+            them (twobp only; the runtime may fuse an ``I`` and ``W`` into ``B``).
     """
 
     variant: matrix.Variant
@@ -78,6 +83,8 @@ class VariantRecord:
     grad_norm: float | None = None
     parameter_bytes: int = 0
     schedule: Schedule | None = None
+    action_seconds: dict[str, list[float]] = field(default_factory=dict)
+    run_actions: dict[int, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,9 +211,10 @@ def _run_group(
         runner.zero_grad()
         if round_index >= plan.warmup:
             record.step_seconds.append(seconds)
-            if "bubble_ratio" in figures:
+            if isinstance(runner, TwobpRunner):
                 record.bubble_ratios.append(figures["bubble_ratio"])
                 record.busy_seconds.append(figures["busy_s"])
+                _record_actions(record, runner.last_spans)
             if profiler is not None and index == len(runners) - 1:
                 # Once per timed round, under the load the round's steps saw.
                 barrier()
@@ -215,6 +223,17 @@ def _run_group(
     gc.collect()
     barrier()
     return records, profiler
+
+
+def _record_actions(record: VariantRecord, spans: Sequence[Span]) -> None:
+    """Keep the durations of the step's actions, and the order each rank ran them in."""
+    order: dict[int, list[str]] = {}
+    for span in sorted(spans, key=lambda s: (s.rank, s.start)):
+        action = span.action
+        key = f"{action.stage}:{action.kind.value}:{len(action.microbatches)}"
+        record.action_seconds.setdefault(key, []).append(span.duration)
+        order.setdefault(span.rank, []).append(str(action))
+    record.run_actions = order
 
 
 def _probe(record: VariantRecord, runner: StepRunner, device: torch.device) -> None:

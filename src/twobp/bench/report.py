@@ -202,6 +202,7 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
         *[f"eff. vs {n}" for n in names],
         "sim ms",
         "sim error",
+        "replay error",
         "step peak MiB/rank",
         "W stash MiB/rank",
         "grad check",
@@ -224,6 +225,7 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
                 *["-" if efficiency.get(n) is None else f"{efficiency[n]:.2f}" for n in names],
                 "-" if v.get("sim_step_s") is None else f"{v['sim_step_s'] * 1e3:.1f}",
                 "-" if v.get("sim_error") is None else f"{v['sim_error'] * 100:+.1f}%",
+                "-" if v.get("replay_error") is None else f"{v['replay_error'] * 100:+.1f}%",
                 _per_rank_mib(v.get("peak_step_bytes")),
                 _per_rank_mib(v.get("stashed_bytes")),
                 _grad_check(v.get("grad_rel_error")),
@@ -291,6 +293,9 @@ def _notes() -> list[str]:
         "- Simulator: twobp.sim on the blocks' F, I, W, B times and the time of one W over all m "
         "micro-batches, profiled by every rank after each timed round (medians; each stage "
         "costed by the rank that runs it), and the measured link.",
+        "- Replay: the same simulator on the step's own measured action times (medians per "
+        "stage and kind) and the order the ranks ran them in: its error is the simulator's "
+        "model of dependencies and transfers alone, without the profile's.",
         "- Grad check: relative difference of the gradient norm from the whole-batch reference.",
         "",
     ]

@@ -10,11 +10,12 @@ the measured step time. This module imports no torch.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from twobp.partition.solver import stage_ranges
-from twobp.schedule import Schedule
+from twobp.schedule import Action, Schedule
 from twobp.sim import CostModel, SimResult, simulate
 
 
@@ -102,3 +103,55 @@ def simulated_step(
     from a schedule or communication error (they agree, the makespan does not).
     """
     return simulate(schedule, stage_costs(profiles, partition, schedule.placement))
+
+
+def replayed_step(
+    run_actions: Mapping[int, Sequence[str]],
+    placement: Sequence[int],
+    n_microbatches: int,
+    action_seconds: Mapping[str, Sequence[float]],
+    link: tuple[float, float],
+    send_bytes: Sequence[float] | None = None,
+) -> SimResult:
+    """The simulation of the actions as they ran, with their measured median times.
+
+    Args:
+        run_actions: each rank's actions (text form) in the order they ran.
+        placement: the rank of each stage.
+        n_microbatches: micro-batches of the step.
+        action_seconds: measured durations by ``"stage:kind:micro-batches"``.
+        link: ``(latency, bandwidth)`` of a transfer between ranks.
+        send_bytes: bytes crossing each stage boundary (None: latency only).
+
+    Returns:
+        The simulation.
+    """
+    n_stages = len(placement)
+
+    def median(stage: int, kind: str, count: int = 1) -> float:
+        times = action_seconds.get(f"{stage}:{kind}:{count}")
+        return statistics.median(times) if times else 0.0
+
+    tables = []
+    for stage in range(n_stages):
+        counts = sorted(
+            int(key.split(":")[2]) for key in action_seconds if key.startswith(f"{stage}:W:")
+        )
+        tables.append({k: median(stage, "W", k) for k in counts} or None)
+    model = CostModel(
+        forward=tuple(median(s, "F") for s in range(n_stages)),
+        backward_input=tuple(median(s, "I") for s in range(n_stages)),
+        backward_weight=tuple(median(s, "W") for s in range(n_stages)),
+        backward_full=tuple(median(s, "B") for s in range(n_stages)),
+        weight_concat=tuple(tables),
+        send_latency=link[0],
+        bandwidth=link[1],
+        send_bytes=None if send_bytes is None else tuple(send_bytes),
+    )
+    schedule = Schedule(
+        tuple(placement),
+        n_microbatches,
+        {rank: tuple(Action.parse(a) for a in acts) for rank, acts in run_actions.items()},
+        name="as run",
+    )
+    return simulate(schedule, model)

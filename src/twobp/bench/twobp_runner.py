@@ -12,7 +12,7 @@ from twobp.runtime import Pipeline
 from twobp.runtime.microbatch import Batch
 from twobp.runtime.stage import LossFn
 from twobp.schedule import Schedule
-from twobp.timeline import bubble_ratio, busy_time
+from twobp.timeline import Span, bubble_ratio, busy_time
 
 
 class TwobpRunner:
@@ -62,6 +62,8 @@ class TwobpRunner:
             timeout=timeout,
             num_threads=threads,
         )
+        self.last_spans: list[Span] = []
+        """The compute spans of every rank in the last step (after :meth:`after_step`)."""
         last = self.pipe.schedule.n_stages - 1
         # Only the ranks of the first and last stage need the batch, as a user would pass it.
         self._inputs = inputs if 0 in self.pipe.stages else None
@@ -84,6 +86,7 @@ class TwobpRunner:
     def after_step(self) -> dict[str, float]:
         """Bubble ratio and compute time (means over ranks), bytes held for W. Collective."""
         spans = self.pipe.timeline()
+        self.last_spans = spans
         ranks = sorted({s.rank for s in spans})
         busy = sum(busy_time(spans, r) for r in ranks) / max(1, len(ranks))
         return {
