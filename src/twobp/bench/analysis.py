@@ -194,6 +194,9 @@ def _variant(
             link,
             send_bytes,
         )
+        entry["action_s"] = {
+            key: statistics.median(times) for key, times in sorted(lead.action_seconds.items())
+        }
         entry["replay_step_s"] = replayed.makespan
         entry["replay_error"] = replayed.makespan / step.median - 1.0
     return entry
