@@ -122,15 +122,17 @@ class BenchConfig:
         "built-in regimes of the llama bench: large (>= 256 rows per GEMM), small (<= 32)",
         ["large", "small"],
     )
-    overrides: str = doc(
-        "model config fields to change in every regime, e.g. 'n_layers=6,dim=128'", ""
+    overrides: str | None = doc(
+        "model config fields to change in every regime, e.g. 'n_layers=6,dim=128'", None
     )
     microbatch_size: int | None = doc(
         "samples per micro-batch (default: the regime's; 2 for models without regimes)", None
     )
     ranks: int = doc("local ranks (pipeline ranks p)", 2)
     threads: int = doc("torch threads per rank, for every variant and reference", 1)
-    microbatches: list[int] = doc("micro-batch counts m (default: p, 2p and 8)", [])  # noqa: RUF009
+    microbatches: list[int] | None = doc(  # noqa: RUF009
+        "micro-batch counts m (default: p, 2p and 8)", None
+    )
     schedules: list[str] = doc(  # noqa: RUF009
         "twobp schedules (see `twobp simulate --help`)", DEFAULT_SCHEDULES
     )
@@ -254,9 +256,9 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
             warmup=min(cfg.warmup, 1),
         )
     _check(cfg)
-    user = parse_overrides(cfg.overrides)
+    user = parse_overrides(cfg.overrides or "")
     regimes = [_regime(cfg, name, user) for name in _regime_names(cfg)]
-    counts = tuple(cfg.microbatches) or default_microbatch_counts(cfg.ranks)
+    counts = tuple(cfg.microbatches or ()) or default_microbatch_counts(cfg.ranks)
     return BenchPlan(
         family=cfg.model,
         size=cfg.size,
@@ -316,7 +318,7 @@ def _check(cfg: BenchConfig) -> None:
             f"--rounds and --warmup must be >= 1 (the last warm-up round probes memory), "
             f"got {cfg.rounds}, {cfg.warmup}"
         )
-    if any(m < 1 for m in cfg.microbatches):
+    if any(m < 1 for m in cfg.microbatches or ()):
         raise ValueError(f"--microbatches must be >= 1, got {cfg.microbatches}")
     if cfg.microbatch_size is not None and cfg.microbatch_size < 1:
         raise ValueError(f"--microbatch-size must be >= 1, got {cfg.microbatch_size}")
