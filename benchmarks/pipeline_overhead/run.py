@@ -38,8 +38,11 @@ compute time of each action kind per rank::
     .venv/bin/python benchmarks/pipeline_overhead/run.py --regimes large,small \\
         --microbatches 2,4,8 --steps 10
 
-``--profile VARIANT`` runs the timed steps of that variant under cProfile on
-every rank and writes ``<regime>-m<m>-rank<r>.prof`` into ``--profile-dir``.
+``--baseline REV`` also runs fused, paper and eager on the twobp of git
+revision ``REV`` (as ``before:fused`` ...), in the same rounds: a before/after
+comparison that the machine's load cannot skew. ``--profile VARIANT`` runs the
+timed steps of that variant under cProfile on every rank and writes
+``<regime>-m<m>-rank<r>.prof`` into ``--profile-dir``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import importlib
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +69,7 @@ from torch import nn
 
 from twobp.engine import defer_weight_grads
 from twobp.models import ModelSpec, build_model
-from twobp.runtime import Pipeline, launch
+from twobp.runtime import launch
 from twobp.runtime.microbatch import split_batch
 from twobp.runtime.resolve import resolve_schedule
 from twobp.timeline import Span, bubble_ratio
@@ -81,7 +90,7 @@ class Variant:
     name: str
     step: Callable[[], None]
     zero_grad: Callable[[], None]
-    pipe: Pipeline | None = None
+    pipe: Any = None
     collective: bool = True
     seconds: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
@@ -99,18 +108,27 @@ def stage_partition(n_blocks: int, n_stages: int) -> list[int]:
 
 
 def pipeline_variant(
-    name: str, spec: ModelSpec, schedule: str, m: int, policy: str | None, args: Any
+    name: str,
+    spec: ModelSpec,
+    schedule: str,
+    m: int,
+    policy: str | None,
+    args: Any,
+    package: str = "twobp",
 ) -> Variant:
-    """A twobp pipeline, partitioned as the bench does."""
+    """A twobp pipeline (of ``package``: this twobp or the baseline), partitioned as the bench."""
     two_bp = policy is not None
     resolved = resolve_schedule(
         schedule, n_ranks=N_RANKS, n_microbatches=m, two_bp=two_bp, policy=policy or "paper"
     )
-    pipe = Pipeline(
+    pipeline_class = importlib.import_module(f"{package}.runtime").Pipeline
+    pipe = pipeline_class(
         copy.deepcopy(spec.blocks),
         spec.loss_fn,
-        schedule=resolved,
+        schedule=schedule,
+        n_microbatches=m,
         two_bp=two_bp,
+        two_bp_policy=policy or "paper",
         num_threads=args.threads,
         partition=stage_partition(len(spec.blocks), resolved.n_stages),
     )
@@ -183,10 +201,13 @@ def kind_times(spans: Sequence[Span]) -> dict[tuple[int, str], float]:
 
 
 def build_variants(spec: ModelSpec, m: int, args: Any) -> list[Variant]:
+    packages = [("", "twobp")]
+    if args.baseline:
+        packages.append(("before:", BASELINE_PACKAGE))
     variants = [
-        pipeline_variant("fused", spec, args.schedule, m, None, args),
-        pipeline_variant("paper", spec, args.schedule, m, "paper", args),
-        pipeline_variant("eager", spec, args.schedule, m, "eager", args),
+        pipeline_variant(prefix + name, spec, args.schedule, m, policy, args, package)
+        for prefix, package in packages
+        for name, policy in (("fused", None), ("paper", "paper"), ("eager", "eager"))
     ]
     for extra in args.extra:
         schedule, _, policy = extra.partition(":")
@@ -213,9 +234,37 @@ def run_step(v: Variant, profiler: cProfile.Profile | None) -> tuple[float, floa
     return time.perf_counter() - start, cpu
 
 
+BASELINE_PACKAGE = "twobp_baseline"
+"""The name the baseline revision's twobp is imported under."""
+
+
+def export_baseline(revision: str) -> str:
+    """Copy twobp of git ``revision`` into a temporary folder as :data:`BASELINE_PACKAGE`.
+
+    Returns:
+        The folder to put on ``sys.path``.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="twobp-baseline-"))
+    root = Path(__file__).resolve().parents[2]
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", revision, "src/twobp"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    package = folder / BASELINE_PACKAGE
+    shutil.move(str(folder / "src" / "twobp"), package)
+    pattern = re.compile(r"\btwobp(?=[. ])")
+    for path in package.rglob("*.py"):
+        path.write_text(pattern.sub(BASELINE_PACKAGE, path.read_text()))
+    return str(folder)
+
+
 def measure(args: Any) -> list[dict[str, Any]]:
     """Body of each rank: every regime and micro-batch count, variants in turn."""
     torch.set_num_threads(args.threads)
+    if args.baseline_path:
+        sys.path.insert(0, args.baseline_path)
     rank = dist.get_rank()
     results = []
     for regime in args.regimes:
@@ -226,7 +275,9 @@ def measure(args: Any) -> list[dict[str, Any]]:
             profiler = cProfile.Profile() if args.profile else None
             for step in range(args.warmup + args.steps):
                 timed = step >= args.warmup
-                for v in variants:
+                # Each round starts with the next variant: no variant is always first.
+                shift = step % len(variants)
+                for v in variants[shift:] + variants[:shift]:
                     profiling = timed and v.name == args.profile
                     seconds, cpu = run_step(v, profiler if profiling else None)
                     spans = v.pipe.timeline() if v.pipe is not None else []
@@ -261,6 +312,11 @@ def measure(args: Any) -> list[dict[str, Any]]:
     return results
 
 
+def paired_ratio(base: Sequence[float], other: Sequence[float]) -> float:
+    """Median over rounds of ``base / other``: round by round, as the load was alike."""
+    return statistics.median(a / b for a, b in zip(base, other, strict=True))
+
+
 def report(per_rank: list[list[dict[str, Any]]]) -> None:
     """One table per regime and micro-batch count."""
     for index, r in enumerate(per_rank[0]):
@@ -270,19 +326,23 @@ def report(per_rank: list[list[dict[str, Any]]]) -> None:
             for name in vs
         }
         med = {name: statistics.median(v["seconds"]) for name, v in vs.items()}
-        fused = vs["fused"]["seconds"]
-        rounds = len(fused)
+        rounds = len(vs["fused"]["seconds"])
         print(f"\n## {r['regime']}, m = {r['m']}  (medians of {rounds} rounds)\n")
         bounds = {k: med[k] / N_RANKS for k in ("whole", "limit") if k in med}
+        bases = [b for b in ("fused", "before:fused") if b in vs]
         print(
-            "| variant | step ms | fused/x | eff whole/p | eff limit/p | bubble r0 / r1 "
+            "| variant | step ms | "
+            + " | ".join(f"{b}/x" for b in bases)
+            + " | eff whole/p | eff limit/p | bubble r0 / r1 "
             "| CPU ms r0 / r1 | compute ms per kind, r0 / r1 |"
         )
-        print("|---" * 8 + "|")
+        print("|---" * (7 + len(bases)) + "|")
         for name, v in vs.items():
             eff = [f"{bounds[k] / med[name]:.3f}" if k in bounds else "" for k in bounds]
             eff += [""] * (2 - len(eff))
-            ratio = statistics.median(a / b for a, b in zip(fused, v["seconds"], strict=True))
+            ratios = " | ".join(
+                f"{paired_ratio(vs[b]['seconds'], v['seconds']):.3f}" for b in bases
+            )
             cpus = " / ".join(f"{statistics.median(c) * 1e3:.0f}" for c in cpu[name])
             bubbles = kinds = ""
             if v["bubbles"]:
@@ -299,7 +359,7 @@ def report(per_rank: list[list[dict[str, Any]]]) -> None:
                 kinds = ", ".join(parts)
             label = name if v["schedule"] == name else f"{name} ({v['schedule']})"
             print(
-                f"| {label} | {med[name] * 1e3:.1f} | {ratio:.3f} | {eff[0]} | {eff[1]} "
+                f"| {label} | {med[name] * 1e3:.1f} | {ratios} | {eff[0]} | {eff[1]} "
                 f"| {bubbles} | {cpus} | {kinds} |"
             )
 
@@ -323,6 +383,9 @@ def main() -> None:
         default=[],
         help="torch.distributed.pipelining schedules, e.g. 1F1B,ZBVZeroBubble",
     )
+    parser.add_argument(
+        "--baseline", default="", help="git revision whose twobp also runs fused/paper/eager"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -331,10 +394,16 @@ def main() -> None:
     parser.add_argument("--profile-dir", default="/tmp/pipeline_overhead")
     args = parser.parse_args()
     started = time.perf_counter()
-    per_rank = launch(measure, N_RANKS, args, threads_per_rank=args.threads)
+    args.baseline_path = export_baseline(args.baseline) if args.baseline else ""
+    try:
+        per_rank = launch(measure, N_RANKS, args, threads_per_rank=args.threads)
+    finally:
+        if args.baseline_path:
+            shutil.rmtree(args.baseline_path, ignore_errors=True)
+    baseline = f", before: twobp of {args.baseline}" if args.baseline else ""
     print(
         f"{N_RANKS} ranks x {args.threads} thread(s), schedule {args.schedule}, "
-        f"{args.steps} timed rounds after {args.warmup}, variants in turn"
+        f"{args.steps} timed rounds after {args.warmup}, variants in turn{baseline}"
     )
     report(per_rank)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
