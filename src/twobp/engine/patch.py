@@ -23,6 +23,23 @@ from twobp.engine.deferred import DeferredLayer
 _OWNER = "_twobp_weight_grad_store"
 
 
+def _autocast_on_device(x: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(x.device.type)
+
+
+def _autocast_anywhere(x: torch.Tensor) -> bool:
+    return torch._C._is_any_autocast_enabled()
+
+
+# Whether autocast would change the layer's computation. Where torch offers it,
+# one call that answers for every device: cheaper than reading the input's
+# device, and only stricter (autocast on another device also falls back to
+# the plain forward, which is always correct).
+_autocast = (
+    _autocast_anywhere if hasattr(torch._C, "_is_any_autocast_enabled") else _autocast_on_device
+)
+
+
 class ActiveMicrobatch(Protocol):
     """Whatever tells the patched forward which micro-batch is running."""
 
@@ -59,11 +76,7 @@ def install_forward(layer: DeferredLayer, store: ActiveMicrobatch) -> Callable[[
         mb = store.active_microbatch
         if mb is not None and self is module and len(args) == 1 and not kwargs:
             x = args[0]
-            if (
-                isinstance(x, torch.Tensor)
-                and torch.is_grad_enabled()
-                and not torch.is_autocast_enabled(x.device.type)
-            ):
+            if isinstance(x, torch.Tensor) and torch.is_grad_enabled() and not _autocast(x):
                 params = layer.weight_parameters()
                 for p in params:
                     if p is not None and p.requires_grad:
