@@ -1,5 +1,6 @@
 """Cost model, memory model and simulator of pipeline schedules (no torch)."""
 
+from twobp.sim.contention import simulate_shared, slowdown
 from twobp.sim.cost_io import (
     costs_from_json,
     costs_to_json,
@@ -28,5 +29,7 @@ __all__ = [
     "repeat_steps",
     "save_costs",
     "simulate",
+    "simulate_shared",
+    "slowdown",
     "steady_state",
 ]

@@ -21,6 +21,8 @@ profiler of the runtime writes the same format)::
       "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
       "weight_grad_bytes": [6.0e7, 6.0e7],      # per micro-batch, held I -> W
       "parameter_bytes":   [1.4e9, 1.4e9],      # constant, per stage
+      "contention": 1.6,                        # optional (default 1.0): slowdown
+                                                # while every rank computes at once
       "meta": {"model": "...", "device": "..."} # optional, free-form, kept as is
     }
 
@@ -70,6 +72,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "activation_bytes": list(costs.activation_bytes or ()),
         "weight_grad_bytes": list(costs.weight_grad_bytes or ()),
         "parameter_bytes": list(costs.parameter_bytes or ()),
+        "contention": costs.contention,
         "meta": dict(costs.meta),
     }
 
@@ -100,6 +103,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         )
     concat = doc.get("backward_weight_concat")
     bandwidth = doc.get("bandwidth")
+    contention = doc.get("contention")
     return CostModel(
         forward=tuple(doc["forward"]),
         backward_input=tuple(doc["backward_input"]),
@@ -114,6 +118,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         activation_bytes=_opt(doc.get("activation_bytes")),
         weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
         parameter_bytes=_opt(doc.get("parameter_bytes")),
+        contention=1.0 if contention is None else float(contention),
         meta=dict(doc.get("meta") or {}),
     )
 
@@ -157,6 +162,7 @@ _TEXT_KEYS = {
     "act": "activation_bytes",
     "grad": "weight_grad_bytes",
     "param": "parameter_bytes",
+    "contention": "contention",
 }
 _CONCAT_KEY = re.compile(r"^w(\d+)$")
 _SIZE_SUFFIX = {
@@ -198,7 +204,9 @@ def parse_costs(text: str, n_stages: int) -> CostModel:
     ``B`` (fused backward, default ``I+W``), ``W<n>`` (time of ``W`` over ``n``
     concatenated micro-batches, e.g. ``W4=3``), ``latency`` (seconds),
     ``bandwidth`` (bytes/s), ``send`` (bytes per micro-batch and boundary),
-    ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`).
+    ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`),
+    ``contention`` (slowdown while every rank computes at once, e.g.
+    ``contention=1.6``).
     Sizes accept suffixes such as ``MiB`` or ``GB``.
 
     Args:

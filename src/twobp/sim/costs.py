@@ -22,6 +22,16 @@ per micro-batch, forward (activations) and backward (their gradients) alike;
 a transfer between different ranks takes ``send_latency + bytes / bandwidth``,
 one on the same rank takes no time.
 
+Contention: ranks that compute at the same time may slow each other (on a
+CPU they share cores, caches and memory bandwidth). ``contention`` is how many
+times longer a compute action takes while every rank of the pipeline computes
+at once than while its rank computes alone; with ``k`` of ``n`` ranks
+computing, each runs ``1 + (contention - 1) * (k - 1) / (n - 1)`` times slower
+(``n`` is the number of ranks of the simulated schedule; ``n = 1`` or
+``k = 1``: no slowdown). The times of ``F``, ``I``, ``W`` and ``B`` in the
+model are the alone times. The default ``1.0`` means no contention (separate
+devices).
+
 The file format is described in :mod:`twobp.sim.cost_io`. This module imports no torch.
 """
 
@@ -73,11 +83,18 @@ class CostModel:
         activation_bytes: bytes per micro-batch held from ``F`` until ``I``/``B``.
         weight_grad_bytes: bytes per micro-batch held from ``I`` until ``W``.
         parameter_bytes: bytes held all the time, per stage.
+        contention: how many times longer a compute action takes while every
+            rank of the pipeline computes at once than while its rank
+            computes alone; with ``k`` of ``n`` ranks computing, each runs
+            ``1 + (contention - 1) * (k - 1) / (n - 1)`` times slower (``n``:
+            ranks of the simulated schedule; ``n = 1`` or ``k = 1``: no
+            slowdown). The times above are the alone times. ``1.0``: none.
         meta: free-form description (model, device, ...) kept with the file.
 
     Raises:
         ValueError: if a list does not have one finite, non-negative entry per
-            stage, or a concatenation table is malformed.
+            stage, a concatenation table is malformed, or ``contention`` is
+            not a finite number ``>= 1``.
     """
 
     forward: PerStage
@@ -91,6 +108,7 @@ class CostModel:
     activation_bytes: PerStage | None = None
     weight_grad_bytes: PerStage | None = None
     parameter_bytes: PerStage | None = None
+    contention: float = 1.0
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +141,13 @@ class CostModel:
             )
         if not self.bandwidth > 0:
             raise ValueError(f"cost model: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not (self.contention >= 1 and math.isfinite(self.contention)):
+            raise ValueError(
+                f"cost model: contention must be a finite number >= 1, got {self.contention}; "
+                "use 1.0 for ranks that do not slow each other, or the measured slowdown of "
+                "all ranks computing at once over one rank alone (e.g. 1.6)"
+            )
+        set_(self, "contention", float(self.contention))
         set_(self, "meta", dict(self.meta))
 
     @property
@@ -146,6 +171,7 @@ class CostModel:
         weight_grad_bytes: float = 1.0,
         parameter_bytes: float = 0.0,
         weight_concat: Mapping[int, float] | None = None,
+        contention: float = 1.0,
     ) -> CostModel:
         """The same costs for every stage.
 
@@ -157,9 +183,14 @@ class CostModel:
             activation_bytes, weight_grad_bytes, parameter_bytes: memory sizes
                 (the defaults count memory in activations of one micro-batch).
             weight_concat: a table ``{n: time}`` of concatenated ``W``.
+            contention: slowdown of a compute action while every rank
+                computes at once (see :class:`CostModel`).
 
         Returns:
             The cost model.
+
+        Raises:
+            ValueError: if ``n_stages < 1`` or a value is out of range.
         """
         if n_stages < 1:
             raise ValueError(f"cost model: n_stages must be >= 1, got {n_stages}")
@@ -179,6 +210,7 @@ class CostModel:
             activation_bytes=rep(activation_bytes),
             weight_grad_bytes=rep(weight_grad_bytes),
             parameter_bytes=rep(parameter_bytes),
+            contention=contention,
         )
 
     def w_time(self, stage: int, n_microbatches: int) -> float:
@@ -213,7 +245,8 @@ class CostModel:
 
         Used to run an interleaved schedule (``parts`` stages per rank) with
         costs given for one stage per rank: times and memory are divided by
-        ``parts``; the bytes sent per boundary stay the same.
+        ``parts``; the bytes sent per boundary and ``contention`` (a property
+        of the ranks, not of the stages) stay the same.
 
         Raises:
             ValueError: if ``parts < 1``.

@@ -1,0 +1,74 @@
+"""The result of a simulation: the timeline and the figures read from it.
+
+Both simulators (:func:`twobp.sim.simulate.simulate` and
+:func:`twobp.sim.contention.simulate_shared`) produce spans and hand them to
+:func:`summarise`, so the figures mean the same thing whichever ran. This
+module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from twobp.schedule.schedule import Schedule
+from twobp.sim.costs import CostModel
+from twobp.sim.memory import peak_memory
+from twobp.timeline import Span, bubble_ratio, busy_time, makespan
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The simulated timeline of a schedule and its figures.
+
+    Args:
+        name: the schedule's name.
+        spans: every compute action with its start and end time.
+        makespan: time from the first start to the last end.
+        busy: compute time per rank (indexed by rank).
+        idle: ``makespan - busy`` per rank.
+        bubble_ratios: ``idle / makespan`` per rank.
+        bubble_ratio: mean of ``bubble_ratios``.
+        peak_memory: the most memory each rank holds (cost model units).
+    """
+
+    name: str
+    spans: tuple[Span, ...]
+    makespan: float
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    bubble_ratios: tuple[float, ...]
+    bubble_ratio: float
+    peak_memory: tuple[float, ...]
+
+    @property
+    def n_ranks(self) -> int:
+        """Number of ranks."""
+        return len(self.busy)
+
+
+def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> SimResult:
+    """The figures of a simulated timeline.
+
+    Args:
+        schedule: the simulated schedule.
+        costs: its cost model (for memory sizes).
+        spans: every compute action of ``schedule`` as it ran.
+
+    Returns:
+        The result, with the spans sorted by rank and start time.
+    """
+    ranks = sorted(schedule.actions)
+    total = makespan(spans)
+    busy = tuple(busy_time(spans, r) for r in ranks)
+    ratios = tuple(bubble_ratio(spans, r) if spans else 0.0 for r in ranks)
+    return SimResult(
+        name=schedule.name,
+        spans=tuple(sorted(spans, key=lambda s: (s.rank, s.start))),
+        makespan=total,
+        busy=busy,
+        idle=tuple(total - b for b in busy),
+        bubble_ratios=ratios,
+        bubble_ratio=sum(ratios) / len(ratios),
+        peak_memory=peak_memory(spans, costs, schedule.placement),
+    )
