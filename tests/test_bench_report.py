@@ -113,6 +113,15 @@ def test_targets_report_met_and_missed(results):
     assert by_name["largest |simulator error|"]["met"] is None
 
 
+def test_targets_carry_the_bound_the_run_allows(results):
+    by_name = {t["target"]: t for t in results["targets"]}
+    # torch 1F1B (median 2.0 s) against the whole-batch reference / p (0.9 s).
+    assert by_name["best twobp / best torch"]["bound"] == pytest.approx(2.0 / 0.9)
+    # Without a profile there is no simulated ratio to bound 2BP's gain.
+    assert by_name["1f1b: 2BP / no 2BP"]["bound"] is None
+    assert "| 2.222 |" in render_markdown(results)
+
+
 def test_markdown_json_and_chart_hold_every_variant(results, tmp_path):
     text = render_markdown(results)
     for label in TIMES:

@@ -61,6 +61,7 @@ def _profile_dict(profile: RankProfile) -> dict[str, Any]:
         "rounds": profile.rounds,
         "link_latency_s": profile.link_latency,
         "link_bandwidth_bytes_per_s": profile.link_bandwidth,
+        "contention": profile.contention,
         "blocks_rank0": [
             {
                 "name": c.name,

@@ -10,6 +10,13 @@ the rounds, and the costs of each stage from the rank that runs it. Measured:
 * per block the time of one W concatenated over all ``m`` micro-batches (a
   concatenated W is cheaper than ``m`` single ones, most of all for small
   micro-batches); the simulator interpolates between 1 and ``m``;
+* per round, how much slower the ranks compute together than alone (the
+  *contention*: on a CPU the ranks share cores, caches and memory bandwidth):
+  the F and B of the costliest block, timed on each rank alone (the others
+  wait) and then on all ranks at once. The blocks' costs above are measured
+  with every rank profiling at once, so they are the contended costs; the
+  simulator check divides them by the contention and lets the simulator slow
+  down only the actions that overlap;
 * once, the one-way time of a point-to-point message between ranks 0 and 1,
   small and of the size of a stage boundary's activation (latency and bandwidth).
 """
@@ -20,7 +27,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,8 @@ class RankProfile:
         link_latency: one-way seconds of an 8-byte message between ranks 0 and 1.
         link_bandwidth: bytes per second between ranks 0 and 1 (``inf`` if not measurable).
         rounds: how many rounds the figures are medians of.
+        contention: how many times longer the ranks computed the same work all
+            at once than each alone (1.0: no slowdown, or not measured).
     """
 
     blocks: tuple[BlockCost, ...]
@@ -52,6 +61,7 @@ class RankProfile:
     link_latency: float
     link_bandwidth: float
     rounds: int = 1
+    contention: float = 1.0
 
 
 class BlockProfiler:
@@ -66,14 +76,28 @@ class BlockProfiler:
     def __init__(
         self, blocks: Sequence[nn.Module], microbatches: Sequence[Batch], device: torch.device
     ) -> None:
+        self._device = device
         self._blocks = [block.to(device) for block in copy.deepcopy(list(blocks))]
         self._microbatches = [to_device(x, device) for x in microbatches]
         self._block_inputs = _block_inputs(self._blocks, self._microbatches)
         self._rounds: list[tuple[list[BlockCost], list[dict[int, float]]]] = []
+        self._contention: list[float] = []
 
     def measure(self) -> None:
-        """Profile every block once more (one warm-up run and one timed run each)."""
+        """Profile every block once more (one warm-up run and one timed run each).
+
+        Collective: every rank calls it at the same point (the contention is
+        measured with the ranks taking turns).
+        """
         costs = profile_blocks(self._blocks, self._microbatches[0], repeats=1, warmup=1)
+        # The largest block: the same on every rank (a timing could differ).
+        largest = max(range(len(costs)), key=lambda i: costs[i].parameter_bytes)
+        example = self._block_inputs[largest][0]
+
+        def work() -> None:
+            _forward_backward(self._blocks[largest], example)
+
+        self._contention.append(measure_contention(work, self._device))
         n = len(self._microbatches)
         tables = []
         for block, cost, inputs in zip(self._blocks, costs, self._block_inputs, strict=True):
@@ -105,7 +129,10 @@ class BlockProfiler:
             {k: statistics.median(r[1][index][k] for r in self._rounds) for k in table}
             for index, table in enumerate(self._rounds[0][1])
         )
-        return RankProfile(tuple(blocks), tables, link[0], link[1], len(self._rounds))
+        contention = statistics.median(self._contention) if self._contention else 1.0
+        return RankProfile(
+            tuple(blocks), tables, link[0], link[1], len(self._rounds), max(1.0, contention)
+        )
 
 
 def boundary_bytes(blocks: Sequence[nn.Module], example: Batch) -> int:
@@ -149,6 +176,68 @@ def _weight_time(block: nn.Module, inputs: Sequence[Batch]) -> float:
         store.restore()
         block.zero_grad(set_to_none=True)
     return seconds
+
+
+def _forward_backward(block: nn.Module, x: Batch) -> None:
+    """One plain F and B of ``block`` on ``x`` (the contention's workload)."""
+    tensors, is_tuple = flatten(x, "block input")
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    outs = [o for o in flatten(block(unflatten(leaves, is_tuple)), "block output")[0]]
+    needed = [o for o in outs if o.requires_grad]
+    torch.autograd.backward(needed, [torch.ones_like(o) for o in needed])
+    block.zero_grad(set_to_none=True)
+
+
+def measure_contention(work: Callable[[], None], device: torch.device, repeats: int = 2) -> float:
+    """How many times longer ``work`` takes on all ranks at once than on each alone. Collective.
+
+    Each rank in turn runs ``work`` ``repeats`` times while the others wait at
+    a barrier (a rank blocked in a barrier does not compute), then all run it
+    at once. The shortest run of each is kept (the least disturbed by other
+    work on the machine), and the ratio is averaged over the ranks.
+
+    Args:
+        work: the same computation on every rank (a block's F and B); it
+            should run for milliseconds, not microseconds.
+        device: where ``work`` runs (waited for on CUDA) and the ratio is reduced.
+        repeats: runs of each measurement.
+
+    Returns:
+        The mean over ranks of ``together / alone`` (1.0 without a process group
+        of two or more ranks).
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return 1.0
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def timed() -> float:
+        runs = []
+        for _ in range(repeats):
+            start = _synchronized(device)
+            work()
+            runs.append(_synchronized(device) - start)
+        return min(runs)
+
+    work()  # warm-up, all at once
+    alone = 0.0
+    for turn in range(world):
+        dist.barrier()
+        if rank == turn:
+            alone = timed()
+        dist.barrier()
+    together = timed()
+    ratio = torch.tensor(
+        [together / alone if alone > 0 else 1.0], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(ratio)
+    return float(ratio) / world
+
+
+def _synchronized(device: torch.device) -> float:
+    """The clock, once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:

@@ -159,9 +159,21 @@ def _targets(targets: Sequence[Mapping[str, Any]]) -> list[str]:
         sign = ">=" if t["above"] else "<="
         threshold = "-" if t["threshold"] is None else f"{sign} {t['threshold']}"
         met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-        rows.append([t["regime"], t["target"], shown, threshold, met, t["detail"]])
-    head = ["regime", "target", "value", "threshold", "", "detail"]
-    return ["## Targets", "", *_table(head, rows)]
+        bound = t.get("bound")
+        bounded = "-" if bound is None else f"{bound:.3f}"
+        rows.append([t["regime"], t["target"], shown, threshold, met, bounded, t["detail"]])
+    head = ["regime", "target", "value", "threshold", "", "bound", "detail"]
+    return [
+        "## Targets",
+        "",
+        *_table(head, rows),
+        "",
+        "Bound: the most the other figures of the run allow. Over torch: the best torch step "
+        "over the efficiency reference / p (a twobp pipeline without bubble or overhead). "
+        "A target above this bound is out of reach of any runtime on this machine. "
+        "2BP over no 2BP: the simulator's ratio of the two schedules under the profiled costs, "
+        "what the schedule change alone gives (an estimate, not a hard limit).",
+    ]
 
 
 def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
@@ -184,6 +196,15 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
             f"{shown}.",
             "",
         ]
+        contention = [g["profile"].get("contention") for g in regime["groups"] if g.get("profile")]
+        if contention and all(isinstance(c, (int, float)) for c in contention):
+            lines += [
+                "Contention (the same block's F and B on all ranks at once / on each alone, "
+                "median of the rounds), per micro-batch count: "
+                + ", ".join(f"{c:.2f}" for c in contention)
+                + ".",
+                "",
+            ]
     for group in regime["groups"]:
         lines += _group(group, n_ranks)
     return lines

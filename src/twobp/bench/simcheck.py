@@ -4,6 +4,10 @@ For a schedule and its partition, each stage's costs are the sums of its
 blocks' costs as measured by the rank that runs the stage; W over ``k``
 micro-batches reads the measured concatenation table; a transfer between
 ranks takes the measured latency plus its bytes over the measured bandwidth.
+The blocks were profiled on all ranks at once, so their times are divided by
+the measured contention (how much slower the ranks compute together than
+alone) and the simulator gets that contention: an action that overlaps work
+on the other rank runs slower than one that has the machine to itself.
 :func:`twobp.sim.simulate` then gives the makespan, which is compared with
 the measured step time. This module imports no torch.
 """
@@ -44,6 +48,9 @@ class ProfileLike(Protocol):
     @property
     def link_bandwidth(self) -> float: ...
 
+    @property
+    def contention(self) -> float: ...
+
 
 def stage_costs(
     profiles: Sequence[ProfileLike], partition: Sequence[int], stage_ranks: Sequence[int]
@@ -56,7 +63,8 @@ def stage_costs(
         stage_ranks: the rank of each stage.
 
     Returns:
-        The per-stage cost model, with W tables and the link of rank 0's profile.
+        The per-stage cost model, with W tables, the link of rank 0's profile,
+        the ranks' mean contention, and times divided by it (alone times).
 
     Raises:
         ValueError: if the partition and the placement disagree on the stage count.
@@ -67,15 +75,16 @@ def stage_costs(
             f"has {len(stage_ranks)}"
         )
     ranges = stage_ranges(list(partition))
+    contention = statistics.fmean(p.contention for p in profiles)
 
     def total(stage: int, field: str) -> float:
         blocks = profiles[stage_ranks[stage]].blocks
-        return float(sum(getattr(blocks[i], field) for i in ranges[stage]))
+        return float(sum(getattr(blocks[i], field) for i in ranges[stage])) / contention
 
     def table(stage: int) -> dict[int, float]:
         tables = profiles[stage_ranks[stage]].weight_concat
         counts = set.intersection(*(set(tables[i]) for i in ranges[stage]))
-        return {k: sum(tables[i][k] for i in ranges[stage]) for k in sorted(counts)}
+        return {k: sum(tables[i][k] for i in ranges[stage]) / contention for k in sorted(counts)}
 
     stages = range(len(partition))
     link = profiles[0]
@@ -90,6 +99,7 @@ def stage_costs(
         send_bytes=tuple(
             float(profiles[stage_ranks[s]].blocks[ranges[s][-1]].output_bytes) for s in stages
         ),
+        contention=contention,
     )
 
 

@@ -9,6 +9,14 @@ Targets of the two LLaMA regimes, on 2 CPU cores with 1 thread per rank:
   the whole-batch reference (large), >= 0.9 against the 2BP limit (small);
 * simulator error of every twobp variant: within 10 %.
 
+Each speedup target also gets a *bound*: the most the measured figures allow
+it to be. Over torch: the best torch step time over the regime's efficiency
+reference divided by ``p`` (a twobp pipeline with no bubble and no overhead
+at all): a target above it cannot be met by any runtime on this machine.
+2BP over no 2BP at ``m = p``: the simulator's ratio of the two schedules
+under the profiled costs, what the schedule change alone gives (an estimate,
+not a hard limit).
+
 Other regimes get the same figures without thresholds. This module imports no torch.
 """
 
@@ -34,7 +42,8 @@ def evaluate(regimes: Sequence[Mapping[str, Any]], n_ranks: int) -> list[dict[st
 
     Returns:
         One dictionary per target: ``regime``, ``target``, ``value``,
-        ``threshold``, ``met`` (None without a threshold or a value) and ``detail``.
+        ``threshold``, ``met`` (None without a threshold or a value),
+        ``bound`` (None where it has none or it could not be computed) and ``detail``.
     """
     out: list[dict[str, Any]] = []
     for regime in regimes:
@@ -52,7 +61,13 @@ def evaluate(regimes: Sequence[Mapping[str, Any]], n_ranks: int) -> list[dict[st
 
 
 def _target(
-    regime: str, target: str, value: float | None, threshold: float | None, detail: str, above: bool
+    regime: str,
+    target: str,
+    value: float | None,
+    threshold: float | None,
+    detail: str,
+    above: bool,
+    bound: float | None = None,
 ) -> dict[str, Any]:
     met = None
     if value is not None and threshold is not None:
@@ -64,14 +79,26 @@ def _target(
         "threshold": threshold,
         "met": met,
         "above": above,
+        "bound": bound,
         "detail": detail,
     }
+
+
+def _variant(group: Mapping[str, Any], label: str | None) -> Mapping[str, Any]:
+    return next((v for v in group["variants"] if v["label"] == label), {})
 
 
 def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
     best = group["best"]
     value = best["speedup"]["median"] if "speedup" in best else None
     detail = f"m={group['n_microbatches']}: {best['twobp']} vs {best['torch']}"
+    reference = EFFICIENCY.get(regime, ("whole-batch", None))[0]
+    torch_step = _variant(group, best["torch"]).get("step_s", {}).get("median")
+    limit = group["reference_bounds_s"].get(reference)
+    bound = None
+    if torch_step and limit:
+        bound = torch_step / limit
+        detail += f"; bound: {best['torch']} against {reference} / p"
     return _target(
         regime,
         "best twobp / best torch",
@@ -79,6 +106,7 @@ def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
         SPEEDUP_OVER_TORCH.get(regime),
         detail,
         above=True,
+        bound=bound,
     )
 
 
@@ -88,7 +116,15 @@ def _two_bp_at_p(regime: str, group: Mapping[str, Any], n_ranks: int) -> dict[st
     ]
     value = pairs[0]["speedup"]["median"] if pairs else None
     threshold = TWO_BP_SPEEDUP_AT_P if regime in SPEEDUP_OVER_TORCH else None
-    return _target(regime, "1f1b: 2BP / no 2BP", value, threshold, f"m=p={n_ranks}", above=True)
+    bound = None
+    detail = f"m=p={n_ranks}"
+    if pairs:
+        without = _variant(group, pairs[0]["without"]).get("sim_step_s")
+        with_2bp = _variant(group, pairs[0]["with"]).get("sim_step_s")
+        if without and with_2bp:
+            bound = without / with_2bp
+            detail += "; bound: the simulator's ratio"
+    return _target(regime, "1f1b: 2BP / no 2BP", value, threshold, detail, above=True, bound=bound)
 
 
 def _efficiency(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:

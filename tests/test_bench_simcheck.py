@@ -1,0 +1,69 @@
+"""The simulator check of the bench: contention measured on real ranks, alone costs, bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bench_workers import sleeping_contention
+from twobp.bench.profile import measure_contention
+from twobp.bench.simcheck import simulated_step, stage_costs
+from twobp.runtime import launch
+from twobp.schedule import generate
+
+
+@dataclass(frozen=True)
+class Block:
+    forward: float
+    backward_input: float
+    backward_weight: float
+    backward_full: float
+    output_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    blocks: tuple[Block, ...]
+    weight_concat: tuple[dict[int, float], ...]
+    link_latency: float = 0.0
+    link_bandwidth: float = float("inf")
+    contention: float = 1.0
+
+
+def _profile(contention: float) -> Profile:
+    blocks = tuple(Block(2.0, 2.0, 1.0, 3.0) for _ in range(4))
+    return Profile(blocks, tuple({1: 1.0, 4: 2.0} for _ in blocks), contention=contention)
+
+
+def test_profiled_costs_become_alone_costs_with_the_contention():
+    profiles = [_profile(2.0), _profile(2.0)]
+    model = stage_costs(profiles, [2, 2], [0, 1])
+    # Profiled with both ranks busy: alone, each action takes half as long.
+    assert model.forward == (2.0, 2.0)
+    assert model.backward_full == (3.0, 3.0)
+    assert model.weight_concat == ({1: 1.0, 4: 2.0}, {1: 1.0, 4: 2.0})
+    assert model.contention == 2.0
+
+
+def test_contention_shortens_a_schedule_with_bubbles_but_not_its_overlapped_work():
+    schedule = generate("gpipe", n_ranks=2, n_microbatches=4)
+    plain = simulated_step(schedule, [_profile(1.0)] * 2, [2, 2])
+    shared = simulated_step(schedule, [_profile(2.0)] * 2, [2, 2])
+    # The same profiled (contended) times: the overlapped middle runs as fast as
+    # before, the lonely warm-up and cool-down twice as fast.
+    assert shared.makespan < plain.makespan
+    assert shared.makespan > plain.makespan / 2
+
+
+def test_contention_is_one_without_a_process_group():
+    assert measure_contention(lambda: None, torch.device("cpu")) == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_contention_of_work_that_shares_nothing_is_about_one():
+    # Two real ranks that sleep: running "together" costs them nothing.
+    ratios = launch(sleeping_contention, 2, 0.05, timeout=90)
+    assert ratios[0] == ratios[1]
+    assert 0.8 < ratios[0] < 1.5
