@@ -6,6 +6,8 @@ per rank the costs are one rank's share of the model, each stage taking 1/V
 computes ``3m`` per step, so ``bubble = 1 - 3m / makespan``.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from twobp.schedule import SCHEDULES, apply_two_bp, generate
@@ -111,6 +113,11 @@ def test_zb_h2_has_no_bubble_in_steady_state(p, m):
     # 1F1B gains nothing from overlapping steps: rank 0 ends last.
     _, s, c = run("1f1b", p, m)
     assert steady_state(s, c).period == pytest.approx(3 * (m + p - 1))
+    # Ranks that slow each other: back to back all of them compute all the
+    # time, so every action takes twice as long, and still no rank idles.
+    shared = steady_state(schedule, replace(costs, contention=2.0))
+    assert shared.period == pytest.approx(6 * m)
+    assert shared.bubble_ratio == pytest.approx(0.0, abs=1e-9)
 
 
 def test_repeat_steps_renames_microbatches():

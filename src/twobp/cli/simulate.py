@@ -31,7 +31,8 @@ COSTS_HELP = (
     "times and sizes of one rank's share of the model, as key=value pairs: F, I, W (times of "
     "one micro-batch), B (fused backward, default I+W), W<n> (W over n concatenated "
     "micro-batches, e.g. W4=3), latency, bandwidth, send (bytes per micro-batch), act, grad, "
-    "param (memory per micro-batch / per stage); with V stages per rank each stage takes 1/V"
+    "param (memory per micro-batch / per stage), contention (how many times slower every rank "
+    "computes while all compute at once, default 1); with V stages per rank each stage takes 1/V"
 )
 
 

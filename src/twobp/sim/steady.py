@@ -90,5 +90,10 @@ def steady_state(schedule: Schedule, costs: CostModel, *, n_steps: int = 4) -> S
     period = (many.makespan - one.makespan) / (n_steps - 1)
     if period <= 0:
         return SteadyState(0.0, tuple(0.0 for _ in one.busy), 0.0)
-    ratios = tuple(max(0.0, 1.0 - busy / period) for busy in one.busy)
+    busy = one.busy
+    if costs.contention != 1.0:
+        # Back to back, more actions overlap and each runs slower than in a
+        # lone step: the busy time per step is that of the later steps.
+        busy = tuple((b - a) / (n_steps - 1) for a, b in zip(one.busy, many.busy, strict=True))
+    ratios = tuple(max(0.0, 1.0 - b / period) for b in busy)
     return SteadyState(period, ratios, sum(ratios) / len(ratios))
