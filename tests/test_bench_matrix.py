@@ -27,8 +27,13 @@ def test_quick_plan_is_tiny_and_overrides_reach_every_regime():
     assert plan.regimes[0].overrides["n_layers"] == 3
     assert plan.microbatch_counts == (2,)
     assert plan.rounds <= 2
-    other = resolve(BenchConfig(model="bert", microbatch_size=3))
-    assert [(r.name, r.microbatch_size) for r in other.regimes] == [("preset", 3)]
+    other = resolve(BenchConfig(model=["bert"], microbatch_size=3))
+    assert [(r.name, r.microbatch_size) for r in other.regimes] == [("bert-tiny", 3)]
+    # Several families in one run: llama's regimes, then each other family's preset.
+    mixed = resolve(BenchConfig(model=["llama", "resnet", "bert"], size="small"))
+    assert [(r.family, r.name) for r in mixed.regimes] == [
+        ("llama", "large"), ("llama", "small"), ("resnet", "resnet-small"), ("bert", "bert-small"),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,6 +45,8 @@ def test_quick_plan_is_tiny_and_overrides_reach_every_regime():
         (BenchConfig(regimes=["huge"]), "--regimes"),
         (BenchConfig(warmup=0), "--warmup"),
         (BenchConfig(overrides="dim"), "--overrides"),
+        (BenchConfig(model=["gpt"]), "--model: unknown family 'gpt'"),
+        (BenchConfig(model=[]), "--model: give at least one family"),
     ],
 )
 def test_bad_options_name_the_option(cfg, option):

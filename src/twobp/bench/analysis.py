@@ -33,7 +33,8 @@ def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any
     """
     lead = reports[0]
     regime = lead.regime
-    tokens = int(lead.model_config.get("seq_len", 1))
+    # Rows of a linear layer's GEMM: samples x tokens (None for models without tokens).
+    tokens = lead.model_config.get("seq_len")
     groups = []
     for m in sorted({rec.n_microbatches for rec in lead.records}):
         per_rank = [[rec for rec in r.records if rec.n_microbatches == m] for r in reports]
@@ -45,7 +46,7 @@ def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any
         "name": regime.name,
         "description": regime.description,
         "microbatch_size": regime.microbatch_size,
-        "rows_per_gemm": regime.microbatch_size * tokens,
+        "rows_per_gemm": None if tokens is None else regime.microbatch_size * int(tokens),
         "model": lead.model_config,
         "block_kinds": lead.block_kinds,
         "device": lead.device,

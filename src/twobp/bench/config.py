@@ -12,7 +12,7 @@ options into a :class:`BenchPlan`. This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -45,12 +45,13 @@ class Regime:
     """A model size and a micro-batch size to measure.
 
     Args:
-        name: short name for tables (``"large"``, ``"small"``).
+        name: short name for tables (``"large"``, ``"small"``, ``"bert-small"``).
         description: one line for the report.
         overrides: config fields of the model preset to change.
         microbatch_size: samples (sequences, images) per micro-batch.
         references: the single-process references to measure (see
             :data:`twobp.bench.matrix.REFERENCES`).
+        family: the model family (see :data:`MODEL_FAMILIES`).
     """
 
     name: str
@@ -58,6 +59,7 @@ class Regime:
     overrides: Mapping[str, Any]
     microbatch_size: int
     references: tuple[str, ...] = REFERENCES
+    family: str = "llama"
 
 
 REGIMES: Mapping[str, Regime] = MappingProxyType(
@@ -112,10 +114,10 @@ QUICK_REGIME = Regime(
 class BenchConfig:
     """Everything ``twobp bench`` needs; the defaults are the full LLaMA bench on 2 CPU cores."""
 
-    model: str = doc(
-        "model family; llama runs the built-in regimes, the others run their preset",
-        "llama",
-        choices=MODEL_FAMILIES,
+    model: list[str] = doc(  # noqa: RUF009 (doc makes a default_factory for lists)
+        "model families (llama, bert, mamba, resnet); llama runs the built-in regimes, "
+        "each other family its --size preset",
+        ["llama"],
     )
     size: str = doc("model size preset the regimes start from (tiny, small)", "tiny")
     regimes: list[str] = doc(  # noqa: RUF009 (doc makes a default_factory for lists)
@@ -164,7 +166,6 @@ class BenchPlan:
     """The resolved bench: what each launched job measures.
 
     Args:
-        family: the model family.
         size: the preset the regimes start from.
         regimes: the regimes, each with its overrides merged with the user's.
         n_ranks: pipeline ranks.
@@ -183,7 +184,6 @@ class BenchPlan:
         timeout: peer timeout in seconds.
     """
 
-    family: str
     size: str
     regimes: tuple[Regime, ...]
     n_ranks: int
@@ -243,7 +243,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         # The tiny matrix, except for the lists the user chose.
         cfg = dataclasses.replace(
             cfg,
-            model="llama",
+            model=["llama"],
             regimes=["quick"],
             microbatches=cfg.microbatches or [2],
             schedules=_unless_chosen(cfg.schedules, DEFAULT_SCHEDULES, ["1f1b", "zb-v"]),
@@ -257,10 +257,9 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         )
     _check(cfg)
     user = parse_overrides(cfg.overrides or "")
-    regimes = [_regime(cfg, name, user) for name in _regime_names(cfg)]
+    regimes = [_regime(cfg, family, name, user) for family, name in _regime_names(cfg)]
     counts = tuple(cfg.microbatches or ()) or default_microbatch_counts(cfg.ranks)
     return BenchPlan(
-        family=cfg.model,
         size=cfg.size,
         regimes=tuple(regimes),
         n_ranks=cfg.ranks,
@@ -284,16 +283,19 @@ def _unless_chosen(given: list[str], default: list[str], quick: list[str]) -> li
     return quick if given == default else given
 
 
-def _regime_names(cfg: BenchConfig) -> Sequence[str]:
-    if cfg.model != "llama":
-        return ["preset"]
-    return cfg.regimes
+def _regime_names(cfg: BenchConfig) -> list[tuple[str, str]]:
+    """``(family, regime)`` pairs: llama's built-in regimes, the others' preset."""
+    out: list[tuple[str, str]] = []
+    for family in dict.fromkeys(cfg.model):
+        out += [(family, name) for name in cfg.regimes] if family == "llama" else [(family, "")]
+    return out
 
 
-def _regime(cfg: BenchConfig, name: str, user: Mapping[str, Any]) -> Regime:
-    if name == "preset":
+def _regime(cfg: BenchConfig, family: str, name: str, user: Mapping[str, Any]) -> Regime:
+    if family != "llama":
         size = cfg.microbatch_size or 2
-        return Regime("preset", f"{cfg.model}-{cfg.size} preset", dict(user), size)
+        label = f"{family}-{cfg.size}"
+        return Regime(label, f"{label} preset", dict(user), size, family=family)
     known = {"quick": QUICK_REGIME, **REGIMES}
     if name not in known:
         raise ValueError(f"--regimes: unknown regime {name!r}; choose from {', '.join(REGIMES)}")
@@ -311,6 +313,13 @@ def _regime(cfg: BenchConfig, name: str, user: Mapping[str, Any]) -> Regime:
 def _check(cfg: BenchConfig) -> None:
     from twobp.schedule import SCHEDULES, TWO_BP_POLICIES
 
+    unknown = [m for m in cfg.model if m not in MODEL_FAMILIES]
+    if unknown or not cfg.model:
+        raise ValueError(
+            f"--model: unknown family {unknown[0]!r}; choose from {', '.join(MODEL_FAMILIES)}"
+            if unknown
+            else f"--model: give at least one family ({', '.join(MODEL_FAMILIES)})"
+        )
     if cfg.ranks < 1 or cfg.threads < 1:
         raise ValueError(f"--ranks and --threads must be >= 1, got {cfg.ranks}, {cfg.threads}")
     if cfg.rounds < 1 or cfg.warmup < 1:

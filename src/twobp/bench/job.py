@@ -129,7 +129,7 @@ def run_regime(plan: BenchPlan, regime: Regime) -> RankReport:
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = default_device()
     spec = build_model(
-        plan.family, plan.size, dtype=DTYPES[plan.dtype], seed=plan.seed, **dict(regime.overrides)
+        regime.family, plan.size, dtype=DTYPES[plan.dtype], seed=plan.seed, **dict(regime.overrides)
     )
     kinds = [k.value for k in spec.block_kinds]
     link = (0.0, float("inf"))

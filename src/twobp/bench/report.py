@@ -69,6 +69,8 @@ def _mib(value: float | None) -> str:
 
 
 def _model_name(regime: Mapping[str, Any]) -> str:
+    if regime.get("rows_per_gemm") is None:
+        return f"{regime['name']} ({regime['microbatch_size']} samples/micro-batch)"
     return f"{regime['name']} ({regime['rows_per_gemm']} rows/GEMM)"
 
 
