@@ -60,6 +60,31 @@ def test_store_forward_uses_the_deferred_function():
     assert type(y.grad_fn).__name__ == "DeferredWeightFunctionBackward"
 
 
+def test_the_direct_apply_and_the_wrapper_build_the_same_graph():
+    from twobp.engine import deferred
+
+    # On the pinned torch the layers skip Function.apply's Python wrapper.
+    assert deferred._DIRECT_APPLY is not None
+    module = _mlp()
+    store = defer_weight_grads(module)
+    layer = store._layers[0]
+    x = randn(4, 5, seed=0).requires_grad_()
+    params = layer.weight_parameters()
+    with store.forward(0):
+        direct = deferred._apply_function(layer, 0, None, x, *params)
+    with store.forward(1):
+        wrapped = deferred.DeferredWeightFunction.apply(layer, 1, None, x, *params)
+    assert torch.equal(direct, wrapped)
+    assert type(direct.grad_fn) is type(wrapped.grad_fn)
+    (gd,) = store.backward_input(0, [direct.sum()], [None], [x])
+    (gw,) = store.backward_input(1, [wrapped.sum()], [None], [x])
+    assert torch.equal(gd, gw)
+    # Both handed their stash to the store, each under its own micro-batch.
+    assert set(store.stashed_bytes()) == {0, 1}
+    store.backward_weight([0, 1])
+    store.finish_step()
+
+
 def test_restore_puts_the_class_forward_back():
     module = _mlp()
     store = defer_weight_grads(module)

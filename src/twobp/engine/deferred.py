@@ -83,7 +83,7 @@ class DeferredLayer(ABC):
 
     def apply(self, mb: int, options: Any, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
         """Run the core operation on ``x`` through :class:`DeferredWeightFunction`."""
-        out: Tensor = DeferredWeightFunction.apply(self, mb, options, x, *params)  # type: ignore[no-untyped-call]
+        out: Tensor = _apply_function(self, mb, options, x, *params)
         return out
 
     @abstractmethod
@@ -163,3 +163,30 @@ class DeferredWeightFunction(torch.autograd.Function):
         )
         layer.sink(ctx.mb, layer.index, stash)
         return (None, None, None, grad_in, *layer.no_parameter_grads)
+
+
+def _direct_apply() -> Callable[..., Any] | None:
+    """``DeferredWeightFunction``'s apply without the Python wrapper of ``Function.apply``.
+
+    That wrapper costs ~20 us per call (a third of a covered layer's overhead
+    in F); outside functorch transforms it only unwraps dead functorch
+    wrappers and calls the C++ ``apply``. None where this torch has no such
+    ``apply`` (the wrapper is used then).
+    """
+    descriptor = getattr(torch._C, "_FunctionBase", type).__dict__.get("apply")
+    if descriptor is None or not hasattr(torch._C, "_are_functorch_transforms_active"):
+        return None
+    bound: Callable[..., Any] = descriptor.__get__(None, DeferredWeightFunction)
+    return bound
+
+
+_DIRECT_APPLY = _direct_apply()
+
+
+def _apply_function(layer: DeferredLayer, mb: int, options: Any, x: Tensor, *params: Any) -> Any:
+    """``DeferredWeightFunction.apply(layer, mb, options, x, *params)``, directly where it can."""
+    if _DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
+        return DeferredWeightFunction.apply(layer, mb, options, x, *params)  # type: ignore[no-untyped-call]
+    # What Function.apply does outside transforms: a dead functorch wrapper
+    # (only the layer input can be one; parameters are plain) is unwrapped first.
+    return _DIRECT_APPLY(layer, mb, options, torch._C._functorch.unwrap_if_dead(x), *params)
