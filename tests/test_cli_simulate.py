@@ -104,6 +104,44 @@ def test_plan_recommends_two_bp_when_memory_allows(capsys):
     )
 
 
+def test_plan_gives_fill_the_memory_limit(capsys):
+    # Unit memory: activations 1 per micro-batch until I, stash 1 from I until
+    # W. With 5 per rank, fill runs W early enough to stay at 5; paper holds 8.
+    code = main(
+        ["plan", "--stages", "4", "--microbatches", "8", "--memory-limit", "5",
+         "--schedules", "1f1b,gpipe", "--policies", "off,paper,fill"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {(r[1], r[2]): r for r in (line.split() for line in out.splitlines()) if r[:1]}
+    assert rows[("1f1b", "fill")][3:6] == ["27", "1.00x", "11.1%"]
+    assert rows[("1f1b", "fill")][6] == "5" and "over" not in rows[("1f1b", "fill")]
+    assert "over" in rows[("1f1b", "paper")]
+    # GPipe's warm-up alone holds 8: the limit cannot be met, and the row says why.
+    assert "5 per rank holds 5 micro-batch(es) between F and W" in out
+    assert out.strip().splitlines()[-1].startswith("Recommended: 1f1b with 2BP (fill)")
+
+
+def test_microbatch_limit_reads_parameters_and_the_largest_stage():
+    from twobp.cli.plan import microbatch_limit
+    from twobp.schedule import generate
+    from twobp.sim.costs import CostModel
+
+    schedule = generate("interleaved-1f1b", 2, 4, stages_per_rank=2)
+    costs = CostModel(
+        forward=(1, 1, 1, 1),
+        backward_input=(1, 1, 1, 1),
+        backward_weight=(1, 1, 1, 1),
+        activation_bytes=(10, 30, 10, 10),
+        weight_grad_bytes=(20, 5, 5, 5),
+        parameter_bytes=(100, 0, 50, 0),
+    )
+    # Rank 0 has stages 0 and 2: 150 fixed, 20 per micro-batch -> (250 - 150) // 20 = 5.
+    # Rank 1 has stages 1 and 3: 0 fixed, 30 per micro-batch -> 250 // 30 = 8.
+    assert microbatch_limit(schedule, costs, 250) == 5
+    assert microbatch_limit(schedule, costs, 140) == 0
+
+
 def test_plan_nothing_fits(capsys):
     main(["plan", "--microbatches", "4", "--memory-limit", "0.5", "--schedules", "1f1b,gpipe"])
     last = capsys.readouterr().out.strip().splitlines()[-1]

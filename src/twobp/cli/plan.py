@@ -7,7 +7,10 @@ Example::
 simulates each schedule with each 2BP policy (``off``, ``eager``, ``paper``,
 ``fill``) on the same cost model, lists them from the shortest step to the
 longest with their bubble ratio and peak memory, marks those over the
-per-rank memory limit, and names the one it recommends.
+per-rank memory limit, and names the one it recommends. With a memory limit,
+the ``fill`` policy is told how many micro-batches each rank may hold between
+their ``F`` and their ``W`` (see :func:`microbatch_limit`), so that it runs a
+stored ``W`` early rather than go over the limit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from twobp.cli.simulate import COSTS_HELP, NO_TWO_BP, build_schedule, cost_model, format_amount
 from twobp.config import add_arguments, doc, from_namespace
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp
 from twobp.sim.cost_io import parse_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.simulate import DeadlockError, simulate
@@ -89,6 +92,34 @@ def _stages_per_rank(name: str, wanted: int | None) -> int | None:
     return wanted if allowed is None or wanted in allowed else None
 
 
+def microbatch_limit(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
+    """The most micro-batches per rank that keep every rank within ``memory_limit``.
+
+    Each rank holds its stages' parameters all the time and, per micro-batch
+    between its ``F`` and its ``W``, its activations (until ``I``) or its
+    stored derivatives (from ``I``), whichever is larger, of its largest
+    stage (the simulator's memory model).
+
+    Args:
+        schedule: the schedule (its placement says which stages share a rank).
+        costs: the cost model fitted to the schedule's stages.
+        memory_limit: memory per rank, in the cost model's unit.
+
+    Returns:
+        The largest count that fits on every rank; 0 if not even one does.
+    """
+    assert costs.parameter_bytes is not None
+    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
+    counts = []
+    for rank in range(schedule.n_ranks):
+        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
+        fixed = sum(costs.parameter_bytes[s] for s in stages)
+        per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
+        room = memory_limit - fixed
+        counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
+    return max(0, min(counts))
+
+
 def evaluate(
     costs: CostModel,
     n_ranks: int,
@@ -96,6 +127,7 @@ def evaluate(
     schedules: Sequence[str],
     policies: Sequence[str],
     stages_per_rank: int | None = None,
+    memory_limit: float | None = None,
 ) -> list[Candidate]:
     """Simulate every schedule with every policy, fastest first.
 
@@ -107,6 +139,9 @@ def evaluate(
         schedules: names from :data:`twobp.schedule.SCHEDULES`.
         policies: ``off`` and/or names from :data:`twobp.schedule.TWO_BP_POLICIES`.
         stages_per_rank: ``V`` for the schedules that hold several stages.
+        memory_limit: memory per rank (cost-model unit); ``fill`` then keeps
+            each rank to the micro-batches of :func:`microbatch_limit`, or
+            reports why it cannot.
 
     Returns:
         The candidates ordered by makespan, then peak memory; those that could
@@ -127,14 +162,29 @@ def evaluate(
     for name in schedules:
         for policy in policies:
             try:
+                bounded = policy == "fill" and memory_limit is not None
                 schedule, fitted = build_schedule(
                     name,
                     n_ranks,
                     n_microbatches,
                     _stages_per_rank(name, stages_per_rank),
-                    policy,
+                    NO_TWO_BP if bounded else policy,
                     costs,
                 )
+                if bounded:
+                    assert memory_limit is not None
+                    held = microbatch_limit(schedule, fitted, memory_limit)
+                    if held < 1:
+                        raise ValueError(
+                            f"not one micro-batch fits in {format_amount(memory_limit)} per rank"
+                        )
+                    try:
+                        schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
+                    except ValueError as exc:
+                        raise ValueError(
+                            f"{format_amount(memory_limit)} per rank holds {held} "
+                            f"micro-batch(es) between F and W: {exc}"
+                        ) from exc
                 result = simulate(schedule, fitted)
             except (ValueError, DeadlockError) as exc:
                 out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))
@@ -247,6 +297,7 @@ def run(config: PlanConfig) -> int:
         config.schedules,
         config.policies,
         config.stages_per_rank,
+        limit,
     )
     limit_text = (
         "no memory limit" if limit is None else f"memory limit {format_amount(limit)} per rank"
