@@ -12,8 +12,8 @@ the rounds, and the costs of each stage from the rank that runs it. Measured:
   micro-batches); the simulator interpolates between 1 and ``m``;
 * per round, how much slower the ranks compute together than alone (the
   *contention*: on a CPU the ranks share cores, caches and memory bandwidth):
-  the F and B of the costliest block, timed on each rank alone (the others
-  wait) and then on all ranks at once. The blocks' costs above are measured
+  the F and B of the largest block (by parameters), timed on each rank alone
+  (the others wait) and then on all ranks at once. The blocks' costs above are measured
   with every rank profiling at once, so they are the contended costs; the
   simulator check divides them by the contention and lets the simulator slow
   down only the actions that overlap;
@@ -182,7 +182,7 @@ def _forward_backward(block: nn.Module, x: Batch) -> None:
     """One plain F and B of ``block`` on ``x`` (the contention's workload)."""
     tensors, is_tuple = flatten(x, "block input")
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
-    outs = [o for o in flatten(block(unflatten(leaves, is_tuple)), "block output")[0]]
+    outs = flatten(block(unflatten(leaves, is_tuple)), "block output")[0]
     needed = [o for o in outs if o.requires_grad]
     torch.autograd.backward(needed, [torch.ones_like(o) for o in needed])
     block.zero_grad(set_to_none=True)
