@@ -118,18 +118,24 @@ def test_deadlock_names_rank_action_and_wait():
     with pytest.raises(DeadlockError) as info:
         simulate(make([0, 1], 1, rows, "bad"), CostModel.uniform(2))
     text = str(info.value)
-    assert "rank 1 is stuck at step 0 (1B0), waiting for 1F0 (rank 1 step 1, not run yet)" in text
-    assert "rank 0 is stuck at step 1 (0B0), waiting for 1I0 or 1B0 (rank 1 step 0" in text
+    assert "rank 1 is stuck at 1B0 (its action #0): waits for 1F0 (rank 1, its action #1" in text
+    assert (
+        "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 (rank 1, its action #0"
+        in text
+    )
 
 
 def test_deadlock_on_missing_action():
-    with pytest.raises(DeadlockError, match=r"0I1 \(which no rank lists\)"):
+    with pytest.raises(DeadlockError, match=r"0I1 or 0B1, which no rank lists"):
         simulate(make([0], 2, {0: "0F0 0F1 0I0 0W0-1"}), CostModel.uniform(1))
 
 
 def test_repeated_work_is_an_error():
     with pytest.raises(ValueError, match="repeats work"):
         simulate(make([0], 2, {0: "0F0 0F1 0I0 0I1 0W0-1 0W1"}), CostModel.uniform(1))
+    # A fused B already made the weight gradient: a W of the same micro-batch repeats it.
+    with pytest.raises(ValueError, match=r"repeats work .* \(micro-batch 0 of stage 0\)"):
+        simulate(make([0], 1, {0: "0F0 0B0 0W0"}), CostModel.uniform(1))
 
 
 def test_cost_model_must_match_stage_count():

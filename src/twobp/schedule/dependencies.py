@@ -27,7 +27,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.schedule import Schedule
@@ -105,3 +105,20 @@ def describe(key: Key) -> str:
     if tag == "W":
         return f"a {stage}W covering micro-batch {m} (or {stage}B{m})"
     return f"{stage}{tag}{m}"
+
+
+def describe_wait(key: Key, where: Mapping[Key, tuple[int, int]]) -> str:
+    """What a stuck action waits for, and where that is listed, for deadlock messages.
+
+    Args:
+        key: the missing result.
+        where: ``key -> (rank, index in the rank's list)`` of the action making it.
+
+    Returns:
+        e.g. ``1I0 or 1B0 (rank 1, its action #3, not run yet)``, or
+        ``0F1, which no rank lists``.
+    """
+    if key in where:
+        rank, index = where[key]
+        return f"{describe(key)} (rank {rank}, its action #{index}, not run yet)"
+    return f"{describe(key)}, which no rank lists"

@@ -30,7 +30,15 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.dependencies import COMMUNICATION, Key, describe, is_lowered, produces, requires
+from twobp.schedule.dependencies import (
+    COMMUNICATION,
+    Key,
+    describe,
+    describe_wait,
+    is_lowered,
+    produces,
+    requires,
+)
 from twobp.schedule.schedule import Schedule
 
 # How many problems one error lists, and how many steps a deadlock grid shows.
@@ -176,13 +184,7 @@ def _deadlock_message(
         a = acts[position[r]]
         stuck[r] = a
         missing = [k for k in requires(a, schedule.placement, lowered) if k not in done]
-        waits = []
-        for k in missing:
-            if k in where:
-                pr, pi = where[k]
-                waits.append(f"{describe(k)} (rank {pr}, its action #{pi}, not run yet)")
-            else:
-                waits.append(f"{describe(k)}, which no rank lists")
+        waits = [describe_wait(k, where) for k in missing]
         reasons.append(
             f"  rank {r} is stuck at {a} (its action #{position[r]}): waits for " + "; ".join(waits)
         )

@@ -2,7 +2,9 @@
 
 :func:`twobp.sim.simulate.simulate` (fixed durations) and
 :func:`twobp.sim.contention.simulate_shared` (ranks that slow each other)
-start an action on the same condition, so the rules live here once:
+start an action on the same condition. The rules are those of
+:mod:`twobp.schedule.dependencies` (the same that validation and the 2BP
+transform use), with a transfer delay where a result crosses ranks:
 
 * ``F`` of stage ``s`` needs the forward output of stage ``s - 1`` for the
   same micro-batch (plus the transfer time if that stage is on another rank);
@@ -11,21 +13,28 @@ start an action on the same condition, so the rules live here once:
   last stage needs only its own ``F``;
 * ``W`` needs the ``I`` of every micro-batch it covers, on its stage.
 
-This module imports no torch.
+Communication markers of a lowered schedule take no time and are skipped:
+transfers are modelled by their delay. This module imports no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from twobp.schedule.action import Action, Kind
+from twobp.schedule.action import Action
+from twobp.schedule.dependencies import Key, describe_wait, produces, requires
 from twobp.schedule.schedule import Schedule
 from twobp.sim.costs import CostModel
 
-# What an action produces, as (what, stage, micro-batch): "F" a forward output,
-# "G" the gradient with respect to the stage's input (from I or B), "I" the
-# stored derivatives of a backward-input that the weight pass consumes.
-Key = tuple[str, int, int]
+__all__ = [
+    "DeadlockError",
+    "Key",
+    "check_stage_count",
+    "deadlock_message",
+    "dependencies",
+    "index_producers",
+    "products",
+]
 
 
 class DeadlockError(RuntimeError):
@@ -62,33 +71,19 @@ def dependencies(
     """
     s = action.stage
     rank = schedule.rank_of(s)
-    last = schedule.n_stages - 1
-
-    def delay(boundary: int, other_stage: int) -> float:
-        return 0.0 if schedule.rank_of(other_stage) == rank else costs.transfer_time(boundary)
-
-    if action.kind is Kind.FORWARD:
-        if s > 0:
-            yield ("F", s - 1, action.microbatch), delay(s - 1, s - 1)
-    elif action.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD):
-        yield ("F", s, action.microbatch), 0.0
-        if s < last:
-            yield ("G", s + 1, action.microbatch), delay(s, s + 1)
-    elif action.kind is Kind.BACKWARD_WEIGHT:
-        for m in action.microbatches:
-            yield ("I", s, m), 0.0
+    for key in requires(action, schedule.placement, lowered=False):
+        other = key[0]
+        if other == s or schedule.rank_of(other) == rank:
+            yield key, 0.0
+        else:
+            # A forward output of stage s - 1 or an input gradient of stage
+            # s + 1: either way it crosses boundary min(s, other) -> max(...).
+            yield key, costs.transfer_time(min(s, other))
 
 
 def products(action: Action) -> tuple[Key, ...]:
     """What ``action`` produces when it ends."""
-    s = action.stage
-    if action.kind is Kind.FORWARD:
-        return (("F", s, action.microbatch),)
-    if action.kind is Kind.BACKWARD_INPUT:
-        return (("G", s, action.microbatch), ("I", s, action.microbatch))
-    if action.kind is Kind.FULL_BACKWARD:
-        return (("G", s, action.microbatch),)
-    return tuple(("W", s, m) for m in action.microbatches)
+    return produces(action)
 
 
 def index_producers(schedule: Schedule) -> dict[Key, tuple[int, int]]:
@@ -108,7 +103,7 @@ def index_producers(schedule: Schedule) -> dict[Key, tuple[int, int]]:
                     other_rank, other_step = producer[key]
                     raise ValueError(
                         f"rank {rank} step {step} ({action}) repeats work already listed at rank "
-                        f"{other_rank} step {other_step} (micro-batch {key[2]} of stage {key[1]}); "
+                        f"{other_rank} step {other_step} (micro-batch {key[2]} of stage {key[0]}); "
                         "each F, I, B and W of a micro-batch must appear once"
                     )
                 producer[key] = (rank, step)
@@ -142,25 +137,13 @@ def deadlock_message(
         step = position[rank]
         action = schedule.actions[rank][step]
         missing = [k for k, _ in dependencies(action, schedule, costs) if k not in ends]
-        waits = []
-        for key in missing:
-            if key in producer:
-                r, st = producer[key]
-                waits.append(f"{_key_text(key)} (rank {r} step {st}, not run yet)")
-            else:
-                waits.append(f"{_key_text(key)} (which no rank lists)")
+        waits = [describe_wait(k, producer) for k in missing]
         lines.append(
-            f"  rank {rank} is stuck at step {step} ({action}), waiting for {', '.join(waits)}"
+            f"  rank {rank} is stuck at {action} (its action #{step}): waits for "
+            + "; ".join(waits)
         )
     lines.append(
         "Reorder the actions so that each one comes after the actions it needs, "
         "or add the missing ones (check the schedule with twobp.schedule.validate)."
     )
     return "\n".join(lines)
-
-
-def _key_text(key: Key) -> str:
-    what, stage, mb = key
-    if what == "G":
-        return f"{stage}I{mb} or {stage}B{mb}"
-    return f"{stage}{what}{mb}"
