@@ -85,5 +85,10 @@ class DeferredBatchNorm(DeferredLayer):
         self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
     ) -> None:
         weight, bias = self.weight_parameters()
-        accumulate_grad(weight, torch.stack([s[0] for s in stashes]).sum(0))
-        accumulate_grad(bias, torch.stack([s[1] for s in stashes]).sum(0))
+        accumulate_grad(weight, _total([s[0] for s in stashes]))
+        accumulate_grad(bias, _total([s[1] for s in stashes]))
+
+
+def _total(vectors: Sequence[Tensor]) -> Tensor:
+    """The sum of per-call gradient vectors (one call: the vector itself, no copy)."""
+    return vectors[0] if len(vectors) == 1 else torch.stack(list(vectors)).sum(0)
