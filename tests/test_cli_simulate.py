@@ -1,5 +1,6 @@
 """``twobp simulate`` and ``twobp plan`` through the real entry point."""
 
+import dataclasses
 import json
 import struct
 
@@ -140,6 +141,10 @@ def test_microbatch_limit_reads_parameters_and_the_largest_stage():
     # Rank 1 has stages 1 and 3: 0 fixed, 30 per micro-batch -> 250 // 30 = 8.
     assert microbatch_limit(schedule, costs, 250) == 5
     assert microbatch_limit(schedule, costs, 140) == 0
+    # Nothing held per micro-batch: every micro-batch fits, once the parameters do.
+    free = dataclasses.replace(costs, activation_bytes=(0,) * 4, weight_grad_bytes=(0,) * 4)
+    assert microbatch_limit(schedule, free, 150) == 4
+    assert microbatch_limit(schedule, free, 149) == 0
 
 
 def test_plan_nothing_fits(capsys):

@@ -116,7 +116,10 @@ def microbatch_limit(schedule: Schedule, costs: CostModel, memory_limit: float) 
         fixed = sum(costs.parameter_bytes[s] for s in stages)
         per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
         room = memory_limit - fixed
-        counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
+        if room < 0:
+            counts.append(0)  # the parameters alone do not fit
+        else:
+            counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
     return max(0, min(counts))
 
 
