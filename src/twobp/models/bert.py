@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twobp.models.common import Device, build_blocks, upcast
-from twobp.models.spec import BlockKind, ModelSpec
+from twobp.models.common import Device, build_blocks, home_device, upcast
+from twobp.models.spec import ModelSpec, stacked_kinds
 
 IGNORE_INDEX = -100
 """Target of an unmasked position; the loss skips it."""
@@ -236,7 +236,7 @@ def build_bert(
         ``example_target`` the original ids at masked positions and -100 elsewhere.
     """
     blocks = bert_blocks(config, device=device, dtype=dtype, seed=seed)
-    place = device if device is not None else torch.get_default_device()
+    place = home_device(device)
 
     def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
@@ -252,7 +252,7 @@ def build_bert(
         size=size,
         config=config,
         blocks=blocks,
-        block_kinds=[BlockKind.EMBEDDING, *[BlockKind.BODY] * config.n_layers, BlockKind.HEAD],
+        block_kinds=stacked_kinds(config.n_layers),
         loss_fn=mlm_loss,
         make_batch=make_batch,
         head_tied_in_reference=True,

@@ -11,6 +11,11 @@ from torch import nn
 Device = torch.device | str | None
 
 
+def home_device(device: Device) -> torch.device:
+    """Where a model built with ``device`` lives: that device, else PyTorch's default."""
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
 def build_blocks(
     factories: Iterable[Callable[[], nn.Module]],
     *,
@@ -34,7 +39,7 @@ def build_blocks(
     Returns:
         The blocks, in order.
     """
-    target = torch.device(device) if device is not None else torch.get_default_device()
+    target = home_device(device)
     cuda = [target.index or 0] if target.type == "cuda" else []
     blocks: list[nn.Module] = []
     with torch.random.fork_rng(devices=cuda), target:
@@ -85,6 +90,17 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 if it is in a 16-bit float type (a softmax over a large
     vocabulary loses too much in bf16), else unchanged (float64 stays float64)."""
     return x.float() if x.element_size() < 4 else x
+
+
+def token_batches(
+    vocab_size: int, seq_len: int, device: Device
+) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """``make_batch(batch_size, seed)`` of :func:`random_token_batch` on ``device``."""
+
+    def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_token_batch(vocab_size, seq_len, batch_size, seed, device)
+
+    return make_batch
 
 
 def random_token_batch(

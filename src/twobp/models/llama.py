@@ -26,10 +26,11 @@ from twobp.models.common import (
     LMHead,
     TokenEmbedding,
     build_blocks,
+    home_device,
     lm_loss,
-    random_token_batch,
+    token_batches,
 )
-from twobp.models.spec import BlockKind, ModelSpec
+from twobp.models.spec import ModelSpec, stacked_kinds
 
 
 @dataclass(frozen=True)
@@ -181,18 +182,13 @@ def build_llama(
         ``example_target`` the next ids, and ``loss_fn`` the mean cross-entropy.
     """
     blocks = llama_blocks(config, device=device, dtype=dtype, seed=seed)
-    place = device if device is not None else torch.get_default_device()
-
-    def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_token_batch(config.vocab_size, config.seq_len, batch_size, seed, place)
-
-    kinds = [BlockKind.EMBEDDING, *[BlockKind.BODY] * config.n_layers, BlockKind.HEAD]
+    make_batch = token_batches(config.vocab_size, config.seq_len, home_device(device))
     return ModelSpec(
         family="llama",
         size=size,
         config=config,
         blocks=blocks,
-        block_kinds=kinds,
+        block_kinds=stacked_kinds(config.n_layers),
         loss_fn=lm_loss,
         make_batch=make_batch,
         meta={"vocab_size": config.vocab_size, "seq_len": config.seq_len},

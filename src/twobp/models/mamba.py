@@ -27,10 +27,11 @@ from twobp.models.common import (
     LMHead,
     TokenEmbedding,
     build_blocks,
+    home_device,
     lm_loss,
-    random_token_batch,
+    token_batches,
 )
-from twobp.models.spec import BlockKind, ModelSpec
+from twobp.models.spec import ModelSpec, stacked_kinds
 
 
 @dataclass(frozen=True)
@@ -205,11 +206,7 @@ def build_mamba(
         ``example_target`` the next ids, and ``loss_fn`` the mean cross-entropy.
     """
     blocks = mamba_blocks(config, device=device, dtype=dtype, seed=seed)
-    place = device if device is not None else torch.get_default_device()
-
-    def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_token_batch(config.vocab_size, config.seq_len, batch_size, seed, place)
-
+    make_batch = token_batches(config.vocab_size, config.seq_len, home_device(device))
     head = blocks[-1]
     assert isinstance(head, LMHead)
     return ModelSpec(
@@ -217,7 +214,7 @@ def build_mamba(
         size=size,
         config=config,
         blocks=blocks,
-        block_kinds=[BlockKind.EMBEDDING, *[BlockKind.BODY] * config.n_layers, BlockKind.HEAD],
+        block_kinds=stacked_kinds(config.n_layers),
         loss_fn=lm_loss,
         make_batch=make_batch,
         head_tied_in_reference=True,

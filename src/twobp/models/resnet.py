@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twobp.models.common import Device, build_blocks, upcast
-from twobp.models.spec import BlockKind, ModelSpec
+from twobp.models.common import Device, build_blocks, home_device, upcast
+from twobp.models.spec import ModelSpec, stacked_kinds
 
 EXPANSION = 4
 """A bottleneck's output has ``EXPANSION`` times its inner width."""
@@ -154,7 +154,7 @@ def build_resnet(
         ``example_target`` class labels ``(B,)``.
     """
     blocks = resnet_blocks(config, device=device, dtype=dtype, seed=seed)
-    place = device if device is not None else torch.get_default_device()
+    place = home_device(device)
     image_dtype = dtype or torch.float32
     shape = (config.in_channels, config.image_size, config.image_size)
 
@@ -164,13 +164,12 @@ def build_resnet(
         labels = torch.randint(0, config.num_classes, (batch_size,), generator=gen)
         return images.to(place), labels.to(place)
 
-    n_body = sum(config.layers)
     return ModelSpec(
         family="resnet",
         size=size,
         config=config,
         blocks=blocks,
-        block_kinds=[BlockKind.EMBEDDING, *[BlockKind.BODY] * n_body, BlockKind.HEAD],
+        block_kinds=stacked_kinds(sum(config.layers)),
         loss_fn=classification_loss,
         make_batch=make_batch,
         meta={"num_classes": config.num_classes, "image_size": config.image_size},

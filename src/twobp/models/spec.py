@@ -33,6 +33,11 @@ class BlockKind(str, Enum):
     """The last block: final norm / pooling and the output projection."""
 
 
+def stacked_kinds(n_body: int) -> list[BlockKind]:
+    """The roles of a model built as first block, ``n_body`` body blocks, last block."""
+    return [BlockKind.EMBEDDING, *[BlockKind.BODY] * n_body, BlockKind.HEAD]
+
+
 @dataclass
 class ModelSpec:
     """A reference model cut into pipeline blocks, with data and a loss to drive it.
