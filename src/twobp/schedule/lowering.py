@@ -78,15 +78,29 @@ def merge_backward(schedule: Schedule) -> Schedule:
     Returns:
         The fused schedule.
     """
+    fused = backwards_as(schedule, Kind.FULL_BACKWARD)
+    name, sep, _policy = schedule.name.rpartition("+2bp:")
+    return fused.with_actions(fused.actions, name if sep else schedule.name)
+
+
+def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
+    """The schedule with every ``I`` and ``B`` turned into ``kind`` and every ``W`` removed.
+
+    Args:
+        schedule: any schedule.
+        kind: ``Kind.FULL_BACKWARD`` (fuse) or ``Kind.BACKWARD_INPUT`` (the
+            input passes of a split schedule whose ``W`` are placed again).
+
+    Returns:
+        The schedule, same name; forwards and communication keep their order.
+    """
+    backward = (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD)
     actions = {
         r: [
-            Action(a.stage, Kind.FULL_BACKWARD, a.microbatches)
-            if a.kind is Kind.BACKWARD_INPUT
-            else a
+            Action(a.stage, kind, a.microbatches) if a.kind in backward else a
             for a in acts
             if a.kind is not Kind.BACKWARD_WEIGHT
         ]
         for r, acts in schedule.actions.items()
     }
-    name, sep, _policy = schedule.name.rpartition("+2bp:")
-    return schedule.with_actions(actions, name if sep else schedule.name)
+    return schedule.with_actions(actions)

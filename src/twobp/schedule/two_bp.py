@@ -55,6 +55,7 @@ from types import MappingProxyType
 from twobp.schedule._timing import Costs, make_timing, place_weights
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import is_lowered
+from twobp.schedule.lowering import backwards_as
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.validate import validate
 
@@ -114,7 +115,7 @@ def apply_two_bp(
             "transform before add_communication"
         )
     validate(schedule)
-    base = _forward_and_input(schedule)
+    base = backwards_as(schedule, Kind.BACKWARD_INPUT)
     if policy == "eager":
         actions = {r: _eager(acts) for r, acts in base.actions.items()}
     else:
@@ -127,21 +128,6 @@ def apply_two_bp(
             memory_limit=memory_limit,
         )
     return schedule.with_actions(actions, f"{schedule.name}+2bp:{policy}")
-
-
-def _forward_and_input(schedule: Schedule) -> Schedule:
-    """The schedule with every ``B`` turned into an ``I`` and every ``W`` removed."""
-    actions = {
-        r: [
-            Action(a.stage, Kind.BACKWARD_INPUT, a.microbatches)
-            if a.kind is Kind.FULL_BACKWARD
-            else a
-            for a in acts
-            if a.kind is not Kind.BACKWARD_WEIGHT
-        ]
-        for r, acts in schedule.actions.items()
-    }
-    return schedule.with_actions(actions)
 
 
 def _eager(acts: tuple[Action, ...]) -> list[Action]:
