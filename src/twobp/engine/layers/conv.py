@@ -93,20 +93,7 @@ class DeferredConv(DeferredLayer):
         x, weight = saved
         grad_in = None
         if needs_input_grad:
-            stride, padding, dilation, output_padding, groups = self._geometry()
-            grad_in = _convolution_backward(
-                grad_out,
-                x,
-                weight,
-                None,
-                stride,
-                padding,
-                dilation,
-                False,
-                output_padding,
-                groups,
-                [True, False, False],
-            )[0]
+            grad_in = self._backward(grad_out, x, weight, None, [True, False, False])[0]
         return grad_in, (x, grad_out)
 
     def accumulate_weight_grads(
@@ -114,26 +101,39 @@ class DeferredConv(DeferredLayer):
     ) -> None:
         weight, bias = self.weight_parameters()
         assert weight is not None
-        stride, padding, dilation, output_padding, groups = self._geometry()
         bias_sizes = None if bias is None else list(bias.shape)
         mask = [False, weight.requires_grad, bias is not None and bias.requires_grad]
         for group in group_by_shape(stashes):
             x = cat_rows([s[0] for s in group], group[0][0].shape[1:])
             dy = cat_rows([s[1] for s in group], group[0][1].shape[1:])
-            _, grad_weight, grad_bias = _convolution_backward(
-                dy,
-                x,
-                weight,
-                bias_sizes,
-                stride,
-                padding,
-                dilation,
-                False,
-                output_padding,
-                groups,
-                mask,
-            )
+            _, grad_weight, grad_bias = self._backward(dy, x, weight, bias_sizes, mask)
             if mask[1]:
                 accumulate_grad(weight, grad_weight)
             if mask[2]:
                 accumulate_grad(bias, grad_bias)
+
+    def _backward(
+        self,
+        grad_out: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        bias_sizes: list[int] | None,
+        mask: list[bool],
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``aten.convolution_backward`` with this layer's geometry; ``mask`` picks
+        the input, weight and bias gradients to compute (the others are not defined)."""
+        stride, padding, dilation, output_padding, groups = self._geometry()
+        grads: tuple[Tensor, Tensor, Tensor] = _convolution_backward(
+            grad_out,
+            x,
+            weight,
+            bias_sizes,
+            stride,
+            padding,
+            dilation,
+            False,
+            output_padding,
+            groups,
+            mask,
+        )
+        return grads
