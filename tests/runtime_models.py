@@ -14,13 +14,18 @@ and the single-process reference start from identical weights:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from twobp.runtime.group import LAUNCHER_VARIABLES
 
 MODELS = ("mlp", "transformer", "conv")
 N_BLOCKS = 10
@@ -177,3 +182,11 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+needs_no_process_group = pytest.mark.skipif(
+    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
+    reason="needs a process without a process group",
+)
+"""Skips a test when this process already belongs to a group (the pipeline
+under test would join it instead of making its own)."""

@@ -10,18 +10,16 @@ a save. The rest runs here, in a world of one process.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from reliability_workers import BATCH, checkpoint_session, conv, train_steps
-from runtime_models import build_blocks, make_batch, one_thread
+from runtime_models import build_blocks, make_batch, needs_no_process_group
 from twobp.cli.checkpoint import main as checkpoint_cli
 from twobp.runtime import LaunchError, launch
 from twobp.runtime.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
@@ -31,20 +29,10 @@ from twobp.runtime.checkpoint_state import (
     parameter_names,
 )
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.group import LAUNCHER_VARIABLES
 
 TOL = 1e-10
 
-pytestmark = pytest.mark.skipif(
-    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
-    reason="needs a process without a process group",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = [needs_no_process_group, pytest.mark.usefixtures("torch_one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime_models import MODELS, build_blocks, make_batch, one_thread, train_reference
+from runtime_models import MODELS, build_blocks, make_batch, train_reference
 from runtime_workers import (
     Case,
     rank_killed_mid_step,
@@ -64,10 +64,7 @@ EXTRA_CASES = [
 CASES = {2: _cases(2, MODELS) + EXTRA_CASES, 4: _cases(4, MODELS)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from runtime_models import build_blocks, loss_fn, make_batch, one_thread, train_reference
+from runtime_models import (
+    build_blocks,
+    loss_fn,
+    make_batch,
+    needs_no_process_group,
+    one_thread,
+    train_reference,
+)
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline
 from twobp.runtime.dispatcher import fuse_first_stage_backward
-from twobp.runtime.group import LAUNCHER_VARIABLES
 from twobp.schedule.action import Action
 
 N_MB = 4
@@ -44,10 +47,7 @@ def test_other_stages_keep_their_split():
     assert fuse_first_stage_backward(actions, frozenset()) == actions
 
 
-@pytest.mark.skipif(
-    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
-    reason="needs a process without a process group",
-)
+@needs_no_process_group
 def test_fused_pairs_give_the_reference_gradients_and_show_as_b():
     with one_thread():
         reference = train_reference("transformer", N_MB, 2 * N_MB)

@@ -5,34 +5,28 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from runtime_models import build_blocks, loss_fn, make_batch, one_thread, train_reference
+from runtime_models import (
+    build_blocks,
+    loss_fn,
+    make_batch,
+    needs_no_process_group,
+    train_reference,
+)
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline, PipelineConfigError
-from twobp.runtime.group import LAUNCHER_VARIABLES
 from twobp.runtime.partition import check_no_shared_parameters
 from twobp.schedule import SCHEDULES
 
 N_MB = 4
 TOL = 1e-10
 
-pytestmark = pytest.mark.skipif(
-    dist.is_initialized() or any(v in os.environ for v in LAUNCHER_VARIABLES),
-    reason="needs a process without a process group",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = [needs_no_process_group, pytest.mark.usefixtures("torch_one_thread")]
 
 
 @pytest.fixture(scope="module")
