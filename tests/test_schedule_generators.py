@@ -2,11 +2,7 @@
 
 import pytest
 
-from twobp.schedule import SCHEDULES, Kind, Schedule, generate, validate
-
-
-def rows(schedule: Schedule) -> list[list[str]]:
-    return [[str(a) for a in schedule.actions[r]] for r in sorted(schedule.actions)]
+from twobp.schedule import SCHEDULES, Kind, Schedule, generate, to_rows, validate
 
 
 def peak_in_flight(schedule: Schedule, rank: int) -> int:
@@ -22,35 +18,35 @@ def peak_in_flight(schedule: Schedule, rank: int) -> int:
 
 
 def test_gpipe_p2_m2():
-    assert rows(generate("gpipe", 2, 2)) == [
+    assert to_rows(generate("gpipe", 2, 2)) == [
         ["0F0", "0F1", "0B0", "0B1"],
         ["1F0", "1F1", "1B0", "1B1"],
     ]
 
 
 def test_gpipe_p2_m4():
-    assert rows(generate("gpipe", 2, 4)) == [
+    assert to_rows(generate("gpipe", 2, 4)) == [
         ["0F0", "0F1", "0F2", "0F3", "0B0", "0B1", "0B2", "0B3"],
         ["1F0", "1F1", "1F2", "1F3", "1B0", "1B1", "1B2", "1B3"],
     ]
 
 
 def test_1f1b_p2_m2():
-    assert rows(generate("1f1b", 2, 2)) == [
+    assert to_rows(generate("1f1b", 2, 2)) == [
         ["0F0", "0F1", "0B0", "0B1"],
         ["1F0", "1B0", "1F1", "1B1"],
     ]
 
 
 def test_1f1b_p2_m4():
-    assert rows(generate("1f1b", 2, 4)) == [
+    assert to_rows(generate("1f1b", 2, 4)) == [
         ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
         ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"],
     ]
 
 
 def test_1f1b_with_fewer_microbatches_than_ranks_is_gpipe_like():
-    assert rows(generate("1f1b", 4, 2)) == [
+    assert to_rows(generate("1f1b", 4, 2)) == [
         ["0F0", "0F1", "0B0", "0B1"],
         ["1F0", "1F1", "1B0", "1B1"],
         ["2F0", "2F1", "2B0", "2B1"],
@@ -59,18 +55,18 @@ def test_1f1b_with_fewer_microbatches_than_ranks_is_gpipe_like():
 
 
 def test_naive_runs_one_microbatch_at_a_time():
-    assert rows(generate("naive", 2, 2)) == [
+    assert to_rows(generate("naive", 2, 2)) == [
         ["0F0", "0B0", "0F1", "0B1"],
         ["1F0", "1B0", "1F1", "1B1"],
     ]
 
 
 def test_zb_h1_p2():
-    assert rows(generate("zb-h1", 2, 2)) == [
+    assert to_rows(generate("zb-h1", 2, 2)) == [
         ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"],
         ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"],
     ]
-    assert rows(generate("zb-h1", 2, 4)) == [
+    assert to_rows(generate("zb-h1", 2, 4)) == [
         ["0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0F3", "0I2", "0W2", "0I3", "0W3"],
         ["1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1W1", "1F3", "1I3", "1W2", "1W3"],
     ]
@@ -79,7 +75,7 @@ def test_zb_h1_p2():
 def test_interleaved_p2_m2_v2_uses_looped_placement():
     s = generate("interleaved-1f1b", 2, 2, stages_per_rank=2)
     assert s.placement == (0, 1, 0, 1)
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
         ["1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1B0", "1B1"],
     ]

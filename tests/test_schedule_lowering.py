@@ -3,22 +3,18 @@
 from twobp.schedule import (
     Action,
     Kind,
-    Schedule,
     add_communication,
     apply_two_bp,
     generate,
     merge_backward,
+    to_rows,
     validate,
 )
 
 
-def rows(schedule: Schedule) -> list[list[str]]:
-    return [[str(a) for a in schedule.actions[r]] for r in sorted(schedule.actions)]
-
-
 def test_add_communication_1f1b_p2_m2():
     s = add_communication(generate("1f1b", 2, 2))
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
         ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"],
     ]
@@ -53,7 +49,7 @@ def test_single_rank_needs_no_communication():
 
 def test_merge_backward_of_a_native_split_schedule_puts_b_where_i_was():
     s = merge_backward(generate("zb-h1", 2, 2))
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0F1", "0B0", "0B1"],
         ["1F0", "1B0", "1F1", "1B1"],
     ]

@@ -12,13 +12,10 @@ from twobp.schedule import (
     apply_two_bp,
     generate,
     merge_backward,
+    to_rows,
     validate,
 )
 from twobp.schedule._timing import make_timing, timeline
-
-
-def rows(schedule: Schedule) -> list[list[str]]:
-    return [[str(a) for a in schedule.actions[r]] for r in sorted(schedule.actions)]
 
 
 def makespan(schedule: Schedule, costs=None) -> float:
@@ -41,7 +38,7 @@ def peak_held(schedule: Schedule, rank: int) -> int:
 def test_paper_policy_1f1b_p2_m2():
     s = apply_two_bp(generate("1f1b", 2, 2), "paper")
     assert s.name == "1f1b+2bp:paper"
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"],
         ["1F0", "1I0", "1F1", "1I1", "1W0-1"],
     ]
@@ -51,7 +48,7 @@ def test_paper_policy_1f1b_p4_m4_last_rank_concatenates_everything():
     # The 2BP paper's Figure 1 (1F1B-1 with 2BP): the last rank runs all its
     # backward-p1 and one concatenated backward-p2 at the end.
     s = apply_two_bp(generate("1f1b", 4, 4), "paper")
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0F1", "0F2", "0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"],
         ["1F0", "1F1", "1F2", "1I0", "1F3", "1I1", "1W0", "1I2", "1W1", "1I3", "1W2-3"],
         ["2F0", "2F1", "2I0", "2F2", "2I1", "2F3", "2I2", "2W0", "2I3", "2W1-3"],
@@ -64,13 +61,13 @@ def test_paper_policy_1f1b_p4_m4_last_rank_concatenates_everything():
 
 def test_paper_policy_naive_m1_overlaps_weight_pass_with_upstream():
     s = apply_two_bp(generate("naive", 3, 1), "paper")
-    assert rows(s) == [["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"], ["2F0", "2I0", "2W0"]]
+    assert to_rows(s) == [["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"], ["2F0", "2I0", "2W0"]]
     assert makespan(s) < makespan(generate("naive", 3, 1))
 
 
 def test_eager_puts_each_w_after_its_i():
     s = apply_two_bp(generate("1f1b", 2, 2), "eager")
-    assert rows(s) == [
+    assert to_rows(s) == [
         ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"],
         ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"],
     ]
