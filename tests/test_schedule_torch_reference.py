@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from twobp.schedule import generate, load_csv, save_csv
+from twobp.schedule import generate, load_csv, save_csv, to_rows
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -32,8 +32,7 @@ def compute_only(orders: dict[int, list]) -> list[list[str]]:
 
 
 def ours(name: str, p: int, m: int, v: int | None = None) -> list[list[str]]:
-    s = generate(name, p, m, stages_per_rank=v)
-    return [[str(a) for a in s.actions[r]] for r in sorted(s.actions)]
+    return to_rows(generate(name, p, m, stages_per_rank=v))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
