@@ -1,6 +1,5 @@
 """``twobp simulate`` and ``twobp plan`` through the real entry point."""
 
-import dataclasses
 import json
 import struct
 
@@ -121,30 +120,6 @@ def test_plan_gives_fill_the_memory_limit(capsys):
     # GPipe's warm-up alone holds 8: the limit cannot be met, and the row says why.
     assert "5 per rank holds 5 micro-batch(es) between F and W" in out
     assert out.strip().splitlines()[-1].startswith("Recommended: 1f1b with 2BP (fill)")
-
-
-def test_microbatch_limit_reads_parameters_and_the_largest_stage():
-    from twobp.cli.plan import microbatch_limit
-    from twobp.schedule import generate
-    from twobp.sim.costs import CostModel
-
-    schedule = generate("interleaved-1f1b", 2, 4, stages_per_rank=2)
-    costs = CostModel(
-        forward=(1, 1, 1, 1),
-        backward_input=(1, 1, 1, 1),
-        backward_weight=(1, 1, 1, 1),
-        activation_bytes=(10, 30, 10, 10),
-        weight_grad_bytes=(20, 5, 5, 5),
-        parameter_bytes=(100, 0, 50, 0),
-    )
-    # Rank 0 has stages 0 and 2: 150 fixed, 20 per micro-batch -> (250 - 150) // 20 = 5.
-    # Rank 1 has stages 1 and 3: 0 fixed, 30 per micro-batch -> 250 // 30 = 8.
-    assert microbatch_limit(schedule, costs, 250) == 5
-    assert microbatch_limit(schedule, costs, 140) == 0
-    # Nothing held per micro-batch: every micro-batch fits, once the parameters do.
-    free = dataclasses.replace(costs, activation_bytes=(0,) * 4, weight_grad_bytes=(0,) * 4)
-    assert microbatch_limit(schedule, free, 150) == 4
-    assert microbatch_limit(schedule, free, 149) == 0
 
 
 def test_plan_nothing_fits(capsys):

@@ -1,11 +1,14 @@
 """The simulator on small schedules written by hand, checked against closed forms."""
 
+import dataclasses
+
 import pytest
 
+from twobp.schedule import generate
 from twobp.schedule.action import Action
 from twobp.schedule.schedule import Schedule
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import memory_timeline, peak_memory
+from twobp.sim.memory import memory_timeline, microbatch_limit, peak_memory
 from twobp.sim.simulate import DeadlockError, simulate
 
 
@@ -169,3 +172,25 @@ def test_peak_memory_frees_before_allocating_at_same_instant():
     schedule = make([0], 2, {0: "0F0 0B0 0F1 0B1"})
     spans = simulate(schedule, CostModel.uniform(1)).spans
     assert peak_memory(spans, CostModel.uniform(1), (0,)) == (1.0,)
+
+
+def test_microbatch_limit_reads_parameters_and_the_largest_stage():
+    from twobp.sim.costs import CostModel
+
+    schedule = generate("interleaved-1f1b", 2, 4, stages_per_rank=2)
+    costs = CostModel(
+        forward=(1, 1, 1, 1),
+        backward_input=(1, 1, 1, 1),
+        backward_weight=(1, 1, 1, 1),
+        activation_bytes=(10, 30, 10, 10),
+        weight_grad_bytes=(20, 5, 5, 5),
+        parameter_bytes=(100, 0, 50, 0),
+    )
+    # Rank 0 has stages 0 and 2: 150 fixed, 20 per micro-batch -> (250 - 150) // 20 = 5.
+    # Rank 1 has stages 1 and 3: 0 fixed, 30 per micro-batch -> 250 // 30 = 8.
+    assert microbatch_limit(schedule, costs, 250) == 5
+    assert microbatch_limit(schedule, costs, 140) == 0
+    # Nothing held per micro-batch: every micro-batch fits, once the parameters do.
+    free = dataclasses.replace(costs, activation_bytes=(0,) * 4, weight_grad_bytes=(0,) * 4)
+    assert microbatch_limit(schedule, free, 150) == 4
+    assert microbatch_limit(schedule, free, 149) == 0

@@ -9,7 +9,7 @@ simulates each schedule with each 2BP policy (``off``, ``eager``, ``paper``,
 longest with their bubble ratio and peak memory, marks those over the
 per-rank memory limit, and names the one it recommends. With a memory limit,
 the ``fill`` policy is told how many micro-batches each rank may hold between
-their ``F`` and their ``W`` (see :func:`microbatch_limit`), so that it runs a
+their ``F`` and their ``W`` (see :func:`twobp.sim.memory.microbatch_limit`), so that it runs a
 stored ``W`` early rather than go over the limit.
 """
 
@@ -24,9 +24,10 @@ from typing import Any
 
 from twobp.cli.simulate import COSTS_HELP, NO_TWO_BP, build_schedule, cost_model, format_amount
 from twobp.config import add_arguments, doc, from_namespace
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, apply_two_bp
 from twobp.sim.cost_io import parse_amount
 from twobp.sim.costs import CostModel
+from twobp.sim.memory import microbatch_limit
 from twobp.sim.simulate import DeadlockError, simulate
 
 ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)
@@ -92,37 +93,6 @@ def _stages_per_rank(name: str, wanted: int | None) -> int | None:
     return wanted if allowed is None or wanted in allowed else None
 
 
-def microbatch_limit(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
-    """The most micro-batches per rank that keep every rank within ``memory_limit``.
-
-    Each rank holds its stages' parameters all the time and, per micro-batch
-    between its ``F`` and its ``W``, its activations (until ``I``) or its
-    stored derivatives (from ``I``), whichever is larger, of its largest
-    stage (the simulator's memory model).
-
-    Args:
-        schedule: the schedule (its placement says which stages share a rank).
-        costs: the cost model fitted to the schedule's stages.
-        memory_limit: memory per rank, in the cost model's unit.
-
-    Returns:
-        The largest count that fits on every rank; 0 if not even one does.
-    """
-    assert costs.parameter_bytes is not None
-    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
-    counts = []
-    for rank in range(schedule.n_ranks):
-        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
-        fixed = sum(costs.parameter_bytes[s] for s in stages)
-        per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
-        room = memory_limit - fixed
-        if room < 0:
-            counts.append(0)  # the parameters alone do not fit
-        else:
-            counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
-    return max(0, min(counts))
-
-
 def evaluate(
     costs: CostModel,
     n_ranks: int,
@@ -143,7 +113,7 @@ def evaluate(
         policies: ``off`` and/or names from :data:`twobp.schedule.TWO_BP_POLICIES`.
         stages_per_rank: ``V`` for the schedules that hold several stages.
         memory_limit: memory per rank (cost-model unit); ``fill`` then keeps
-            each rank to the micro-batches of :func:`microbatch_limit`, or
+            each rank to the micro-batches of :func:`twobp.sim.memory.microbatch_limit`, or
             reports why it cannot.
 
     Returns:

@@ -5,14 +5,18 @@ stage are allocated when its ``F`` starts and freed when its ``I`` (or fused
 ``B``) ends; ``I`` leaves behind what the weight pass needs, freed when the
 ``W`` that covers the micro-batch ends; parameters are held throughout. It
 reads only spans, so it applies to simulated and measured timelines alike.
-This module imports no torch.
+:func:`microbatch_limit` turns a memory limit into the number of micro-batches
+a rank may hold, the unit the 2BP ``fill`` policy bounds. This module imports
+no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from twobp.schedule.action import Kind
+from twobp.schedule.schedule import Schedule
 from twobp.sim.costs import CostModel
 from twobp.timeline import Span
 
@@ -83,3 +87,34 @@ def peak_memory(
     """
     timeline = memory_timeline(spans, costs, placement)
     return tuple(max(b for _, b in timeline[r]) for r in sorted(timeline))
+
+
+def microbatch_limit(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
+    """The most micro-batches per rank that keep every rank within ``memory_limit``.
+
+    Each rank holds its stages' parameters all the time and, per micro-batch
+    between its ``F`` and its ``W``, its activations (until ``I``) or its
+    stored derivatives (from ``I``), whichever is larger, of its largest
+    stage (the simulator's memory model).
+
+    Args:
+        schedule: the schedule (its placement says which stages share a rank).
+        costs: the cost model fitted to the schedule's stages.
+        memory_limit: memory per rank, in the cost model's unit.
+
+    Returns:
+        The largest count that fits on every rank; 0 if not even one does.
+    """
+    assert costs.parameter_bytes is not None
+    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
+    counts = []
+    for rank in range(schedule.n_ranks):
+        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
+        fixed = sum(costs.parameter_bytes[s] for s in stages)
+        per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
+        room = memory_limit - fixed
+        if room < 0:
+            counts.append(0)  # the parameters alone do not fit
+        else:
+            counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
+    return max(0, min(counts))
