@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import time
 
 import torch
@@ -12,3 +13,21 @@ from twobp.bench.profile import measure_contention
 def sleeping_contention(seconds: float) -> float:
     """The contention of a workload that only sleeps (it shares nothing)."""
     return measure_contention(lambda: time.sleep(seconds), torch.device("cpu"))
+
+
+def exclusive_contention(lock_path: str, seconds: float) -> float:
+    """The contention of a workload that holds a lock every rank needs (one run each).
+
+    Alone a run takes ``seconds``; together the rank that gets the lock second
+    waits for the first, so its run takes about twice as long.
+    """
+
+    def work() -> None:
+        with open(lock_path, "a") as f:
+            fcntl.lockf(f, fcntl.LOCK_EX)
+            try:
+                time.sleep(seconds)
+            finally:
+                fcntl.lockf(f, fcntl.LOCK_UN)
+
+    return measure_contention(work, torch.device("cpu"), repeats=1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bench_workers import sleeping_contention
+from bench_workers import exclusive_contention, sleeping_contention
 from twobp.bench.profile import measure_contention
 from twobp.bench.simcheck import simulated_step, stage_costs
 from twobp.runtime import launch
@@ -67,3 +67,11 @@ def test_contention_of_work_that_shares_nothing_is_about_one():
     ratios = launch(sleeping_contention, 2, 0.05, timeout=90)
     assert ratios[0] == ratios[1]
     assert 0.8 < ratios[0] < 1.5
+
+
+@pytest.mark.timeout(120)
+def test_contention_of_work_that_waits_for_a_shared_resource(tmp_path):
+    # Together, one rank waits a whole run for the other: ratios 1 and about 2.
+    ratios = launch(exclusive_contention, 2, str(tmp_path / "lock"), 0.05, timeout=90)
+    assert ratios[0] == ratios[1]
+    assert 1.3 < ratios[0] < 2.5
