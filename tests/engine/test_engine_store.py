@@ -85,6 +85,22 @@ def test_the_direct_apply_and_the_wrapper_build_the_same_graph():
     store.finish_step()
 
 
+def test_covered_layers_skip_the_python_wrapper_of_function_apply(monkeypatch):
+    from twobp.engine import deferred
+
+    def wrapper_called(*args, **kwargs):
+        raise AssertionError("Function.apply's Python wrapper ran")
+
+    monkeypatch.setattr(deferred.DeferredWeightFunction, "apply", wrapper_called)
+    module = _mlp()
+    store = defer_weight_grads(module)
+    x, y = _forward(store, module, 0)
+    assert type(y.grad_fn).__name__ == "DeferredWeightFunctionBackward"
+    _input_pass(store, 0, x, y)
+    store.backward_weight([0])
+    store.finish_step()
+
+
 def test_restore_puts_the_class_forward_back():
     module = _mlp()
     store = defer_weight_grads(module)
