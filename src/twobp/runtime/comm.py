@@ -165,6 +165,19 @@ class StepChannel:
                 "disagree (this is a bug of the runtime)"
             )
 
+    def abandon(self) -> None:
+        """Give up the step's transfers after a failure: drop every posted operation.
+
+        Gloo cannot cancel a posted receive; dropped, it stays unmatched on
+        the connection and keeps no buffer of this rank. Nothing of the step is
+        kept after this.
+        """
+        self._posted.clear()
+        self._meta_works.clear()
+        for peer in self._peers.values():
+            peer.sends.clear()
+        self.action = None
+
     # -- pair order -------------------------------------------------------------
 
     def _ops(self, peer: _Peer) -> tuple[Any, ...]:

@@ -83,7 +83,18 @@ class StepRun:
         self._group_size = weight_group_size
         self._local: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
-        self._handlers: dict[Kind, Callable[[Action], None]] = {
+
+    def run(self, actions: Sequence[Action]) -> StepResult:
+        """Run ``actions`` in order and complete the step's sends.
+
+        Raises:
+            Exception: whatever an action raised, with a note naming the rank,
+                stage, action and micro-batch.
+        """
+        # A local table: one kept on the instance would be a reference cycle
+        # (instance -> bound method -> instance) that keeps the step's channel,
+        # and with it the process group, alive until the garbage collector runs.
+        handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.FULL_BACKWARD: self._backward,
             Kind.BACKWARD_INPUT: self._backward,
@@ -93,21 +104,13 @@ class StepRun:
             Kind.SEND_B: self._nothing,
             Kind.RECV_B: self._nothing,
         }
-
-    def run(self, actions: Sequence[Action]) -> StepResult:
-        """Run ``actions`` in order and complete the step's sends.
-
-        Raises:
-            Exception: whatever an action raised, with a note naming the rank,
-                stage, action and micro-batch.
-        """
         if self._channel is not None:
             self._channel.post_ahead()
         for action in fuse_first_stage_backward(actions, self._first_stages()):
             if self._channel is not None:
                 self._channel.action = action
             try:
-                self._handlers[action.kind](action)
+                handlers[action.kind](action)
             except Exception as exc:
                 if hasattr(exc, "add_note"):
                     exc.add_note(

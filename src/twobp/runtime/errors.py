@@ -15,6 +15,13 @@ class PipelineError(RuntimeError):
     """Base class of the errors raised by the pipeline runtime."""
 
 
+class PipelineClosedError(PipelineError):
+    """The pipeline was closed, or the process group it runs in was destroyed.
+
+    Nothing of the pipeline can run any more; build a new one.
+    """
+
+
 class PipelineConfigError(PipelineError, ValueError):
     """The pipeline cannot be built as asked (schedule, partition, batch, world size)."""
 

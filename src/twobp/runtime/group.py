@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from twobp.runtime.errors import PipelineClosedError
+from twobp.runtime.exit import destroy_at_exit
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables that tell a process it belongs to a launched group."""
@@ -23,6 +27,12 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 @dataclass(frozen=True)
 class World:
     """Where this process stands in the group.
+
+    The world refers to its process group weakly: a pipeline never keeps a
+    group alive. When the group's owner (torch's default group registry, or
+    the caller that made it) destroys it, its worker threads stop then and
+    there, while the interpreter still runs, instead of at exit, where a gloo
+    worker that still holds a finished operation aborts the process.
 
     Args:
         rank: this process's rank in ``group``.
@@ -35,19 +45,51 @@ class World:
     rank: int
     size: int
     local_size: int
-    group: dist.ProcessGroup | None
+    group_ref: weakref.ref[dist.ProcessGroup] | None = field(repr=False)
     backend: str | None
+
+    @classmethod
+    def of(
+        cls,
+        rank: int,
+        size: int,
+        local_size: int,
+        group: dist.ProcessGroup | None,
+        backend: str | None,
+    ) -> World:
+        """A world in ``group`` (held weakly), or a single process world if None."""
+        ref = weakref.ref(group) if group is not None else None
+        return cls(rank, size, local_size, ref, backend)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group; None in a single process world.
+
+        Raises:
+            PipelineClosedError: if the group was destroyed since.
+        """
+        if self.group_ref is None:
+            return None
+        group = self.group_ref()
+        if group is None:
+            raise PipelineClosedError(
+                f"rank {self.rank}: the process group of this pipeline was destroyed "
+                "(torch.distributed.destroy_process_group); a pipeline cannot outlive its "
+                "group: build a new Pipeline after init_process_group"
+            )
+        return group
 
     @property
     def is_single(self) -> bool:
         """True when this process is the whole world (no communication)."""
-        return self.group is None
+        return self.group_ref is None
 
     def global_rank(self, rank: int) -> int:
         """The default-group rank of ``rank`` of this group (what p2p calls take)."""
-        if self.group is None:
+        group = self.group
+        if group is None:
             return rank
-        return dist.get_global_rank(self.group, rank)
+        return dist.get_global_rank(group, rank)
 
 
 def default_device() -> torch.device:
@@ -101,12 +143,12 @@ def join_world(
     if group is None and not dist.is_initialized() and launched_by_env():
         init_from_env(backend_for(device), timeout)
     if group is None and not dist.is_initialized():
-        return World(rank=0, size=1, local_size=1, group=None, backend=None)
+        return World.of(rank=0, size=1, local_size=1, group=None, backend=None)
     active = group if group is not None else dist.group.WORLD
     assert active is not None
     size = dist.get_world_size(active)
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
-    return World(
+    return World.of(
         rank=dist.get_rank(active),
         size=size,
         local_size=max(1, local_size),
@@ -132,7 +174,14 @@ def init_from_env(backend: str, timeout: float) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, init_method="env://", timeout=delta)
-        return
+    else:
+        _init_attempt(backend, attempt, delta)
+    assert dist.group.WORLD is not None
+    destroy_at_exit(dist.group.WORLD)
+
+
+def _init_attempt(backend: str, attempt: str, delta: datetime.timedelta) -> None:
+    """Initialise the default group of torchrun's restart ``attempt`` under its own prefix."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # The agent hosts the store when it says so; otherwise rank 0 does, as env:// would.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)

@@ -38,6 +38,7 @@ from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
 from twobp.runtime.dispatcher import StepResult, StepRun
+from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.microbatch import (
     Batch,
@@ -117,6 +118,7 @@ class Pipeline(PipelineState):
         example_input: Batch | None = None,
         nonfinite: str = "raise",
     ) -> None:
+        self._closed = False
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
         self.world = join_world(requested or default_device(), self.timeout, group)
@@ -186,6 +188,36 @@ class Pipeline(PipelineState):
         """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
         self.last_step_skipped = False
         """True if the last step's loss was not finite and its gradients were dropped."""
+        close_at_exit(self)
+
+    # -- end of life -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """End this pipeline: drop what it holds of communication and of unfinished steps.
+
+        Every step completes its own transfers, so between steps nothing is in
+        flight; after a step that failed part-way, the transfers it posted are
+        abandoned here, and the weight-gradient work it left is dropped. The
+        parameters and their gradients stay as they are. Later calls of
+        ``step``, ``eval_step``, ``timeline``, ``save``, ``load`` and
+        ``clip_grad_norm_`` raise :class:`PipelineClosedError`. Idempotent;
+        the runtime closes every pipeline still open when the interpreter exits.
+        Not collective.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        forget(self)
+        for stage in self.stages.values():
+            stage.abandon_step()
+        self._layouts = {}
+        self._forward_plan = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- training and evaluation ---------------------------------------------------
 
@@ -218,6 +250,7 @@ class Pipeline(PipelineState):
                 step: end the process (``torchrun`` can restart the group, and a
                 checkpoint resumes the run).
         """
+        self._check_open()
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
         try:
             result = self._run(self.schedule, self._plan, self._layouts, mb_inputs, mb_targets)
@@ -253,6 +286,7 @@ class Pipeline(PipelineState):
             the last stage, the output batch (micro-batch outputs concatenated);
             None on the other ranks.
         """
+        self._check_open()
         if self._forward_plan is None:
             self._forward_schedule = forward_only(self.schedule)
             self._forward_plan = plan_communication(self._forward_schedule, self.rank)
@@ -312,7 +346,12 @@ class Pipeline(PipelineState):
             clock,
             self._weight_group_size,
         )
-        result = run.run(schedule.actions[self.rank])
+        try:
+            result = run.run(schedule.actions[self.rank])
+        except BaseException:
+            if channel is not None:
+                channel.abandon()
+            raise
         self._spans = result.spans
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
@@ -354,6 +393,7 @@ class Pipeline(PipelineState):
         Times are seconds from the step start, which the all-reduce that opens every
         step aligns across ranks.
         """
+        self._check_open()
         mine = [(s.rank, str(s.action), s.start, s.end) for s in self._spans]
         merged = [
             Span(r, Action.parse(a), start, end)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from twobp.runtime import checkpoint
+from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.grad_norm import clip_grad_norm_
 from twobp.runtime.group import World
 from twobp.schedule.schedule import Schedule
@@ -36,6 +37,14 @@ class PipelineState:
     schedule: Schedule
     n_microbatches: int
     stage_blocks: tuple[range, ...]
+    _closed: bool
+
+    def _check_open(self) -> None:
+        """Raise :class:`PipelineClosedError` if :meth:`close` was called."""
+        if self._closed:
+            raise PipelineClosedError(
+                f"rank {self.rank}: this pipeline was closed; build a new Pipeline to go on"
+            )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """This rank's parameters."""
@@ -116,6 +125,7 @@ class PipelineState:
         Raises:
             CheckpointError: on every rank, if any rank cannot write.
         """
+        self._check_open()
         return checkpoint.save(self, path, optimizer, extra, step=step, meta=meta, keep=keep)
 
     def load(
@@ -139,6 +149,7 @@ class PipelineState:
             CheckpointError: on every rank, if any rank cannot load it (missing,
                 incomplete, other model); no rank's state has changed then.
         """
+        self._check_open()
         return checkpoint.load(self, path, optimizer)
 
     def train(self: S, mode: bool = True) -> S:
@@ -163,6 +174,7 @@ class PipelineState:
         Returns:
             The global norm of all gradients before clipping (a 0-dim tensor).
         """
+        self._check_open()
         return clip_grad_norm_(
             self.parameters(), max_norm, norm_type, self.world, self.device, self.timeout
         )
