@@ -133,3 +133,20 @@ def rank_killed_mid_step(n_mb: int, timeout: float) -> None:
     )
     inputs, targets = make_batch("mlp", 0, 2 * n_mb)
     pipe.step(*_needed(pipe, inputs, targets))
+
+
+def placed_by_costs(costs_file: str, n_mb: int, batch_size: int) -> dict[str, Any]:
+    """The schedules of pipelines whose W is placed by a cost model (given, and from a file)."""
+    costs = {"F": 3.0, "I": 1.0, "W": 0.2}
+    out: dict[str, Any] = {}
+    for label, given in (("mapping", costs), ("file", costs_file)):
+        pipe = Pipeline(
+            build_blocks("mlp"), loss_fn("mlp"), "1f1b", n_mb, costs=given, device="cpu"
+        )
+        inputs, targets = make_batch("mlp", 0, batch_size)
+        out[label] = {
+            "schedule": str(pipe.schedule),
+            "lowered": str(pipe.lowered_schedule),
+            "loss": pipe.step(*_needed(pipe, inputs, targets)),
+        }
+    return out

@@ -15,7 +15,7 @@ from runtime_models import (
 )
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline
-from twobp.runtime.dispatcher import fuse_first_stage_backward
+from twobp.schedule import Schedule, fuse_first_stage_backward
 from twobp.schedule.action import Action
 
 N_MB = 4
@@ -26,25 +26,27 @@ def _actions(text: str) -> list[Action]:
     return [Action.parse(a) for a in text.split()]
 
 
-def _text(actions: list[Action]) -> str:
-    return " ".join(map(str, actions))
+def _fused(text: str, placement: tuple[int, ...] = (0,)) -> str:
+    """Rank 0's actions after the pass (other ranks, if any, have none)."""
+    ranks = {r: [] for r in set(placement)}
+    schedule = Schedule(placement, 4, {**ranks, 0: _actions(text)})
+    return " ".join(map(str, fuse_first_stage_backward(schedule).actions[0]))
 
 
 def test_pairs_of_the_first_stage_become_full_backwards():
-    fused = fuse_first_stage_backward(_actions("0F0 0F1 0I0 0W0 0I1 0W1"), frozenset({0}))
-    assert _text(fused) == "0F0 0F1 0B0 0B1"
+    assert _fused("0F0 0F1 0I0 0W0 0I1 0W1") == "0F0 0F1 0B0 0B1"
 
 
 def test_only_a_w_of_the_same_micro_batch_right_after_its_i_is_fused():
-    actions = _actions("0F0 0F1 0F2 0I0 0F3 0W0 0I1 0W2 0I2 0W1-2 0I3 0W3")
-    fused = fuse_first_stage_backward(actions, frozenset({0}))
-    assert _text(fused) == "0F0 0F1 0F2 0I0 0F3 0W0 0I1 0W2 0I2 0W1-2 0B3"
+    actions = "0F0 0F1 0F2 0I0 0F3 0W0 0I1 0W2 0I2 0W1-2 0I3 0W3"
+    assert _fused(actions) == "0F0 0F1 0F2 0I0 0F3 0W0 0I1 0W2 0I2 0W1-2 0B3"
 
 
 def test_other_stages_keep_their_split():
-    actions = _actions("3F0 3I0 3W0 0F0 0I0 0W0")
-    assert _text(fuse_first_stage_backward(actions, frozenset({0}))) == "3F0 3I0 3W0 0F0 0B0"
-    assert fuse_first_stage_backward(actions, frozenset()) == actions
+    placement = (0, 1, 1, 0)
+    assert _fused("3F0 3I0 3W0 0F0 0I0 0W0", placement) == "3F0 3I0 3W0 0F0 0B0"
+    unchanged = Schedule(placement, 4, {0: _actions("3F0 3I0 3W0"), 1: []})
+    assert fuse_first_stage_backward(unchanged) is unchanged
 
 
 @needs_no_process_group

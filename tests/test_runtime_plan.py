@@ -6,27 +6,29 @@ import functools
 
 import pytest
 
-from twobp.runtime.comm_plan import (
-    Direction,
-    Transfer,
-    forward_only,
-    needed_transfer,
-    plan_communication,
-    produced_transfer,
-)
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.partition import stage_counts
-from twobp.runtime.resolve import is_split, resolve_schedule
 from twobp.schedule import (
     SCHEDULES,
     Action,
     Kind,
     Schedule,
+    ScheduleConfigError,
     ScheduleError,
     add_communication,
     apply_two_bp,
+    forward_only,
     generate,
+    is_split,
+    resolve_schedule,
     save_csv,
+)
+from twobp.schedule.transfers import (
+    Direction,
+    Transfer,
+    needed_transfer,
+    plan_communication,
+    produced_transfer,
 )
 
 ALL = [
@@ -206,15 +208,15 @@ def test_resolve_objects_and_files(tmp_path):
     save_csv(generate("gpipe", 2, 4), path)
     from_file = resolve_schedule(path, n_ranks=2, n_microbatches=4, two_bp=True)
     assert _kinds(from_file) == {"F", "I", "W"}
-    with pytest.raises(PipelineConfigError, match="covers 4"):
+    with pytest.raises(ScheduleConfigError, match="covers 4"):
         resolve_schedule(generate("gpipe", 2, 4), n_ranks=2, n_microbatches=8, two_bp=True)
-    with pytest.raises(PipelineConfigError, match="on 2 ranks, but the group has 4"):
+    with pytest.raises(ScheduleConfigError, match="on 2 ranks, but the group has 4"):
         resolve_schedule(generate("gpipe", 2, 4), n_ranks=4, n_microbatches=None, two_bp=True)
-    with pytest.raises(PipelineConfigError, match="unknown schedule 'pipedream'"):
+    with pytest.raises(ScheduleConfigError, match="unknown schedule 'pipedream'"):
         resolve_schedule("pipedream", n_ranks=2, n_microbatches=4, two_bp=True)
-    with pytest.raises(PipelineConfigError, match="does not exist"):
+    with pytest.raises(ScheduleConfigError, match="does not exist"):
         resolve_schedule(str(tmp_path / "missing.csv"), n_ranks=2, n_microbatches=4, two_bp=True)
-    with pytest.raises(PipelineConfigError, match="interleaved-1f1b"):
+    with pytest.raises(ScheduleConfigError, match="interleaved-1f1b"):
         resolve_schedule("interleaved-1f1b", n_ranks=4, n_microbatches=6, two_bp=True)
 
 
@@ -225,3 +227,26 @@ def test_resolve_rejects_incomplete_schedules():
     )
     with pytest.raises(ScheduleError):
         resolve_schedule(broken, n_ranks=2, n_microbatches=None, two_bp=False)
+
+
+def test_a_pipeline_places_w_by_its_cost_model_and_runs_the_lowered_schedule(tmp_path):
+    from runtime_models import train_reference
+    from runtime_workers import placed_by_costs
+    from twobp.runtime import launch
+    from twobp.schedule import fuse_first_stage_backward
+    from twobp.sim.cost_io import save_costs
+    from twobp.sim.costs import CostModel
+
+    path = tmp_path / "costs.json"
+    per_stage = {"forward": (3.0, 3.0), "backward_input": (1.0, 1.0), "backward_weight": (0.2, 0.2)}
+    save_costs(CostModel(**per_stage), path)
+    results = launch(placed_by_costs, 2, str(path), 4, 8, threads_per_rank=1, timeout=120)
+    costs = {"F": 3.0, "I": 1.0, "W": 0.2}
+    planned = fuse_first_stage_backward(apply_two_bp(generate("1f1b", 2, 4), "paper", costs=costs))
+    assert planned != fuse_first_stage_backward(apply_two_bp(generate("1f1b", 2, 4), "paper"))
+    reference = train_reference("mlp", 4, 8)["losses"][0]
+    for result in results:
+        for label in ("mapping", "file"):
+            assert result[label]["schedule"] == str(planned), label
+            assert result[label]["lowered"] == str(add_communication(planned)), label
+            assert result[label]["loss"] == pytest.approx(reference, abs=1e-10, rel=0)

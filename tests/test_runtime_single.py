@@ -194,3 +194,8 @@ def test_a_failed_step_leaves_the_pipeline_usable():
     grads = dict(pipe.named_parameters())
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=0, atol=TOL)
+
+
+def test_costs_that_cannot_be_read_say_what_to_pass(tmp_path):
+    with pytest.raises(PipelineConfigError, match=r"missing.json.*not a readable cost model"):
+        _pipe(costs=tmp_path / "missing.json")

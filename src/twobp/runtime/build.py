@@ -28,8 +28,18 @@ from twobp.runtime.partition import (
     example_input_needed,
     stage_counts,
 )
-from twobp.runtime.resolve import resolve_schedule
-from twobp.schedule import Schedule, ScheduleError
+from twobp.schedule import (
+    Schedule,
+    ScheduleConfigError,
+    ScheduleError,
+    fuse_first_stage_backward,
+    resolve_schedule,
+)
+from twobp.schedule._timing import Costs
+from twobp.sim.cost_io import load_costs
+
+CostsArgument = Costs | str | os.PathLike[str]
+"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, or a cost JSON file."""
 
 NONFINITE_POLICIES = ("raise", "skip")
 """What a pipeline does when a step's mean loss is NaN or infinite."""
@@ -40,7 +50,8 @@ class Layout:
     """The schedule every rank runs and the blocks of every stage.
 
     Args:
-        schedule: the resolved, validated compute schedule.
+        schedule: the resolved, validated compute schedule, first-stage
+            backwards fused (:func:`twobp.schedule.fuse_first_stage_backward`).
         ranges: the block indices of every stage.
     """
 
@@ -62,6 +73,7 @@ def build_layout(
     partition: Sequence[int] | str | None,
     example_input: Batch | None,
     nonfinite: str,
+    costs: CostsArgument = None,
 ) -> Layout:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -87,19 +99,24 @@ def build_layout(
                 f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
                 "'skip' (drop the step's gradients and go on)"
             )
-        resolved = resolve_schedule(
-            schedule,
-            n_ranks=world.size,
-            n_microbatches=n_microbatches,
-            two_bp=two_bp,
-            policy=policy,
-            stages_per_rank=stages_per_rank,
+        resolved = fuse_first_stage_backward(
+            resolve_schedule(
+                schedule,
+                n_ranks=world.size,
+                n_microbatches=n_microbatches,
+                two_bp=two_bp,
+                policy=policy,
+                stages_per_rank=stages_per_rank,
+                costs=cost_model(costs),
+            )
         )
         counts = stage_counts(len(blocks), resolved.n_stages, partition)
         if counts is None:
             example_input_needed(example_input)
         else:
             check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
+    except ScheduleConfigError as exc:
+        problem = PipelineConfigError(str(exc))
     except (PipelineConfigError, ScheduleError) as exc:
         problem = exc
     options = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
@@ -109,6 +126,23 @@ def build_layout(
         counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
         check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
     return Layout(resolved, tuple(stage_ranges(counts)))
+
+
+def cost_model(costs: CostsArgument) -> Costs:
+    """The cost model of ``costs``: as given, or read from a cost JSON file.
+
+    Raises:
+        PipelineConfigError: if the file cannot be read as a cost model.
+    """
+    if not isinstance(costs, str | os.PathLike):
+        return costs
+    try:
+        return load_costs(os.fspath(costs))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PipelineConfigError(
+            f"costs={os.fspath(costs)!r} is not a readable cost model ({exc}); pass a cost "
+            "JSON written by 'twobp profile' or 'twobp plan', or a twobp.sim.CostModel"
+        ) from exc
 
 
 def _options(

@@ -1,7 +1,7 @@
 """Point-to-point transfers of one step, posted ahead of need in pair order.
 
 A :class:`StepChannel` walks, for each peer, the pair order of
-:mod:`twobp.runtime.comm_plan`. Receives are posted as soon as every earlier
+:mod:`twobp.schedule.transfers`. Receives are posted as soon as every earlier
 operation with that peer is posted (at the start of the step, and again after
 each send), into buffers allocated from the boundary's known layout; sends are
 posted right after the compute that produced them. On the first step a
@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.collective import wait_work
-from twobp.runtime.comm_plan import CommPlan, Direction, Transfer
 from twobp.runtime.errors import PipelineError, ShapeMismatchError
 from twobp.runtime.group import World
 from twobp.runtime.meta import MESSAGE_LENGTH, BoundaryMeta, TensorMeta, describe_mismatch
 from twobp.schedule.action import Action
+from twobp.schedule.transfers import CommPlan, Direction, Transfer
 
 MAX_TENSORS = 64
 """Most tensors one block may pass to the next (tags reserve room for this many)."""

@@ -1,15 +1,14 @@
 """Run one rank's actions for one step: a table from action kind to handler.
 
-The dispatcher holds no schedule logic: it runs the actions in the order the
-schedule lists them. Each compute handler takes its input (a local hand-over
-from another stage of this rank, or a receive), runs the stage, and hands its
-output on (locally, or with a send posted at once). The compute part of every
-action is timed (see :mod:`twobp.runtime.clock`); waiting for inputs is not,
-so idle time shows as bubble.
-Communication actions of a lowered schedule need no work: transfers follow
-from the compute actions (see :mod:`twobp.runtime.comm_plan`). On the first
-stage, an ``I`` directly followed by its own ``W`` runs as one ``B``
-(:func:`fuse_first_stage_backward`).
+The dispatcher holds no schedule logic: it runs the actions of the lowered
+schedule (:func:`twobp.schedule.add_communication`) in the order it lists
+them. A compute handler takes its input from the step's hand-over table, runs
+the stage and puts its output there; a ``RECV_*`` waits for a transfer from
+another rank into that table, and a ``SEND_*`` posts the send of what the
+action before it produced. Between stages of one rank the table is the
+whole transfer. The compute part of every action is timed (see
+:mod:`twobp.runtime.clock`); waiting for inputs is not, so idle time shows as
+bubble.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from torch import Tensor
 
 from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import StepChannel
-from twobp.runtime.comm_plan import Direction, Transfer, needed_transfer, produced_transfer
 from twobp.runtime.microbatch import Batch, flatten
 from twobp.runtime.stage import Stage
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
 from twobp.timeline import Span
 
 
@@ -81,7 +80,7 @@ class StepRun:
         self._clock = clock
         self._marks: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
-        self._local: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
+        self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
 
     def run(self, actions: Sequence[Action]) -> StepResult:
@@ -99,23 +98,23 @@ class StepRun:
             Kind.FULL_BACKWARD: self._backward,
             Kind.BACKWARD_INPUT: self._backward,
             Kind.BACKWARD_WEIGHT: self._weight,
-            Kind.SEND_F: self._nothing,
-            Kind.RECV_F: self._nothing,
-            Kind.SEND_B: self._nothing,
-            Kind.RECV_B: self._nothing,
+            Kind.SEND_F: self._send,
+            Kind.RECV_F: self._receive,
+            Kind.SEND_B: self._send,
+            Kind.RECV_B: self._receive,
         }
         if self._channel is not None:
             self._channel.post_ahead()
-        for action in fuse_first_stage_backward(actions, self._first_stages()):
+        for action, served in zip(actions, compute_served(actions), strict=True):
             if self._channel is not None:
-                self._channel.action = action
+                self._channel.action = served
             try:
                 handlers[action.kind](action)
             except Exception as exc:
                 if hasattr(exc, "add_note"):
                     exc.add_note(
-                        f"(rank {self._rank}, stage {action.stage}, action {action}, "
-                        f"micro-batch(es) {', '.join(map(str, action.microbatches))})"
+                        f"(rank {self._rank}, stage {served.stage}, action {served}, "
+                        f"micro-batch(es) {', '.join(map(str, served.microbatches))})"
                     )
                 raise
         if self._channel is not None:
@@ -167,75 +166,55 @@ class StepRun:
         self._stages[action.stage].weight(action.microbatches, self._group_size)
         self._record(action, start)
 
-    def _nothing(self, action: Action) -> None:
-        return None
+    def _send(self, action: Action) -> None:
+        transfer = transfer_of(action, self._placement)
+        assert self._channel is not None, "a send in a world of one"
+        tensors, is_tuple = self._handed.pop(transfer.key)
+        self._channel.send(transfer, tensors, is_tuple)
 
-    def _first_stages(self) -> frozenset[int]:
-        return frozenset(i for i, stage in self._stages.items() if stage.is_first)
+    def _receive(self, action: Action) -> None:
+        transfer = transfer_of(action, self._placement)
+        assert self._channel is not None, "a receive in a world of one"
+        self._handed[transfer.key] = self._channel.recv(transfer)
 
-    # -- hand-over between stages ---------------------------------------------------
+    # -- hand-over between actions --------------------------------------------------
 
     def _take(self, action: Action) -> tuple[tuple[Tensor, ...], bool]:
         transfer = needed_transfer(action, self._placement)
         assert transfer is not None
-        if not transfer.is_local:
-            assert self._channel is not None
-            return self._channel.recv(transfer)
-        tensors, is_tuple = self._local.pop(transfer.key)
-        if transfer.direction is Direction.ACTIVATION:
+        tensors, is_tuple = self._handed.pop(transfer.key)
+        if transfer.is_local and transfer.direction is Direction.ACTIVATION:
             # A fresh leaf per stage, so each stage's backward stops at its inputs.
             tensors = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         return tensors, is_tuple
 
     def _give(self, action: Action, tensors: tuple[Tensor, ...], is_tuple: bool) -> None:
-        transfer: Transfer | None = produced_transfer(action, self._placement)
+        transfer = produced_transfer(action, self._placement)
         assert transfer is not None
-        if transfer.is_local:
-            self._local[transfer.key] = (tensors, is_tuple)
-        else:
-            assert self._channel is not None
-            self._channel.send(transfer, tensors, is_tuple)
+        self._handed[transfer.key] = (tensors, is_tuple)
 
     def _record(self, action: Action, start: Any) -> None:
         self._marks.append((action, start, self._clock.mark()))
 
 
-def fuse_first_stage_backward(
-    actions: Sequence[Action], first_stages: frozenset[int]
-) -> list[Action]:
-    """The actions to run: on the first stage, ``I`` followed by its own ``W`` becomes ``B``.
+def compute_served(actions: Sequence[Action]) -> list[Action]:
+    """For each action, the compute action it serves (what errors and waits are named by).
 
-    The first stage's input gradient goes nowhere, so splitting its backward
-    gains nothing unless its ``W`` moves into a wait; when the schedule puts
-    ``Wk`` right after ``Ik``, one full backward does the same work with the
-    weight gradients computed while their operands are still in cache (the
-    engine's ``backward_full``). Such a pair runs, and shows in the timeline,
-    as one ``B``.
-
-    Args:
-        actions: one rank's actions, in order.
-        first_stages: the stages among them that are the pipeline's first
-            (at most stage 0).
-
-    Returns:
-        The actions, with each such pair replaced by a ``B``.
+    A compute action serves itself, a receive the compute action after it (which
+    needs what it receives), a send the compute action before it (which made
+    what it sends).
     """
-    out: list[Action] = []
-    skip = False
-    for here, after in zip(actions, [*actions[1:], None], strict=True):
-        if skip:
-            skip = False
-            continue
-        if (
-            after is not None
-            and here.stage in first_stages
-            and here.kind is Kind.BACKWARD_INPUT
-            and after.kind is Kind.BACKWARD_WEIGHT
-            and after.stage == here.stage
-            and after.microbatches == here.microbatches
-        ):
-            out.append(Action(here.stage, Kind.FULL_BACKWARD, here.microbatches))
-            skip = True
-        else:
-            out.append(here)
-    return out
+    served: list[Action] = list(actions)
+    last: Action | None = None
+    for i, action in enumerate(actions):
+        if action.kind.is_compute:
+            last = action
+        elif action.kind in (Kind.SEND_F, Kind.SEND_B) and last is not None:
+            served[i] = last
+    following: Action | None = None
+    for i in range(len(actions) - 1, -1, -1):
+        if actions[i].kind.is_compute:
+            following = actions[i]
+        elif actions[i].kind in (Kind.RECV_F, Kind.RECV_B) and following is not None:
+            served[i] = following
+    return served

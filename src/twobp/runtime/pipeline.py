@@ -32,11 +32,10 @@ from torch import nn
 
 from twobp.runtime import collective
 from twobp.runtime.backward import stage_gradients
-from twobp.runtime.build import build_layout
+from twobp.runtime.build import CostsArgument, build_layout
 from twobp.runtime.checks import nonfinite_error, small_buffer
 from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
-from twobp.runtime.comm_plan import CommPlan, forward_only, plan_communication
 from twobp.runtime.dispatcher import StepResult, StepRun
 from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
@@ -48,8 +47,10 @@ from twobp.runtime.microbatch import (
 from twobp.runtime.pipeline_state import PipelineState
 from twobp.runtime.stage import LossFn, Stage
 from twobp.runtime.step_start import StepInputs, start_step
-from twobp.schedule.action import Action, Kind
+from twobp.schedule.action import Action
+from twobp.schedule.lowering import add_communication, forward_only, split_stages
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.timeline import Span
 
 
@@ -86,6 +87,11 @@ class Pipeline(PipelineState):
             infinite: ``"raise"`` :class:`NonFiniteLossError`, or ``"skip"``
             the step (see :attr:`last_step_skipped`). Either way the step's
             gradients are dropped on every rank.
+        costs: the cost model by which the ``paper`` and ``fill`` policies place
+            ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
+            "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
+            it); with the same costs the placement is the one ``twobp plan``
+            simulates. None: unit times.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -117,6 +123,7 @@ class Pipeline(PipelineState):
         num_threads: int | None = None,
         example_input: Batch | None = None,
         nonfinite: str = "raise",
+        costs: CostsArgument = None,
     ) -> None:
         self._closed = False
         self.timeout = float(timeout)
@@ -145,6 +152,7 @@ class Pipeline(PipelineState):
             partition=partition,
             example_input=example_input,
             nonfinite=nonfinite,
+            costs=costs,
         )
         self.schedule = layout.schedule
         self.n_microbatches = self.schedule.n_microbatches
@@ -159,9 +167,7 @@ class Pipeline(PipelineState):
         ).to(self.device)
         """This rank's blocks, named by their index in the whole model."""
         del all_blocks, blocks
-        split_kinds = (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
-        acts = self.schedule.actions[self.rank]
-        split = {a.stage for a in acts if a.kind in split_kinds}
+        split = split_stages(self.schedule)
         self.stages: dict[int, Stage] = {}
         for s in mine:
             module = nn.Sequential(
@@ -175,6 +181,8 @@ class Pipeline(PipelineState):
                 loss_fn,
                 self.n_microbatches,
             )
+        self.lowered_schedule = add_communication(self.schedule)
+        """The schedule with its transfers between ranks: what this pipeline runs."""
         self._plan = plan_communication(self.schedule, self.rank)
         self._layouts: Layouts = {}
         self._forward_schedule: Schedule | None = None
@@ -253,7 +261,9 @@ class Pipeline(PipelineState):
         self._check_open()
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
         try:
-            result = self._run(self.schedule, self._plan, self._layouts, mb_inputs, mb_targets)
+            result = self._run(
+                self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets
+            )
         except BaseException:
             for stage in self.stages.values():
                 stage.abandon_step()
@@ -288,8 +298,9 @@ class Pipeline(PipelineState):
         """
         self._check_open()
         if self._forward_plan is None:
-            self._forward_schedule = forward_only(self.schedule)
-            self._forward_plan = plan_communication(self._forward_schedule, self.rank)
+            forward = forward_only(self.schedule)
+            self._forward_schedule = add_communication(forward)
+            self._forward_plan = plan_communication(forward, self.rank)
         assert self._forward_schedule is not None
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):

@@ -3,36 +3,54 @@
 A schedule is a :class:`Schedule`: for each rank, its ordered list of
 :class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). Generators build the
 named schedules (:func:`generate`, :data:`SCHEDULES`); passes turn one schedule
-into another (:func:`apply_two_bp`, :func:`add_communication`,
+into another (:func:`resolve_schedule`, :func:`apply_two_bp`,
+:func:`fuse_first_stage_backward`, :func:`add_communication`,
 :func:`merge_backward`); :func:`validate` checks one and :func:`save_csv` /
 :func:`load_csv` store one in ``torch.distributed.pipelining``'s CSV layout.
 """
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.csv_io import from_rows, load_csv, save_csv, to_rows
-from twobp.schedule.lowering import add_communication, merge_backward
+from twobp.schedule.lowering import (
+    add_communication,
+    compute_only,
+    forward_only,
+    fuse_first_stage_backward,
+    is_split,
+    merge_backward,
+    split_stages,
+)
 from twobp.schedule.registry import SCHEDULES, ScheduleInfo, generate
+from twobp.schedule.resolve import DEFAULT_MICROBATCHES, ScheduleConfigError, resolve_schedule
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
 from twobp.schedule.validate import ScheduleError, dry_run, format_grid, validate
 
 __all__ = [
+    "DEFAULT_MICROBATCHES",
     "SCHEDULES",
     "TWO_BP_POLICIES",
     "Action",
     "Kind",
     "Schedule",
+    "ScheduleConfigError",
     "ScheduleError",
     "ScheduleInfo",
     "add_communication",
     "apply_two_bp",
+    "compute_only",
     "dry_run",
     "format_grid",
+    "forward_only",
     "from_rows",
+    "fuse_first_stage_backward",
     "generate",
+    "is_split",
     "load_csv",
     "merge_backward",
+    "resolve_schedule",
     "save_csv",
+    "split_stages",
     "to_rows",
     "validate",
 ]

@@ -1,6 +1,7 @@
-"""Lowering passes: add communication, merge a split backward back into ``B``.
+"""Passes that rewrite a schedule: add communication, merge or fuse backwards, keep parts.
 
-Both are pure: a schedule in, a new schedule out.
+All are pure: a schedule in, a new schedule out. The runtime runs what they
+produce, and the simulator and the pictures read the same schedules.
 
 :func:`add_communication` inserts the transfers between ranks, named as in
 ``torch.distributed.pipelining`` (the action's stage is the one on the rank
@@ -23,13 +24,15 @@ from __future__ import annotations
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import COMMUNICATION
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer
 
 
 def add_communication(schedule: Schedule) -> Schedule:
     """Insert ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` for transfers between ranks.
 
     Communication actions already present are replaced, so the pass can be
-    run twice.
+    run twice. The transfers are those of :mod:`twobp.schedule.transfers`,
+    which the runtime posts.
 
     Args:
         schedule: a schedule (fused or split).
@@ -38,29 +41,92 @@ def add_communication(schedule: Schedule) -> Schedule:
         The lowered schedule, with the same name.
     """
     placement = schedule.placement
-    last = schedule.n_stages - 1
-
-    def crosses(a: int, b: int) -> bool:
-        return placement[a] != placement[b]
-
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
         out: list[Action] = []
         for a in acts:
             if a.kind in COMMUNICATION:
                 continue
-            s = a.stage
-            if a.kind is Kind.FORWARD and s > 0 and crosses(s - 1, s):
-                out.append(Action(s, Kind.RECV_F, a.microbatches))
-            backward = a.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD)
-            if backward and s < last and crosses(s + 1, s):
-                out.append(Action(s, Kind.RECV_B, a.microbatches))
+            needed = needed_transfer(a, placement)
+            if needed is not None and not needed.is_local:
+                out.append(Action(a.stage, _RECEIVE[needed.direction], a.microbatches))
             out.append(a)
-            if a.kind is Kind.FORWARD and s < last and crosses(s, s + 1):
-                out.append(Action(s, Kind.SEND_F, a.microbatches))
-            if backward and s > 0 and crosses(s, s - 1):
-                out.append(Action(s, Kind.SEND_B, a.microbatches))
+            produced = produced_transfer(a, placement)
+            if produced is not None and not produced.is_local:
+                out.append(Action(a.stage, _SEND[produced.direction], a.microbatches))
         actions[rank] = out
+    return schedule.with_actions(actions)
+
+
+_RECEIVE = {Direction.ACTIVATION: Kind.RECV_F, Direction.GRADIENT: Kind.RECV_B}
+_SEND = {Direction.ACTIVATION: Kind.SEND_F, Direction.GRADIENT: Kind.SEND_B}
+
+
+def compute_only(schedule: Schedule) -> Schedule:
+    """The schedule without communication actions (the same object if it has none)."""
+    if all(a.kind.is_compute for acts in schedule.actions.values() for a in acts):
+        return schedule
+    return schedule.with_actions(
+        {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.actions.items()}
+    )
+
+
+def split_stages(schedule: Schedule) -> frozenset[int]:
+    """The stages whose backward the schedule splits (those with an ``I`` or a ``W``)."""
+    split = {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
+    return frozenset(a.stage for acts in schedule.actions.values() for a in acts if a.kind in split)
+
+
+def is_split(schedule: Schedule) -> bool:
+    """True if the schedule has ``I`` or ``W`` actions."""
+    return bool(split_stages(schedule))
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with only its ``F`` actions (evaluation without backward)."""
+    return schedule.with_actions(
+        {r: [a for a in acts if a.kind is Kind.FORWARD] for r, acts in schedule.actions.items()},
+        name=f"{schedule.name}:forward" if schedule.name else "forward",
+    )
+
+
+def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
+    """Run the first stage's ``I`` directly followed by its own ``W`` as one ``B``.
+
+    Nobody waits for the first stage's input gradient (there is no stage
+    before it). Where the schedule puts ``Wk`` right after ``Ik`` of stage 0,
+    one full backward does the same work with the weight gradients computed
+    while their operands are still in cache.
+
+    Args:
+        schedule: a compute-only schedule.
+
+    Returns:
+        The schedule with each such pair replaced by a ``B``; same name.
+    """
+    actions: dict[int, list[Action]] = {}
+    for rank, acts in schedule.actions.items():
+        out: list[Action] = []
+        skip = False
+        for here, after in zip(acts, [*acts[1:], None], strict=False):
+            if skip:
+                skip = False
+                continue
+            if (
+                after is not None
+                and here.stage == 0
+                and here.kind is Kind.BACKWARD_INPUT
+                and after.kind is Kind.BACKWARD_WEIGHT
+                and after.stage == 0
+                and after.microbatches == here.microbatches
+            ):
+                out.append(Action(0, Kind.FULL_BACKWARD, here.microbatches))
+                skip = True
+            else:
+                out.append(here)
+        actions[rank] = out
+    if all(tuple(out) == schedule.actions[r] for r, out in actions.items()):
+        return schedule
     return schedule.with_actions(actions)
 
 

@@ -1,7 +1,9 @@
 """Which tensors cross between stages, and in which order each pair of ranks moves them.
 
-The runtime derives its communication from the compute actions of the
-schedule (explicit ``SEND_*``/``RECV_*`` actions, if any, are not needed):
+The one model of communication: :func:`twobp.schedule.add_communication`
+places a send or receive for each transfer that crosses ranks, and the
+runtime posts them in the pair orders of :func:`plan_communication`.
+Transfers follow from the compute actions:
 
 * ``F`` of stage ``s`` makes the *activation* of boundary ``s -> s+1``;
 * ``B`` or ``I`` of stage ``s`` makes the *gradient* of boundary ``s-1 -> s``.
@@ -129,12 +131,26 @@ def produced_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | 
     return None
 
 
-def forward_only(schedule: Schedule) -> Schedule:
-    """The schedule with only its ``F`` actions (for evaluation without backward)."""
-    return schedule.with_actions(
-        {r: [a for a in acts if a.kind is Kind.FORWARD] for r, acts in schedule.actions.items()},
-        name=f"{schedule.name}:forward" if schedule.name else "forward",
-    )
+def transfer_of(action: Action, placement: tuple[int, ...]) -> Transfer:
+    """The transfer a communication action (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) moves.
+
+    Raises:
+        ValueError: if ``action`` moves nothing (a compute action, or a send
+            or receive at the end of the pipeline).
+    """
+    compute = {
+        Kind.SEND_F: (Kind.FORWARD, produced_transfer),
+        Kind.RECV_F: (Kind.FORWARD, needed_transfer),
+        Kind.SEND_B: (Kind.FULL_BACKWARD, produced_transfer),
+        Kind.RECV_B: (Kind.FULL_BACKWARD, needed_transfer),
+    }
+    if action.kind not in compute:
+        raise ValueError(f"{action} is not a transfer")
+    kind, rule = compute[action.kind]
+    transfer = rule(Action(action.stage, kind, action.microbatches), placement)
+    if transfer is None:
+        raise ValueError(f"{action} moves nothing: stage {action.stage} has no such neighbour")
+    return transfer
 
 
 def plan_communication(schedule: Schedule, rank: int) -> CommPlan:

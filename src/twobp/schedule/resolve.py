@@ -4,8 +4,9 @@ A schedule may be given as a registered name, a :class:`Schedule` or a CSV
 file. It is then made to match the pipeline's ``two_bp`` choice: a fused
 schedule is split by :func:`apply_two_bp` (with the chosen policy), a
 natively split one (``zb-*``) keeps its ``I``/``W``, and with ``two_bp=False``
-a split one is merged back into ``B`` by :func:`merge_backward`. The runtime
-derives its communication itself, so communication actions are dropped.
+a split one is merged back into ``B`` by :func:`merge_backward`.
+Communication actions are dropped: :func:`add_communication` places them
+again on the schedule that runs.
 
 This module imports no torch.
 """
@@ -15,36 +16,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from twobp.runtime.errors import PipelineConfigError
-from twobp.schedule import (
-    SCHEDULES,
-    TWO_BP_POLICIES,
-    Kind,
-    Schedule,
-    apply_two_bp,
-    generate,
-    load_csv,
-    merge_backward,
-    validate,
-)
+from twobp.schedule._timing import Costs
+from twobp.schedule.csv_io import load_csv
+from twobp.schedule.lowering import compute_only, is_split, merge_backward
+from twobp.schedule.registry import SCHEDULES, generate
+from twobp.schedule.schedule import Schedule
+from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
+from twobp.schedule.validate import validate
 
 DEFAULT_MICROBATCHES = 8
 """Micro-batches per step when a schedule is given by name without a count."""
 
 
-def is_split(schedule: Schedule) -> bool:
-    """True if the schedule has ``I`` or ``W`` actions."""
-    split = {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
-    return any(a.kind in split for acts in schedule.actions.values() for a in acts)
-
-
-def compute_only(schedule: Schedule) -> Schedule:
-    """The schedule without communication actions."""
-    if all(a.kind.is_compute for acts in schedule.actions.values() for a in acts):
-        return schedule
-    return schedule.with_actions(
-        {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.actions.items()}
-    )
+class ScheduleConfigError(ValueError):
+    """A schedule argument that cannot be resolved: unknown, or not fitting the group."""
 
 
 def resolve_schedule(
@@ -55,6 +40,7 @@ def resolve_schedule(
     two_bp: bool,
     policy: str = "paper",
     stages_per_rank: int | None = None,
+    costs: Costs = None,
 ) -> Schedule:
     """The validated compute-only schedule a pipeline of ``n_ranks`` runs.
 
@@ -67,27 +53,29 @@ def resolve_schedule(
         two_bp: split fused backwards (True) or merge split ones (False).
         policy: the 2BP policy for :func:`apply_two_bp`.
         stages_per_rank: for a name, stages per rank (None: the schedule's default).
+        costs: the cost model by which ``paper`` and ``fill`` place ``W``
+            (see :func:`apply_two_bp`); None: unit times.
 
     Returns:
         The schedule to run.
 
     Raises:
-        PipelineConfigError: if the schedule or 2BP policy is unknown, the
+        ScheduleConfigError: if the schedule or 2BP policy is unknown, the
             schedule does not fit the group or the micro-batch count, or
             cannot be merged.
         twobp.schedule.ScheduleError: if it is incomplete or deadlocks.
     """
     if policy not in TWO_BP_POLICIES:
-        raise PipelineConfigError(
+        raise ScheduleConfigError(
             f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
             "(two_bp_policy= of the Pipeline, --policy of twobp train)"
         )
     if n_microbatches is not None and n_microbatches < 1:
-        raise PipelineConfigError(f"n_microbatches must be at least 1, got {n_microbatches}")
+        raise ScheduleConfigError(f"n_microbatches must be at least 1, got {n_microbatches}")
     if isinstance(schedule, Schedule):
         resolved = schedule
         if n_microbatches is not None and n_microbatches != schedule.n_microbatches:
-            raise PipelineConfigError(
+            raise ScheduleConfigError(
                 f"n_microbatches={n_microbatches} but the schedule "
                 f"{schedule.name or ''} covers {schedule.n_microbatches}; leave n_microbatches "
                 "unset or make them agree"
@@ -97,23 +85,23 @@ def resolve_schedule(
         try:
             resolved = generate(schedule, n_ranks, m, stages_per_rank=stages_per_rank)
         except ValueError as exc:
-            raise PipelineConfigError(f"cannot build schedule {schedule!r}: {exc}") from exc
+            raise ScheduleConfigError(f"cannot build schedule {schedule!r}: {exc}") from exc
     elif Path(schedule).suffix.lower() == ".csv" or Path(schedule).is_file():
         if not Path(schedule).is_file():
-            raise PipelineConfigError(f"schedule file {os.fspath(schedule)!r} does not exist")
+            raise ScheduleConfigError(f"schedule file {os.fspath(schedule)!r} does not exist")
         resolved = load_csv(os.fspath(schedule))
         if n_microbatches is not None and n_microbatches != resolved.n_microbatches:
-            raise PipelineConfigError(
+            raise ScheduleConfigError(
                 f"n_microbatches={n_microbatches} but {os.fspath(schedule)!r} covers "
                 f"{resolved.n_microbatches} micro-batches"
             )
     else:
-        raise PipelineConfigError(
+        raise ScheduleConfigError(
             f"unknown schedule {schedule!r}: give one of {', '.join(SCHEDULES)}, "
             "a Schedule object or the path of a CSV file"
         )
     if resolved.n_ranks != n_ranks:
-        raise PipelineConfigError(
+        raise ScheduleConfigError(
             f"schedule {resolved.name or ''} places its stages on {resolved.n_ranks} ranks, "
             f"but the group has {n_ranks}; start {resolved.n_ranks} processes or use a "
             f"schedule for {n_ranks}"
@@ -121,12 +109,12 @@ def resolve_schedule(
     resolved = compute_only(resolved)
     validate(resolved)
     if two_bp and not is_split(resolved):
-        resolved = apply_two_bp(resolved, policy)
+        resolved = apply_two_bp(resolved, policy, costs=costs)
     elif not two_bp and is_split(resolved):
         try:
             resolved = merge_backward(resolved)
         except ValueError as exc:
-            raise PipelineConfigError(
+            raise ScheduleConfigError(
                 f"two_bp=False, but {resolved.name or 'the schedule'} is split into I and W "
                 f"and cannot be merged back into B: {exc}"
             ) from exc
