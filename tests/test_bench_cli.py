@@ -2,9 +2,9 @@
 
 import json
 
-from twobp.bench import build_variants, resolve
-from twobp.bench.config import BenchConfig
 from twobp.cli.main import main
+from twobp_bench import build_variants, resolve
+from twobp_bench.config import BenchConfig
 
 
 def test_quick_bench_writes_every_variant(tmp_path, capsys):

@@ -2,11 +2,11 @@
 
 import pytest
 
-from twobp.bench import matrix
-from twobp.bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
-from twobp.bench.matrix import Variant
-from twobp.bench.stats import paired_ratios, speedup, summarize
 from twobp.partition import stage_ranges
+from twobp_bench import matrix
+from twobp_bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
+from twobp_bench.matrix import Variant
+from twobp_bench.stats import paired_ratios, speedup, summarize
 
 
 def test_default_plan_is_the_two_llama_regimes_at_p_2p_and_8():

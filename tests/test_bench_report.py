@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from twobp.bench import matrix
-from twobp.bench.analysis import analyse_regime
-from twobp.bench.config import Regime
-from twobp.bench.job import RankReport, VariantRecord
-from twobp.bench.report import render_markdown
-from twobp.bench.run import write_outputs
-from twobp.bench.targets import evaluate
+from twobp_bench import matrix
+from twobp_bench.analysis import analyse_regime
+from twobp_bench.config import Regime
+from twobp_bench.job import RankReport, VariantRecord
+from twobp_bench.report import render_markdown
+from twobp_bench.run import write_outputs
+from twobp_bench.targets import evaluate
 
 # Step seconds of each variant in three rounds (m = 2, batch 2 * 4 = 8 samples).
 TIMES = {

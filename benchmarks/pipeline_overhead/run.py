@@ -144,9 +144,9 @@ def pipeline_variant(
 
 def torch_variant(name: str, spec: ModelSpec, m: int, args: Any) -> Variant:
     """A ``torch.distributed.pipelining`` schedule, as the bench runs it."""
-    from twobp.bench.matrix import TORCH, placement
-    from twobp.bench.matrix import Variant as BenchVariant
-    from twobp.bench.torch_pipelining import TorchRunner
+    from twobp_bench.matrix import TORCH, placement
+    from twobp_bench.matrix import Variant as BenchVariant
+    from twobp_bench.torch_pipelining import TorchRunner
 
     variant = BenchVariant(TORCH, name.split(":", 1)[1])
     n_stages = len(placement(variant, N_RANKS))

@@ -2,13 +2,13 @@
 
 One launched group per regime runs every variant on the same model, partition,
 batch and threads, round after round; see :func:`run_bench`. The pure parts
-(:mod:`~twobp.bench.config`, :mod:`~twobp.bench.matrix`,
-:mod:`~twobp.bench.stats`, :mod:`~twobp.bench.targets`,
-:mod:`~twobp.bench.report`) import no torch.
+(:mod:`~twobp_bench.config`, :mod:`~twobp_bench.matrix`,
+:mod:`~twobp_bench.stats`, :mod:`~twobp_bench.targets`,
+:mod:`~twobp_bench.report`) import no torch.
 """
 
-from twobp.bench.config import REGIMES, BenchConfig, BenchPlan, Regime, resolve
-from twobp.bench.matrix import TORCH_SCHEDULES, Variant, build_variants
+from twobp_bench.config import REGIMES, BenchConfig, BenchPlan, Regime, resolve
+from twobp_bench.matrix import TORCH_SCHEDULES, Variant, build_variants
 
 __all__ = [
     "REGIMES",

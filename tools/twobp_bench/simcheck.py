@@ -34,7 +34,7 @@ class BlockTimes(Protocol):
 
 
 class ProfileLike(Protocol):
-    """One rank's profile (a :class:`~twobp.bench.profile.RankProfile`)."""
+    """One rank's profile (a :class:`~twobp_bench.profile.RankProfile`)."""
 
     @property
     def blocks(self) -> Sequence[BlockTimes]: ...

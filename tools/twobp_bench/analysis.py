@@ -14,11 +14,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from twobp.bench import matrix
-from twobp.bench.job import RankReport, VariantRecord
-from twobp.bench.profile import RankProfile
-from twobp.bench.simcheck import replayed_step, simulated_step, stage_costs
-from twobp.bench.stats import Summary, speedup, summarize
+from twobp_bench import matrix
+from twobp_bench.job import RankReport, VariantRecord
+from twobp_bench.profile import RankProfile
+from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
+from twobp_bench.stats import Summary, speedup, summarize
 
 
 def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any]:

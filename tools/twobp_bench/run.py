@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from twobp.bench.analysis import analyse_regime
-from twobp.bench.chart import render_chart
-from twobp.bench.config import BenchConfig, resolve
-from twobp.bench.job import run_regime
-from twobp.bench.report import render_markdown
-from twobp.bench.targets import evaluate
 from twobp.runtime import launch
+from twobp_bench.analysis import analyse_regime
+from twobp_bench.chart import render_chart
+from twobp_bench.config import BenchConfig, resolve
+from twobp_bench.job import run_regime
+from twobp_bench.report import render_markdown
+from twobp_bench.targets import evaluate
 
 
 def run_bench(

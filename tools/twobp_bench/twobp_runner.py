@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from twobp.bench.matrix import Variant
 from twobp.runtime import Pipeline
 from twobp.runtime.microbatch import Batch
 from twobp.runtime.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
+from twobp_bench.matrix import Variant
 
 
 class TwobpRunner:

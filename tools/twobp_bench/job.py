@@ -28,19 +28,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.bench import matrix
-from twobp.bench.config import BenchPlan, Regime
-from twobp.bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
-from twobp.bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
-from twobp.bench.references import ReferenceRunner
-from twobp.bench.runner import StepRunner, grad_norm, parameter_bytes
-from twobp.bench.torch_pipelining import TorchRunner
-from twobp.bench.twobp_runner import TwobpRunner
 from twobp.models import ModelSpec, build_model
 from twobp.runtime.group import default_device
 from twobp.runtime.microbatch import Batch, split_batch
 from twobp.schedule import Schedule
 from twobp.timeline import Span
+from twobp_bench import matrix
+from twobp_bench.config import BenchPlan, Regime
+from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
+from twobp_bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
+from twobp_bench.references import ReferenceRunner
+from twobp_bench.runner import StepRunner, grad_norm, parameter_bytes
+from twobp_bench.torch_pipelining import TorchRunner
+from twobp_bench.twobp_runner import TwobpRunner
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from twobp.bench.runner import StepRunner
+from twobp_bench.runner import StepRunner
 
 
 def synchronize(device: torch.device) -> None:

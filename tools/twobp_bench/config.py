@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from twobp.bench.matrix import (
+from twobp.config import doc
+from twobp_bench.matrix import (
     REFERENCE_MICROBATCHED,
     REFERENCE_WHOLE_BATCH,
     REFERENCES,
     TORCH_SCHEDULES,
 )
-from twobp.config import doc
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
@@ -50,7 +50,7 @@ class Regime:
         overrides: config fields of the model preset to change.
         microbatch_size: samples (sequences, images) per micro-batch.
         references: the single-process references to measure (see
-            :data:`twobp.bench.matrix.REFERENCES`).
+            :data:`twobp_bench.matrix.REFERENCES`).
         family: the model family (see :data:`MODEL_FAMILIES`).
     """
 
