@@ -20,7 +20,10 @@ class Block:
     backward_input: float
     backward_weight: float
     backward_full: float
+    activation_bytes: int = 0
+    weight_grad_bytes: int = 0
     output_bytes: int = 0
+    parameter_bytes: int = 0
 
 
 @dataclass(frozen=True)
