@@ -24,10 +24,15 @@ def register(subparsers: Any) -> None:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "twobp_bench":
             raise
+        # The bench's options are not known here: every word after "bench" (those that
+        # start with "-" too) goes to one argument, and the command says what is missing.
         parser = subparsers.add_parser(
-            "bench", help="benchmark schedules (needs the twobp_bench package)"
+            "bench",
+            help="benchmark schedules (needs the twobp_bench package)",
+            add_help=False,
+            prefix_chars="\0",
         )
-        parser.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        parser.add_argument("words", nargs=argparse.REMAINDER)
         parser.set_defaults(func=_missing)
         return
     register_bench(subparsers)
