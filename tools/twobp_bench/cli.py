@@ -23,7 +23,8 @@ def register(subparsers: Any) -> None:
             "torch.distributed.pipelining schedules on the same model, partition, batch and "
             "threads, and single-process references. Variants alternate round by round. "
             "Writes report.md, results.json and throughput.png into --out. The default (two "
-            "LLaMA regimes, m = p, 2p, 8) takes about 10 minutes on 2 CPU cores."
+            "LLaMA regimes, m = p, 2p, 8) takes about 10 minutes on 2 CPU cores; --quick and "
+            "--overhead measure smaller matrices, --baseline adds another revision's twobp."
         ),
     )
     add_arguments(parser, BenchConfig)
@@ -51,5 +52,12 @@ def _run(args: argparse.Namespace) -> int:
             f"{target['regime']}: {target['target']} = {target['value']:.3f} {status} "
             f"({target['detail']})"
         )
+    for regime in results["regimes"]:
+        for group in regime["groups"]:
+            for pair in group["against_baseline"]:
+                print(
+                    f"{regime['name']}, m={group['n_microbatches']}: speedup of {pair['twobp']} "
+                    f"over {pair['baseline']} {pair['speedup']['median']:.3f}x"
+                )
     print(f"report in {cfg.out}/report.md, chart in {cfg.out}/throughput.png")
     return 0
