@@ -76,9 +76,7 @@ def stage_cost_model(
     """
     check_partition(sizes, len(blocks), len(sizes))
     if weight_concat is not None and len(weight_concat) != len(blocks):
-        raise ValueError(
-            f"weight_concat has {len(weight_concat)} tables for {len(blocks)} blocks"
-        )
+        raise ValueError(f"weight_concat has {len(weight_concat)} tables for {len(blocks)} blocks")
     ranges = stage_ranges(list(sizes))
 
     def per_stage(field: str, scale: float = 1.0) -> tuple[float, ...]:
