@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from twobp.bench.profile import measure_contention
+from twobp_bench.profile import measure_contention
 
 
 def sleeping_contention(seconds: float) -> float:

@@ -2,9 +2,9 @@
 
 import json
 
-from twobp.bench import build_variants, resolve
-from twobp.bench.config import BenchConfig
 from twobp.cli.main import main
+from twobp_bench import build_variants, resolve
+from twobp_bench.config import BenchConfig
 
 
 def test_quick_bench_writes_every_variant(tmp_path, capsys):
@@ -52,3 +52,27 @@ def test_bad_option_is_refused_before_any_rank_starts(tmp_path, capsys):
     assert main(["bench", "--quick", "--schedules", "nope", "--out", str(tmp_path)]) == 2
     assert "--schedules" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
+
+
+def test_overhead_mode_against_a_baseline_revision(tmp_path):
+    # The baseline is this checkout's HEAD: its Pipeline runs next to this one, in the same group.
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--overhead", "--baseline", "HEAD", "--no-references",
+            "--cprofile", "baseline 1f1b+2bp", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert list(variants) == [
+        f"{framework} 1f1b{policy}"
+        for framework in ("twobp", "baseline")
+        for policy in ("", "+2bp", "+2bp:eager")
+    ]
+    for v in variants.values():
+        assert v["skipped"] is None and v["grad_rel_error"] < 1e-4, v["label"]
+        assert all(c > 0 for c in v["cpu_s"]) and len(v["rank_bubble"]) == 2
+        assert {"F", "B"} <= set(v["rank_compute_s"][0])
+    assert [p["baseline"] for p in group["against_baseline"]] == list(variants)[3:]
+    assert "## twobp against its baseline (git revision `HEAD`)" in (out / "report.md").read_text()
+    profiles = sorted(p.name for p in (out / "cprofile").iterdir())
+    assert profiles == ["quick-m2-rank0.prof", "quick-m2-rank1.prof"]

@@ -2,11 +2,11 @@
 
 import pytest
 
-from twobp.bench import matrix
-from twobp.bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
-from twobp.bench.matrix import Variant
-from twobp.bench.stats import paired_ratios, speedup, summarize
 from twobp.partition import stage_ranges
+from twobp_bench import matrix
+from twobp_bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
+from twobp_bench.matrix import Variant
+from twobp_bench.stats import paired_ratios, speedup, summarize
 
 
 def test_default_plan_is_the_two_llama_regimes_at_p_2p_and_8():
@@ -47,11 +47,28 @@ def test_quick_plan_is_tiny_and_overrides_reach_every_regime():
         (BenchConfig(overrides="dim"), "--overrides"),
         (BenchConfig(model=["gpt"]), "--model: unknown family 'gpt'"),
         (BenchConfig(model=[]), "--model: give at least one family"),
+        (BenchConfig(cprofile="twobp 1f1b+2bp:eager"), "--cprofile: no variant"),
+        (BenchConfig(cprofile="baseline 1f1b"), "--cprofile: no variant"),
     ],
 )
 def test_bad_options_name_the_option(cfg, option):
     with pytest.raises(ValueError, match=option):
         resolve(cfg)
+
+
+def test_overhead_mode_is_one_schedule_with_and_without_2bp_unless_chosen():
+    plan = resolve(BenchConfig(overhead=True, baseline="HEAD~1", cprofile="baseline 1f1b+2bp"))
+    assert plan.schedules == ("1f1b",)
+    assert plan.policies == ("paper", "eager")
+    assert plan.torch_schedules == ()
+    assert not plan.simulate
+    assert plan.baseline == "HEAD~1" and plan.baseline_path is None
+    assert plan.cprofile == "baseline 1f1b+2bp" and plan.cprofile_dir == "runs/bench/cprofile"
+    chosen = resolve(BenchConfig(overhead=True, schedules=["gpipe"], torch_schedules=["GPipe"]))
+    assert (chosen.schedules, chosen.torch_schedules) == (("gpipe",), ("GPipe",))
+    # Both modes: the tiny model, with the overhead matrix.
+    both = resolve(BenchConfig(overhead=True, quick=True))
+    assert [r.name for r in both.regimes] == ["quick"] and both.schedules == ("1f1b",)
 
 
 def test_parse_overrides_reads_numbers():
@@ -86,6 +103,21 @@ def test_variants_pair_each_fused_schedule_with_and_without_2bp():
     assert [v.label for v in some] == ["torch GPipe", "reference whole-batch"]
     with pytest.raises(ValueError, match="unknown reference"):
         matrix.build_variants([], [], [], references=["fastest"])
+
+
+def test_baseline_variants_run_next_to_their_twobp_counterparts():
+    variants = matrix.build_variants(["1f1b"], ["1F1B"], ["paper"], references=(), baseline=True)
+    assert [v.label for v in variants] == [
+        "twobp 1f1b",
+        "twobp 1f1b+2bp",
+        "baseline 1f1b",
+        "baseline 1f1b+2bp",
+        "torch 1F1B",
+    ]
+    assert variants[3].fused == variants[2]
+    assert matrix.placement(variants[3], 2) == matrix.placement(variants[1], 2)
+    reason = matrix.twobp_refusal(Variant("baseline", "interleaved-1f1b"), 2, 3)
+    assert reason is not None and "interleaved" in reason
 
 
 def test_placements_match_the_schedules():

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from twobp.bench import matrix
-from twobp.bench.analysis import analyse_regime
-from twobp.bench.config import Regime
-from twobp.bench.job import RankReport, VariantRecord
-from twobp.bench.report import render_markdown
-from twobp.bench.run import write_outputs
-from twobp.bench.targets import evaluate
+from twobp_bench import matrix
+from twobp_bench.analysis import analyse_regime
+from twobp_bench.config import Regime
+from twobp_bench.job import RankReport, VariantRecord
+from twobp_bench.report import render_markdown
+from twobp_bench.run import write_outputs
+from twobp_bench.targets import evaluate
 
 # Step seconds of each variant in three rounds (m = 2, batch 2 * 4 = 8 samples).
 TIMES = {
@@ -139,3 +139,68 @@ def test_markdown_json_and_chart_hold_every_variant(results, tmp_path):
 def test_regimes_without_thresholds_get_no_verdict():
     regimes = [analyse_regime(_reports("preset"), 2)]
     assert all(t["met"] is None for t in evaluate(regimes, 2))
+
+
+def _baseline_reports() -> list[RankReport]:
+    """1f1b with and without 2BP on this twobp and on the baseline, and rank figures."""
+    times = {
+        "twobp 1f1b": [2.0, 2.0],
+        "twobp 1f1b+2bp": [1.0, 1.0],
+        "baseline 1f1b": [2.0, 2.0],
+        "baseline 1f1b+2bp": [1.6, 1.5],
+    }
+    variants = matrix.build_variants(["1f1b"], [], ["paper"], references=(), baseline=True)
+    reports = []
+    for rank in range(2):
+        records = []
+        for v in variants:
+            rec = VariantRecord(v, 2, (3, 3), matrix.placement(v, 2))
+            rec.step_seconds = list(times[v.label])
+            rec.cpu_seconds = [0.5 + rank, 0.7 + rank]
+            rec.rank_bubble_ratios = [[0.1, 0.3], [0.2, 0.4]]
+            # Two timed rounds: per step, stage 0 (rank 0) F 10 ms, stage 1 (rank 1) F 20 ms.
+            rec.action_seconds = {"0:F:1": [0.005] * 4, "1:F:1": [0.01] * 4, "1:W:2": [0.03] * 2}
+            records.append(rec)
+        reports.append(
+            RankReport(rank, Regime("preset", "a preset", {}, 4), {}, [], records, {}, 0, "cpu", 1)
+        )
+    return reports
+
+
+def test_baseline_and_rank_figures_reach_the_report():
+    regime = analyse_regime(_baseline_reports(), 2)
+    (group,) = regime["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    ours = variants["twobp 1f1b+2bp"]
+    assert ours["cpu_s"] == pytest.approx([0.6, 1.6])
+    assert ours["rank_bubble"] == pytest.approx([0.15, 0.35])
+    assert ours["rank_compute_s"] == [{"F": pytest.approx(0.01)}, {"F": 0.02, "W": 0.03}]
+    # 2BP's speedup of each revision against its own fused schedule.
+    pairs = {p["with"]: p["without"] for p in group["two_bp_speedups"]}
+    assert pairs == {"twobp 1f1b+2bp": "twobp 1f1b", "baseline 1f1b+2bp": "baseline 1f1b"}
+    (fused, split) = group["against_baseline"]
+    assert (split["twobp"], split["baseline"]) == ("twobp 1f1b+2bp", "baseline 1f1b+2bp")
+    assert split["speedup"]["median"] == pytest.approx(1.55)
+    assert fused["speedup"]["median"] == pytest.approx(1.0)
+    # The baseline is not a candidate for this twobp's best.
+    assert group["best"]["twobp"] == "twobp 1f1b+2bp"
+
+    text = render_markdown(
+        {
+            "command": "twobp bench --baseline abc123",
+            "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
+            | {"load_after": [1, 1, 1]},
+            "n_ranks": 2,
+            "threads": 1,
+            "rounds": 2,
+            "warmup": 1,
+            "wall_s": 1.0,
+            "baseline": "abc123",
+            "regimes": [regime],
+            "targets": evaluate([regime], 2),
+        }
+    )
+    assert "## twobp against its baseline (git revision `abc123`)" in text
+    row = "| preset (4 samples/micro-batch) | 2 | twobp 1f1b+2bp | baseline 1f1b+2bp | 1.55x"
+    assert row in text
+    assert "| twobp 1f1b+2bp | 600 / 1600 | 15.0% / 35.0% | F 10 / 20, W 0 / 30 |" in text

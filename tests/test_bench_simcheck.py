@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bench_workers import exclusive_contention, sleeping_contention
-from twobp.bench.profile import measure_contention
-from twobp.bench.simcheck import simulated_step, stage_costs
 from twobp.runtime import launch
 from twobp.schedule import generate
+from twobp_bench.profile import measure_contention
+from twobp_bench.simcheck import simulated_step, stage_costs
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,10 @@ class Block:
     backward_input: float
     backward_weight: float
     backward_full: float
+    activation_bytes: int = 0
+    weight_grad_bytes: int = 0
     output_bytes: int = 0
+    parameter_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,3 +24,12 @@ def test_top_level_names_load_lazily():
 
     assert twobp.Pipeline.__name__ == "Pipeline"
     assert callable(twobp.launch) and callable(twobp.defer_weight_grads)
+
+
+def test_bench_without_its_package_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "twobp_bench", None)
+    monkeypatch.setitem(sys.modules, "twobp_bench.cli", None)
+    assert main(["bench", "--quick", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "twobp_bench) is not installed" in err and "pip install -e ." in err

@@ -5,12 +5,8 @@ import torch
 
 from twobp.models import build_model
 from twobp.partition import solve
-from twobp.partition.profiler import (
-    profile_blocks,
-    solver_costs,
-    solver_memory,
-    stage_cost_model,
-)
+from twobp.partition.profiler import profile_blocks, solver_costs, solver_memory
+from twobp.sim.from_profile import stage_cost_model
 
 
 @pytest.fixture(scope="module")

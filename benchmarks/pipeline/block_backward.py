@@ -24,9 +24,9 @@ import time
 import torch
 from torch import Tensor, nn
 
-from twobp.bench.config import REGIMES
 from twobp.engine import WeightGradStore, defer_weight_grads
 from twobp.models import build_model
+from twobp_bench.config import REGIMES
 
 
 def decoder_block(regime: str) -> tuple[nn.Module, int, int, int]:

@@ -1,6 +1,8 @@
-"""``twobp bench``: 2BP against no 2BP and against torch.distributed.pipelining.
+"""``twobp bench``: the benchmark application, which lives in its own package.
 
-See :mod:`twobp.bench`.
+The library does not depend on the bench: the ``twobp_bench`` package (``tools/`` of the
+repository, installed with it) registers the sub-command. Where it is missing,
+``twobp bench`` says how to get it.
 """
 
 from __future__ import annotations
@@ -9,47 +11,33 @@ import argparse
 import sys
 from typing import Any
 
-from twobp.bench.config import BenchConfig
-from twobp.config import add_arguments, from_namespace
+MISSING = (
+    "twobp bench: the benchmark application (package twobp_bench) is not installed; "
+    "install twobp from its repository (pip install -e . in a checkout) to get it"
+)
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``bench`` sub-command."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmark twobp schedules with and without 2BP against torch.distributed.pipelining",
-        description=(
-            "Run a matrix of variants on local ranks: twobp schedules without and with 2BP, "
-            "torch.distributed.pipelining schedules on the same model, partition, batch and "
-            "threads, and single-process references. Variants alternate round by round. "
-            "Writes report.md, results.json and throughput.png into --out. The default (two "
-            "LLaMA regimes, m = p, 2p, 8) takes about 10 minutes on 2 CPU cores."
-        ),
-    )
-    add_arguments(parser, BenchConfig)
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from twobp.bench.run import run_bench
-    from twobp.runtime import LaunchError
-
-    cfg = from_namespace(BenchConfig, args)
+    """Add the ``bench`` sub-command: the bench's own, or one that says it is missing."""
     try:
-        results = run_bench(cfg, progress=lambda line: print(line, flush=True))
-    except ValueError as exc:
-        print(f"twobp bench: {exc}", file=sys.stderr)
-        return 2
-    except LaunchError as exc:
-        print(f"twobp bench: {exc}", file=sys.stderr)
-        return 1
-    for target in results["targets"]:
-        if target["value"] is None:
-            continue
-        status = {True: "met", False: "MISSED", None: ""}[target["met"]]
-        print(
-            f"{target['regime']}: {target['target']} = {target['value']:.3f} {status} "
-            f"({target['detail']})"
+        from twobp_bench.cli import register as register_bench
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "twobp_bench":
+            raise
+        # The bench's options are not known here: every word after "bench" (those that
+        # start with "-" too) goes to one argument, and the command says what is missing.
+        parser = subparsers.add_parser(
+            "bench",
+            help="benchmark schedules (needs the twobp_bench package)",
+            add_help=False,
+            prefix_chars="\0",
         )
-    print(f"report in {cfg.out}/report.md, chart in {cfg.out}/throughput.png")
-    return 0
+        parser.add_argument("words", nargs=argparse.REMAINDER)
+        parser.set_defaults(func=_missing)
+        return
+    register_bench(subparsers)
+
+
+def _missing(args: argparse.Namespace) -> int:
+    print(MISSING, file=sys.stderr)
+    return 2

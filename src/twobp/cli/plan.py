@@ -4,13 +4,10 @@ Example::
 
     twobp plan --stages 4 --microbatches 8 --costs F=1,I=1,W=1 --memory-limit 6
 
-simulates each schedule with each 2BP policy (``off``, ``eager``, ``paper``,
-``fill``) on the same cost model, lists them from the shortest step to the
-longest with their bubble ratio and peak memory, marks those over the
-per-rank memory limit, and names the one it recommends. With a memory limit,
-the ``fill`` policy is told how many micro-batches each rank may hold between
-their ``F`` and their ``W`` (see :func:`twobp.sim.memory.microbatch_limit`), so that it runs a
-stored ``W`` early rather than go over the limit.
+lists the candidates of :func:`twobp.sim.planner.evaluate` from the shortest
+step to the longest with their bubble ratio and peak memory, marks those over
+the per-rank memory limit, and prints the sentence of
+:func:`twobp.sim.planner.recommend`.
 """
 
 from __future__ import annotations
@@ -22,15 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from twobp.cli.simulate import COSTS_HELP, NO_TWO_BP, build_schedule, cost_model, format_amount
+from twobp.cli.simulate import COSTS_HELP, cost_model
 from twobp.config import add_arguments, doc, from_namespace
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, apply_two_bp
-from twobp.sim.cost_io import parse_amount
-from twobp.sim.costs import CostModel
-from twobp.sim.memory import microbatch_limit
-from twobp.sim.simulate import DeadlockError, simulate
-
-ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)
+from twobp.schedule import SCHEDULES
+from twobp.sim.cost_io import format_amount, parse_amount
+from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
 
 
 @dataclass
@@ -57,160 +50,6 @@ class PlanConfig:
     schedules: list[str] = doc("schedules to compare", [*SCHEDULES])  # noqa: RUF009
     policies: list[str] = doc("2BP policies to compare (off: as generated)", [*ALL_POLICIES])  # noqa: RUF009
     markdown: bool = doc("print the table as markdown", False)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One schedule with one 2BP policy, simulated (or why it could not be).
-
-    Args:
-        schedule: the schedule name.
-        policy: the 2BP policy (``off`` for none).
-        makespan: simulated step time (``inf`` if it could not run).
-        bubble_ratio: mean idle fraction of the ranks.
-        peak_memory: the largest peak over the ranks.
-        error: why the combination could not be simulated, or ``""``.
-    """
-
-    schedule: str
-    policy: str
-    makespan: float = math.inf
-    bubble_ratio: float = math.nan
-    peak_memory: float = math.nan
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        """True if it was simulated."""
-        return not self.error
-
-
-def _stages_per_rank(name: str, wanted: int | None) -> int | None:
-    info = SCHEDULES[name]
-    allowed = info.allowed_stages_per_rank
-    if wanted is None or info.default_stages_per_rank == 1:
-        return None
-    return wanted if allowed is None or wanted in allowed else None
-
-
-def evaluate(
-    costs: CostModel,
-    n_ranks: int,
-    n_microbatches: int,
-    schedules: Sequence[str],
-    policies: Sequence[str],
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> list[Candidate]:
-    """Simulate every schedule with every policy, fastest first.
-
-    Args:
-        costs: the cost model of one rank's share per stage (split for
-            schedules with several stages per rank) or of every stage.
-        n_ranks: number of ranks ``p``.
-        n_microbatches: micro-batches per step ``m``.
-        schedules: names from :data:`twobp.schedule.SCHEDULES`.
-        policies: ``off`` and/or names from :data:`twobp.schedule.TWO_BP_POLICIES`.
-        stages_per_rank: ``V`` for the schedules that hold several stages.
-        memory_limit: memory per rank (cost-model unit); ``fill`` then keeps
-            each rank to the micro-batches of :func:`twobp.sim.memory.microbatch_limit`, or
-            reports why it cannot.
-
-    Returns:
-        The candidates ordered by makespan, then peak memory; those that could
-        not be built (e.g. ``m`` not a multiple of ``p`` for interleaved 1F1B)
-        come last with their ``error``.
-
-    Raises:
-        ValueError: on an unknown schedule or policy name.
-    """
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    unknown += [p for p in policies if p not in ALL_POLICIES]
-    if unknown:
-        raise ValueError(
-            f"unknown schedule or policy {', '.join(map(repr, unknown))}; schedules: "
-            f"{', '.join(SCHEDULES)}; policies: {', '.join(ALL_POLICIES)}"
-        )
-    out = []
-    for name in schedules:
-        for policy in policies:
-            try:
-                bounded = policy == "fill" and memory_limit is not None
-                schedule, fitted = build_schedule(
-                    name,
-                    n_ranks,
-                    n_microbatches,
-                    _stages_per_rank(name, stages_per_rank),
-                    NO_TWO_BP if bounded else policy,
-                    costs,
-                )
-                if bounded:
-                    assert memory_limit is not None
-                    held = microbatch_limit(schedule, fitted, memory_limit)
-                    if held < 1:
-                        raise ValueError(
-                            f"not one micro-batch fits in {format_amount(memory_limit)} per rank"
-                        )
-                    try:
-                        schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
-                    except ValueError as exc:
-                        raise ValueError(
-                            f"{format_amount(memory_limit)} per rank holds {held} "
-                            f"micro-batch(es) between F and W: {exc}"
-                        ) from exc
-                result = simulate(schedule, fitted)
-            except (ValueError, DeadlockError) as exc:
-                out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))
-                continue
-            out.append(
-                Candidate(
-                    name,
-                    policy,
-                    result.makespan,
-                    result.bubble_ratio,
-                    max(result.peak_memory),
-                )
-            )
-    return sorted(out, key=lambda c: (not c.ok, c.makespan, c.peak_memory))
-
-
-def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> str:
-    """One sentence naming the candidate to use and why.
-
-    The fastest candidate whose peak memory fits ``memory_limit``; if none
-    fits, the one that needs the least memory.
-    """
-    ran = [c for c in candidates if c.ok]
-    if not ran:
-        return "Nothing could be simulated; see the errors above."
-    fits = [c for c in ran if memory_limit is None or c.peak_memory <= memory_limit]
-    if not fits:
-        least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
-        return (
-            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {_label(least)} needs "
-            f"the least ({format_amount(least.peak_memory)}); use fewer micro-batches in flight, "
-            "more ranks or a higher limit."
-        )
-    best = fits[0]
-    baseline = next((c for c in ran if c.schedule == best.schedule and c.policy == NO_TWO_BP), None)
-    gain = (
-        f", {baseline.makespan / best.makespan:.2f}x the throughput of {best.schedule} without 2BP"
-        if baseline is not None and best.policy != NO_TWO_BP and best.makespan > 0
-        else ""
-    )
-    limit = (
-        f"fits the limit of {format_amount(memory_limit)}"
-        if memory_limit is not None
-        else "(no memory limit given)"
-    )
-    return (
-        f"Recommended: {_label(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
-        f"whose peak memory per rank ({format_amount(best.peak_memory)}) {limit}."
-    )
-
-
-def _label(c: Candidate) -> str:
-    return c.schedule if c.policy == NO_TWO_BP else f"{c.schedule} with 2BP ({c.policy})"
 
 
 def format_table(

@@ -53,8 +53,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from twobp.models import build_model
     from twobp.partition import solve
-    from twobp.partition.profiler import profile_blocks, solver_costs, stage_cost_model
+    from twobp.partition.profiler import profile_blocks, solver_costs
     from twobp.sim import save_costs
+    from twobp.sim.from_profile import stage_cost_model
     from twobp.train.task import DTYPES
 
     cfg = from_namespace(ProfileConfig, args)

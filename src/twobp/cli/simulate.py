@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from twobp.config import add_arguments, doc, from_namespace
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
-from twobp.sim.cost_io import load_costs, parse_costs
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule
+from twobp.sim.cost_io import format_amount, load_costs, parse_costs
 from twobp.sim.costs import CostModel
+from twobp.sim.planner import NO_TWO_BP, build_schedule
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
 from twobp.sim.steady import steady_state
 from twobp.viz.ascii import render_ascii
-
-NO_TWO_BP = "off"
 
 COSTS_HELP = (
     "times and sizes of one rank's share of the model, as key=value pairs: F, I, W (times of "
@@ -79,34 +78,6 @@ def cost_model(costs: str, costs_file: str | None, n_ranks: int) -> CostModel:
     if costs_file:
         return load_costs(costs_file)
     return parse_costs(costs, n_ranks)
-
-
-def build_schedule(
-    name: str,
-    n_ranks: int,
-    n_microbatches: int,
-    stages_per_rank: int | None,
-    two_bp: str,
-    costs: CostModel,
-) -> tuple[Schedule, CostModel]:
-    """Generate a schedule, apply a 2BP policy and fit the costs to its stages.
-
-    Raises:
-        ValueError: if the schedule, the policy or the costs do not fit together.
-    """
-    schedule = generate(name, n_ranks, n_microbatches, stages_per_rank=stages_per_rank)
-    fitted = costs.for_stages(schedule.n_stages)
-    if two_bp != NO_TWO_BP:
-        schedule = apply_two_bp(schedule, two_bp, costs=fitted)
-    return schedule, fitted
-
-
-def format_amount(value: float) -> str:
-    """A memory size: binary units from 1 KiB up, else the plain number (cost-model units)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value:.4g}"
 
 
 def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:

@@ -23,14 +23,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from twobp.engine import defer_weight_grads
-from twobp.partition.solver import check_partition, stage_ranges
-from twobp.sim.costs import CostModel
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What a block takes and returns: a tensor or a tuple of tensors."""
@@ -183,41 +180,6 @@ def solver_memory(
         + in_flight * (c.activation_bytes + c.weight_grad_bytes)
         for c in costs
     ]
-
-
-def stage_cost_model(costs: Sequence[BlockCost], sizes: Sequence[int], **options: Any) -> CostModel:
-    """The per-stage cost model of a partition, for the simulator.
-
-    Args:
-        costs: the measured blocks.
-        sizes: block counts per stage (a partition).
-        **options: further :class:`~twobp.sim.costs.CostModel` fields
-            (``send_latency``, ``bandwidth``, ``meta``...).
-
-    Returns:
-        Stage sums of the block times and sizes; a boundary sends the output
-        of the stage's last block.
-
-    Raises:
-        ValueError: if ``sizes`` does not cover the blocks.
-    """
-    check_partition(sizes, len(costs), len(sizes))
-    stages = [[costs[i] for i in r] for r in stage_ranges(sizes)]
-
-    def per_stage(field: Callable[[BlockCost], float]) -> tuple[float, ...]:
-        return tuple(float(sum(field(c) for c in stage)) for stage in stages)
-
-    return CostModel(
-        forward=per_stage(lambda c: c.forward),
-        backward_input=per_stage(lambda c: c.backward_input),
-        backward_weight=per_stage(lambda c: c.backward_weight),
-        backward_full=per_stage(lambda c: c.backward_full),
-        send_bytes=tuple(float(stage[-1].output_bytes) for stage in stages),
-        activation_bytes=per_stage(lambda c: c.activation_bytes),
-        weight_grad_bytes=per_stage(lambda c: c.weight_grad_bytes),
-        parameter_bytes=per_stage(lambda c: c.parameter_bytes),
-        **options,
-    )
 
 
 # -- helpers -------------------------------------------------------------------

@@ -197,6 +197,14 @@ def parse_amount(text: str) -> float:
     return value * (_SIZE_SUFFIX[suffix.lower()] if suffix else 1.0)
 
 
+def format_amount(value: float) -> str:
+    """A memory size: binary units from 1 KiB up, else the plain number (cost-model units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.4g}"
+
+
 def parse_costs(text: str, n_stages: int) -> CostModel:
     """Build a uniform cost model from a short text such as ``"F=1,I=1,W=1"``.
 

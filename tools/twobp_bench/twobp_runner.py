@@ -1,18 +1,18 @@
-"""A twobp :class:`~twobp.runtime.Pipeline` as a bench variant."""
+"""A twobp :class:`~twobp.runtime.Pipeline` as a bench variant (of this twobp or the baseline's)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from twobp.bench.matrix import Variant
 from twobp.runtime import Pipeline
 from twobp.runtime.microbatch import Batch
 from twobp.runtime.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
+from twobp_bench.matrix import Variant
 
 
 class TwobpRunner:
@@ -29,6 +29,8 @@ class TwobpRunner:
         device: this rank's device.
         threads: torch threads of this rank.
         timeout: seconds to wait on a peer.
+        pipeline_class: the ``Pipeline`` to build: this twobp's, or the
+            baseline revision's (which takes the same arguments).
 
     Raises:
         twobp.runtime.PipelineConfigError: if the schedule does not fit.
@@ -49,8 +51,9 @@ class TwobpRunner:
         device: torch.device,
         threads: int,
         timeout: float,
+        pipeline_class: Callable[..., Pipeline] = Pipeline,
     ) -> None:
-        self.pipe = Pipeline(
+        self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
             schedule=variant.schedule,

@@ -24,17 +24,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from twobp.bench.matrix import REFERENCE_MICROBATCHED, REFERENCE_TWO_BP_LIMIT, REFERENCES
 from twobp.engine import defer_weight_grads
 from twobp.runtime.microbatch import Batch, split_batch
 from twobp.runtime.stage import LossFn
+from twobp_bench.matrix import REFERENCE_MICROBATCHED, REFERENCE_TWO_BP_LIMIT, REFERENCES
 
 
 class ReferenceRunner:
     """One of the references on this rank, alone (no communication).
 
     Args:
-        name: one of :data:`~twobp.bench.matrix.REFERENCES`.
+        name: one of :data:`~twobp_bench.matrix.REFERENCES`.
         blocks: a fresh copy of the whole model's blocks.
         loss_fn: the model's loss (a mean over a micro-batch).
         n_microbatches: micro-batches of the micro-batched references.

@@ -1,8 +1,9 @@
 """The variants a bench compares, their stage layout, and the order they run in.
 
 A *variant* is one way to run a training step of the same model on the same
-batch: a twobp schedule with or without 2BP, a ``torch.distributed.pipelining``
-schedule, or a single-process reference. Every pipeline variant with the same
+batch: a twobp schedule with or without 2BP (of this twobp, or of the twobp of
+a baseline git revision), a ``torch.distributed.pipelining`` schedule, or a
+single-process reference. Every pipeline variant with the same
 number of stages gets the same partition (:func:`stage_partition`), and the
 variants run in turn, round after round (:func:`round_robin`), so that a
 change of machine load touches them all alike. This module imports no torch.
@@ -11,15 +12,18 @@ change of machine load touches them all alike. This module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from twobp.partition import uniform
 from twobp.schedule import SCHEDULES, generate
 
 TWOBP = "twobp"
+BASELINE = "baseline"
+"""twobp of the baseline git revision (``--baseline``), with this twobp's schedule names."""
 TORCH = "torch"
 REFERENCE = "reference"
+PIPELINES_OF_TWOBP = (TWOBP, BASELINE)
 
 REFERENCE_MICROBATCHED = "microbatched"
 """Reference (a): one process runs F and B of all m micro-batches of the whole model."""
@@ -90,7 +94,7 @@ class Variant:
     """One way to run the step.
 
     Args:
-        framework: ``"twobp"``, ``"torch"`` or ``"reference"``.
+        framework: ``"twobp"``, ``"baseline"``, ``"torch"`` or ``"reference"``.
         schedule: the twobp or torch schedule name, or the reference name.
         two_bp: whether the backward is split into I and W.
         policy: the 2BP policy of a fused twobp schedule run with 2BP (else None).
@@ -111,8 +115,13 @@ class Variant:
 
     @property
     def is_pipeline(self) -> bool:
-        """True for twobp and torch variants (False for references)."""
+        """True for twobp, baseline and torch variants (False for references)."""
         return self.framework != REFERENCE
+
+    @property
+    def fused(self) -> Variant:
+        """The same schedule of the same framework with the fused backward (without 2BP)."""
+        return Variant(self.framework, self.schedule)
 
 
 def twobp_variants(
@@ -141,11 +150,13 @@ def build_variants(
     *,
     without_2bp: bool = True,
     references: Sequence[str] = REFERENCES,
+    baseline: bool = False,
 ) -> list[Variant]:
     """Every variant of one group, in run order.
 
-    Each twobp schedule's variants come with the torch schedule of the same
-    order (:data:`SAME_SCHEDULE`), then the other torch schedules, then the references.
+    Each twobp schedule's variants come with their baseline copies (if
+    ``baseline``) and the torch schedule of the same order
+    (:data:`SAME_SCHEDULE`), then the other torch schedules, then the references.
 
     Raises:
         ValueError: on an unknown reference name.
@@ -160,6 +171,8 @@ def build_variants(
     out: list[Variant] = []
     for name in dict.fromkeys(v.schedule for v in ours):
         out.extend(v for v in ours if v.schedule == name)
+        if baseline:
+            out.extend(replace(v, framework=BASELINE) for v in ours if v.schedule == name)
         out.extend(v for v in theirs if v.schedule == SAME_SCHEDULE.get(name))
     out.extend(v for v in theirs if v not in out)
     out.extend(
@@ -172,7 +185,7 @@ def build_variants(
 
 def stages_per_rank(variant: Variant) -> int:
     """Stages each rank holds (1 for references: they hold the whole model)."""
-    if variant.framework == TWOBP:
+    if variant.framework in PIPELINES_OF_TWOBP:
         return SCHEDULES[variant.schedule].default_stages_per_rank
     if variant.framework == TORCH:
         return TORCH_SCHEDULES[variant.schedule].stages_per_rank
@@ -185,7 +198,7 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
     Raises:
         ValueError: if the twobp schedule does not exist for ``n_ranks``.
     """
-    if variant.framework == TWOBP:
+    if variant.framework in PIPELINES_OF_TWOBP:
         return generate(variant.schedule, n_ranks, n_ranks).placement
     if variant.framework == REFERENCE:
         return (0,)
@@ -203,7 +216,7 @@ def stages_of_rank(stage_ranks: Sequence[int], rank: int) -> list[int]:
 
 def twobp_refusal(variant: Variant, n_ranks: int, n_microbatches: int) -> str | None:
     """Why twobp cannot build this schedule for ``p`` ranks and ``m`` micro-batches (or None)."""
-    if variant.framework != TWOBP:
+    if variant.framework not in PIPELINES_OF_TWOBP:
         return None
     try:
         generate(variant.schedule, n_ranks, n_microbatches)

@@ -1,9 +1,10 @@
 """The bench's human report: markdown tables from the results dictionary (pure).
 
 Sections: the 2BP table in the layout of the 2BP paper (throughput and memory
-increase per model and schedule), twobp against torch.distributed.pipelining,
-the targets, then one table per regime and micro-batch count with every
-variant. This module imports no torch.
+increase per model and schedule), twobp against its baseline revision (with
+``--baseline``), twobp against torch.distributed.pipelining, the targets, then
+per regime and micro-batch count a table of every variant and one of each
+rank's bubble, CPU time and compute per action kind. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     lines = ["# twobp bench", ""]
     lines += _header(results)
     lines += _paper_table(results["regimes"])
+    if results.get("baseline"):
+        lines += _versus_baseline(results["regimes"], results["baseline"])
     lines += _versus_torch(results["regimes"])
     lines += _targets(results.get("targets", []))
     for regime in results["regimes"]:
@@ -112,6 +115,29 @@ def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["## 2BP against no 2BP (twobp)", "", *_table(head, rows)]
 
 
+def _versus_baseline(regimes: Sequence[Mapping[str, Any]], revision: str) -> list[str]:
+    rows = [
+        [
+            _model_name(regime),
+            str(group["n_microbatches"]),
+            pair["twobp"],
+            pair["baseline"],
+            _ratio(pair["speedup"]),
+        ]
+        for regime in regimes
+        for group in regime["groups"]
+        for pair in group.get("against_baseline", [])
+    ]
+    head = ["model", "m", "twobp", "baseline", "twobp speedup [IQR]"]
+    return [
+        f"## twobp against its baseline (git revision `{revision}`)",
+        "",
+        "The same variant on both, next to each other in every round.",
+        "",
+        *_table(head, rows),
+    ]
+
+
 def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
     best_rows, same_rows = [], []
     for regime in regimes:
@@ -141,6 +167,8 @@ def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
                         _ratio(pair["speedup"]),
                     ]
                 )
+    if not (best_rows or same_rows):
+        return []
     head = ["model", "m", "best twobp", "samples/s", "best torch", "samples/s", "speedup [IQR]"]
     same_head = ["model", "m", "twobp", "torch", "twobp speedup [IQR]"]
     return [
@@ -264,7 +292,40 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
     lines += _table(head, rows)
     if skipped:
         lines += ["Skipped:", "", *skipped, ""]
+    lines += _per_rank(group)
     return lines
+
+
+def _per_rank(group: Mapping[str, Any]) -> list[str]:
+    """Each rank's bubble, CPU time and compute per action kind, of every variant that ran."""
+    rows = []
+    for v in group["variants"]:
+        cpu = v.get("cpu_s") or []
+        if not any(c is not None for c in cpu):
+            continue
+        bubbles = v.get("rank_bubble")
+        rows.append(
+            [
+                v["label"],
+                " / ".join("-" if c is None else f"{c * 1e3:.0f}" for c in cpu),
+                "-" if not bubbles else " / ".join(f"{b:.1%}" for b in bubbles),
+                _kinds(v.get("rank_compute_s")),
+            ]
+        )
+    if not rows:
+        return []
+    head = ["variant", "CPU ms per rank", "bubble per rank", "compute ms per kind, per rank"]
+    return ["Per rank (rank 0 / rank 1 / ...):", "", *_table(head, rows)]
+
+
+def _kinds(per_rank: Sequence[Mapping[str, float]] | None) -> str:
+    """``F 47 / 52, B 87 / 87``: milliseconds of each kind on each rank."""
+    if not per_rank:
+        return "-"
+    kinds = sorted({k for rank in per_rank for k in rank}, key="FBIW".find)
+    return ", ".join(
+        f"{k} " + " / ".join(f"{rank.get(k, 0.0) * 1e3:.0f}" for rank in per_rank) for k in kinds
+    )
 
 
 def _busy(variant: Mapping[str, Any]) -> str:
@@ -320,5 +381,9 @@ def _notes() -> list[str]:
         "stage and kind) and the order the ranks ran them in: its error is the simulator's "
         "model of dependencies and transfers alone, without the profile's.",
         "- Grad check: relative difference of the gradient norm from the whole-batch reference.",
+        "- Per rank: the CPU time of each rank's process in the step (all its threads; well "
+        "below the step time, the rank waited or other work on the machine held the cores), "
+        "and, from the twobp runtime's timeline, each rank's bubble and compute time per "
+        "action kind (mean per step).",
         "",
     ]

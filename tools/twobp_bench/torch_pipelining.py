@@ -21,10 +21,10 @@ import torch
 import torch.distributed.pipelining as pipelining
 from torch import Tensor, nn
 
-from twobp.bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_rank
 from twobp.partition import stage_ranges
 from twobp.runtime.microbatch import Batch, flatten
 from twobp.runtime.stage import LossFn
+from twobp_bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_rank
 
 
 class StageModule(nn.Module):

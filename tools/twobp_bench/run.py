@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,13 +23,14 @@ from typing import Any
 
 import torch
 
-from twobp.bench.analysis import analyse_regime
-from twobp.bench.chart import render_chart
-from twobp.bench.config import BenchConfig, resolve
-from twobp.bench.job import run_regime
-from twobp.bench.report import render_markdown
-from twobp.bench.targets import evaluate
 from twobp.runtime import launch
+from twobp_bench.analysis import analyse_regime
+from twobp_bench.baseline import export_baseline
+from twobp_bench.chart import render_chart
+from twobp_bench.config import BenchConfig, resolve
+from twobp_bench.job import run_regime
+from twobp_bench.report import render_markdown
+from twobp_bench.targets import evaluate
 
 
 def run_bench(
@@ -47,7 +49,8 @@ def run_bench(
         The results dictionary (what ``results.json`` holds).
 
     Raises:
-        ValueError: on options that do not fit together (before any process starts).
+        ValueError: on options that do not fit together, or a baseline git
+            cannot export (before any process starts).
         twobp.runtime.LaunchError: if a rank failed.
     """
     plan = resolve(cfg)
@@ -55,19 +58,26 @@ def run_bench(
     started = time.time()
     load_before = list(os.getloadavg())
     regimes = []
-    for regime in plan.regimes:
-        say(f"regime {regime.name}: {regime.description}")
-        t0 = time.perf_counter()
-        reports = launch(
-            run_regime,
-            plan.n_ranks,
-            plan,
-            regime,
-            threads_per_rank=plan.threads,
-            group_timeout=plan.timeout,
-        )
-        regimes.append(analyse_regime(reports, plan.n_ranks))
-        say(f"regime {regime.name}: done in {time.perf_counter() - t0:.0f} s")
+    folder = export_baseline(plan.baseline) if plan.baseline is not None else None
+    if folder is not None:
+        plan = dataclasses.replace(plan, baseline_path=str(folder))
+    try:
+        for regime in plan.regimes:
+            say(f"regime {regime.name}: {regime.description}")
+            t0 = time.perf_counter()
+            reports = launch(
+                run_regime,
+                plan.n_ranks,
+                plan,
+                regime,
+                threads_per_rank=plan.threads,
+                group_timeout=plan.timeout,
+            )
+            regimes.append(analyse_regime(reports, plan.n_ranks))
+            say(f"regime {regime.name}: done in {time.perf_counter() - t0:.0f} s")
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     results = {
         "command": command or " ".join(["twobp", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
@@ -77,6 +87,7 @@ def run_bench(
         "threads": plan.threads,
         "rounds": plan.rounds,
         "warmup": plan.warmup,
+        "baseline": plan.baseline,
         "plan": _jsonable(dataclasses.asdict(plan)),
         "regimes": regimes,
         "targets": evaluate(regimes, plan.n_ranks),

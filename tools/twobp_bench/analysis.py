@@ -14,11 +14,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from twobp.bench import matrix
-from twobp.bench.job import RankReport, VariantRecord
-from twobp.bench.profile import RankProfile
-from twobp.bench.simcheck import replayed_step, simulated_step, stage_costs
-from twobp.bench.stats import Summary, speedup, summarize
+from twobp_bench import matrix
+from twobp_bench.job import RankReport, VariantRecord
+from twobp_bench.profile import RankProfile
+from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
+from twobp_bench.stats import Summary, speedup, summarize
 
 
 def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any]:
@@ -106,6 +106,7 @@ def _group(
         "variants": variants,
         "reference_bounds_s": reference_bounds,
         "two_bp_speedups": _two_bp_speedups(per_rank, times),
+        "against_baseline": _against_baseline(times),
         "same_schedule": _same_schedule(times),
         "best": _best(variants, times),
     }
@@ -165,6 +166,12 @@ def _variant(
     entry["samples_per_s"] = step.inverse(batch).as_dict()
     entry["bubble_ratio"] = statistics.median(lead.bubble_ratios) if lead.bubble_ratios else None
     entry["busy_s"] = statistics.median(lead.busy_seconds) if lead.busy_seconds else None
+    entry["cpu_s"] = [statistics.median(r.cpu_seconds) if r.cpu_seconds else None for r in records]
+    if lead.rank_bubble_ratios:
+        per_rank = zip(*lead.rank_bubble_ratios, strict=True)
+        entry["rank_bubble"] = [statistics.median(b) for b in per_rank]
+    if lead.action_seconds:
+        entry["rank_compute_s"] = _rank_compute(lead, n_ranks)
     entry["peak_step_bytes"] = [r.peak_step_bytes for r in records]
     entry["stashed_bytes"] = [r.stashed_bytes for r in records] if v.two_bp else None
     entry["parameter_bytes"] = [r.parameter_bytes for r in records]
@@ -204,6 +211,17 @@ def _variant(
     return entry
 
 
+def _rank_compute(record: VariantRecord, n_ranks: int) -> list[dict[str, float]]:
+    """Per rank, the compute seconds of each action kind in a step (mean over the rounds)."""
+    out: list[dict[str, float]] = [{} for _ in range(n_ranks)]
+    rounds = max(1, len(record.step_seconds))
+    for key, durations in sorted(record.action_seconds.items()):
+        stage, kind, _ = key.split(":")
+        kinds = out[record.stage_ranks[int(stage)]]
+        kinds[kind] = kinds.get(kind, 0.0) + sum(durations) / rounds
+    return out
+
+
 def _two_bp_speedups(
     per_rank: Sequence[Sequence[VariantRecord]], times: Mapping[str, list[float]]
 ) -> list[dict[str, Any]]:
@@ -212,9 +230,9 @@ def _two_bp_speedups(
     out = []
     for label, recs in records.items():
         v = recs[0].variant
-        if v.framework != matrix.TWOBP or v.policy is None:
+        if v.framework not in matrix.PIPELINES_OF_TWOBP or v.policy is None:
             continue
-        off_label = matrix.Variant(matrix.TWOBP, v.schedule).label
+        off_label = v.fused.label
         if label not in times or off_label not in times:
             continue
         peak_on = _max_bytes(recs)
@@ -237,6 +255,25 @@ def _two_bp_speedups(
 def _max_bytes(records: Sequence[VariantRecord]) -> int | None:
     values = [r.peak_step_bytes for r in records if r.peak_step_bytes is not None]
     return max(values) if values else None
+
+
+def _against_baseline(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:
+    """Every twobp variant against the same variant of the baseline revision."""
+    prefix = matrix.BASELINE + " "
+    out = []
+    for label in times:
+        if not label.startswith(prefix):
+            continue
+        ours = matrix.TWOBP + " " + label.removeprefix(prefix)
+        if ours in times:
+            out.append(
+                {
+                    "twobp": ours,
+                    "baseline": label,
+                    "speedup": speedup(times[label], times[ours]).as_dict(),
+                }
+            )
+    return out
 
 
 def _same_schedule(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from twobp.bench import matrix
+from twobp_bench import matrix
 
 SPEEDUP_OVER_TORCH = {"large": 1.2, "small": 1.4}
 TWO_BP_SPEEDUP_AT_P = 1.2
@@ -37,7 +37,7 @@ def evaluate(regimes: Sequence[Mapping[str, Any]], n_ranks: int) -> list[dict[st
     """Every target of every regime: its value, threshold and whether it is met.
 
     Args:
-        regimes: the regime dictionaries of :func:`twobp.bench.analysis.analyse_regime`.
+        regimes: the regime dictionaries of :func:`twobp_bench.analysis.analyse_regime`.
         n_ranks: pipeline ranks ``p``.
 
     Returns:

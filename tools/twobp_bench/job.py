@@ -10,7 +10,8 @@ same partition. Then, for each micro-batch count:
    the first ``warmup`` rounds are not timed, and the last of them runs each
    step under the memory probe and reads the gradient norm (the check that
    all variants compute the same gradients); after each timed round, every
-   rank profiles the blocks for the simulator check;
+   rank profiles the blocks for the simulator check; the timed steps of the
+   variant ``--cprofile`` names run under cProfile;
 3. free the variants before the next count.
 
 All ranks run the same sequence of steps and collectives, so they stay in step.
@@ -19,28 +20,33 @@ All ranks run the same sequence of steps and collectives, so they stay in step.
 from __future__ import annotations
 
 import copy
+import cProfile
 import gc
+import importlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.bench import matrix
-from twobp.bench.config import BenchPlan, Regime
-from twobp.bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
-from twobp.bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
-from twobp.bench.references import ReferenceRunner
-from twobp.bench.runner import StepRunner, grad_norm, parameter_bytes
-from twobp.bench.torch_pipelining import TorchRunner
-from twobp.bench.twobp_runner import TwobpRunner
 from twobp.models import ModelSpec, build_model
+from twobp.runtime import Pipeline
 from twobp.runtime.group import default_device
 from twobp.runtime.microbatch import Batch, split_batch
 from twobp.schedule import Schedule
-from twobp.timeline import Span
+from twobp.timeline import Span, bubble_ratio
+from twobp_bench import baseline, matrix
+from twobp_bench.config import BenchPlan, Regime
+from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
+from twobp_bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
+from twobp_bench.references import ReferenceRunner
+from twobp_bench.runner import StepRunner, grad_norm, parameter_bytes
+from twobp_bench.torch_pipelining import TorchRunner
+from twobp_bench.twobp_runner import TwobpRunner
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -56,18 +62,22 @@ class VariantRecord:
         stage_ranks: the rank of each stage.
         skipped: why the variant did not run (None if it ran).
         step_seconds: the step time of each timed round.
+        cpu_seconds: this rank's CPU time in the step, of each timed round.
         bubble_ratios: the measured bubble ratio of each timed round (twobp only).
         busy_seconds: compute time per rank, mean over the ranks, of each timed
             round (twobp only; the rest of the step is waiting).
+        rank_bubble_ratios: per timed round, the bubble ratio of each rank
+            (twobp and baseline only).
         peak_step_bytes: the memory probe's peak of the step on this rank.
         stashed_bytes: the most bytes the 2BP engine held for W on this rank.
         grad_norm: the 2-norm of the whole model's gradients after one step.
         parameter_bytes: bytes of this rank's parameters.
         schedule: the compute schedule twobp ran (twobp only).
         action_seconds: the measured durations of the compute actions of the
-            timed steps, by ``"stage:kind:micro-batches"`` (twobp only).
+            timed steps, by ``"stage:kind:micro-batches"`` (twobp and baseline only).
         run_actions: the actions of each rank in the order the last step ran
-            them (twobp only; the runtime may fuse an ``I`` and ``W`` into ``B``).
+            them (twobp and baseline only; the runtime may fuse an ``I`` and
+            ``W`` into ``B``).
     """
 
     variant: matrix.Variant
@@ -76,8 +86,10 @@ class VariantRecord:
     stage_ranks: tuple[int, ...]
     skipped: str | None = None
     step_seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
     bubble_ratios: list[float] = field(default_factory=list)
     busy_seconds: list[float] = field(default_factory=list)
+    rank_bubble_ratios: list[list[float]] = field(default_factory=list)
     peak_step_bytes: int | None = None
     stashed_bytes: int | None = None
     grad_norm: float | None = None
@@ -126,6 +138,8 @@ def run_regime(plan: BenchPlan, regime: Regime) -> RankReport:
         This rank's measurements.
     """
     torch.set_num_threads(plan.threads)
+    if plan.baseline_path is not None and plan.baseline_path not in sys.path:
+        sys.path.insert(0, plan.baseline_path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = default_device()
     spec = build_model(
@@ -168,6 +182,7 @@ def _variants(plan: BenchPlan, regime: Regime) -> list[matrix.Variant]:
         plan.policies,
         without_2bp=plan.without_2bp,
         references=regime.references if plan.references else (),
+        baseline=plan.baseline is not None,
     )
 
 
@@ -195,38 +210,50 @@ def _run_group(
         records.append(record)
         if record.skipped is None and runner is not None:
             record.parameter_bytes = parameter_bytes(runner)
-            if isinstance(runner, TwobpRunner):
+            # A baseline's schedule is of the baseline's classes, which the
+            # process that gathers the records cannot import.
+            if isinstance(runner, TwobpRunner) and variant.framework == matrix.TWOBP:
                 record.schedule = runner.schedule
             runners.append((record, runner))
     profiler = None
     if plan.simulate and any(isinstance(r, TwobpRunner) for _, r in runners):
         profiler = BlockProfiler(spec.blocks, split_batch(inputs, m), device)
+    cprofile = (
+        cProfile.Profile() if any(r.variant.label == plan.cprofile for r, _ in runners) else None
+    )
     for round_index, index in matrix.round_robin(len(runners), plan.warmup + plan.rounds):
         record, runner = runners[index]
         if round_index == plan.warmup - 1:
             _probe(record, runner, device)
             continue
-        seconds = timed_step(runner, device)
+        timed = round_index >= plan.warmup
+        profiled = cprofile if timed and record.variant.label == plan.cprofile else None
+        seconds, cpu = timed_step(runner, device, profiled)
         figures = runner.after_step()
         runner.zero_grad()
-        if round_index >= plan.warmup:
+        if timed:
             record.step_seconds.append(seconds)
+            record.cpu_seconds.append(cpu)
             if isinstance(runner, TwobpRunner):
                 record.bubble_ratios.append(figures["bubble_ratio"])
                 record.busy_seconds.append(figures["busy_s"])
-                _record_actions(record, runner.last_spans)
+                _record_actions(record, runner.last_spans, plan.n_ranks)
             if profiler is not None and index == len(runners) - 1:
                 # Once per timed round, under the load the round's steps saw.
                 barrier()
                 profiler.measure()
+    if cprofile is not None:
+        Path(plan.cprofile_dir).mkdir(parents=True, exist_ok=True)
+        cprofile.dump_stats(f"{plan.cprofile_dir}/{regime.name}-m{m}-rank{rank}.prof")
     runners.clear()
     gc.collect()
     barrier()
     return records, profiler
 
 
-def _record_actions(record: VariantRecord, spans: Sequence[Span]) -> None:
-    """Keep the durations of the step's actions, and the order each rank ran them in."""
+def _record_actions(record: VariantRecord, spans: Sequence[Span], n_ranks: int) -> None:
+    """Keep the step's action durations, the order each rank ran them in, each rank's bubble."""
+    record.rank_bubble_ratios.append([bubble_ratio(spans, r) for r in range(n_ranks)])
     order: dict[int, list[str]] = {}
     for span in sorted(spans, key=lambda s: (s.rank, s.start)):
         action = span.action
@@ -261,7 +288,10 @@ def _build(
     device: torch.device,
 ) -> StepRunner:
     blocks: list[nn.Module] = copy.deepcopy(spec.blocks)
-    if variant.framework == matrix.TWOBP:
+    if variant.framework in matrix.PIPELINES_OF_TWOBP:
+        pipeline_class = Pipeline
+        if variant.framework == matrix.BASELINE:
+            pipeline_class = importlib.import_module(f"{baseline.PACKAGE}.runtime").Pipeline
         return TwobpRunner(
             variant,
             blocks,
@@ -273,6 +303,7 @@ def _build(
             device=device,
             threads=plan.threads,
             timeout=plan.timeout,
+            pipeline_class=pipeline_class,
         )
     if variant.framework == matrix.TORCH:
         return TorchRunner(

@@ -21,23 +21,14 @@ from typing import Protocol
 from twobp.partition.solver import stage_ranges
 from twobp.schedule import Action, Schedule
 from twobp.sim import CostModel, SimResult, simulate
-
-
-class BlockTimes(Protocol):
-    """The block figures the check reads (a :class:`~twobp.partition.profiler.BlockCost`)."""
-
-    forward: float
-    backward_input: float
-    backward_weight: float
-    backward_full: float
-    output_bytes: int
+from twobp.sim.from_profile import BlockFigures, stage_cost_model
 
 
 class ProfileLike(Protocol):
-    """One rank's profile (a :class:`~twobp.bench.profile.RankProfile`)."""
+    """One rank's profile (a :class:`~twobp_bench.profile.RankProfile`)."""
 
     @property
-    def blocks(self) -> Sequence[BlockTimes]: ...
+    def blocks(self) -> Sequence[BlockFigures]: ...
 
     @property
     def weight_concat(self) -> Sequence[Mapping[int, float]]: ...
@@ -63,8 +54,9 @@ def stage_costs(
         stage_ranks: the rank of each stage.
 
     Returns:
-        The per-stage cost model, with W tables, the link of rank 0's profile,
-        the ranks' mean contention, and times divided by it (alone times).
+        The per-stage cost model of :func:`twobp.sim.from_profile.stage_cost_model`,
+        with W tables, the link of rank 0's profile, the ranks' mean contention,
+        and times divided by it (alone times).
 
     Raises:
         ValueError: if the partition and the placement disagree on the stage count.
@@ -74,32 +66,17 @@ def stage_costs(
             f"partition has {len(partition)} stages but the placement {tuple(stage_ranks)} "
             f"has {len(stage_ranks)}"
         )
-    ranges = stage_ranges(list(partition))
-    contention = statistics.fmean(p.contention for p in profiles)
-
-    def total(stage: int, field: str) -> float:
-        blocks = profiles[stage_ranks[stage]].blocks
-        return float(sum(getattr(blocks[i], field) for i in ranges[stage])) / contention
-
-    def table(stage: int) -> dict[int, float]:
-        tables = profiles[stage_ranks[stage]].weight_concat
-        counts = set.intersection(*(set(tables[i]) for i in ranges[stage]))
-        return {k: sum(tables[i][k] for i in ranges[stage]) / contention for k in sorted(counts)}
-
-    stages = range(len(partition))
+    # Each block's figures from the profile of the rank that runs its stage.
+    ranges = zip(stage_ranks, stage_ranges(partition), strict=True)
+    owners = [profiles[rank] for rank, r in ranges for _ in r]
     link = profiles[0]
-    return CostModel(
-        forward=tuple(total(s, "forward") for s in stages),
-        backward_input=tuple(total(s, "backward_input") for s in stages),
-        backward_weight=tuple(total(s, "backward_weight") for s in stages),
-        backward_full=tuple(total(s, "backward_full") for s in stages),
-        weight_concat=tuple(table(s) for s in stages),
+    return stage_cost_model(
+        [owner.blocks[i] for i, owner in enumerate(owners)],
+        partition,
+        weight_concat=[owner.weight_concat[i] for i, owner in enumerate(owners)],
+        contention=statistics.fmean(p.contention for p in profiles),
         send_latency=link.link_latency,
         bandwidth=link.link_bandwidth,
-        send_bytes=tuple(
-            float(profiles[stage_ranks[s]].blocks[ranges[s][-1]].output_bytes) for s in stages
-        ),
-        contention=contention,
     )
 
 

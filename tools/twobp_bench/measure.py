@@ -2,7 +2,10 @@
 
 Timing: a barrier lines the ranks up, then the step runs; for a pipeline the
 clock stops after a second barrier (the step is over when the slowest rank is
-done), for a single-process reference as soon as this rank is done.
+done), for a single-process reference as soon as this rank is done. Beside
+the wall time, the CPU time the rank's process spent in the step (all its
+threads): when it is well below the wall time, the rank waited, or other work
+on the machine held the cores.
 
 Memory: on CUDA, the peak of ``torch.cuda.max_memory_allocated`` during the
 step above what was allocated before it. On the CPU there is no allocator
@@ -17,6 +20,7 @@ size (:func:`peak_rss_bytes`) is reported next to it.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import os
 import resource
 import sys
@@ -26,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from twobp.bench.runner import StepRunner
+from twobp_bench.runner import StepRunner
 
 
 def synchronize(device: torch.device) -> None:
@@ -41,16 +45,34 @@ def barrier() -> None:
         dist.barrier()
 
 
-def timed_step(runner: StepRunner, device: torch.device) -> float:
-    """Seconds of one step of ``runner``, measured as the module docstring says."""
+def timed_step(
+    runner: StepRunner, device: torch.device, profiler: cProfile.Profile | None = None
+) -> tuple[float, float]:
+    """One step of ``runner``, measured as the module docstring says.
+
+    Args:
+        runner: the variant.
+        device: where it computes.
+        profiler: a profiler to run during the step only (None: none).
+
+    Returns:
+        The wall seconds of the step and this rank's CPU seconds in it.
+    """
     barrier()
     synchronize(device)
-    start = time.perf_counter()
-    runner.step()
-    synchronize(device)
+    start, cpu = time.perf_counter(), time.process_time()
+    if profiler is not None:
+        profiler.enable()
+    try:
+        runner.step()
+        synchronize(device)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+    cpu = time.process_time() - cpu
     if runner.collective:
         barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu
 
 
 def step_peak_bytes(step: Callable[[], None], device: torch.device) -> int:

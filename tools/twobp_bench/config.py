@@ -6,7 +6,10 @@ is a model size and a micro-batch size: the LLaMA bench has two built in
 splitting the batch costs little) and one with small micro-batches (<= 32
 rows, where each GEMM runs far below the machine's peak and one process is
 much slower micro-batched than on the whole batch). :func:`resolve` turns the
-options into a :class:`BenchPlan`. This module imports no torch.
+options into a :class:`BenchPlan`. Two modes replace parts of the default
+matrix (the lists the user gives stay): ``--quick``, a tiny matrix for tests,
+and ``--overhead``, where a pipeline loses time against its bound with and
+without 2BP. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from twobp.bench.matrix import (
+from twobp.config import doc
+from twobp_bench.matrix import (
     REFERENCE_MICROBATCHED,
     REFERENCE_WHOLE_BATCH,
     REFERENCES,
     TORCH_SCHEDULES,
+    Variant,
+    build_variants,
 )
-from twobp.config import doc
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
@@ -36,6 +41,7 @@ DEFAULT_TORCH_SCHEDULES = [
     "ZBVZeroBubble",
     "DualPipeV",
 ]
+DEFAULT_POLICIES = ["paper"]
 LARGE_MICROBATCH_COUNT = 8
 """The third micro-batch count of the default matrix, next to ``p`` and ``2p``."""
 
@@ -50,7 +56,7 @@ class Regime:
         overrides: config fields of the model preset to change.
         microbatch_size: samples (sequences, images) per micro-batch.
         references: the single-process references to measure (see
-            :data:`twobp.bench.matrix.REFERENCES`).
+            :data:`twobp_bench.matrix.REFERENCES`).
         family: the model family (see :data:`MODEL_FAMILIES`).
     """
 
@@ -143,7 +149,7 @@ class BenchConfig:
         DEFAULT_TORCH_SCHEDULES,
     )
     policies: list[str] = doc(  # noqa: RUF009
-        "2BP placement policies of W to run (paper, eager, fill)", ["paper"]
+        "2BP placement policies of W to run (paper, eager, fill)", DEFAULT_POLICIES
     )
     without_2bp: bool = doc("also run every fused twobp schedule without 2BP", True)
     rounds: int = doc("timed rounds; each round runs every variant once, in turn", 5)
@@ -158,6 +164,22 @@ class BenchConfig:
         "a tiny matrix for tests: tiny model, m = 2, 2 rounds, and unless given, 1f1b and "
         "zb-v against torch's 1F1B, ZBVZeroBubble and DualPipeV",
         False,
+    )
+    overhead: bool = doc(
+        "where a pipeline loses time against its bound: unless given, 1f1b without 2BP and "
+        "with the paper and eager policies, no torch schedules; no simulator check. The "
+        "report's per-rank table shows each rank's bubble, CPU time and compute per kind",
+        False,
+    )
+    baseline: str | None = doc(
+        "git revision whose twobp also runs every twobp variant, next to it in each round "
+        "(as 'baseline ...'); run from a checkout of the repository",
+        None,
+    )
+    cprofile: str | None = doc(
+        "label of a variant whose timed steps run under cProfile, e.g. 'twobp 1f1b+2bp'; "
+        "each rank writes <out>/cprofile/<regime>-m<m>-rank<r>.prof",
+        None,
     )
 
 
@@ -182,6 +204,11 @@ class BenchPlan:
         dtype: parameter dtype name.
         seed: weights and data seed.
         timeout: peer timeout in seconds.
+        baseline: the git revision of the baseline variants (None: none).
+        baseline_path: the folder holding that revision's twobp as
+            ``twobp_baseline`` (set once it is exported).
+        cprofile: the label of the variant to run under cProfile (None: none).
+        cprofile_dir: where the ranks write the cProfile statistics.
     """
 
     size: str
@@ -200,6 +227,10 @@ class BenchPlan:
     dtype: str
     seed: int
     timeout: float
+    baseline: str | None = None
+    baseline_path: str | None = None
+    cprofile: str | None = None
+    cprofile_dir: str = "runs/bench/cprofile"
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -234,11 +265,19 @@ def default_microbatch_counts(n_ranks: int) -> tuple[int, ...]:
 
 
 def resolve(cfg: BenchConfig) -> BenchPlan:
-    """The plan of a configuration; ``--quick`` replaces the matrix by a tiny one.
+    """The plan of a configuration, after the modes ``--overhead`` and ``--quick``.
 
     Raises:
         ValueError: naming the option to change.
     """
+    if cfg.overhead:
+        cfg = dataclasses.replace(
+            cfg,
+            schedules=_unless_chosen(cfg.schedules, DEFAULT_SCHEDULES, ["1f1b"]),
+            torch_schedules=_unless_chosen(cfg.torch_schedules, DEFAULT_TORCH_SCHEDULES, []),
+            policies=_unless_chosen(cfg.policies, DEFAULT_POLICIES, ["paper", "eager"]),
+            simulate=False,
+        )
     if cfg.quick:
         # The tiny matrix, except for the lists the user chose.
         cfg = dataclasses.replace(
@@ -276,6 +315,9 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         dtype=cfg.dtype,
         seed=cfg.seed,
         timeout=cfg.timeout,
+        baseline=cfg.baseline or None,
+        cprofile=cfg.cprofile or None,
+        cprofile_dir=f"{cfg.out}/cprofile",
     )
 
 
@@ -346,3 +388,21 @@ def _check(cfg: BenchConfig) -> None:
             )
     if not (cfg.schedules or cfg.torch_schedules):
         raise ValueError("nothing to measure: give --schedules or --torch-schedules")
+    if cfg.cprofile:
+        labels = [v.label for v in _every_variant(cfg)]
+        if cfg.cprofile not in labels:
+            raise ValueError(
+                f"--cprofile: no variant {cfg.cprofile!r}; choose from {', '.join(labels)}"
+            )
+
+
+def _every_variant(cfg: BenchConfig) -> list[Variant]:
+    """The variants of every group (a regime may measure fewer references)."""
+    return build_variants(
+        cfg.schedules,
+        cfg.torch_schedules,
+        cfg.policies,
+        without_2bp=cfg.without_2bp,
+        references=REFERENCES if cfg.references else (),
+        baseline=bool(cfg.baseline),
+    )

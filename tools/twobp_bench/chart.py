@@ -2,7 +2,8 @@
 
 One panel per regime and micro-batch count; one horizontal bar per variant
 (median, with the interquartile range as an error bar), coloured by kind:
-twobp without 2BP, twobp with 2BP, torch.distributed.pipelining. Dashed
+twobp without 2BP, twobp with 2BP, the baseline revision's twobp,
+torch.distributed.pipelining. Dashed
 lines mark what ``p`` ranks would reach at the speed of each single-process
 reference. matplotlib is imported inside :func:`render_chart` and drawn
 without ``pyplot``, so no global state is left behind.
@@ -18,13 +19,14 @@ COLOURS = {
     "twobp": "#56B4E9",
     "twobp+2bp": "#009E73",
     "torch": "#E69F00",
+    "baseline": "#999999",
 }
 REFERENCE_STYLES = {"microbatched": ":", "whole-batch": "--", "2bp-limit": "-."}
 
 
 def _colour(variant: Mapping[str, Any]) -> str:
-    if variant["framework"] == "torch":
-        return COLOURS["torch"]
+    if variant["framework"] in ("torch", "baseline"):
+        return COLOURS[variant["framework"]]
     return COLOURS["twobp+2bp" if variant["two_bp"] else "twobp"]
 
 
@@ -67,16 +69,14 @@ def render_chart(results: Mapping[str, Any], path: str | Path) -> Path:
         axes.tick_params(axis="x", labelsize=7)
         if group["reference_bounds_s"]:
             axes.legend(fontsize=6, loc="lower right")
-    figure.legend(
-        handles=[
-            Patch(color=COLOURS["twobp"], label="twobp, no 2BP"),
-            Patch(color=COLOURS["twobp+2bp"], label="twobp, 2BP"),
-            Patch(color=COLOURS["torch"], label="torch.distributed.pipelining"),
-        ],
-        loc="upper center",
-        ncol=3,
-        fontsize=8,
-    )
+    handles = [
+        Patch(color=COLOURS["twobp"], label="twobp, no 2BP"),
+        Patch(color=COLOURS["twobp+2bp"], label="twobp, 2BP"),
+        Patch(color=COLOURS["torch"], label="torch.distributed.pipelining"),
+    ]
+    if results.get("baseline"):
+        handles.append(Patch(color=COLOURS["baseline"], label=f"twobp {results['baseline']}"))
+    figure.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
     out = Path(path)
     figure.savefig(out, dpi=100)
