@@ -54,7 +54,7 @@ def _pipe(**options) -> Pipeline:
 
 def test_world_of_one_owns_every_stage_and_parameter():
     pipe = _pipe(schedule="interleaved-1f1b")
-    assert pipe.world.is_single and pipe.rank == 0
+    assert pipe.topology.is_single and pipe.rank == 0 and pipe.pp_rank == 0
     assert sorted(pipe.stages) == [0, 1]
     names = [n for n, _ in nn.Sequential(*build_blocks("mlp")).named_parameters()]
     assert [n for n, _ in pipe.named_parameters()] == names

@@ -20,7 +20,7 @@ from torch import nn
 from twobp.partition import stage_ranges
 from twobp.runtime.checks import check_same_pipeline, stable_hash
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.group import World
+from twobp.runtime.group import Membership
 from twobp.runtime.microbatch import Batch
 from twobp.runtime.partition import (
     balanced_counts,
@@ -61,7 +61,7 @@ class Layout:
 
 def build_layout(
     blocks: Sequence[nn.Module],
-    world: World,
+    world: Membership,
     device: torch.device,
     timeout: float,
     *,

@@ -98,14 +98,16 @@ def save(
     folder = Path(root)
     final = folder / step_folder(step)
     partial = folder / f".partial-{final.name}"
-    world, device, timeout = pipe.world, pipe.device, pipe.timeout
+    world, device, timeout = pipe.topology.members, pipe.device, pipe.timeout
+    # One file per pipeline rank, written by the first replica of its stages.
+    writes = pipe.topology.writes_stage_files
     problem: Exception | None = None
     if pipe.rank == 0:
         problem = _attempt(lambda: fresh_folder(partial), f"cannot create {partial}")
     agree(world, device, timeout, problem, "starting to save a checkpoint")
     payload = {
         "format": VERSION,
-        "rank": pipe.rank,
+        "rank": pipe.pp_rank,
         "step": step,
         "model": pipe.state_dict(),
         "optimizer": None,
@@ -123,14 +125,15 @@ def save(
                 f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
                 "folder must be on a file system that every rank shares"
             )
-        write_atomic(partial / rank_file(pipe.rank), lambda f: torch.save(payload, f))
+        if writes:
+            write_atomic(partial / rank_file(pipe.pp_rank), lambda f: torch.save(payload, f))
     except (CheckpointError, OSError, RuntimeError) as exc:
         problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot write its checkpoint file")
     agree(world, device, timeout, problem, "writing a checkpoint")
     described = {
         n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in payload["model"].items()
     }
-    every = collective.all_gather_objects(world, described)
+    every = collective.all_gather_objects(world, (pipe.pp_rank, writes, described))
     problem = None
     if pipe.rank == 0:
         manifest = _manifest(pipe, step, every, optimizer, meta)
@@ -144,26 +147,27 @@ def save(
 def _manifest(
     pipe: Pipeline,
     step: int,
-    every: list[dict[str, tuple[list[int], str]]],
+    every: list[tuple[int, bool, dict[str, tuple[list[int], str]]]],
     optimizer: torch.optim.Optimizer | None,
     meta: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     tensors = {
-        name: {"shape": shape, "dtype": dtype, "file": rank}
-        for rank, described in enumerate(every)
+        name: {"shape": shape, "dtype": dtype, "file": pp_rank}
+        for pp_rank, writes, described in every
+        if writes
         for name, (shape, dtype) in described.items()
     }
     return {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "world_size": pipe.world.size,
+        "world_size": pipe.topology.pp_size,
         "schedule": pipe.schedule.name,
         "n_microbatches": pipe.n_microbatches,
         "placement": list(pipe.schedule.placement),
         "stage_blocks": [[r.start, r.stop] for r in pipe.stage_blocks],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "files": [rank_file(r) for r in range(pipe.world.size)],
+        "files": [rank_file(r) for r in range(pipe.topology.pp_size)],
         "tensors": dict(sorted(tensors.items(), key=lambda item: block_order(item[0]))),
         "meta": dict(meta or {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -215,7 +219,7 @@ def load(
         plan = _read(pipe, path, optimizer)
     except (CheckpointError, OSError, RuntimeError, KeyError, ValueError) as exc:
         problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
-    agree(pipe.world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
+    agree(pipe.topology.members, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     assert plan is not None
     pipe.module.load_state_dict(plan.model, strict=True)
     if optimizer is not None:
@@ -272,8 +276,8 @@ def _read(
             f"{folder} holds the state of a {manifest['optimizer']}, not of a "
             f"{type(optimizer).__name__}; use the same optimizer class"
         )
-    same_world = manifest["world_size"] == pipe.world.size
-    home = pipe.rank if same_world else 0
+    same_world = manifest["world_size"] == pipe.topology.pp_size
+    home = pipe.pp_rank if same_world else 0
     needed = sorted({saved[n]["file"] for n in own} | {home})
     files = {
         r: torch.load(

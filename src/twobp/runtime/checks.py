@@ -34,7 +34,7 @@ from twobp.runtime.errors import (
     PipelineError,
     ShapeMismatchError,
 )
-from twobp.runtime.group import World
+from twobp.runtime.group import Membership
 from twobp.schedule import ScheduleError
 
 _SHARED_CLASSES: dict[str, type[Exception]] = {
@@ -61,7 +61,7 @@ class ValuesDifferWarning(UserWarning):
 
 
 def agree(
-    world: World,
+    world: Membership,
     device: torch.device,
     timeout: float,
     problem: Exception | None,
@@ -118,7 +118,7 @@ _RANKS_PER_INTEGER = 2
 
 
 def agree_small(
-    world: World,
+    world: Membership,
     device: torch.device,
     timeout: float,
     problem: Exception | None,
@@ -181,7 +181,7 @@ def small_buffer(world_size: int, device: torch.device) -> Tensor:
     return torch.zeros(-(-world_size // _RANKS_PER_INTEGER), dtype=torch.int64, device=device)
 
 
-def _raise_shared(world: World, problem: Exception | None) -> None:
+def _raise_shared(world: Membership, problem: Exception | None) -> None:
     """Raise the problem of the first rank that had one, on every rank."""
     mine = None if problem is None else (type(problem).__name__, str(problem))
     reports = collective.all_gather_objects(world, mine)
@@ -289,7 +289,7 @@ def block_print(block: nn.Module) -> BlockPrint:
 
 
 def check_same_pipeline(
-    world: World,
+    world: Membership,
     device: torch.device,
     timeout: float,
     problem: Exception | None,

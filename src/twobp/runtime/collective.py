@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.errors import PeerFailedError, PeerTimeoutError
-from twobp.runtime.group import World
+from twobp.runtime.group import Membership
 
 
 def wait_work(
@@ -58,7 +58,7 @@ def wait_work(
         ) from exc
 
 
-def barrier(world: World, timeout: float, where: str) -> None:
+def barrier(world: Membership, timeout: float, where: str) -> None:
     """Wait until every rank reaches this point."""
     if world.group is None:
         return
@@ -66,7 +66,7 @@ def barrier(world: World, timeout: float, where: str) -> None:
     wait_work(work, rank=world.rank, peer=None, where=where, what="the barrier", timeout=timeout)
 
 
-def broadcast(world: World, tensor: Tensor, src: int, timeout: float, what: str) -> Tensor:
+def broadcast(world: Membership, tensor: Tensor, src: int, timeout: float, what: str) -> Tensor:
     """``tensor`` of rank ``src`` on every rank (in place; returned for convenience)."""
     if world.group is None:
         return tensor
@@ -77,7 +77,7 @@ def broadcast(world: World, tensor: Tensor, src: int, timeout: float, what: str)
     return tensor
 
 
-def all_reduce(world: World, tensor: Tensor, op: Any, timeout: float, what: str) -> Tensor:
+def all_reduce(world: Membership, tensor: Tensor, op: Any, timeout: float, what: str) -> Tensor:
     """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``)."""
     if world.group is None:
         return tensor
@@ -86,7 +86,7 @@ def all_reduce(world: World, tensor: Tensor, op: Any, timeout: float, what: str)
     return tensor
 
 
-def all_gather_objects(world: World, value: Any) -> list[Any]:
+def all_gather_objects(world: Membership, value: Any) -> list[Any]:
     """Each rank's ``value`` (picklable), indexed by rank."""
     if world.group is None:
         return [value]

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from twobp.runtime.collective import wait_work
 from twobp.runtime.errors import PipelineError, ShapeMismatchError
-from twobp.runtime.group import World
 from twobp.runtime.meta import MESSAGE_LENGTH, BoundaryMeta, TensorMeta, describe_mismatch
+from twobp.runtime.topology import Topology
 from twobp.schedule.action import Action
 from twobp.schedule.transfers import CommPlan, Direction, Transfer
 
@@ -60,8 +60,8 @@ class StepChannel:
     """The remote transfers of one rank for one step.
 
     Args:
-        plan: this rank's pair orders.
-        world: the group (never a single process world).
+        plan: this pipeline rank's pair orders (peers are pipeline ranks).
+        topology: where the pipeline ranks run (never a single process world).
         device: where receive buffers live.
         layouts: activation layouts learnt so far; filled in on the first step.
         timeout: seconds to wait on a peer before raising.
@@ -72,7 +72,7 @@ class StepChannel:
     def __init__(
         self,
         plan: CommPlan,
-        world: World,
+        topology: Topology,
         device: torch.device,
         layouts: Layouts,
         timeout: float,
@@ -80,7 +80,8 @@ class StepChannel:
         n_microbatches: int,
     ) -> None:
         self._plan = plan
-        self._world = world
+        self._topology = topology
+        self._members = topology.members
         self._device = device
         self._layouts = layouts
         self._timeout = timeout
@@ -113,8 +114,8 @@ class StepChannel:
             payload = tensor.detach().contiguous()
             work = dist.isend(
                 payload,
-                dst=self._world.global_rank(transfer.dst),
-                group=self._world.group,
+                dst=self._global(transfer.dst),
+                group=self._members.group,
                 tag=self._tag(transfer, index),
             )
             peer.sends.append((work, payload, transfer))
@@ -160,7 +161,7 @@ class StepChannel:
         ]
         if leftover or self._posted:
             raise PipelineError(
-                f"rank {self._plan.rank} ended the step with transfers not done: "
+                f"rank {self._members.rank} ended the step with transfers not done: "
                 f"{leftover or list(self._posted)}; the schedule and the communication plan "
                 "disagree (this is a bug of the runtime)"
             )
@@ -201,9 +202,10 @@ class StepChannel:
             if until is not None and op.transfer == until:
                 return
         if until is not None:
+            other = self._topology.group_rank(peer.rank)
             raise PipelineError(
-                f"rank {self._plan.rank} at {self.action}: the {until} is not next in the "
-                f"order agreed with rank {peer.rank}; the schedule and the communication plan "
+                f"rank {self._members.rank} at {self.action}: the {until} is not next in the "
+                f"order agreed with rank {other}; the schedule and the communication plan "
                 "disagree (this is a bug of the runtime)"
             )
 
@@ -221,8 +223,8 @@ class StepChannel:
         works = [
             dist.irecv(
                 buf,
-                src=self._world.global_rank(transfer.src),
-                group=self._world.group,
+                src=self._global(transfer.src),
+                group=self._members.group,
                 tag=self._tag(transfer, i),
             )
             for i, buf in enumerate(buffers)
@@ -238,8 +240,8 @@ class StepChannel:
             message = torch.empty(MESSAGE_LENGTH, dtype=torch.int64, device=self._device)
             work = dist.irecv(
                 message,
-                src=self._world.global_rank(transfer.src),
-                group=self._world.group,
+                src=self._global(transfer.src),
+                group=self._members.group,
                 tag=self._meta_tag(boundary),
             )
             self._meta_works[boundary] = (work, message)
@@ -284,8 +286,8 @@ class StepChannel:
         message = meta.encode().to(self._device)
         work = dist.isend(
             message,
-            dst=self._world.global_rank(transfer.dst),
-            group=self._world.group,
+            dst=self._global(transfer.dst),
+            group=self._members.group,
             tag=self._meta_tag(transfer.boundary),
         )
         self._peers[transfer.dst].sends.append((work, message, transfer))
@@ -299,10 +301,19 @@ class StepChannel:
     def _meta_tag(self, boundary: int) -> int:
         return (_META_CODE * self._n_stages + boundary) * self._n_mb * MAX_TENSORS
 
+    def _global(self, pipeline_rank: int) -> int:
+        """The default-group rank of a pipeline rank (what point-to-point calls take)."""
+        return self._members.global_rank(self._topology.group_rank(pipeline_rank))
+
     # -- waiting ------------------------------------------------------------------
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
         where = f"at {self.action}" if self.action is not None else "at the end of the step"
         wait_work(
-            work, rank=self._plan.rank, peer=peer, where=where, what=what, timeout=self._timeout
+            work,
+            rank=self._members.rank,
+            peer=self._topology.group_rank(peer),
+            where=where,
+            what=what,
+            timeout=self._timeout,
         )

@@ -10,14 +10,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.runtime import collective
-from twobp.runtime.group import World
+from twobp.runtime.group import Membership
 
 
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
     max_norm: float,
     norm_type: float,
-    world: World,
+    world: Membership,
     device: torch.device,
     timeout: float,
 ) -> Tensor:

@@ -25,7 +25,7 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
-class World:
+class Membership:
     """Where this process stands in the group.
 
     The world refers to its process group weakly: a pipeline never keeps a
@@ -56,7 +56,7 @@ class World:
         local_size: int,
         group: dist.ProcessGroup | None,
         backend: str | None,
-    ) -> World:
+    ) -> Membership:
         """A world in ``group`` (held weakly), or a single process world if None."""
         ref = weakref.ref(group) if group is not None else None
         return cls(rank, size, local_size, ref, backend)
@@ -100,7 +100,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def device_for(world: World) -> torch.device:
+def device_for(world: Membership) -> torch.device:
     """The default device of a pipeline in ``world``: a GPU unless the backend is CPU-only.
 
     A gloo group cannot move CUDA tensors point-to-point, so under gloo the
@@ -124,7 +124,7 @@ def launched_by_env() -> bool:
 
 def join_world(
     device: torch.device, timeout: float, group: dist.ProcessGroup | None = None
-) -> World:
+) -> Membership:
     """Find or create the process group this pipeline runs in.
 
     Args:
@@ -143,12 +143,12 @@ def join_world(
     if group is None and not dist.is_initialized() and launched_by_env():
         init_from_env(backend_for(device), timeout)
     if group is None and not dist.is_initialized():
-        return World.of(rank=0, size=1, local_size=1, group=None, backend=None)
+        return Membership.of(rank=0, size=1, local_size=1, group=None, backend=None)
     active = group if group is not None else dist.group.WORLD
     assert active is not None
     size = dist.get_world_size(active)
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
-    return World.of(
+    return Membership.of(
         rank=dist.get_rank(active),
         size=size,
         local_size=max(1, local_size),

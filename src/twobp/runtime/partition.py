@@ -17,7 +17,7 @@ from torch import nn
 
 from twobp.partition import check_partition, solve, uniform
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.group import World
+from twobp.runtime.group import Membership
 from twobp.runtime.microbatch import Batch, to_device
 
 STRATEGIES = ("uniform", "balanced")
@@ -60,7 +60,7 @@ def balanced_counts(
     blocks: Sequence[nn.Module],
     n_stages: int,
     example_input: Batch | None,
-    world: World,
+    world: Membership,
     device: torch.device,
 ) -> list[int]:
     """Blocks per stage that balance the measured F + I + W time of the stages.

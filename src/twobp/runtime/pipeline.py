@@ -47,6 +47,7 @@ from twobp.runtime.microbatch import (
 from twobp.runtime.pipeline_state import PipelineState
 from twobp.runtime.stage import LossFn, Stage
 from twobp.runtime.step_start import StepInputs, start_step
+from twobp.runtime.topology import Topology
 from twobp.schedule.action import Action
 from twobp.schedule.lowering import add_communication, forward_only, split_stages
 from twobp.schedule.schedule import Schedule
@@ -128,20 +129,21 @@ class Pipeline(PipelineState):
         self._closed = False
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
-        self.world = join_world(requested or default_device(), self.timeout, group)
-        self.device = requested if requested is not None else device_for(self.world)
+        members = join_world(requested or default_device(), self.timeout, group)
+        self.device = requested if requested is not None else device_for(members)
         """The device this rank computes on."""
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = default_device()
             # Collectives of objects (timeline, balanced partition) use the current device.
             torch.cuda.set_device(self.device)
-        self.rank = self.world.rank
-        set_threads_per_rank(self.world.local_size, num_threads)
+        self.rank = members.rank
+        """This process's rank in the process group."""
+        set_threads_per_rank(members.local_size, num_threads)
         all_blocks = list(blocks)
         layout = build_layout(
             all_blocks,
-            self.world,
+            members,
             self.device,
             self.timeout,
             schedule=schedule,
@@ -155,13 +157,18 @@ class Pipeline(PipelineState):
             costs=costs,
         )
         self.schedule = layout.schedule
+        """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
+        self.topology = Topology.one_pipeline(members, self.schedule.placement)
+        """Which process runs each stage."""
+        self.pp_rank = self.topology.pp_rank
+        """This process's pipeline rank: its row of the schedule."""
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = nonfinite
         self._weight_group_size = weight_group_size
         ranges = layout.ranges
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
-        mine = self.schedule.stages_of(self.rank)
+        mine = self.schedule.stages_of(self.pp_rank)
         self.module = nn.Sequential(
             OrderedDict((str(i), all_blocks[i]) for s in mine for i in ranges[s])
         ).to(self.device)
@@ -183,13 +190,13 @@ class Pipeline(PipelineState):
             )
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
-        self._plan = plan_communication(self.schedule, self.rank)
+        self._plan = plan_communication(self.schedule, self.pp_rank)
         self._layouts: Layouts = {}
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
         self._peak_stashed_bytes = 0
-        self._start_buffer = small_buffer(self.world.size, self.device)
+        self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
         self.skipped_steps: list[int] = []
@@ -278,7 +285,7 @@ class Pipeline(PipelineState):
             # Every rank learnt the loss from the last stage: all drop the step alike.
             self.zero_grad(set_to_none=True)
             if self.nonfinite == "raise":
-                last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
+                last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
                 raise nonfinite_error(self.rank, step, loss, first_bad, last_rank)
             self.skipped_steps.append(step)
         return loss
@@ -300,7 +307,7 @@ class Pipeline(PipelineState):
         if self._forward_plan is None:
             forward = forward_only(self.schedule)
             self._forward_schedule = add_communication(forward)
-            self._forward_plan = plan_communication(forward, self.rank)
+            self._forward_plan = plan_communication(forward, self.pp_rank)
         assert self._forward_schedule is not None
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):
@@ -318,11 +325,10 @@ class Pipeline(PipelineState):
         self, inputs: Batch | None, targets: Batch | None, training: bool
     ) -> tuple[list[Batch] | None, list[Batch] | None]:
         return start_step(
-            self.world,
+            self.topology,
             self.device,
             self.timeout,
             StepInputs(inputs, targets, training, self.step_count),
-            self.schedule.placement,
             self.n_microbatches,
             self._start_buffer,
         )
@@ -340,7 +346,7 @@ class Pipeline(PipelineState):
         if plan.peers:
             channel = StepChannel(
                 plan,
-                self.world,
+                self.topology,
                 self.device,
                 layouts,
                 self.timeout,
@@ -358,7 +364,7 @@ class Pipeline(PipelineState):
             self._weight_group_size,
         )
         try:
-            result = run.run(schedule.actions[self.rank])
+            result = run.run(schedule.actions[self.pp_rank])
         except BaseException:
             if channel is not None:
                 channel.abandon()
@@ -372,7 +378,7 @@ class Pipeline(PipelineState):
 
         Also the first micro-batch whose loss is not finite (-1 if none).
         """
-        last_rank = self.schedule.rank_of(self.schedule.n_stages - 1)
+        last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
         message = torch.zeros(3, dtype=torch.float64, device=self.device)
         if self.rank == last_rank and result.losses:
             losses = torch.stack([result.losses[m].double() for m in range(self.n_microbatches)])
@@ -380,7 +386,9 @@ class Pipeline(PipelineState):
             message[0] = 1.0
             message[1] = losses.sum() / self.n_microbatches
             message[2] = float(bad[0, 0]) if len(bad) else -1.0
-        collective.broadcast(self.world, message, last_rank, self.timeout, "the step's loss")
+        collective.broadcast(
+            self.topology.members, message, last_rank, self.timeout, "the step's loss"
+        )
         values = message.tolist()
         return (values[1] if values[0] else None), int(values[2])
 
@@ -408,7 +416,7 @@ class Pipeline(PipelineState):
         mine = [(s.rank, str(s.action), s.start, s.end) for s in self._spans]
         merged = [
             Span(r, Action.parse(a), start, end)
-            for spans in collective.all_gather_objects(self.world, mine)
+            for spans in collective.all_gather_objects(self.topology.members, mine)
             for r, a, start, end in spans
         ]
         return sorted(merged, key=lambda s: (s.rank, s.start))

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from twobp.runtime import checkpoint
 from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.grad_norm import clip_grad_norm_
-from twobp.runtime.group import World
+from twobp.runtime.topology import Topology
 from twobp.schedule.schedule import Schedule
 
 S = TypeVar("S", bound="PipelineState")
@@ -30,7 +30,8 @@ class PipelineState:
     module: nn.Sequential
     """This rank's blocks, named by their index in the whole model."""
     rank: int
-    world: World
+    pp_rank: int
+    topology: Topology
     device: torch.device
     timeout: float
     step_count: int
@@ -176,5 +177,5 @@ class PipelineState:
         """
         self._check_open()
         return clip_grad_norm_(
-            self.parameters(), max_norm, norm_type, self.world, self.device, self.timeout
+            self.parameters(), max_norm, norm_type, self.topology.members, self.device, self.timeout
         )

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from twobp.runtime.checks import SMALL_BITS, agree_small
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.group import World
 from twobp.runtime.microbatch import Batch, flatten, split_batch, to_device
+from twobp.runtime.topology import Topology
 
 _CALLS = {1: "step()", 0: "eval_step()"}
 # 1 bit for the call, then the step count and the batch size, both modulo (a
@@ -77,11 +77,10 @@ class CallInfo:
 
 
 def start_step(
-    world: World,
+    topology: Topology,
     device: torch.device,
     timeout: float,
     given: StepInputs,
-    placement: Sequence[int],
     n_microbatches: int,
     buffer: Tensor | None = None,
 ) -> tuple[list[Batch] | None, list[Batch] | None]:
@@ -90,11 +89,11 @@ def start_step(
     Collective: every rank calls it.
 
     Args:
-        world: the group.
+        topology: where each stage runs (the ranks of the first and last
+            stage need the batches).
         device: where the micro-batches go.
         timeout: seconds to wait for the other ranks.
         given: this rank's batches and call.
-        placement: the rank of every stage.
         n_microbatches: micro-batches per step.
         buffer: the all-reduce buffer to reuse (see :func:`agree_small`).
 
@@ -107,8 +106,10 @@ def start_step(
             batch does not split into equal micro-batches, inputs and targets
             differ in size, or the ranks are in different calls or steps.
     """
+    world = topology.members
     rank = world.rank
-    first, last = placement[0], placement[-1]
+    last_stage = len(topology.placement) - 1
+    first, last = topology.rank_of_stage(0), topology.rank_of_stage(last_stage)
     mb_inputs = mb_targets = None
     size = 0
     problem = None
@@ -124,7 +125,7 @@ def start_step(
         if rank == last and (given.training or given.targets is not None):
             if given.targets is None:
                 raise PipelineConfigError(
-                    f"rank {rank} holds the last stage ({len(placement) - 1}) and needs the "
+                    f"rank {rank} holds the last stage ({last_stage}) and needs the "
                     "targets to compute the loss, but got None; pass the batch of targets on "
                     "this rank (eval_step(inputs) without targets returns the outputs)"
                 )

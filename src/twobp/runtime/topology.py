@@ -1,0 +1,115 @@
+"""Which process runs each stage: the map from the schedule's ranks to the group's.
+
+A schedule speaks of *pipeline ranks*: ``placement[s]`` is the pipeline rank
+of stage ``s``, and ``actions[r]`` are the actions of pipeline rank ``r``. The
+process group speaks of *group ranks*. A :class:`Topology` maps one onto the
+other, and says which group ranks hold a replica of each stage. With one
+pipeline over the whole group both numberings agree, but no code may rely on
+that: the step start, the checks, the gradient norm, the checkpoint files and
+the transfers ask the topology.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from twobp.runtime.group import Membership
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where every stage of a pipeline runs, in a process group.
+
+    Args:
+        members: this process's place in the process group.
+        stage_ranks: for each stage, the group ranks that hold a replica of
+            it, the first being the stage's own pipeline's.
+        placement: the pipeline rank of each stage (the schedule's placement).
+        pipeline_ranks: for each pipeline rank, the group rank that runs it
+            in this process's pipeline.
+
+    Raises:
+        ValueError: if the maps disagree with each other or with the group.
+    """
+
+    members: Membership
+    placement: tuple[int, ...]
+    pipeline_ranks: tuple[int, ...]
+    stage_ranks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.stage_ranks) != len(self.placement):
+            raise ValueError(
+                f"{len(self.stage_ranks)} stage replica lists for {len(self.placement)} stages"
+            )
+        if max(self.placement) + 1 != len(self.pipeline_ranks):
+            raise ValueError(
+                f"the placement {self.placement} needs {max(self.placement) + 1} pipeline ranks, "
+                f"got {len(self.pipeline_ranks)}"
+            )
+        for rank in self.pipeline_ranks:
+            if not 0 <= rank < self.members.size:
+                raise ValueError(f"group rank {rank} is not in a group of {self.members.size}")
+
+    @classmethod
+    def one_pipeline(cls, members: Membership, placement: Sequence[int]) -> Topology:
+        """One pipeline over the whole group: pipeline rank ``r`` is group rank ``r``.
+
+        Raises:
+            ValueError: if the placement does not use exactly the group's ranks.
+        """
+        placement = tuple(placement)
+        n = max(placement) + 1
+        if n != members.size:
+            raise ValueError(
+                f"the schedule places its stages on {n} ranks but the group has {members.size}"
+            )
+        return cls(members, placement, tuple(range(n)), tuple((r,) for r in placement))
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.members.rank
+
+    @property
+    def is_single(self) -> bool:
+        """True when this process is the whole world (no communication)."""
+        return self.members.is_single
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's pipeline rank: which rank of the schedule it runs.
+
+        Raises:
+            ValueError: if this process runs no pipeline rank.
+        """
+        return self.pipeline_ranks.index(self.members.rank)
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks of one pipeline."""
+        return len(self.pipeline_ranks)
+
+    def group_rank(self, pipeline_rank: int) -> int:
+        """The group rank that runs ``pipeline_rank`` in this process's pipeline."""
+        return self.pipeline_ranks[pipeline_rank]
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The group rank of ``stage`` in this process's pipeline."""
+        return self.group_rank(self.placement[stage])
+
+    def replicas(self, stage: int) -> tuple[int, ...]:
+        """The group ranks that hold a replica of ``stage``."""
+        return self.stage_ranks[stage]
+
+    @property
+    def writes_stage_files(self) -> bool:
+        """True if this process writes its stages' checkpoint files (one replica per stage)."""
+        return all(self.replicas(s)[0] == self.rank for s in self.stages_here)
+
+    @property
+    def stages_here(self) -> tuple[int, ...]:
+        """The stages this process runs."""
+        pp = self.pp_rank
+        return tuple(s for s, r in enumerate(self.placement) if r == pp)
