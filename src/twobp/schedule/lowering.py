@@ -21,7 +21,7 @@ This module imports no torch.
 from __future__ import annotations
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.dependencies import COMMUNICATION
+from twobp.schedule.kinds import KINDS, kind_spec
 from twobp.schedule.schedule import Schedule
 
 
@@ -38,28 +38,32 @@ def add_communication(schedule: Schedule) -> Schedule:
         The lowered schedule, with the same name.
     """
     placement = schedule.placement
-    last = schedule.n_stages - 1
+    sends = [
+        (Kind(code), spec.needs[0].tag, spec.link)
+        for code, spec in KINDS.items()
+        if spec.link is not None and spec.needs and spec.needs[0].offset == 0
+    ]
 
     def crosses(a: int, b: int) -> bool:
-        return placement[a] != placement[b]
+        return 0 <= b < len(placement) and placement[a] != placement[b]
 
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
         out: list[Action] = []
         for a in acts:
-            if a.kind in COMMUNICATION:
+            if not a.kind.is_compute:
                 continue
+            spec = kind_spec(a.kind)
             s = a.stage
-            if a.kind is Kind.FORWARD and s > 0 and crosses(s - 1, s):
-                out.append(Action(s, Kind.RECV_F, a.microbatches))
-            backward = a.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD)
-            if backward and s < last and crosses(s + 1, s):
-                out.append(Action(s, Kind.RECV_B, a.microbatches))
+            # A receive before the action for each need that crosses ranks ...
+            for need in spec.needs:
+                if need.via is not None and crosses(s, s + need.offset):
+                    out.append(Action(s, Kind(need.via), a.microbatches))
             out.append(a)
-            if a.kind is Kind.FORWARD and s < last and crosses(s, s + 1):
-                out.append(Action(s, Kind.SEND_F, a.microbatches))
-            if backward and s > 0 and crosses(s, s - 1):
-                out.append(Action(s, Kind.SEND_B, a.microbatches))
+            # ... and a send after it for each result another rank needs.
+            for kind, tag, link in sends:
+                if tag in spec.makes and crosses(s, s + link):
+                    out.append(Action(s, kind, a.microbatches))
         actions[rank] = out
     return schedule.with_actions(actions)
 

@@ -63,7 +63,7 @@ def memory_timeline(
             changes[span.rank].append((span.end, grad - act))
         elif a.kind is Kind.FULL_BACKWARD:
             changes[span.rank].append((span.end, -act))
-        else:
+        elif a.kind is Kind.BACKWARD_WEIGHT:
             changes[span.rank].append((span.end, -grad * len(a.microbatches)))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}
