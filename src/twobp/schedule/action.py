@@ -30,7 +30,8 @@ class Action:
         stage: the stage index (0 is the first stage of the model).
         kind: what the action does.
         microbatches: the micro-batch indices it covers, sorted, without
-            repeats. Only ``W`` may cover more than one.
+            repeats. Only ``W`` (a kind whose table entry allows
+            ``several``) may cover more than one.
 
     Raises:
         ValueError: on a negative index, an empty or unsorted micro-batch

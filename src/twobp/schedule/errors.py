@@ -38,7 +38,8 @@ def format_grid(
     """Render steps as an ASCII grid: rows are steps, columns are ranks.
 
     Args:
-        steps: the grid of :func:`dry_run` (``None`` shows as ``.``).
+        steps: the lock-step grid of a walk, as :func:`twobp.schedule.validate.dry_run`
+            returns it (``None`` shows as ``.``).
         ranks: the rank of each column.
         stuck: for a deadlock, the action each rank is stuck at (``None`` for
             a rank that has finished); it becomes a last row marked ``>..<``.

@@ -10,7 +10,8 @@ first that fails:
 2. order on a rank: an action never comes before one of the same rank that it
    needs (``F`` before ``I`` before ``W``, a send after what it sends...);
 3. dry-run: all ranks advance step by step, each running its next action when
-   everything it needs was done in an earlier step (sends do not block). If a
+   everything it needs was done in an earlier step (sends do not block); this
+   is the walk of :mod:`twobp.schedule.walk` with one step per action. If a
    step makes no progress the schedule deadlocks; the error shows the
    rank-by-step grid with the stuck action of each rank marked::
 
@@ -20,7 +21,9 @@ first that fails:
           1 | 0F1    | 1F0
        stuck| >0I1<  | >1I0<
 
-The dependency rules are those of :mod:`twobp.schedule.dependencies`.
+The dependency rules are those of :mod:`twobp.schedule.dependencies`, read
+from the kind table; coverage knows the kinds of a training step (F, B, I,
+W and the transfers); other declared kinds are checked by order and dry-run.
 This module imports no torch.
 """
 

@@ -293,8 +293,11 @@ def _walk_fixed(walker: Walker, duration: Callable[[Action], float], fill: Fill 
     while True:
         best: tuple[float, int, Action, bool] | None = None  # start, rank, action, listed
         for rank in walker.ranks:
-            if walker.next_action(rank) is None:
+            action = walker.next_action(rank)
+            if action is None:
                 continue
+            # A fill's action starts when its rank became free, which may be
+            # before starts already chosen elsewhere: it occupies only that rank.
             extra = fill(walker, rank) if fill is not None else None
             if extra is not None:
                 choice = (walker.free_at(rank), rank, extra, False)
@@ -302,8 +305,6 @@ def _walk_fixed(walker: Walker, duration: Callable[[Action], float], fill: Fill 
                 ready = walker.ready_at(rank)
                 if ready is None:
                     continue
-                action = walker.next_action(rank)
-                assert action is not None
                 choice = (max(walker.free_at(rank), ready), rank, action, True)
             if best is None or choice[:2] < best[:2]:
                 best = choice

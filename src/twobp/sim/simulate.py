@@ -14,7 +14,8 @@ rank is free and its inputs are there (the walk of
 Transfers are asynchronous: they occupy no rank and do not contend, so
 ``SEND_*``/``RECV_*`` markers in a schedule take no time and are skipped.
 A schedule that can never finish (a cycle of waits, or a wait for an action
-no rank lists) raises :class:`DeadlockError` naming each stuck rank.
+no rank lists) raises :class:`DeadlockError` naming each stuck rank, with
+the rank-by-step grid, as validation does.
 
 With ``costs.contention == 1`` every action takes its fixed time from the
 cost model. Otherwise ranks that compute at the same time slow each other,
