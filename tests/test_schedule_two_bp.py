@@ -15,12 +15,14 @@ from twobp.schedule import (
     to_rows,
     validate,
 )
-from twobp.schedule._timing import make_timing, timeline
+from twobp.schedule._timing import make_timing
+from twobp.schedule.walk import walk
 
 
 def makespan(schedule: Schedule, costs=None) -> float:
-    spans = timeline(schedule, make_timing(costs))
-    return max(end for per_rank in spans.values() for _, end in per_rank)
+    timing = make_timing(costs)
+    walked = walk(schedule, timing.duration, transfer=timing.transfer)
+    return max(run.end for runs in walked.runs.values() for run in runs)
 
 
 def peak_held(schedule: Schedule, rank: int) -> int:

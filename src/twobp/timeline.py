@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from twobp.schedule.action import Action, Kind
+from twobp.schedule.action import Action
+from twobp.schedule.kinds import Kind, kind_spec
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,5 @@ def bubble_ratio(spans: Sequence[Span], rank: int | None = None) -> float:
 
 
 def kind_label(kind: Kind) -> str:
-    """A short human name of an action kind, for legends."""
-    return {
-        Kind.FORWARD: "forward",
-        Kind.FULL_BACKWARD: "backward",
-        Kind.BACKWARD_INPUT: "backward-p1 (I)",
-        Kind.BACKWARD_WEIGHT: "backward-p2 (W)",
-    }.get(kind, kind.value.lower())
+    """A short human name of an action kind, for legends (from the kind table)."""
+    return kind_spec(kind).label

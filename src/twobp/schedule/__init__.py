@@ -1,16 +1,21 @@
 """Schedules as data: actions, whole schedules, generators and passes (no torch).
 
 A schedule is a :class:`Schedule`: for each rank, its ordered list of
-:class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). Generators build the
-named schedules (:func:`generate`, :data:`SCHEDULES`); passes turn one schedule
-into another (:func:`resolve_schedule`, :func:`apply_two_bp`,
-:func:`fuse_first_stage_backward`, :func:`add_communication`,
-:func:`merge_backward`); :func:`validate` checks one and :func:`save_csv` /
-:func:`load_csv` store one in ``torch.distributed.pipelining``'s CSV layout.
+:class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). What each kind of
+action needs, makes and costs is one table (:data:`KINDS`, extended by
+:func:`register_kind`); :func:`walk` runs a schedule in time by that table.
+Generators build the named schedules (:func:`generate`, :data:`SCHEDULES`);
+passes turn one schedule into another (:func:`resolve_schedule`,
+:func:`apply_two_bp`, :func:`fuse_first_stage_backward`,
+:func:`add_communication`, :func:`merge_backward`); :func:`validate` checks one
+and :func:`save_csv` / :func:`load_csv` store one in
+``torch.distributed.pipelining``'s CSV layout.
 """
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.csv_io import from_rows, load_csv, save_csv, to_rows
+from twobp.schedule.errors import DeadlockError
+from twobp.schedule.kinds import KINDS, KindSpec, Need, register_kind, unregister_kind
 from twobp.schedule.lowering import (
     add_communication,
     compute_only,
@@ -25,17 +30,24 @@ from twobp.schedule.resolve import DEFAULT_MICROBATCHES, ScheduleConfigError, re
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
 from twobp.schedule.validate import ScheduleError, dry_run, format_grid, validate
+from twobp.schedule.walk import Run, Walk, walk
 
 __all__ = [
     "DEFAULT_MICROBATCHES",
+    "KINDS",
     "SCHEDULES",
     "TWO_BP_POLICIES",
     "Action",
+    "DeadlockError",
     "Kind",
+    "KindSpec",
+    "Need",
+    "Run",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",
     "ScheduleInfo",
+    "Walk",
     "add_communication",
     "apply_two_bp",
     "compute_only",
@@ -48,9 +60,12 @@ __all__ = [
     "is_split",
     "load_csv",
     "merge_backward",
+    "register_kind",
     "resolve_schedule",
     "save_csv",
     "split_stages",
     "to_rows",
+    "unregister_kind",
     "validate",
+    "walk",
 ]

@@ -1,15 +1,13 @@
-"""A small cost-driven list scheduler, private to the schedule layer.
+"""Predicted times and the 2BP weight placement, private to the schedule layer.
 
-Two things need predicted times inside this package: the ``paper`` and
-``fill`` policies of :mod:`twobp.schedule.two_bp`, which place each ``W`` in a
-slot where its rank would otherwise wait. They use this module rather than
-:mod:`twobp.sim`, so that the schedule layer depends on nothing above it; any
-cost model with a ``duration(action)`` method (such as
-:class:`twobp.sim.CostModel`) can be passed in.
+The ``paper`` and ``fill`` policies of :mod:`twobp.schedule.two_bp` place
+each ``W`` in a slot where its rank would otherwise wait. They predict times
+with this module rather than :mod:`twobp.sim`, so that the schedule layer
+depends on nothing above it; any cost model with a ``duration(action)``
+method (such as :class:`twobp.sim.CostModel`) can be passed in.
 
-Times follow :mod:`twobp.schedule.dependencies`: an action starts when its
-rank is free and what it needs is done (plus the transfer time, for a result
-made on another rank). Communication actions take no time.
+The placement is a walk (:mod:`twobp.schedule.walk`) of the ``F`` and ``I``
+with a fill that runs a stored ``W`` where it does not delay the rank.
 This module imports no torch.
 """
 
@@ -21,9 +19,9 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.dependencies import COMMUNICATION, Key, produces, requires
+from twobp.schedule.kinds import kind_spec
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.validate import ScheduleError
+from twobp.schedule.walk import Run, Walker, walk
 
 _EPS = 1e-9
 
@@ -84,70 +82,13 @@ def make_timing(costs: Costs) -> Timing:
 
     def duration(a: Action) -> float:
         kind = a.kind.value
-        if a.kind in COMMUNICATION:
+        if kind_spec(a.kind).cost is None:
             return 0.0
         if kind == "B" and "B" not in table:
             return per_stage("I", a.stage) + per_stage("W", a.stage)
         return per_stage(kind, a.stage) * len(a.microbatches)
 
     return Timing(duration, lambda _b: 0.0)
-
-
-def _arrival(
-    key: Key, finished: float, rank: int, placement: Sequence[int], timing: Timing
-) -> float:
-    """When a result made at ``finished`` is usable on ``rank``."""
-    stage, tag, _ = key
-    if placement[stage] == rank:
-        return finished
-    boundary = stage if tag == "F" else stage - 1
-    return finished + timing.transfer(boundary)
-
-
-def timeline(schedule: Schedule, timing: Timing) -> dict[int, list[tuple[float, float]]]:
-    """Start and end of every action of a fixed schedule.
-
-    Args:
-        schedule: a valid schedule (communication actions take no time).
-        timing: the cost model.
-
-    Returns:
-        For each rank, ``(start, end)`` of each of its actions, in list order.
-
-    Raises:
-        ScheduleError: if the schedule cannot finish.
-    """
-    placement = schedule.placement
-    finish: dict[Key, float] = {}
-    spans: dict[int, list[tuple[float, float]]] = {r: [] for r in schedule.actions}
-    free = dict.fromkeys(schedule.actions, 0.0)
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in schedule.actions.items():
-            while len(spans[rank]) < len(acts):
-                a = acts[len(spans[rank])]
-                if a.kind in COMMUNICATION:
-                    spans[rank].append((free[rank], free[rank]))
-                    continue
-                deps = requires(a, placement, lowered=False)
-                if any(k not in finish for k in deps):
-                    break
-                start = max(
-                    [free[rank]] + [_arrival(k, finish[k], rank, placement, timing) for k in deps]
-                )
-                end = start + timing.duration(a)
-                spans[rank].append((start, end))
-                free[rank] = end
-                finish.update(dict.fromkeys(produces(a), end))
-                progress = True
-    stuck = [r for r, acts in schedule.actions.items() if len(spans[r]) < len(acts)]
-    if stuck:
-        raise ScheduleError(
-            f"{schedule.name or 'schedule'} cannot finish: ranks {stuck} wait forever "
-            "(run validate() for the rank-by-step grid)"
-        )
-    return spans
 
 
 def place_weights(
@@ -177,89 +118,76 @@ def place_weights(
         The new action list of every rank.
 
     Raises:
-        ScheduleError: if the schedule cannot finish.
+        DeadlockError: if the schedule cannot finish.
     """
-    order = {r: list(acts) for r, acts in schedule.actions.items()}
-    ranks = sorted(order)
-    placement = schedule.placement
-    producer: dict[Key, tuple[int, int]] = {}
-    prefix: dict[int, list[float]] = {}
-    for r in ranks:
-        total = [0.0]
-        for i, a in enumerate(order[r]):
-            producer.update(dict.fromkeys(produces(a), (r, i)))
-            total.append(total[-1] + timing.duration(a))
-        prefix[r] = total
-    finish: dict[Key, float] = {}
-    free = dict.fromkeys(ranks, 0.0)
-    pos = dict.fromkeys(ranks, 0)
-    held = dict.fromkeys(ranks, 0)
-    forwards_left = {r: sum(a.kind is Kind.FORWARD for a in order[r]) for r in ranks}
-    stored: dict[int, deque[Action]] = {r: deque() for r in ranks}
-    out: dict[int, list[Action]] = {r: [] for r in ranks}
-
-    def ready(a: Action, rank: int) -> tuple[float, bool]:
-        """When ``a`` could start at the earliest, and whether that is exact."""
-        when, exact = 0.0, True
-        for k in requires(a, placement, lowered=False):
-            if k in finish:
-                when = max(when, _arrival(k, finish[k], rank, placement, timing))
-                continue
-            exact = False
-            pr, pi = producer[k]
-            bound = free[pr] + prefix[pr][pi + 1] - prefix[pr][pos[pr]]
-            when = max(when, _arrival(k, bound, rank, placement, timing))
-        return when, exact
-
-    while True:
-        best: tuple[float, int, bool] | None = None  # (start, rank, is_weight)
-        for r in ranks:
-            if pos[r] >= len(order[r]):
-                continue
-            a = order[r][pos[r]]
-            when, exact = ready(a, r)
-            choice: tuple[float, int, bool] | None = None
-            if stored[r] and (not cooldown_only or forwards_left[r] == 0):
-                forced = (
-                    memory_limit is not None and a.kind is Kind.FORWARD and held[r] >= memory_limit
-                )
-                fits = free[r] + timing.duration(stored[r][0]) <= when + _EPS
-                if forced or fits:
-                    choice = (free[r], r, True)
-            if choice is None and exact:
-                choice = (max(free[r], when), r, False)
-            if choice is not None and (best is None or choice[:2] < best[:2]):
-                best = choice
-        if best is None:
-            break
-        start, r, is_weight = best
-        if is_weight:
-            w = stored[r].popleft()
-            out[r].append(w)
-            free[r] = start + timing.duration(w)
-            held[r] -= 1
-            continue
-        a = order[r][pos[r]]
-        end = start + timing.duration(a)
-        finish.update(dict.fromkeys(produces(a), end))
-        free[r] = end
-        pos[r] += 1
-        out[r].append(a)
-        if a.kind is Kind.FORWARD:
-            held[r] += 1
-            forwards_left[r] -= 1
-        else:
-            stored[r].append(Action(a.stage, Kind.BACKWARD_WEIGHT, a.microbatches))
-    stuck = [r for r in ranks if pos[r] < len(order[r])]
-    if stuck:
-        raise ScheduleError(
-            f"{schedule.name or 'schedule'} cannot finish: ranks {stuck} wait forever "
-            "(run validate() for the rank-by-step grid)"
-        )
-    for r in ranks:
+    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit)
+    walked = walk(schedule, timing.duration, transfer=timing.transfer, fill=slots.offer)
+    out: dict[int, list[Action]] = {}
+    for rank, runs in walked.runs.items():
+        out[rank] = [run.action for run in runs]
         by_stage: dict[int, list[int]] = {}
-        for w in stored[r]:
+        for w in slots.stored(rank, runs):
             by_stage.setdefault(w.stage, []).extend(w.microbatches)
         for stage in sorted(by_stage, reverse=True):
-            out[r].append(Action.make(stage, Kind.BACKWARD_WEIGHT, by_stage[stage]))
+            out[rank].append(Action.make(stage, Kind.BACKWARD_WEIGHT, by_stage[stage]))
     return out
+
+
+class _WeightSlots:
+    """The ``W`` each rank has stored (its ``I`` ran), and when one may run.
+
+    The walker asks :meth:`offer` before every start; the counts follow what
+    each rank has run so far.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        duration: Callable[[Action], float],
+        cooldown_only: bool,
+        memory_limit: int | None,
+    ) -> None:
+        self._duration = duration
+        self._cooldown_only = cooldown_only
+        self._memory_limit = memory_limit
+        ranks = list(schedule.actions)
+        self._forwards_left = {
+            r: sum(a.kind is Kind.FORWARD for a in schedule.actions[r]) for r in ranks
+        }
+        self._held = dict.fromkeys(ranks, 0)
+        self._stored: dict[int, deque[Action]] = {r: deque() for r in ranks}
+        self._seen = dict.fromkeys(ranks, 0)
+
+    def offer(self, walker: Walker, rank: int) -> Action | None:
+        """The oldest stored ``W`` of ``rank`` if it may run now, else None."""
+        stored = self.stored(rank, walker.runs(rank))
+        if not stored or (self._cooldown_only and self._forwards_left[rank]):
+            return None
+        following = walker.next_action(rank)
+        forced = (
+            self._memory_limit is not None
+            and following is not None
+            and following.kind is Kind.FORWARD
+            and self._held[rank] >= self._memory_limit
+        )
+        fits = (
+            walker.free_at(rank) + self._duration(stored[0]) <= walker.earliest_start(rank) + _EPS
+        )
+        return stored[0] if forced or fits else None
+
+    def stored(self, rank: int, runs: Sequence[Run]) -> deque[Action]:
+        """The ``W`` of ``rank`` not run yet, once ``runs`` (what it ran) are counted."""
+        for run in runs[self._seen[rank] :]:
+            kind = run.action.kind
+            if kind is Kind.FORWARD:
+                self._held[rank] += 1
+                self._forwards_left[rank] -= 1
+            elif kind is Kind.BACKWARD_INPUT:
+                self._stored[rank].append(
+                    Action(run.action.stage, Kind.BACKWARD_WEIGHT, run.action.microbatches)
+                )
+            elif kind is Kind.BACKWARD_WEIGHT:
+                self._stored[rank].popleft()
+                self._held[rank] -= 1
+        self._seen[rank] = len(runs)
+        return self._stored[rank]

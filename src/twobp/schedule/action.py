@@ -16,41 +16,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
 
+from twobp.schedule.kinds import KINDS, Kind, kind_spec
 
-class Kind(str, Enum):
-    """What an action does."""
-
-    FORWARD = "F"
-    """Forward of one micro-batch."""
-    FULL_BACKWARD = "B"
-    """Backward of one micro-batch, input and weight gradients fused."""
-    BACKWARD_INPUT = "I"
-    """Backward-p1: gradients with respect to the stage inputs only."""
-    BACKWARD_WEIGHT = "W"
-    """Backward-p2: weight gradients of one or several micro-batches."""
-    SEND_F = "SEND_F"
-    """Send a forward output to the next stage."""
-    RECV_F = "RECV_F"
-    """Receive a forward input from the previous stage."""
-    SEND_B = "SEND_B"
-    """Send an input gradient to the previous stage."""
-    RECV_B = "RECV_B"
-    """Receive an output gradient from the next stage."""
-
-    @property
-    def is_compute(self) -> bool:
-        """True for F, B, I and W; False for communication."""
-        return self in _COMPUTE
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_COMPUTE = frozenset({Kind.FORWARD, Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
-
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)([0-9+\-]+)$")
+__all__ = ["Action", "Kind", "format_microbatches", "parse_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +30,8 @@ class Action:
         stage: the stage index (0 is the first stage of the model).
         kind: what the action does.
         microbatches: the micro-batch indices it covers, sorted, without
-            repeats. Only ``W`` may cover more than one.
+            repeats. Only ``W`` (a kind whose table entry allows
+            ``several``) may cover more than one.
 
     Raises:
         ValueError: on a negative index, an empty or unsorted micro-batch
@@ -83,9 +53,11 @@ class Action:
             raise ValueError(
                 f"micro-batches of an action must be sorted and distinct, got {self.microbatches}"
             )
-        if len(self.microbatches) > 1 and self.kind is not Kind.BACKWARD_WEIGHT:
+        if len(self.microbatches) > 1 and not kind_spec(self.kind).several:
+            several = ", ".join(code for code, spec in KINDS.items() if spec.several)
             raise ValueError(
-                f"only W may cover several micro-batches; {self.kind.value} got {self.microbatches}"
+                f"only {several} may cover several micro-batches; "
+                f"{self.kind.value} got {self.microbatches}"
             )
 
     @classmethod
@@ -118,11 +90,11 @@ class Action:
         Raises:
             ValueError: if the text is not an action.
         """
-        match = _ACTION_RE.match(text.strip())
+        match = re.match(rf"^(\d+)({'|'.join(KINDS)})([0-9+\-]+)$", text.strip())
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected [stage][kind][micro-batches], "
-                f"e.g. '1F0', '0I3', '2W0-3'; kinds are {', '.join(k.value for k in Kind)}"
+                f"e.g. '1F0', '0I3', '2W0-3'; kinds are {', '.join(KINDS)}"
             )
         stage, kind, mbs = match.groups()
         return cls(int(stage), Kind(kind), parse_microbatches(mbs))

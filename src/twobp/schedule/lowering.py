@@ -22,9 +22,8 @@ This module imports no torch.
 from __future__ import annotations
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.dependencies import COMMUNICATION
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer
+from twobp.schedule.transfers import needed_by, produced_by
 
 
 def add_communication(schedule: Schedule) -> Schedule:
@@ -45,21 +44,19 @@ def add_communication(schedule: Schedule) -> Schedule:
     for rank, acts in schedule.actions.items():
         out: list[Action] = []
         for a in acts:
-            if a.kind in COMMUNICATION:
+            if not a.kind.is_compute:
                 continue
-            needed = needed_transfer(a, placement)
-            if needed is not None and not needed.is_local:
-                out.append(Action(a.stage, _RECEIVE[needed.direction], a.microbatches))
+            # A receive before the action for each need that crosses ranks ...
+            for kind, transfer in needed_by(a, placement):
+                if not transfer.is_local:
+                    out.append(Action(a.stage, kind, a.microbatches))
             out.append(a)
-            produced = produced_transfer(a, placement)
-            if produced is not None and not produced.is_local:
-                out.append(Action(a.stage, _SEND[produced.direction], a.microbatches))
+            # ... and a send after it for each result another rank needs.
+            for kind, transfer in produced_by(a, placement):
+                if not transfer.is_local:
+                    out.append(Action(a.stage, kind, a.microbatches))
         actions[rank] = out
     return schedule.with_actions(actions)
-
-
-_RECEIVE = {Direction.ACTIVATION: Kind.RECV_F, Direction.GRADIENT: Kind.RECV_B}
-_SEND = {Direction.ACTIVATION: Kind.SEND_F, Direction.GRADIENT: Kind.SEND_B}
 
 
 def compute_only(schedule: Schedule) -> Schedule:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.kinds import KINDS, kind_spec
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.validate import dry_run
 
@@ -109,26 +110,48 @@ def needed_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | No
     ``F`` of stage ``s > 0`` consumes the activation from ``s-1``; ``B``/``I``
     of a stage before the last consume the gradient from ``s+1``.
     """
-    s, n = action.stage, len(placement)
-    if action.kind is Kind.FORWARD and s > 0:
-        return Transfer(
-            Direction.ACTIVATION, s - 1, action.microbatch, placement[s - 1], placement[s]
-        )
-    if action.kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT) and s < n - 1:
-        return Transfer(Direction.GRADIENT, s, action.microbatch, placement[s + 1], placement[s])
-    return None
+    found = needed_by(action, placement)
+    return found[0][1] if found else None
+
+
+def needed_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, Transfer]]:
+    """Each transfer ``action`` consumes, with the receive kind that carries it across ranks.
+
+    Read from the table of kinds: the needs that a receive carries (``via``)
+    from another stage that exists.
+    """
+    s = action.stage
+    out = []
+    for need in kind_spec(action.kind).needs:
+        other = s + need.offset
+        if need.via is not None and need.offset != 0 and 0 <= other < len(placement):
+            out.append((Kind(need.via), _between(s, other, action.microbatch, placement, into=s)))
+    return out
 
 
 def produced_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | None:
-    """The transfer ``action`` produces (local or remote), or None."""
-    s, n = action.stage, len(placement)
-    if action.kind is Kind.FORWARD and s < n - 1:
-        return Transfer(Direction.ACTIVATION, s, action.microbatch, placement[s], placement[s + 1])
-    if action.kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT) and s > 0:
-        return Transfer(
-            Direction.GRADIENT, s - 1, action.microbatch, placement[s], placement[s - 1]
-        )
-    return None
+    """The transfer ``action`` produces (local or remote), or None.
+
+    Read from the table: a result of ``action`` that a send kind carries to
+    a stage that exists.
+    """
+    found = produced_by(action, placement)
+    return found[0][1] if found else None
+
+
+def produced_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, Transfer]]:
+    """Each transfer ``action`` produces, with the send kind that carries it across ranks."""
+    s = action.stage
+    spec = kind_spec(action.kind)
+    out = []
+    for code, sender in KINDS.items():
+        link = sender.link
+        if link is None or not sender.needs or sender.needs[0].offset != 0:
+            continue  # not a send
+        other = s + link
+        if sender.needs[0].tag in spec.makes and 0 <= other < len(placement):
+            out.append((Kind(code), _between(s, other, action.microbatch, placement, into=other)))
+    return out
 
 
 def transfer_of(action: Action, placement: tuple[int, ...]) -> Transfer:
@@ -138,19 +161,29 @@ def transfer_of(action: Action, placement: tuple[int, ...]) -> Transfer:
         ValueError: if ``action`` moves nothing (a compute action, or a send
             or receive at the end of the pipeline).
     """
-    compute = {
-        Kind.SEND_F: (Kind.FORWARD, produced_transfer),
-        Kind.RECV_F: (Kind.FORWARD, needed_transfer),
-        Kind.SEND_B: (Kind.FULL_BACKWARD, produced_transfer),
-        Kind.RECV_B: (Kind.FULL_BACKWARD, needed_transfer),
-    }
-    if action.kind not in compute:
+    spec = kind_spec(action.kind)
+    s = action.stage
+    if spec.link is None:
         raise ValueError(f"{action} is not a transfer")
-    kind, rule = compute[action.kind]
-    transfer = rule(Action(action.stage, kind, action.microbatches), placement)
-    if transfer is None:
+    other = s + spec.link
+    if not 0 <= other < len(placement):
         raise ValueError(f"{action} moves nothing: stage {action.stage} has no such neighbour")
-    return transfer
+    sends = bool(spec.needs) and spec.needs[0].offset == 0
+    return _between(s, other, action.microbatch, placement, into=other if sends else s)
+
+
+def _between(
+    stage: int, other: int, microbatch: int, placement: tuple[int, ...], into: int
+) -> Transfer:
+    """The transfer between two neighbouring stages, into stage ``into``.
+
+    Towards a later stage it is an activation, towards an earlier one a gradient.
+    """
+    source = other if into == stage else stage
+    direction = Direction.ACTIVATION if into > source else Direction.GRADIENT
+    return Transfer(
+        direction, min(stage, other), microbatch, placement[source], placement[into]
+    )
 
 
 def plan_communication(schedule: Schedule, rank: int) -> CommPlan:

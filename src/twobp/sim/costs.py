@@ -43,7 +43,8 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
-from twobp.schedule.action import Action, Kind
+from twobp.schedule.action import Action
+from twobp.schedule.kinds import kind_spec
 
 PerStage = tuple[float, ...]
 
@@ -221,18 +222,15 @@ class CostModel:
         return _interpolate(table, n_microbatches)
 
     def duration(self, action: Action) -> float:
-        """Compute time of ``action`` (0 for communication markers)."""
-        s = action.stage
-        if action.kind is Kind.FORWARD:
-            return self.forward[s]
-        if action.kind is Kind.BACKWARD_INPUT:
-            return self.backward_input[s]
-        if action.kind is Kind.BACKWARD_WEIGHT:
-            return self.w_time(s, len(action.microbatches))
-        if action.kind is Kind.FULL_BACKWARD:
-            assert self.backward_full is not None
-            return self.backward_full[s]
-        return 0.0
+        """Compute time of ``action``: the field its kind names in the kind
+        table (``W`` through :meth:`w_time`), 0 for transfers."""
+        field_name = kind_spec(action.kind).cost
+        if field_name is None:
+            return 0.0
+        if field_name == "backward_weight":
+            return self.w_time(action.stage, len(action.microbatches))
+        times: PerStage = getattr(self, field_name)
+        return times[action.stage]
 
     def transfer_time(self, boundary: int) -> float:
         """Time for one micro-batch to cross boundary ``boundary -> boundary + 1``

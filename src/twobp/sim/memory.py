@@ -3,7 +3,8 @@
 The model (see :mod:`twobp.sim.costs`): a micro-batch's activations on a
 stage are allocated when its ``F`` starts and freed when its ``I`` (or fused
 ``B``) ends; ``I`` leaves behind what the weight pass needs, freed when the
-``W`` that covers the micro-batch ends; parameters are held throughout. It
+``W`` that covers the micro-batch ends; parameters are held throughout; other
+kinds (declared in the kind table) hold nothing. It
 reads only spans, so it applies to simulated and measured timelines alike.
 :func:`microbatch_limit` turns a memory limit into the number of micro-batches
 a rank may hold, the unit the 2BP ``fill`` policy bounds. This module imports
@@ -63,7 +64,7 @@ def memory_timeline(
             changes[span.rank].append((span.end, grad - act))
         elif a.kind is Kind.FULL_BACKWARD:
             changes[span.rank].append((span.end, -act))
-        else:
+        elif a.kind is Kind.BACKWARD_WEIGHT:
             changes[span.rank].append((span.end, -grad * len(a.microbatches)))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}

@@ -1,17 +1,18 @@
 """The result of a simulation: the timeline and the figures read from it.
 
 Both simulators (:func:`twobp.sim.simulate.simulate` and
-:func:`twobp.sim.contention.simulate_shared`) produce spans and hand them to
-:func:`summarise`, so the figures mean the same thing whichever ran. This
-module imports no torch.
+:func:`twobp.sim.contention.simulate_shared`) are :func:`simulated`: a walk of
+the schedule on the cost model's clock, summarised by :func:`summarise`, so
+the figures mean the same thing whichever ran. This module imports no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import peak_memory
 from twobp.timeline import Span, bubble_ratio, busy_time, makespan
@@ -72,3 +73,36 @@ def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> Si
         bubble_ratio=sum(ratios) / len(ratios),
         peak_memory=peak_memory(spans, costs, schedule.placement),
     )
+
+
+def simulated(
+    schedule: Schedule, costs: CostModel, slowdown: Callable[[int], float] | None = None
+) -> SimResult:
+    """Walk ``schedule`` with the times and transfer delays of ``costs``, and summarise.
+
+    Transfer actions take no time and are skipped: transfers are modelled by
+    their delay.
+
+    Args:
+        schedule: the ordered actions of every rank.
+        costs: a cost model with one entry per stage of the schedule.
+        slowdown: how many times slower each action runs while ``k`` ranks
+            compute at once; ``None`` for fixed times.
+
+    Returns:
+        The timeline and its figures.
+
+    Raises:
+        ValueError: if the cost model has another number of stages, or a rank
+            lists the same work twice.
+        DeadlockError: if the schedule cannot finish.
+    """
+    if costs.n_stages != schedule.n_stages:
+        raise ValueError(
+            f"the cost model has {costs.n_stages} stages but schedule "
+            f"{schedule.name or ''!r} has {schedule.n_stages}; fit it with "
+            f"costs.for_stages({schedule.n_stages})"
+        )
+    walked = walk(schedule, costs.duration, transfer=costs.transfer_time, slowdown=slowdown)
+    spans = [Span(r, x.action, x.start, x.end) for r, runs in walked.runs.items() for x in runs]
+    return summarise(schedule, costs, spans)

@@ -1,8 +1,8 @@
 """Event-driven simulation of a schedule under a cost model.
 
 Every rank runs its actions in list order. An action starts as soon as its
-rank is free and its inputs are there (the rules are in
-:mod:`twobp.sim.deps`):
+rank is free and its inputs are there (the walk of
+:mod:`twobp.schedule.walk`, with the rules of the kind table):
 
 * ``F`` of stage ``s`` needs the forward output of stage ``s - 1`` for the
   same micro-batch (plus the transfer time if that stage is on another rank);
@@ -14,7 +14,8 @@ rank is free and its inputs are there (the rules are in
 Transfers are asynchronous: they occupy no rank and do not contend, so
 ``SEND_*``/``RECV_*`` markers in a schedule take no time and are skipped.
 A schedule that can never finish (a cycle of waits, or a wait for an action
-no rank lists) raises :class:`DeadlockError` naming each stuck rank.
+no rank lists) raises :class:`DeadlockError` naming each stuck rank, with
+the rank-by-step grid, as validation does.
 
 With ``costs.contention == 1`` every action takes its fixed time from the
 cost model. Otherwise ranks that compute at the same time slow each other,
@@ -24,20 +25,11 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from twobp.schedule.errors import DeadlockError
 from twobp.schedule.schedule import Schedule
 from twobp.sim.contention import simulate_shared
 from twobp.sim.costs import CostModel
-from twobp.sim.deps import (
-    DeadlockError,
-    Key,
-    check_stage_count,
-    deadlock_message,
-    dependencies,
-    index_producers,
-    products,
-)
-from twobp.sim.result import SimResult, summarise
-from twobp.timeline import Span
+from twobp.sim.result import SimResult, simulated
 
 __all__ = ["DeadlockError", "SimResult", "simulate"]
 
@@ -60,44 +52,9 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
         ValueError: if the cost model has another number of stages, or a rank
             lists the same work twice.
         DeadlockError: if the schedule cannot finish; the message names every
-            stuck rank, the action it is stuck on and what it waits for.
+            stuck rank, the action it is stuck on and what it waits for, and
+            shows the rank-by-step grid.
     """
     if costs.contention != 1.0:
         return simulate_shared(schedule, costs)
-    check_stage_count(schedule, costs)
-    ranks = sorted(schedule.actions)
-    producer = index_producers(schedule)
-
-    ends: dict[Key, float] = {}
-    free_at = dict.fromkeys(ranks, 0.0)
-    position = dict.fromkeys(ranks, 0)
-    spans: list[Span] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank in ranks:
-            actions = schedule.actions[rank]
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                if action.kind.is_compute:
-                    start = free_at[rank]
-                    waiting = False
-                    for key, delay in dependencies(action, schedule, costs):
-                        if key not in ends:
-                            waiting = True
-                            break
-                        start = max(start, ends[key] + delay)
-                    if waiting:
-                        break
-                    end = start + costs.duration(action)
-                    spans.append(Span(rank, action, start, end))
-                    free_at[rank] = end
-                    for key in products(action):
-                        ends[key] = end
-                position[rank] += 1
-                progress = True
-
-    stuck = [r for r in ranks if position[r] < len(schedule.actions[r])]
-    if stuck:
-        raise DeadlockError(deadlock_message(schedule, costs, stuck, position, ends, producer))
-    return summarise(schedule, costs, spans)
+    return simulated(schedule, costs)

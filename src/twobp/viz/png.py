@@ -12,17 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from twobp.schedule.action import Kind, format_microbatches
+from twobp.schedule.action import format_microbatches
+from twobp.schedule.kinds import KINDS, Kind, kind_spec
 from twobp.timeline import Span, bubble_ratio, kind_label, makespan
 from twobp.viz.labels import compute_spans, several_stages_per_rank
 
-# Colour-blind-safe (Okabe-Ito) colours, one per kind of compute action.
-KIND_COLOURS = {
-    Kind.FORWARD: "#56B4E9",
-    Kind.FULL_BACKWARD: "#CC79A7",
-    Kind.BACKWARD_INPUT: "#E69F00",
-    Kind.BACKWARD_WEIGHT: "#009E73",
-}
+# For a kind whose table entry names no colour.
+_NEUTRAL_COLOUR = "#BBBBBB"
 
 _HATCHES = ("", "//", "..", "xx")
 
@@ -31,6 +27,11 @@ _TEXT_BACKGROUND = {"facecolor": "white", "alpha": 0.8, "pad": 1.0, "edgecolor":
 
 # Roughly the width in pixels of one character of the box labels.
 _CHAR_PX = 7.0
+
+
+def kind_colour(kind: Kind) -> str:
+    """The colour of ``kind``'s boxes: its table entry's, or a neutral grey."""
+    return kind_spec(kind).colour or _NEUTRAL_COLOUR
 
 
 def default_size(n_ranks: int) -> tuple[int, int]:
@@ -92,7 +93,7 @@ def render_png(
             s.duration,
             left=s.start - origin,
             height=0.8,
-            color=KIND_COLOURS[s.action.kind],
+            color=kind_colour(s.action.kind),
             edgecolor="black",
             linewidth=0.5,
             hatch=_HATCHES[chunk % len(_HATCHES)],
@@ -121,11 +122,12 @@ def render_png(
     axes.set_title(
         f"{title + ': ' if title else ''}bubble ratio {ratio:.1%}, makespan {total:.4g} {time_unit}"
     )
-    kinds = [k for k in KIND_COLOURS if any(s.action.kind is k for s in work)]
+    drawn = {s.action.kind for s in work}
+    kinds = [Kind(code) for code in KINDS if Kind(code) in drawn]
     legend_px = 0
     if kinds:
         handles = [
-            Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=kind_label(k)) for k in kinds
+            Patch(facecolor=kind_colour(k), edgecolor="black", label=kind_label(k)) for k in kinds
         ]
         figure.legend(handles=handles, loc="lower center", ncol=len(kinds), frameon=False)
         legend_px = 36

@@ -1,0 +1,132 @@
+"""The kind table: built-in entries, and a kind declared only in the table."""
+
+import dataclasses
+
+import pytest
+
+from twobp.schedule import (
+    KINDS,
+    Action,
+    DeadlockError,
+    Kind,
+    KindSpec,
+    Need,
+    Schedule,
+    ScheduleError,
+    dry_run,
+    register_kind,
+    unregister_kind,
+    validate,
+)
+from twobp.schedule.dependencies import produces, requires
+from twobp.sim.costs import CostModel
+from twobp.sim.simulate import simulate
+from twobp.timeline import kind_label
+from twobp.viz.ascii import render_ascii
+from twobp.viz.png import render_png
+
+# A recomputation of a stage's forward output: after its own F, and after
+# that of the stage before it (on another rank: a transfer away).
+RECOMPUTE = KindSpec(
+    "R", "recompute", needs=(Need("F"), Need("R", -1)), makes=("R",), cost="forward"
+)
+
+
+@pytest.fixture
+def recompute():
+    kind = register_kind(RECOMPUTE)
+    yield kind
+    unregister_kind(kind)
+
+
+def make(rows: list[str], n_microbatches: int = 1, name: str = "hand") -> Schedule:
+    actions = {r: tuple(Action.parse(t) for t in row.split()) for r, row in enumerate(rows)}
+    return Schedule(tuple(range(len(rows))), n_microbatches, actions, name)
+
+
+def test_every_built_in_kind_has_one_entry():
+    assert list(KINDS) == ["F", "I", "W", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert {Kind(code) for code in KINDS} == set(Kind)
+    cost_fields = {f.name for f in dataclasses.fields(CostModel)}
+    made = {tag for spec in KINDS.values() for tag in spec.makes}
+    for code, spec in KINDS.items():
+        assert spec.code == code
+        assert spec.is_compute == (spec.cost is not None) == (spec.link is None), code
+        assert spec.cost is None or spec.cost in cost_fields, code
+        assert all(need.tag in made for need in spec.needs), code
+        assert all(need.via is None or need.via in KINDS for need in spec.needs), code
+
+
+def test_rules_read_from_the_table():
+    placement = (0, 1, 1)
+    assert requires(Action.parse("0F0"), placement, lowered=False) == ()
+    assert requires(Action.parse("1F0"), placement, lowered=False) == ((0, "F", 0),)
+    assert requires(Action.parse("1F0"), placement, lowered=True) == ((1, "RECV_F", 0),)
+    assert requires(Action.parse("2F0"), placement, lowered=True) == ((1, "F", 0),)
+    assert requires(Action.parse("1I0"), placement, lowered=True) == ((1, "F", 0), (2, "BI", 0))
+    assert requires(Action.parse("0B0"), placement, lowered=True) == ((0, "F", 0), (0, "RECV_B", 0))
+    assert requires(Action.parse("1W0-1"), placement, lowered=False) == ((1, "BI", 0), (1, "BI", 1))
+    assert produces(Action.parse("2B3")) == ((2, "BI", 3), (2, "W", 3))
+
+
+def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(recompute, tmp_path):
+    assert Kind("R") is recompute and recompute.is_compute
+    assert str(Action.parse("1R0")) == "1R0" and kind_label(recompute) == "recompute"
+    s = make(["0F0 0R0 0B0", "1F0 1R0 1B0"])
+
+    validate(s)
+    assert [[str(a) if a else "." for a in row] for row in dry_run(s)] == [
+        ["0F0", "."],
+        ["0R0", "1F0"],
+        [".", "1R0"],
+        [".", "1B0"],
+        ["0B0", "."],
+    ]
+    with pytest.raises(ScheduleError, match=r"rank 1 lists 1R0 \(its action #0\) before 1F0"):
+        validate(make(["0F0 0R0 0B0", "1R0 1F0 1B0"]))
+
+    # R costs a forward (1); a transfer takes 0.5, also for 0R0 -> 1R0.
+    costs = CostModel.uniform(2, send_latency=0.5)
+    result = simulate(s, costs)
+    assert [(str(x.action), x.start, x.end) for x in result.spans] == [
+        ("0F0", 0.0, 1.0),
+        ("0R0", 1.0, 2.0),
+        ("0B0", 6.0, 8.0),
+        ("1F0", 1.5, 2.5),
+        ("1R0", 2.5, 3.5),
+        ("1B0", 3.5, 5.5),
+    ]
+    shared = simulate(s, dataclasses.replace(costs, contention=1.5))
+    assert {str(x.action) for x in shared.spans} == {"0F0", "0R0", "0B0", "1F0", "1R0", "1B0"}
+    assert shared.makespan > result.makespan
+
+    grid = render_ascii(result.spans, title="recompute")
+    assert grid.splitlines()[1].split("|")[1].split() == ["F0", "R0", ".", ".", ".", ".", "B0~~~"]
+    assert render_png(result.spans, tmp_path / "r.png").stat().st_size > 0
+
+
+def test_a_declared_kind_takes_part_in_deadlocks(recompute):
+    # 1R0 needs 0R0, listed after 0B0, which needs 1B0, listed after 1R0.
+    s = make(["0F0 0B0 0R0", "1F0 1R0 1B0"])
+    with pytest.raises(DeadlockError, match=r"rank 1 is stuck at 1R0 .* waits for 0R0 \(rank 0"):
+        dry_run(s)
+    with pytest.raises(DeadlockError, match=r"waits for 0R0 \(rank 0, its action #2"):
+        simulate(s, CostModel.uniform(2))
+
+
+def test_registering_checks_the_entry_and_unregistering_forgets_it():
+    with pytest.raises(ValueError, match="exists already"):
+        register_kind(dataclasses.replace(RECOMPUTE, code="F"))
+    with pytest.raises(ValueError, match="upper-case"):
+        register_kind(dataclasses.replace(RECOMPUTE, code="r"))
+    with pytest.raises(ValueError, match="cost of kind R"):
+        register_kind(dataclasses.replace(RECOMPUTE, cost="recompute"))
+    with pytest.raises(ValueError, match="built in"):
+        unregister_kind(Kind.FORWARD)
+    kind = register_kind(RECOMPUTE)
+    unregister_kind(kind)
+    assert "R" not in KINDS
+    with pytest.raises(ValueError):
+        Action.parse("0R0")
+    with pytest.raises(ValueError):
+        Kind("R")
