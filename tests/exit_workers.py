@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any
 
 import torch
@@ -56,7 +57,23 @@ def steps_after_mistakes() -> int:
 
 
 def _gloo_threads() -> int:
-    """How many gloo worker threads this process runs now."""
+    """How many gloo worker threads this process runs, once the count is steady.
+
+    A new thread takes its name a moment after it starts: count until two
+    reads 50 ms apart agree.
+    """
+    last = _count_gloo_threads()
+    for _ in range(40):
+        time.sleep(0.05)
+        now = _count_gloo_threads()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _count_gloo_threads() -> int:
+    """How many threads named as gloo worker threads this process runs now."""
     count = 0
     for task in os.listdir("/proc/self/task"):
         try:
