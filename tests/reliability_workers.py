@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from runtime_models import build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline
-from twobp.runtime.checks import ValuesDifferWarning
+from twobp.runtime.setup.fingerprint import ValuesDifferWarning
 from twobp.schedule import Kind, generate
 
 N_MB = 4

@@ -22,13 +22,13 @@ from reliability_workers import BATCH, checkpoint_session, conv, train_steps
 from runtime_models import build_blocks, make_batch, needs_no_process_group
 from twobp.cli.checkpoint import main as checkpoint_cli
 from twobp.runtime import LaunchError, launch
-from twobp.runtime.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
-from twobp.runtime.checkpoint_state import (
+from twobp.runtime.errors import CheckpointError
+from twobp.runtime.state.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
+from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
     parameter_names,
 )
-from twobp.runtime.errors import CheckpointError
 
 TOL = 1e-10
 

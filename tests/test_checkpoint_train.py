@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from twobp.cli.main import main
-from twobp.runtime.checkpoint import merge, read_manifest
+from twobp.runtime.state.checkpoint import merge, read_manifest
 from twobp.train.config import TrainConfig
 from twobp.train.run import check_config
 

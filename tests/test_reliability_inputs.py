@@ -19,9 +19,10 @@ import pytest
 
 from reliability_workers import bad_inputs_session
 from twobp.runtime import LaunchError, launch
-from twobp.runtime.checks import SMALL_BITS, BlockPrint, describe_difference
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.step_start import CallInfo, check_same_call
+from twobp.runtime.execution.step_start import CallInfo, check_same_call
+from twobp.runtime.setup.agreement import SMALL_BITS
+from twobp.runtime.setup.fingerprint import BlockPrint, describe_difference
 
 TIMEOUT = 30.0
 

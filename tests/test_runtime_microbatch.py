@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twobp.runtime.communication.tensor_layout import BoundaryMeta, TensorMeta, describe_mismatch
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.meta import BoundaryMeta, TensorMeta, describe_mismatch
-from twobp.runtime.microbatch import concat_microbatches, flatten, split_batch
+from twobp.runtime.execution.microbatch import concat_microbatches, flatten, split_batch
 
 
 def test_split_and_concat_a_tensor():

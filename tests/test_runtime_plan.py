@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.partition import stage_counts
+from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import (
     SCHEDULES,
     Action,

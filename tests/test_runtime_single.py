@@ -20,7 +20,7 @@ from runtime_models import (
 )
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline, PipelineConfigError
-from twobp.runtime.partition import check_no_shared_parameters
+from twobp.runtime.setup.stage_blocks import check_no_shared_parameters
 from twobp.schedule import SCHEDULES
 
 N_MB = 4

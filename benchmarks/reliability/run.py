@@ -33,10 +33,10 @@ def step_start_costs(calls: int) -> dict[str, float]:
     """On every rank: median microseconds per call of each way to open a step."""
     import torch.distributed as dist
 
-    from twobp.runtime import collective
-    from twobp.runtime.checks import agree_small, small_buffer
-    from twobp.runtime.group import join_world
-    from twobp.runtime.step_start import StepInputs, start_step
+    from twobp.runtime.communication import collective
+    from twobp.runtime.execution.step_start import StepInputs, start_step
+    from twobp.runtime.setup.agreement import agree_small, small_buffer
+    from twobp.runtime.setup.group import join_world
 
     device = torch.device("cpu")
     world = join_world(device, 30.0)
@@ -62,7 +62,7 @@ def step_start_costs(calls: int) -> dict[str, float]:
 
 def checkpoint_costs(size: str) -> dict[str, Any]:
     """Save and load times of one LLaMA-like preset with its AdamW state."""
-    from twobp.runtime.checks import block_print
+    from twobp.runtime.setup.fingerprint import block_print
 
     spec = build_model("llama", size, seed=0, vocab_size=256, seq_len=64)
     blocks = list(spec.blocks)

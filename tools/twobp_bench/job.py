@@ -35,8 +35,8 @@ from torch import nn
 
 from twobp.models import ModelSpec, build_model
 from twobp.runtime import Pipeline
-from twobp.runtime.group import default_device
-from twobp.runtime.microbatch import Batch, split_batch
+from twobp.runtime.execution.microbatch import Batch, split_batch
+from twobp.runtime.setup.group import default_device
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio
 from twobp_bench import baseline, matrix

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from twobp.engine import defer_weight_grads
 from twobp.partition.profiler import BlockCost, profile_blocks
-from twobp.runtime.microbatch import Batch, flatten, to_device, unflatten
+from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
 
 PING_REPEATS = 20
 _TIMES = ("forward", "backward_input", "backward_weight", "backward_full")

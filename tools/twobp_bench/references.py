@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from twobp.engine import defer_weight_grads
-from twobp.runtime.microbatch import Batch, split_batch
-from twobp.runtime.stage import LossFn
+from twobp.runtime.execution.microbatch import Batch, split_batch
+from twobp.runtime.execution.stage import LossFn
 from twobp_bench.matrix import REFERENCE_MICROBATCHED, REFERENCE_TWO_BP_LIMIT, REFERENCES
 
 

@@ -22,8 +22,8 @@ import torch.distributed.pipelining as pipelining
 from torch import Tensor, nn
 
 from twobp.partition import stage_ranges
-from twobp.runtime.microbatch import Batch, flatten
-from twobp.runtime.stage import LossFn
+from twobp.runtime.execution.microbatch import Batch, flatten
+from twobp.runtime.execution.stage import LossFn
 from twobp_bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_rank
 
 

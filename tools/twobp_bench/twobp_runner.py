@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from twobp.runtime import Pipeline
-from twobp.runtime.microbatch import Batch
-from twobp.runtime.stage import LossFn
+from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.execution.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
 from twobp_bench.matrix import Variant

@@ -49,7 +49,7 @@ def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
 
 def _info(args: argparse.Namespace) -> int:
-    from twobp.runtime.checkpoint import read_manifest
+    from twobp.runtime.state.checkpoint import read_manifest
 
     manifest = read_manifest(args.path)
     tensors = manifest["tensors"]
@@ -76,7 +76,7 @@ def _numel(shape: Sequence[int]) -> int:
 def _merge(args: argparse.Namespace) -> int:
     import torch
 
-    from twobp.runtime.checkpoint import merge
+    from twobp.runtime.state.checkpoint import merge
 
     state = merge(args.path)
     torch.save(state, args.output)

@@ -167,3 +167,26 @@ class LaunchError(PipelineError):
         elif first is not None and first.stack:
             lines += [f"stack of rank {first.rank} when it was terminated:", first.stack.rstrip()]
         super().__init__("\n".join(lines))
+def nonfinite_error(
+    world_rank: int, step: int, loss: float, microbatch: int, rank: int
+) -> NonFiniteLossError:
+    """The error for a step whose mean loss is not finite.
+
+    Args:
+        world_rank: this rank.
+        step: the step index.
+        loss: the mean loss.
+        microbatch: the first micro-batch whose loss was not finite (-1: unknown).
+        rank: the rank of the last stage, which computed the loss.
+    """
+    first = f"; micro-batch {microbatch} was the first" if microbatch >= 0 else ""
+    return NonFiniteLossError(
+        f"rank {world_rank}: the mean loss of step {step} is {loss} (computed on rank {rank}, "
+        f"the last stage{first}). The step's gradients were dropped on every rank. Lower the "
+        "learning rate, clip gradients, check the data and the loss for division by zero or "
+        "log(0), use a wider dtype, or pass nonfinite='skip' to skip such steps",
+        step,
+        loss,
+    )
+
+

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from twobp.runtime.errors import LaunchError, PeerError, RankFailure
-from twobp.runtime.group import backend_for, default_device
+from twobp.runtime.setup.group import backend_for, default_device
 
 T = TypeVar("T")
 

@@ -15,7 +15,8 @@ Example (2 ranks, under ``torchrun --nproc-per-node 2`` or :func:`launch`)::
     pipe.save("checkpoints", optimizer, extra={"step": 1})  # pipe.load(...) resumes
 
 A problem that one rank sees (a missing batch, a bad option) is raised on
-every rank; see :mod:`twobp.runtime.step_start` and :mod:`twobp.runtime.build`.
+every rank; see :mod:`twobp.runtime.execution.step_start` and
+:mod:`twobp.runtime.setup.pipeline_plan`.
 """
 
 from __future__ import annotations
@@ -30,24 +31,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.runtime import collective
-from twobp.runtime.backward import stage_gradients
-from twobp.runtime.build import CostsArgument, build_layout
-from twobp.runtime.checks import nonfinite_error, small_buffer
-from twobp.runtime.clock import StepClock
-from twobp.runtime.comm import Layouts, StepChannel
-from twobp.runtime.dispatcher import StepResult, StepRun
-from twobp.runtime.exit import close_at_exit, forget
-from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
-from twobp.runtime.microbatch import (
+from twobp.runtime.communication import collective
+from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
+from twobp.runtime.errors import nonfinite_error
+from twobp.runtime.execution.backward import stage_gradients
+from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.microbatch import (
     Batch,
     concat_microbatches,
     unflatten,
 )
-from twobp.runtime.pipeline_state import PipelineState
-from twobp.runtime.stage import LossFn, Stage
-from twobp.runtime.step_start import StepInputs, start_step
-from twobp.runtime.topology import Topology
+from twobp.runtime.execution.stage import LossFn, Stage
+from twobp.runtime.execution.step_run import StepResult, StepRun
+from twobp.runtime.execution.step_start import StepInputs, start_step
+from twobp.runtime.exit import close_at_exit, forget
+from twobp.runtime.setup.agreement import small_buffer
+from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
+from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
+from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action
 from twobp.schedule.lowering import add_communication, forward_only, split_stages
 from twobp.schedule.schedule import Schedule
@@ -141,7 +143,7 @@ class Pipeline(PipelineState):
         """This process's rank in the process group."""
         set_threads_per_rank(members.local_size, num_threads)
         all_blocks = list(blocks)
-        layout = build_layout(
+        plan = plan_pipeline(
             all_blocks,
             members,
             self.device,
@@ -156,7 +158,7 @@ class Pipeline(PipelineState):
             nonfinite=nonfinite,
             costs=costs,
         )
-        self.schedule = layout.schedule
+        self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.one_pipeline(members, self.schedule.placement)
         """Which process runs each stage."""
@@ -165,7 +167,7 @@ class Pipeline(PipelineState):
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = nonfinite
         self._weight_group_size = weight_group_size
-        ranges = layout.ranges
+        ranges = plan.ranges
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
         mine = self.schedule.stages_of(self.pp_rank)
@@ -191,7 +193,7 @@ class Pipeline(PipelineState):
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
         self._plan = plan_communication(self.schedule, self.pp_rank)
-        self._layouts: Layouts = {}
+        self._layouts: BoundaryLayouts = {}
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
@@ -337,7 +339,7 @@ class Pipeline(PipelineState):
         self,
         schedule: Schedule,
         plan: CommPlan,
-        layouts: Layouts,
+        layouts: BoundaryLayouts,
         mb_inputs: list[Batch] | None,
         mb_targets: list[Batch] | None,
     ) -> StepResult:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from twobp.runtime import Pipeline
-from twobp.runtime.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
 from twobp.runtime.errors import CheckpointError
+from twobp.runtime.state.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
 from twobp.train.config import TrainConfig
 
 SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "seed", "data")

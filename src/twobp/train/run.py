@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twobp.runtime import launch
-from twobp.runtime.group import launched_by_env
+from twobp.runtime.setup.group import launched_by_env
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig
 from twobp.train.loop import RankResult, StepHook, train_rank

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from twobp.runtime.group import Membership
+from twobp.runtime.setup.group import Membership
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from twobp.runtime.backward import StageGradients
-from twobp.runtime.microbatch import Batch, flatten, unflatten
+from twobp.runtime.execution.backward import StageGradients
+from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
 
 LossFn = Callable[[Any, Any], Tensor]
 """``loss_fn(output, target) -> scalar``, the mean over one micro-batch."""

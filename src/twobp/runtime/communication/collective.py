@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.errors import PeerFailedError, PeerTimeoutError
-from twobp.runtime.group import Membership
+from twobp.runtime.setup.group import Membership
 
 
 def wait_work(

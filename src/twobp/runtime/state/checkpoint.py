@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from twobp.runtime import collective
-from twobp.runtime.checkpoint_files import (
+from twobp.runtime.communication import collective
+from twobp.runtime.errors import CheckpointError
+from twobp.runtime.setup.agreement import agree
+from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state.checkpoint_files import (
     FORMAT,
     VERSION,
     find_checkpoint,
@@ -46,15 +49,14 @@ from twobp.runtime.checkpoint_files import (
     step_folder,
     write_atomic,
 )
-from twobp.runtime.checkpoint_state import (
+from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
     parameter_names,
     rng_state,
     set_rng_state,
 )
-from twobp.runtime.checks import agree
-from twobp.runtime.errors import CheckpointError
+from twobp.schedule.schedule import Schedule
 
 __all__ = [
     "find_checkpoint",
@@ -66,14 +68,31 @@ __all__ = [
     "save",
 ]
 
-if TYPE_CHECKING:
-    from twobp.runtime.pipeline_state import PipelineState as Pipeline
+class Checkpointable(Protocol):
+    """What a checkpoint reads from and writes into a pipeline (its model state)."""
+
+    rank: int
+    pp_rank: int
+    topology: Topology
+    device: torch.device
+    timeout: float
+    step_count: int
+    schedule: Schedule
+    n_microbatches: int
+    stage_blocks: tuple[range, ...]
+    module: nn.Sequential
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]: ...
+
+
 
 # -- writing ---------------------------------------------------------------------------
 
 
 def save(
-    pipe: Pipeline,
+    pipe: Checkpointable,
     root: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
@@ -145,7 +164,7 @@ def save(
 
 
 def _manifest(
-    pipe: Pipeline,
+    pipe: Checkpointable,
     step: int,
     every: list[tuple[int, bool, dict[str, tuple[list[int], str]]]],
     optimizer: torch.optim.Optimizer | None,
@@ -200,7 +219,7 @@ def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
 
 
 def load(
-    pipe: Pipeline,
+    pipe: Checkpointable,
     path: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
@@ -244,7 +263,7 @@ class _LoadPlan:
 
 
 def _read(
-    pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+    pipe: Checkpointable, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
 ) -> _LoadPlan:
     """Read and check everything this rank needs, changing nothing."""
     manifest = read_manifest(path)

@@ -24,10 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from twobp.runtime.collective import wait_work
+from twobp.runtime.communication.collective import wait_work
+from twobp.runtime.communication.tensor_layout import (
+    MESSAGE_LENGTH,
+    BoundaryMeta,
+    TensorMeta,
+    describe_mismatch,
+)
 from twobp.runtime.errors import PipelineError, ShapeMismatchError
-from twobp.runtime.meta import MESSAGE_LENGTH, BoundaryMeta, TensorMeta, describe_mismatch
-from twobp.runtime.topology import Topology
+from twobp.runtime.setup.topology import Topology
 from twobp.schedule.action import Action
 from twobp.schedule.transfers import CommPlan, Direction, Transfer
 
@@ -37,7 +42,7 @@ MAX_TENSORS = 64
 _TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
 _META_CODE = 2
 
-Layouts = MutableMapping[int, BoundaryMeta]
+BoundaryLayouts = MutableMapping[int, BoundaryMeta]
 """Known activation layout of each remote boundary, kept across steps."""
 
 
@@ -74,7 +79,7 @@ class StepChannel:
         plan: CommPlan,
         topology: Topology,
         device: torch.device,
-        layouts: Layouts,
+        layouts: BoundaryLayouts,
         timeout: float,
         n_stages: int,
         n_microbatches: int,

@@ -17,8 +17,8 @@ from torch import nn
 
 from twobp.partition import check_partition, solve, uniform
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.group import Membership
-from twobp.runtime.microbatch import Batch, to_device
+from twobp.runtime.execution.microbatch import Batch, to_device
+from twobp.runtime.setup.group import Membership
 
 STRATEGIES = ("uniform", "balanced")
 """Partition strategies known by name."""

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from twobp.runtime import checkpoint
 from twobp.runtime.errors import PipelineClosedError
-from twobp.runtime.grad_norm import clip_grad_norm_
-from twobp.runtime.topology import Topology
+from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state import checkpoint
+from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.schedule.schedule import Schedule
 
 S = TypeVar("S", bound="PipelineState")
@@ -107,7 +107,7 @@ class PipelineState:
         optimizer's state keyed by parameter name, its RNG states and ``extra``;
         rank 0 adds a manifest. The write is atomic: until the new checkpoint is
         complete, the earlier ones stay as they were (see
-        :mod:`twobp.runtime.checkpoint`).
+        :mod:`twobp.runtime.state.checkpoint`).
 
         Args:
             path: the folder of checkpoints (shared by every rank); this one goes
@@ -117,7 +117,7 @@ class PipelineState:
                 position, the loss history); each rank saves its own.
             step: the step to file it under; None: :attr:`step_count`.
             meta: JSON data for the manifest, readable without loading tensors
-                (``twobp.runtime.checkpoint.read_manifest``).
+                (``twobp.runtime.state.checkpoint.read_manifest``).
             keep: how many checkpoints to keep in ``path``, this one included.
 
         Returns:

@@ -1,6 +1,6 @@
 """Where a checkpoint's files go and how they are found, written atomically and merged.
 
-See :mod:`twobp.runtime.checkpoint` for the layout. Nothing here communicates:
+See :mod:`twobp.runtime.state.checkpoint` for the layout. Nothing here communicates:
 these are the file operations of one process.
 """
 

@@ -7,7 +7,7 @@ the stage and puts its output there; a ``RECV_*`` waits for a transfer from
 another rank into that table, and a ``SEND_*`` posts the send of what the
 action before it produced. Between stages of one rank the table is the
 whole transfer. The compute part of every action is timed (see
-:mod:`twobp.runtime.clock`); waiting for inputs is not, so idle time shows as
+:mod:`twobp.runtime.execution.clock`); waiting for inputs is not, so idle time shows as
 bubble.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 from torch import Tensor
 
-from twobp.runtime.clock import StepClock
-from twobp.runtime.comm import StepChannel
-from twobp.runtime.microbatch import Batch, flatten
-from twobp.runtime.stage import Stage
+from twobp.runtime.communication.channel import StepChannel
+from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.microbatch import Batch, flatten
+from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
 from twobp.timeline import Span

@@ -2,7 +2,7 @@
 
 Every rank resolves the schedule and the partition from its own arguments.
 Before any rank goes on, the ranks compare what they found
-(:func:`twobp.runtime.checks.check_same_pipeline`): a configuration error on
+(:func:`twobp.runtime.setup.fingerprint.check_same_pipeline`): a configuration error on
 any rank is raised on every rank, and ranks that were given other options or
 built another model fail at once, naming the difference, instead of
 deadlocking in the first step.
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from twobp.partition import stage_ranges
-from twobp.runtime.checks import check_same_pipeline, stable_hash
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.group import Membership
-from twobp.runtime.microbatch import Batch
-from twobp.runtime.partition import (
+from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
+from twobp.runtime.setup.group import Membership
+from twobp.runtime.setup.stage_blocks import (
     balanced_counts,
     check_no_shared_parameters,
     example_input_needed,
@@ -46,7 +46,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass(frozen=True)
-class Layout:
+class PipelinePlan:
     """The schedule every rank runs and the blocks of every stage.
 
     Args:
@@ -59,7 +59,7 @@ class Layout:
     ranges: tuple[range, ...]
 
 
-def build_layout(
+def plan_pipeline(
     blocks: Sequence[nn.Module],
     world: Membership,
     device: torch.device,
@@ -74,7 +74,7 @@ def build_layout(
     example_input: Batch | None,
     nonfinite: str,
     costs: CostsArgument = None,
-) -> Layout:
+) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
     Collective: every rank calls it. The arguments are those of
@@ -125,7 +125,7 @@ def build_layout(
     if counts is None:
         counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
         check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
-    return Layout(resolved, tuple(stage_ranges(counts)))
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)))
 
 
 def cost_model(costs: CostsArgument) -> Costs:

@@ -1,0 +1,1 @@
+"""Moving tensors between ranks: the step's point-to-point channel and the few collectives."""

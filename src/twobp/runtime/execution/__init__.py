@@ -1,0 +1,1 @@
+"""Running one step: the dispatcher over a rank's actions, its stages and their backward."""

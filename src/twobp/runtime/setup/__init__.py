@@ -1,0 +1,1 @@
+"""Building a pipeline: the process group, the topology, the plan, and the ranks' agreement."""

@@ -1,0 +1,1 @@
+"""What a pipeline holds as a model: parameters, gradient norm, checkpoints."""
