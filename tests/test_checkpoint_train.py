@@ -23,7 +23,7 @@ import torch
 from twobp.cli.main import main
 from twobp.runtime.checkpoint import merge, read_manifest
 from twobp.train.config import TrainConfig
-from twobp.train.run import check_config
+from twobp.train.preflight import check_config
 
 OPTIONS = [
     "--steps", "6", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",

@@ -7,7 +7,7 @@ import pytest
 from twobp.cli.main import main
 from twobp.train.config import TrainConfig
 from twobp.train.loop import learning_rate
-from twobp.train.run import check_config
+from twobp.train.preflight import check_config
 
 
 def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from twobp.cli.errors import UsageError, check_at_least
 from twobp.cli.simulate import COSTS_HELP, NO_TWO_BP, build_schedule, cost_model, format_amount
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, apply_two_bp
 from twobp.sim.cost_io import parse_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import microbatch_limit
+from twobp.sim.memory import least_fill_memory, microbatch_limit
 from twobp.sim.simulate import DeadlockError, simulate
 
 ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)
@@ -54,8 +54,10 @@ class PlanConfig:
         None,
     )
     # doc() gives list defaults a default_factory, so no list is shared.
-    schedules: list[str] = doc("schedules to compare", [*SCHEDULES])  # noqa: RUF009
-    policies: list[str] = doc("2BP policies to compare (off: as generated)", [*ALL_POLICIES])  # noqa: RUF009
+    schedules: list[str] = doc("schedules to compare", [*SCHEDULES], choices=tuple(SCHEDULES))  # noqa: RUF009
+    policies: list[str] = doc(  # noqa: RUF009
+        "2BP policies to compare (off: as generated)", [*ALL_POLICIES], choices=ALL_POLICIES
+    )
     markdown: bool = doc("print the table as markdown", False)
 
 
@@ -151,13 +153,14 @@ def evaluate(
                         raise ValueError(
                             f"not one micro-batch fits in {format_amount(memory_limit)} per rank"
                         )
-                    try:
-                        schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
-                    except ValueError as exc:
+                    need = least_fill_memory(schedule, fitted)
+                    if memory_limit < need:
                         raise ValueError(
-                            f"{format_amount(memory_limit)} per rank holds {held} "
-                            f"micro-batch(es) between F and W: {exc}"
-                        ) from exc
+                            f"needs at least {format_amount(need)} per rank, whatever the W "
+                            f"placement (its order of F and I alone); the limit is "
+                            f"{format_amount(memory_limit)}"
+                        )
+                    schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
                 result = simulate(schedule, fitted)
             except (ValueError, DeadlockError) as exc:
                 out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))
@@ -261,7 +264,17 @@ def run(config: PlanConfig) -> int:
     Raises:
         ValueError: on options that do not fit together.
     """
-    limit = parse_amount(config.memory_limit) if config.memory_limit else None
+    check_at_least(
+        stages=(config.stages, 1),
+        microbatches=(config.microbatches, 1),
+        stages_per_rank=(config.stages_per_rank, 1),
+    )
+    try:
+        limit = parse_amount(config.memory_limit) if config.memory_limit else None
+    except ValueError as exc:
+        raise UsageError(f"--memory-limit {config.memory_limit}: {exc}") from exc
+    if limit is not None and not limit > 0:
+        raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
     costs = cost_model(config.costs, config.costs_file, config.stages)
     candidates = evaluate(
         costs,
@@ -288,9 +301,8 @@ def run(config: PlanConfig) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         return run(from_namespace(PlanConfig, args))
-    except (ValueError, OSError) as exc:
-        print(f"twobp plan: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def register(subparsers: Any) -> None:
