@@ -262,6 +262,7 @@ def run(config: PlanConfig) -> int:
     """Rank, print and recommend; returns the exit code.
 
     Raises:
+        UsageError: on a count below 1 or a memory limit that is not a positive amount.
         ValueError: on options that do not fit together.
     """
     check_at_least(
