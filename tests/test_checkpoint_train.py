@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import twobp
 from twobp.cli.main import main
 from twobp.runtime.state.checkpoint import merge, read_manifest
 from twobp.train.config import TrainConfig
-from twobp.train.run import check_config
+from twobp.train.preflight import check_config
 
 OPTIONS = [
     "--steps", "6", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
@@ -83,7 +84,9 @@ def test_torchrun_restarts_after_a_kill_and_resumes_to_the_same_weights(uninterr
         "--max-restarts", "1", "--monitor-interval", "0.5", str(script),
         *OPTIONS, "--save-every", "3", "--resume", "auto", "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "KILL_AT": "4", "PYTHONPATH": str(Path(__file__).parent)}
+    # The script from here, and the twobp under test (not another install).
+    path = os.pathsep.join([str(Path(__file__).parent), str(Path(twobp.__file__).parents[1])])
+    env = {**os.environ, "KILL_AT": "4", "PYTHONPATH": path}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exitcode: -9" in done.stderr  # rank 1 of the first attempt, killed

@@ -118,8 +118,18 @@ def test_plan_gives_fill_the_memory_limit(capsys):
     assert rows[("1f1b", "fill")][6] == "5" and "over" not in rows[("1f1b", "fill")]
     assert "over" in rows[("1f1b", "paper")]
     # GPipe's warm-up alone holds 8: the limit cannot be met, and the row says why.
-    assert "5 per rank holds 5 micro-batch(es) between F and W" in out
+    assert "needs at least 8 per rank, whatever the W placement" in out
     assert out.strip().splitlines()[-1].startswith("Recommended: 1f1b with 2BP (fill)")
+
+
+def test_plan_speaks_of_memory_in_the_limit_unit_per_rank(capsys):
+    # Interleaved 1F1B holds 2 stages per rank, each with half the rank's memory
+    # per micro-batch: its warm-up alone keeps 11 half-size activations on rank 0.
+    argv = ["plan", "--microbatches", "8", "--memory-limit", "5", "--policies", "fill"]
+    assert main([*argv, "--schedules", "interleaved-1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "needs at least 5.5 per rank, whatever the W placement" in out
+    assert "the limit is 5" in out and "memory_limit=" not in out
 
 
 def test_plan_nothing_fits(capsys):
@@ -145,4 +155,4 @@ def test_plan_markdown(capsys):
 
 def test_plan_unknown_policy(capsys):
     assert main(["plan", "--policies", "off,lazy"]) == 2
-    assert "unknown schedule or policy 'lazy'" in capsys.readouterr().err
+    assert "argument --policies: invalid choice: 'lazy'" in capsys.readouterr().err

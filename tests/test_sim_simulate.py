@@ -8,7 +8,12 @@ from twobp.schedule import generate
 from twobp.schedule.action import Action
 from twobp.schedule.schedule import Schedule
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import memory_timeline, microbatch_limit, peak_memory
+from twobp.sim.memory import (
+    least_fill_memory,
+    memory_timeline,
+    microbatch_limit,
+    peak_memory,
+)
 from twobp.sim.simulate import DeadlockError, simulate
 
 
@@ -194,3 +199,18 @@ def test_microbatch_limit_reads_parameters_and_the_largest_stage():
     free = dataclasses.replace(costs, activation_bytes=(0,) * 4, weight_grad_bytes=(0,) * 4)
     assert microbatch_limit(schedule, free, 150) == 4
     assert microbatch_limit(schedule, free, 149) == 0
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_least_fill_memory_is_where_fill_starts_to_fit(name, v):
+    from twobp.schedule import apply_two_bp
+    from twobp.sim.cost_io import parse_costs
+
+    schedule = generate(name, 4, 8, stages_per_rank=v)
+    costs = parse_costs("F=1,I=1,W=1,param=0.25", 4).for_stages(schedule.n_stages)
+    need = least_fill_memory(schedule, costs)
+    held = microbatch_limit(schedule, costs, need)
+    apply_two_bp(schedule, "fill", costs=costs, memory_limit=held)
+    with pytest.raises(ValueError, match="is below what rank"):
+        held = microbatch_limit(schedule, costs, need - 0.01)
+        apply_two_bp(schedule, "fill", costs=costs, memory_limit=held)

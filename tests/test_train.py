@@ -1,13 +1,18 @@
 """`twobp train` end to end: real ranks, real text, real report files."""
 
+import dataclasses
+import io
 import json
 
 import pytest
 
 from twobp.cli.main import main
 from twobp.train.config import TrainConfig
-from twobp.train.loop import learning_rate
-from twobp.train.run import check_config
+from twobp.train.data import ByteLMData
+from twobp.train.loop import RankResult, learning_rate
+from twobp.train.preflight import check_config
+from twobp.train.progress import Progress
+from twobp.train.report import summarize, throughput
 
 
 def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
@@ -45,3 +50,28 @@ def test_learning_rate_warms_up_then_decays():
 def test_check_config_names_the_option():
     with pytest.raises(ValueError, match="--steps"):
         check_config(TrainConfig(steps=0))
+
+
+def test_images_are_counted_in_samples_only():
+    result = RankResult(rank=0, losses=[2.0, 1.0], step_seconds=[0.5, 0.5])
+    summary = summarize(TrainConfig(model="resnet", batch_size=16), [result])
+    assert summary["tokens_per_s"] is None
+    assert throughput(summary) == "32.0 samples/s"
+    text = throughput(summarize(TrainConfig(), [dataclasses.replace(result, tokens_per_sample=64)]))
+    assert text == "32.0 samples/s, 2048 tokens/s"
+    stream = io.StringIO()
+    Progress(1, stream=stream).update(1, 1.0, 32.0, None)
+    assert stream.getvalue().rstrip().endswith("32.0 samples/s")
+
+
+def test_a_text_too_short_to_hold_out_a_sequence_is_refused_before_any_rank_starts(tmp_path):
+    # Long enough to train on, but its held-out twentieth is shorter than one sequence.
+    short = tmp_path / "short.txt"
+    short.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"--data .* has 1,024 bytes; sequences of 64 bytes need"):
+        check_config(TrainConfig(data=str(short), seq_len=64, out=str(tmp_path / "run")))
+    need = ByteLMData.min_bytes(64)
+    data = ByteLMData.from_bytes(bytes(need), 64, "text")
+    assert data.batch(0, 4, 0, split="eval")[0].shape == (4, 64)
+    with pytest.raises(ValueError, match="too short"):
+        ByteLMData.from_bytes(bytes(need - 1), 64, "text")

@@ -4,14 +4,19 @@ Each field of a config dataclass carries its help text in
 ``field(metadata={"help": ...})``; :func:`add_arguments` turns the fields into
 ``argparse`` options (``--field-name``) and :func:`from_namespace` builds the
 dataclass back from the parsed arguments, so the two never drift apart.
+:func:`check_writable` checks an output path option before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import tempfile
 import types
 import typing
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
     """Add one ``--option`` per field of the dataclass ``cls``.
 
     Booleans become ``--flag/--no-flag``; ``Optional[X]`` fields accept a value
-    of ``X``; ``list[int]`` fields accept comma-separated values.
+    of ``X``; ``list[int]`` fields accept comma-separated values. ``choices``
+    apply to every element of a list.
     """
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -71,16 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
             )
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+        choices = f.metadata.get("choices")
         if typing.get_origin(tp) in (list, tuple):
-            inner = typing.get_args(tp)[0]
-            kwargs["type"] = lambda s, inner=inner: [inner(x) for x in s.split(",") if x]
+            kwargs["type"] = _comma_list(typing.get_args(tp)[0], choices)
             kwargs["metavar"] = "A,B,..."
-        elif tp in (int, float, str):
-            kwargs["type"] = tp
         else:
-            kwargs["type"] = str
+            kwargs["type"] = tp if tp in (int, float, str) else str
+            if choices is not None:
+                kwargs["choices"] = choices
         parser.add_argument(*names, **kwargs)
 
 
@@ -93,3 +97,58 @@ def from_namespace(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     }
     values.update(overrides)
     return cls(**values)
+
+
+def _comma_list(inner: Callable[[str], Any], choices: Collection[Any] | None) -> Any:
+    """An argparse ``type`` for comma-separated values, each checked against ``choices``."""
+
+    def parse(text: str) -> list[Any]:
+        values = [inner(x) for x in text.split(",") if x]
+        for value in values:
+            if choices is not None and value not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice: {value!r} (choose from {', '.join(map(str, choices))})"
+                )
+        return values
+
+    # argparse names the type in "invalid <name> value: ..."
+    parse.__name__ = f"comma-separated {getattr(inner, '__name__', 'value')}"
+    return parse
+
+
+def check_writable(option: str, path: str | os.PathLike[str], *, folder: bool) -> None:
+    """Check that an output path can be written, before any work starts.
+
+    The folder that would hold it is probed with a temporary file (removed at
+    once): permission bits do not tell about read-only mounts or special
+    file systems, nor anything for root.
+
+    Args:
+        option: the option that gave the path, for the message (``"--out"``).
+        path: a folder (created with its parents if missing) or a file (whose
+            folder must exist).
+        folder: True if ``path`` is a folder, False if it is a file.
+
+    Raises:
+        ValueError: naming the option, the path and what to do.
+    """
+    target = Path(path)
+    if target.exists() and folder != target.is_dir():
+        what = "a file, not a folder" if folder else "a folder, not a file"
+        raise ValueError(f"{option} {path}: is {what}; give another path")
+    if target.is_file() and not os.access(target, os.W_OK):
+        raise ValueError(f"{option} {path}: is read-only; give another path")
+    home = target if folder else target.absolute().parent
+    if not folder and not home.is_dir():
+        raise ValueError(
+            f"{option} {path}: the folder {home} does not exist; create it or give another path"
+        )
+    while not home.exists():
+        home = home.parent
+    try:
+        with tempfile.TemporaryFile(dir=home):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"{option} {path}: cannot write in {home} ({exc.strerror or exc}); give another path"
+        ) from None

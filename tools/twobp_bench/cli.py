@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import Any
 
-from twobp.config import add_arguments, from_namespace
+from twobp.cli.errors import UsageError
+from twobp.config import add_arguments, check_writable, from_namespace
 from twobp_bench.config import BenchConfig
 
 
@@ -36,11 +37,11 @@ def _run(args: argparse.Namespace) -> int:
     from twobp_bench.run import run_bench
 
     cfg = from_namespace(BenchConfig, args)
+    _check(cfg)
     try:
         results = run_bench(cfg, progress=lambda line: print(line, flush=True))
     except ValueError as exc:
-        print(f"twobp bench: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
     except LaunchError as exc:
         print(f"twobp bench: {exc}", file=sys.stderr)
         return 1
@@ -61,3 +62,22 @@ def _run(args: argparse.Namespace) -> int:
                 )
     print(f"report in {cfg.out}/report.md, chart in {cfg.out}/throughput.png")
     return 0
+
+
+def _check(cfg: BenchConfig) -> None:
+    """Check the options that the bench's own resolution leaves to its ranks.
+
+    Raises:
+        UsageError: naming the option.
+    """
+    from twobp.models import PRESETS, build_model
+
+    try:
+        check_writable("--out", cfg.out, folder=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    for family in dict.fromkeys(m for m in cfg.model if m in PRESETS):
+        try:
+            build_model(family, cfg.size, device="meta", seed=None)
+        except ValueError as exc:
+            raise UsageError(f"--size {cfg.size}: {exc}") from exc

@@ -7,6 +7,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from twobp.cli.errors import OneLineParser, UsageError, report_usage_error
+from twobp.config import check_writable
+
 
 def register(subparsers: Any) -> None:
     """Add the ``checkpoint`` sub-command."""
@@ -34,7 +37,7 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
 
 
 def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """``action`` with a missing or bad checkpoint reported as a one-line error (exit 2)."""
+    """``action`` with a missing or bad checkpoint reported as a mistake in the options."""
 
     def run(args: argparse.Namespace) -> int:
         from twobp.runtime.errors import CheckpointError
@@ -42,8 +45,7 @@ def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
         try:
             return action(args)
         except CheckpointError as exc:
-            print(f"twobp checkpoint: {exc}", file=sys.stderr)
-            return 2
+            raise UsageError(str(exc)) from exc
 
     return run
 
@@ -78,6 +80,10 @@ def _merge(args: argparse.Namespace) -> int:
 
     from twobp.runtime.state.checkpoint import merge
 
+    try:
+        check_writable("output", args.output, folder=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     state = merge(args.path)
     torch.save(state, args.output)
     print(f"wrote {len(state)} tensors to {args.output}")
@@ -86,10 +92,13 @@ def _merge(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``twobp checkpoint`` on its own (``python -m twobp.cli.checkpoint``)."""
-    parser = argparse.ArgumentParser(prog="twobp checkpoint")
+    parser = OneLineParser(prog="twobp checkpoint")
     _add_actions(parser)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        return report_usage_error("twobp checkpoint", exc)
 
 
 if __name__ == "__main__":

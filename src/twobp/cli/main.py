@@ -3,6 +3,9 @@
 Each sub-command lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` to the
 function that runs it (taking the parsed namespace, returning an exit code).
+A mistake in the options, found by argparse or raised by ``func`` as
+:class:`~twobp.cli.errors.UsageError`, is answered in one line with exit
+code 2 (see :mod:`twobp.cli.errors`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import twobp
+from twobp.cli.errors import OneLineParser, UsageError, report_usage_error
 
 # Sub-command modules, in the order `twobp --help` lists them.
 SUBCOMMANDS = ("train", "simulate", "plan", "profile", "bench", "checkpoint")
@@ -21,7 +25,7 @@ SUBCOMMANDS = ("train", "simulate", "plan", "profile", "bench", "checkpoint")
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser, with every sub-command that is installed."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="twobp",
         description=(
             "Pipeline-parallel training with 2-stage backpropagation (2BP): "
@@ -41,12 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``twobp`` command; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a mistake argparse found
+        return exc.code if isinstance(exc.code, int) else 0
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
+    except UsageError as exc:
+        return report_usage_error(f"twobp {args.command}", exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from twobp.cli.errors import UsageError, check_at_least
 from twobp.cli.simulate import COSTS_HELP, cost_model
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES
@@ -47,8 +47,10 @@ class PlanConfig:
         None,
     )
     # doc() gives list defaults a default_factory, so no list is shared.
-    schedules: list[str] = doc("schedules to compare", [*SCHEDULES])  # noqa: RUF009
-    policies: list[str] = doc("2BP policies to compare (off: as generated)", [*ALL_POLICIES])  # noqa: RUF009
+    schedules: list[str] = doc("schedules to compare", [*SCHEDULES], choices=tuple(SCHEDULES))  # noqa: RUF009
+    policies: list[str] = doc(  # noqa: RUF009
+        "2BP policies to compare (off: as generated)", [*ALL_POLICIES], choices=ALL_POLICIES
+    )
     markdown: bool = doc("print the table as markdown", False)
 
 
@@ -98,9 +100,20 @@ def run(config: PlanConfig) -> int:
     """Rank, print and recommend; returns the exit code.
 
     Raises:
+        UsageError: on a count below 1 or a memory limit that is not a positive amount.
         ValueError: on options that do not fit together.
     """
-    limit = parse_amount(config.memory_limit) if config.memory_limit else None
+    check_at_least(
+        stages=(config.stages, 1),
+        microbatches=(config.microbatches, 1),
+        stages_per_rank=(config.stages_per_rank, 1),
+    )
+    try:
+        limit = parse_amount(config.memory_limit) if config.memory_limit else None
+    except ValueError as exc:
+        raise UsageError(f"--memory-limit {config.memory_limit}: {exc}") from exc
+    if limit is not None and not limit > 0:
+        raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
     costs = cost_model(config.costs, config.costs_file, config.stages)
     candidates = evaluate(
         costs,
@@ -127,9 +140,8 @@ def run(config: PlanConfig) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         return run(from_namespace(PlanConfig, args))
-    except (ValueError, OSError) as exc:
-        print(f"twobp plan: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def register(subparsers: Any) -> None:

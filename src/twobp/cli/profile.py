@@ -7,11 +7,11 @@ The profile is the simulator's cost JSON (:mod:`twobp.sim.cost_io`), which
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from twobp.config import add_arguments, doc, from_namespace
+from twobp.cli.errors import UsageError, check_at_least
+from twobp.config import add_arguments, check_writable, doc, from_namespace
 
 
 @dataclass
@@ -59,8 +59,28 @@ def _run(args: argparse.Namespace) -> int:
     from twobp.train.task import DTYPES
 
     cfg = from_namespace(ProfileConfig, args)
+    check_at_least(
+        microbatch_size=(cfg.microbatch_size, 1),
+        stages=(cfg.stages, 1),
+        repeats=(cfg.repeats, 1),
+        threads=(cfg.threads, 1),
+    )
+    if cfg.memory_limit is not None and not cfg.memory_limit > 0:
+        raise UsageError(f"--memory-limit must be > 0 bytes, got {cfg.memory_limit}")
+    try:
+        check_writable("--out", cfg.out, folder=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        spec = build_model(cfg.model, cfg.size, dtype=DTYPES[cfg.dtype])
+    except ValueError as exc:
+        raise UsageError(f"--size {cfg.size}: {exc}") from exc
+    if cfg.stages > spec.n_blocks:
+        raise UsageError(
+            f"--stages {cfg.stages}: {cfg.model}-{cfg.size} has {spec.n_blocks} blocks, and "
+            f"each stage needs one; give at most {spec.n_blocks} stages"
+        )
     torch.set_num_threads(cfg.threads)
-    spec = build_model(cfg.model, cfg.size, dtype=DTYPES[cfg.dtype])
     costs = profile_blocks(
         spec.blocks, spec.example_input(cfg.microbatch_size), repeats=cfg.repeats
     )
@@ -73,8 +93,7 @@ def _run(args: argparse.Namespace) -> int:
             memory_limit=cfg.memory_limit,
         )
     except ValueError as exc:
-        print(f"twobp profile: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--memory-limit {cfg.memory_limit:g}: {exc}") from exc
     print(f"{cfg.model}-{cfg.size}, micro-batch {cfg.microbatch_size}, {cfg.threads} thread(s)")
     print(f"{'block':>5}  {'name':<24} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'act KiB':>9}")
     for c in costs:

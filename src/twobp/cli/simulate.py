@@ -13,11 +13,11 @@ Chrome/Perfetto trace.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from twobp.config import add_arguments, doc, from_namespace
+from twobp.cli.errors import UsageError, check_at_least
+from twobp.config import add_arguments, check_writable, doc, from_namespace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule
 from twobp.sim.cost_io import format_amount, load_costs, parse_costs
 from twobp.sim.costs import CostModel
@@ -72,12 +72,23 @@ def cost_model(costs: str, costs_file: str | None, n_ranks: int) -> CostModel:
         :meth:`CostModel.for_stages`.
 
     Raises:
-        ValueError: if the text or the file is malformed.
-        OSError: if the file cannot be read.
+        ValueError: if the text or the file is malformed or the file cannot
+            be read, naming the option.
     """
-    if costs_file:
+    if not costs_file:
+        try:
+            return parse_costs(costs, n_ranks)
+        except ValueError as exc:
+            raise ValueError(f"--costs {costs}: {exc}") from exc
+    try:
         return load_costs(costs_file)
-    return parse_costs(costs, n_ranks)
+    except OSError as exc:
+        raise ValueError(
+            f"--costs-file {costs_file}: {exc.strerror or exc}; write one with `twobp profile`"
+        ) from exc
+    except ValueError as exc:
+        message = str(exc).removeprefix(f"{costs_file}: ")
+        raise ValueError(f"--costs-file {costs_file}: {message}") from exc
 
 
 def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:
@@ -102,6 +113,25 @@ def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:
     return "\n".join(lines)
 
 
+def check_options(config: SimulateConfig) -> None:
+    """Check what can be checked of the options before simulating.
+
+    Raises:
+        UsageError: naming the option.
+    """
+    check_at_least(
+        stages=(config.stages, 1),
+        microbatches=(config.microbatches, 1),
+        stages_per_rank=(config.stages_per_rank, 1),
+    )
+    for option, path in (("--png", config.png), ("--trace", config.trace)):
+        if path:
+            try:
+                check_writable(option, path, folder=False)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from exc
+
+
 def run(config: SimulateConfig) -> int:
     """Simulate, print and optionally draw; returns the exit code.
 
@@ -110,20 +140,25 @@ def run(config: SimulateConfig) -> int:
         DeadlockError: if the schedule cannot finish.
     """
     costs = cost_model(config.costs, config.costs_file, config.stages)
-    schedule, fitted = build_schedule(
-        config.schedule,
-        config.stages,
-        config.microbatches,
-        config.stages_per_rank,
-        config.two_bp,
-        costs,
-    )
+    try:
+        schedule, fitted = build_schedule(
+            config.schedule,
+            config.stages,
+            config.microbatches,
+            config.stages_per_rank,
+            config.two_bp,
+            costs,
+        )
+    except ValueError as exc:
+        raise ValueError(f"--schedule {config.schedule}: {exc}") from exc
     result = simulate(schedule, fitted)
-    print(
-        render_ascii(
+    try:
+        grid = render_ascii(
             result.spans, title=schedule.name, width=config.width, n_ranks=schedule.n_ranks
         )
-    )
+    except ValueError as exc:
+        raise ValueError(f"--width {config.width}: {exc}") from exc
+    print(grid)
     print()
     print(report(result, schedule, fitted))
     if config.png:
@@ -139,11 +174,12 @@ def run(config: SimulateConfig) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    config = from_namespace(SimulateConfig, args)
+    check_options(config)
     try:
-        return run(from_namespace(SimulateConfig, args))
-    except (ValueError, OSError, DeadlockError) as exc:
-        print(f"twobp simulate: {exc}", file=sys.stderr)
-        return 2
+        return run(config)
+    except (ValueError, DeadlockError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def register(subparsers: Any) -> None:

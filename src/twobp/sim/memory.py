@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from twobp.schedule.action import Kind
+from twobp.schedule.action import Action, Kind
 from twobp.schedule.schedule import Schedule
 from twobp.sim.costs import CostModel
 from twobp.timeline import Span
@@ -106,16 +106,56 @@ def microbatch_limit(schedule: Schedule, costs: CostModel, memory_limit: float) 
     Returns:
         The largest count that fits on every rank; 0 if not even one does.
     """
-    assert costs.parameter_bytes is not None
-    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
     counts = []
     for rank in range(schedule.n_ranks):
-        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
-        fixed = sum(costs.parameter_bytes[s] for s in stages)
-        per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
+        fixed, per_mb = _rank_memory(schedule, costs, rank)
         room = memory_limit - fixed
         if room < 0:
             counts.append(0)  # the parameters alone do not fit
         else:
             counts.append(schedule.n_microbatches if per_mb <= 0 else math.floor(room / per_mb))
     return max(0, min(counts))
+
+
+def least_fill_memory(schedule: Schedule, costs: CostModel) -> float:
+    """The least memory per rank under which the 2BP ``fill`` policy can run ``schedule``.
+
+    ``fill`` places only the ``W`` passes; the order of ``F`` and ``I`` (or
+    ``B``) alone keeps up to some number of micro-batches between their ``F``
+    and their ``I`` on a rank, whatever the ``W`` placement. This is what
+    that number takes on every rank, in the cost model's unit and with the
+    model of :func:`microbatch_limit`, which reaches that number exactly
+    when its ``memory_limit`` is at least this much.
+
+    Args:
+        schedule: the schedule, before the ``W`` are placed.
+        costs: the cost model fitted to the schedule's stages.
+    """
+    held = max((_most_before_input(acts) for acts in schedule.actions.values()), default=0)
+    need = 0.0
+    for rank in range(schedule.n_ranks):
+        fixed, per_mb = _rank_memory(schedule, costs, rank)
+        need = max(need, fixed + held * per_mb)
+    return need
+
+
+def _rank_memory(schedule: Schedule, costs: CostModel, rank: int) -> tuple[float, float]:
+    """What a rank holds all the time, and per micro-batch of its largest stage."""
+    assert costs.parameter_bytes is not None
+    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
+    stages = [s for s, r in enumerate(schedule.placement) if r == rank]
+    fixed = sum(costs.parameter_bytes[s] for s in stages)
+    per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
+    return fixed, per_mb
+
+
+def _most_before_input(actions: Sequence[Action]) -> int:
+    """The most micro-batches whose ``F`` has run and whose ``I`` (or ``B``) has not."""
+    waiting = most = 0
+    for a in actions:
+        if a.kind is Kind.FORWARD:
+            waiting += 1
+        elif a.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD):
+            waiting -= 1
+        most = max(most, waiting)
+    return most

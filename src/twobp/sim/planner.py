@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import microbatch_limit
+from twobp.sim.memory import least_fill_memory, microbatch_limit
 from twobp.sim.simulate import DeadlockError, simulate
 
 NO_TWO_BP = "off"
@@ -138,13 +138,14 @@ def evaluate(
                         raise ValueError(
                             f"not one micro-batch fits in {format_amount(memory_limit)} per rank"
                         )
-                    try:
-                        schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
-                    except ValueError as exc:
+                    need = least_fill_memory(schedule, fitted)
+                    if memory_limit < need:
                         raise ValueError(
-                            f"{format_amount(memory_limit)} per rank holds {held} "
-                            f"micro-batch(es) between F and W: {exc}"
-                        ) from exc
+                            f"needs at least {format_amount(need)} per rank, whatever the W "
+                            f"placement (its order of F and I alone); the limit is "
+                            f"{format_amount(memory_limit)}"
+                        )
+                    schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
                 result = simulate(schedule, fitted)
             except (ValueError, DeadlockError) as exc:
                 out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twobp.config import doc
+from twobp.schedule import TWO_BP_POLICIES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
@@ -22,7 +23,9 @@ class TrainConfig:
     size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
     schedule: str = doc("pipeline schedule name (see `twobp simulate --help`)", "1f1b")
     two_bp: bool = doc("split every backward into I and W (2-stage backpropagation)", True)
-    policy: str = doc("2BP placement policy of W: eager, paper or fill", "paper")
+    policy: str = doc(
+        "2BP placement policy of W: eager, paper or fill", "paper", choices=tuple(TWO_BP_POLICIES)
+    )
     ranks: int = doc("local ranks to start (ignored under torchrun, which sets them)", 2)
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
@@ -63,8 +66,29 @@ class TrainConfig:
         "start afresh (what a torchrun --max-restarts job needs)",
         None,
     )
+    verbose: bool = doc(
+        "when a rank fails, print every rank's full traceback here too (they always go to "
+        "OUT/errors.log, and each rank's output to OUT/logs/)",
+        False,
+    )
     stop_after: int | None = doc(
         "end this run once this many steps are done in all, with a checkpoint; the learning "
         "rate schedule still spans --steps (for jobs with a time limit: continue with --resume)",
         None,
     )
+
+
+def parse_partition(text: str) -> list[int] | str:
+    """The ``--partition`` option as the ``partition`` of a pipeline: counts or a strategy name.
+
+    Raises:
+        ValueError: if it is neither ``uniform``, ``balanced`` nor integers ``A,B,...``.
+    """
+    if text in ("uniform", "balanced"):
+        return text
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--partition {text!r}: give blocks per stage as A,B,..., 'uniform' or 'balanced'"
+        ) from None

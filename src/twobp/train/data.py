@@ -7,6 +7,7 @@ an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import math
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 # Cap on the bytes read from the standard library: plenty for a tiny model, and
 # reading stays well under a second.
 DEFAULT_CORPUS_BYTES = 4_000_000
+# The least text a --data file must hold, however short the sequences.
+MIN_FILE_BYTES = 1024
 
 
 def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[bytes, str]:
@@ -45,20 +48,40 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple[bytes, str]:
     return b"".join(chunks)[:max_bytes], f"Python standard library sources in {root}"
 
 
-def file_corpus(path: str | Path) -> tuple[bytes, str]:
+def file_corpus(path: str | Path, seq_len: int) -> tuple[bytes, str]:
     """The bytes of a user-given text file.
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: if it is too short to cut even one training sequence.
+        ValueError: if it is too short for sequences of ``seq_len`` bytes.
+    """
+    p = check_text_file(path, seq_len)
+    data = p.read_bytes()
+    return data, f"{p} ({len(data):,} bytes)"
+
+
+def check_text_file(path: str | Path, seq_len: int) -> Path:
+    """Check, without reading it, that a ``--data`` file can feed sequences of ``seq_len`` bytes.
+
+    Returns:
+        The path.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if it is too short (see :meth:`ByteLMData.min_bytes`).
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--data {p}: no such file; pass a text file or omit --data")
-    data = p.read_bytes()
-    if len(data) < 1024:
-        raise ValueError(f"--data {p} has {len(data)} bytes; give at least 1 KiB of text")
-    return data, f"{p} ({len(data):,} bytes)"
+    size = p.stat().st_size
+    need = max(MIN_FILE_BYTES, ByteLMData.min_bytes(seq_len))
+    if size < need:
+        raise ValueError(
+            f"--data {p} has {size:,} bytes; sequences of {seq_len} bytes need at least "
+            f"{need:,} (a twentieth is held out for evaluation): give a longer text or a "
+            "smaller --seq-len"
+        )
+    return p
 
 
 @dataclass(frozen=True)
@@ -78,15 +101,21 @@ class ByteLMData:
     """Share of the corpus held out for evaluation."""
 
     @classmethod
+    def min_bytes(cls, seq_len: int) -> int:
+        """The shortest corpus whose held-out part still holds one sequence and its targets."""
+        return math.ceil((seq_len + 2) / cls.eval_fraction) + 1
+
+    @classmethod
     def from_bytes(cls, data: bytes, seq_len: int, source: str) -> ByteLMData:
-        """Wrap raw bytes (at least a few sequences long).
+        """Wrap raw bytes (at least :meth:`min_bytes` long).
 
         Raises:
-            ValueError: if the corpus is shorter than 4 sequences.
+            ValueError: if the corpus is too short.
         """
-        if len(data) < 4 * (seq_len + 1):
+        if len(data) < cls.min_bytes(seq_len):
             raise ValueError(
-                f"corpus of {len(data)} bytes is too short for sequences of {seq_len} tokens"
+                f"corpus of {len(data)} bytes is too short for sequences of {seq_len} tokens; "
+                f"give at least {cls.min_bytes(seq_len)} bytes"
             )
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
         return cls(tokens, seq_len, source)

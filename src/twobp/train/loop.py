@@ -7,6 +7,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import torch
 
@@ -14,7 +15,7 @@ from twobp.runtime import Pipeline
 from twobp.runtime.errors import NonFiniteLossError
 from twobp.timeline import Span
 from twobp.train import checkpointing
-from twobp.train.config import TrainConfig
+from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.progress import Progress
 from twobp.train.task import build_task
 
@@ -50,7 +51,8 @@ class RankResult:
     schedule_text: str = ""
     """The schedule that ran, as text."""
     data_source: str = ""
-    tokens_per_sample: int = 1
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (None for images)."""
     n_parameters: int = 0
     """Parameters held by this rank."""
     resumed_from: int | None = None
@@ -75,7 +77,9 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
+def train_rank(
+    cfg: TrainConfig, on_step: StepHook | None = None, progress_stream: TextIO | None = None
+) -> RankResult:
     """Train on this rank of the current process group; returns its figures.
 
     Resumes from ``cfg.resume`` if given, and saves checkpoints as ``cfg`` says.
@@ -83,6 +87,7 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
     Args:
         cfg: the run's options.
         on_step: called with ``(rank, step)`` before each step.
+        progress_stream: where rank 0 writes its progress (default: stderr).
     """
     task = build_task(cfg)
     pipe = Pipeline(
@@ -91,7 +96,7 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
         schedule=cfg.schedule,
         n_microbatches=cfg.microbatches,
         two_bp=cfg.two_bp,
-        partition=_partition(cfg.partition),
+        partition=parse_partition(cfg.partition),
         two_bp_policy=cfg.policy,
         stages_per_rank=cfg.stages_per_rank,
         timeout=cfg.timeout,
@@ -118,7 +123,7 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
         result.resumed_from = history.step
     # The same lists: what the loop appends is in the next checkpoint's history.
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
-    progress = Progress(cfg.steps, cfg.log_every) if pipe.rank == 0 else None
+    progress = Progress(cfg.steps, cfg.log_every, progress_stream) if pipe.rank == 0 else None
     for step in range(history.step, checkpointing.last_step(cfg)):
         if on_step is not None:
             on_step(pipe.rank, step)
@@ -143,7 +148,8 @@ def train_rank(cfg: TrainConfig, on_step: StepHook | None = None) -> RankResult:
             recent = result.step_seconds[WARMUP_STEPS:][-20:] or result.step_seconds[-1:]
             per_step = sum(recent) / len(recent)
             samples = cfg.batch_size / per_step
-            progress.update(step + 1, loss, samples, samples * task.tokens_per_sample)
+            tokens = None if task.tokens_per_sample is None else samples * task.tokens_per_sample
+            progress.update(step + 1, loss, samples, tokens)
         if checkpointing.save_due(cfg, history.step):
             start = time.perf_counter()
             result.checkpoint = str(checkpointing.save(pipe, optimizer, cfg, history))
@@ -174,14 +180,3 @@ def _check_skipped_in_a_row(skipped: list[int], rank: int) -> None:
             recent[-1],
             math.nan,
         )
-
-
-def _partition(text: str) -> list[int] | str:
-    if text in ("uniform", "balanced"):
-        return text
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(
-            f"--partition {text!r}: give blocks per stage as A,B,..., 'uniform' or 'balanced'"
-        ) from None

@@ -23,12 +23,19 @@ class Progress:
         self.is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._last_draw = 0.0
 
-    def update(self, step: int, loss: float, samples_per_s: float, tokens_per_s: float) -> None:
-        """Show the state after ``step`` (1-based count of finished steps)."""
+    def update(
+        self, step: int, loss: float, samples_per_s: float, tokens_per_s: float | None
+    ) -> None:
+        """Show the state after ``step`` (1-based count of finished steps).
+
+        ``tokens_per_s`` is None for data without tokens (images).
+        """
         text = (
             f"step {step:>{len(str(self.total))}}/{self.total} "
-            f"loss {loss:7.4f}  {samples_per_s:8.1f} samples/s  {tokens_per_s:9.0f} tokens/s"
+            f"loss {loss:7.4f}  {samples_per_s:8.1f} samples/s"
         )
+        if tokens_per_s is not None:
+            text += f"  {tokens_per_s:9.0f} tokens/s"
         if self.is_tty:
             now = time.monotonic()
             if now - self._last_draw < 0.1 and step != self.total:

@@ -51,7 +51,9 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         ),
         "seconds_per_step_median": seconds_per_step,
         "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * lead.tokens_per_sample,
+        "tokens_per_s": (
+            None if lead.tokens_per_sample is None else samples_per_s * lead.tokens_per_sample
+        ),
         "loss_first": first,
         "loss_last": last,
         "loss_drop": first - last,
@@ -85,6 +87,14 @@ def write_report(cfg: TrainConfig, results: Sequence[RankResult], out: Path) -> 
     return summary
 
 
+def throughput(summary: dict[str, Any]) -> str:
+    """``"146.9 samples/s, 9401 tokens/s"``, without tokens for images."""
+    text = f"{summary['samples_per_s']:.1f} samples/s"
+    if summary["tokens_per_s"] is not None:
+        text += f", {summary['tokens_per_s']:.0f} tokens/s"
+    return text
+
+
 def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> str:
     """The human report (pure)."""
     mib = 1024 * 1024
@@ -93,8 +103,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         "",
         f"- data: {summary['data']}",
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
-        f"- throughput: {summary['samples_per_s']:.1f} samples/s, "
-        f"{summary['tokens_per_s']:.0f} tokens/s",
+        f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
         f"{summary['loss_last']:.4f} (mean of last {summary['loss_window']}), "
         f"drop {summary['loss_drop']:.4f}; held-out loss {summary['eval_loss']:.4f}",

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from twobp.runtime import launch
+from twobp.runtime import LaunchError, launch
 from twobp.runtime.setup.group import launched_by_env
-from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig
+from twobp.train.failures import ERROR_LOG, RANK_LOGS, send_stderr_to, write_error_log
 from twobp.train.loop import RankResult, StepHook, train_rank
+from twobp.train.preflight import check_config
 from twobp.train.report import write_report
 
 
@@ -20,7 +22,10 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
 
     Under ``torchrun`` this process is one rank: the results are gathered to
     rank 0, which writes the report and returns the summary (other ranks
-    return None). Otherwise ``cfg.ranks`` local processes are started.
+    return None). Otherwise ``cfg.ranks`` local processes are started; unless
+    ``cfg.verbose``, their stderr goes to ``OUT/logs/rank<N>.log``, and if
+    any fails, every failed rank's traceback goes to ``OUT/errors.log`` (see
+    :mod:`twobp.train.failures`).
 
     Args:
         cfg: the run's options.
@@ -29,9 +34,16 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
 
     Raises:
         twobp.runtime.LaunchError: if a local rank failed (it names the rank).
-        ValueError: on options that do not fit together.
+        twobp.train.preflight.OptionError: on options that cannot work (before
+            any rank starts).
     """
-    check_config(cfg)
+    if dist.is_initialized():
+        n_ranks = dist.get_world_size()
+    elif launched_by_env():
+        n_ranks = int(os.environ["WORLD_SIZE"])
+    else:
+        n_ranks = cfg.ranks
+    check_config(cfg, n_ranks)
     out = Path(cfg.out)
     if launched_by_env() or dist.is_initialized():
         mine = train_rank(cfg, on_step)
@@ -40,42 +52,33 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
         if dist.get_rank() != 0:
             return None
         return write_report(cfg, _by_rank(gathered), out)
-    results = launch(
-        train_rank,
-        cfg.ranks,
-        cfg,
-        on_step,
-        threads_per_rank=cfg.threads,
-        group_timeout=cfg.timeout,
-    )
+    logs = out / RANK_LOGS
+    logs.mkdir(parents=True, exist_ok=True)
+    (out / ERROR_LOG).unlink(missing_ok=True)
+    try:
+        results = launch(
+            train_rank if cfg.verbose else _train_rank_logged,
+            cfg.ranks,
+            cfg,
+            on_step,
+            *(() if cfg.verbose else (str(logs),)),
+            threads_per_rank=cfg.threads,
+            group_timeout=cfg.timeout,
+        )
+    except LaunchError as exc:
+        write_error_log(exc, out)
+        raise
     return write_report(cfg, _by_rank(results), out)
+
+
+def _train_rank_logged(cfg: TrainConfig, on_step: StepHook | None, logs: str) -> RankResult:
+    """:func:`train_rank` with this rank's stderr in ``logs/rank<N>.log``."""
+    terminal = send_stderr_to(Path(logs) / f"rank{dist.get_rank()}.log")
+    try:
+        return train_rank(cfg, on_step, progress_stream=terminal)
+    finally:
+        terminal.close()
 
 
 def _by_rank(results: list[Any]) -> list[RankResult]:
     return sorted((r for r in results if r is not None), key=lambda r: r.rank)
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Reject option combinations before any process starts.
-
-    Raises:
-        ValueError: naming the option and what to change.
-    """
-    if cfg.ranks < 1:
-        raise ValueError(f"--ranks must be >= 1, got {cfg.ranks}")
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-    if cfg.microbatches < 1:
-        raise ValueError(f"--microbatches must be >= 1, got {cfg.microbatches}")
-    if cfg.batch_size % cfg.microbatches:
-        raise ValueError(
-            f"--batch-size {cfg.batch_size} does not divide into {cfg.microbatches} "
-            f"micro-batches; pick a batch size that is a multiple of --microbatches"
-        )
-    if cfg.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0, got {cfg.save_every}")
-    if cfg.keep_checkpoints < 1:
-        raise ValueError(f"--keep-checkpoints must be >= 1, got {cfg.keep_checkpoints}")
-    if cfg.stop_after is not None and cfg.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
-    check_resume(cfg)

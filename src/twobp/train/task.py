@@ -34,8 +34,18 @@ class Task:
     """The batch of a step (``split`` is ``"train"`` or ``"eval"``)."""
     data_source: str
     """Where the data comes from, for the report."""
-    tokens_per_sample: int
-    """Tokens in one sample (1 for images), for tokens/s."""
+    tokens_per_sample: int | None
+    """Tokens in one sample, for tokens/s (None for images: they have no tokens)."""
+
+
+def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
+    """The fields of the model preset that ``cfg`` changes (the byte-level text's)."""
+    if cfg.model == "resnet":
+        return {}
+    overrides: dict[str, Any] = {"seq_len": cfg.seq_len}
+    if cfg.model in ("llama", "mamba"):
+        overrides["vocab_size"] = 256
+    return overrides
 
 
 def build_task(cfg: TrainConfig) -> Task:
@@ -49,7 +59,7 @@ def build_task(cfg: TrainConfig) -> Task:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
     if cfg.model == "resnet":
-        spec = build_model("resnet", cfg.size, dtype=dtype, seed=cfg.seed)
+        spec = build_model("resnet", cfg.size, dtype=dtype, seed=cfg.seed, **model_overrides(cfg))
         size = spec.meta.get("image_size", 32)
         images = SyntheticData(
             "images",
@@ -62,13 +72,10 @@ def build_task(cfg: TrainConfig) -> Task:
             x, y = images.batch(step, cfg.batch_size, cfg.seed, split=split)
             return x.to(dtype), y
 
-        return Task(spec, image_batch, images.source, 1)
+        return Task(spec, image_batch, images.source, None)
 
-    raw, source = file_corpus(cfg.data) if cfg.data else stdlib_corpus()
-    overrides: dict[str, Any] = {"seq_len": cfg.seq_len}
-    if cfg.model in ("llama", "mamba"):
-        overrides["vocab_size"] = 256
-    spec = build_model(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **overrides)
+    raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
+    spec = build_model(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **model_overrides(cfg))
     text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
     if cfg.model != "bert":
 

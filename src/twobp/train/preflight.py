@@ -1,0 +1,121 @@
+"""The options of a ``twobp train`` run, checked before any rank starts.
+
+Every option whose valid values are known without running the model is
+checked here, in the process that starts the ranks, with the rules the ranks
+themselves apply: the schedule is resolved as every rank will resolve it
+(:func:`twobp.schedule.resolve_schedule`), the partition is checked
+against the model's block count (:func:`twobp.runtime.setup.stage_blocks.stage_counts`,
+the model built on the meta device, which allocates nothing), the data file
+and the checkpoint to resume from are looked at, and the output folder must
+be writable. A mistake is then one :class:`OptionError` naming the option,
+not the same failure on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+from twobp.config import check_writable
+from twobp.models import build_model
+from twobp.runtime.setup.stage_blocks import stage_counts
+from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
+from twobp.train.checkpointing import check_resume
+from twobp.train.config import TrainConfig, parse_partition
+from twobp.train.data import check_text_file
+from twobp.train.task import model_overrides
+
+
+class OptionError(ValueError):
+    """An option of a training run that cannot work; the message names it and what to do."""
+
+
+def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
+    """Reject options that cannot work, before any process starts.
+
+    Args:
+        cfg: the run's options.
+        n_ranks: ranks of the group (default ``cfg.ranks``; under torchrun,
+            the world size).
+
+    Raises:
+        OptionError: naming the option and what to change.
+    """
+    ranks = cfg.ranks if n_ranks is None else n_ranks
+    _check_numbers(cfg)
+    n_blocks = _model_blocks(cfg)
+    schedule = _schedule(cfg, ranks)
+    _check_partition(cfg, n_blocks, schedule)
+    if cfg.data is not None and cfg.model != "resnet":
+        try:
+            check_text_file(cfg.data, cfg.seq_len)
+        except (OSError, ValueError) as exc:
+            raise OptionError(str(exc)) from None
+    try:
+        check_writable("--out", cfg.out, folder=True)
+        check_resume(cfg)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    at_least: dict[str, tuple[float | None, float]] = {
+        "ranks": (cfg.ranks, 1),
+        "steps": (cfg.steps, 1),
+        "microbatches": (cfg.microbatches, 1),
+        "batch_size": (cfg.batch_size, 1),
+        "seq_len": (cfg.seq_len, 1),
+        "stages_per_rank": (cfg.stages_per_rank, 1),
+        "threads": (cfg.threads, 1),
+        "log_every": (cfg.log_every, 1),
+        "save_every": (cfg.save_every, 0),
+        "keep_checkpoints": (cfg.keep_checkpoints, 1),
+        "stop_after": (cfg.stop_after, 1),
+        "warmup": (cfg.warmup, 0),
+        "lr": (cfg.lr, 0),
+        "weight_decay": (cfg.weight_decay, 0),
+        "grad_clip": (cfg.grad_clip, 0),
+    }
+    for name, (value, least) in at_least.items():
+        # Written so that NaN fails too; no option takes an infinite value.
+        if value is not None and not (value >= least and math.isfinite(value)):
+            raise OptionError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if not (cfg.timeout > 0 and math.isfinite(cfg.timeout)):
+        raise OptionError(f"--timeout must be a number of seconds > 0, got {cfg.timeout}")
+    if cfg.batch_size % cfg.microbatches:
+        raise OptionError(
+            f"--batch-size {cfg.batch_size} does not divide into {cfg.microbatches} "
+            f"micro-batches; pick a batch size that is a multiple of --microbatches"
+        )
+
+
+def _model_blocks(cfg: TrainConfig) -> int:
+    """The number of blocks of the run's model (built on the meta device)."""
+    try:
+        spec = build_model(cfg.model, cfg.size, device="meta", seed=None, **model_overrides(cfg))
+    except ValueError as exc:
+        raise OptionError(f"--size {cfg.size}: {exc}") from None
+    return spec.n_blocks
+
+
+def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
+    """The schedule every rank will resolve from the options."""
+    try:
+        return resolve_schedule(
+            cfg.schedule,
+            n_ranks=n_ranks,
+            n_microbatches=cfg.microbatches,
+            two_bp=cfg.two_bp,
+            policy=cfg.policy,
+            stages_per_rank=cfg.stages_per_rank,
+        )
+    except (ScheduleConfigError, ScheduleError) as exc:
+        raise OptionError(f"--schedule {cfg.schedule}: {exc}") from None
+
+
+def _check_partition(cfg: TrainConfig, n_blocks: int, schedule: Schedule) -> None:
+    try:
+        stage_counts(n_blocks, schedule.n_stages, parse_partition(cfg.partition))
+    except ValueError as exc:
+        where = f"{schedule.n_stages} stages, {cfg.model}-{cfg.size} has {n_blocks} blocks"
+        message = str(exc).removeprefix(f"--partition {cfg.partition!r}: ")
+        raise OptionError(f"--partition {cfg.partition} ({where}): {message}") from None
