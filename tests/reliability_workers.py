@@ -188,9 +188,8 @@ def _non_scalar_loss(out: Tensor, y: Tensor) -> Tensor:
 def _mid_step_failures(rank: int) -> dict[str, Any]:
     """Errors in the middle of a step, caught on the rank that raises them.
 
-    The peer cannot be told (it waits on a transfer), so it times out naming
-    the rank. Each case runs in a fresh group, so the transfers left pending
-    by one case cannot meet those of the next.
+    The failing rank completes the step's transfers and every rank learns of
+    the failure at the step's end. Each case runs in a group of its own.
     """
     out: dict[str, Any] = {}
     x, y = make_batch("mlp", 0, BATCH)

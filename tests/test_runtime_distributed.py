@@ -195,10 +195,12 @@ def test_shape_change_between_steps_names_the_boundary():
     assert first.rank == 0 and first.error_type == "ShapeMismatchError"
     assert "rank 0 -> rank 1" in first.message and "stage 0 -> stage 1" in first.message
     assert "[4, 6, 8]" in first.message and "[2, 6, 8]" in first.message
-    # The receiver does not hang: it fails on its own, naming the peer.
+    # The receiver does not hang: it learns of the failure at the step's end, naming the
+    # peer, even though it failed in turn on the placeholders of the old shape.
     second = info.value.failures[1]
-    assert second.rank == 1 and second.error_type in ("PeerFailedError", "PeerTimeoutError")
-    assert "rank 0" in second.message
+    assert second.rank == 1 and second.error_type == "PeerStepFailedError"
+    assert second.message.startswith("rank 1: rank 0 failed at 0F0")
+    assert "then this rank failed at 1F0" in second.message
 
 
 def test_a_killed_rank_ends_the_others_with_an_error():

@@ -50,6 +50,15 @@ class PeerFailedError(PeerError):
     """A peer closed the connection or failed while this rank was waiting on it."""
 
 
+class PeerStepFailedError(PeerFailedError):
+    """Another rank failed during this step and told this one (the step was dropped).
+
+    Every rank of the step raises at the step's end: the rank that failed its
+    own error, the others this one, naming the failed rank, its action and
+    micro-batch and its error. The pipeline stays usable for the next step.
+    """
+
+
 class ShapeMismatchError(PipelineError):
     """A tensor sent between two stages changed shape, dtype or count since the first step.
 

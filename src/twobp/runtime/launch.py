@@ -208,7 +208,7 @@ def _collect(procs: list[Any], folder: Path, terminated: dict[int, str]) -> list
     raise LaunchError(sorted(failures.values(), key=order), len(procs))
 
 
-_PEER_ERRORS = ("PeerError", "PeerFailedError", "PeerTimeoutError")
+_PEER_ERRORS = ("PeerError", "PeerFailedError", "PeerStepFailedError", "PeerTimeoutError")
 
 
 def _waited_on(failure: RankFailure, nprocs: int) -> int | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +34,7 @@ from torch import nn
 
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
-from twobp.runtime.errors import nonfinite_error
+from twobp.runtime.errors import PeerError, PeerStepFailedError, nonfinite_error
 from twobp.runtime.execution.backward import stage_gradients
 from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import (
@@ -45,7 +46,7 @@ from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepResult, StepRun
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
-from twobp.runtime.setup.agreement import small_buffer
+from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
 from twobp.runtime.setup.topology import Topology
@@ -55,6 +56,24 @@ from twobp.schedule.lowering import add_communication, forward_only, split_stage
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.timeline import Span
+
+_PEER_FAILED = 2
+"""Status of a rank whose step failed because a peer's did (1: its own error)."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """True if ``exc`` says a peer is gone or stuck (no rank left to settle the step with)."""
+    return isinstance(exc, PeerError) and not isinstance(exc, PeerStepFailedError)
+
+
+def _describe_failure(exc: BaseException, action: Action | None) -> str:
+    """Where and how this rank's step failed, for its peers' errors."""
+    where = ""
+    if action is not None:
+        mbs = ", ".join(map(str, action.microbatches))
+        where = f" at {action} (stage {action.stage}, micro-batch(es) {mbs})"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"failed{where}: {type(exc).__name__}: {text}"
 
 
 class Pipeline(PipelineState):
@@ -170,14 +189,44 @@ class Pipeline(PipelineState):
         ranges = plan.ranges
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
+        self.module = nn.Sequential()
+        """This rank's blocks, named by their index in the whole model."""
+        self.stages: dict[int, Stage] = {}
+        problem: Exception | None = None
+        try:
+            self._build_stages(all_blocks, loss_fn)
+        except Exception as exc:
+            problem = exc
+        del all_blocks, blocks
+        # A rank that fails here tells the others, instead of leaving them at the first step.
+        agree(members, self.device, self.timeout, problem, "building the stages")
+        self.lowered_schedule = add_communication(self.schedule)
+        """The schedule with its transfers between ranks: what this pipeline runs."""
+        self._plan = plan_communication(self.schedule, self.pp_rank)
+        self._layouts: BoundaryLayouts = {}
+        self._forward_schedule: Schedule | None = None
+        self._forward_plan: CommPlan | None = None
+        self._spans: list[Span] = []
+        self._failed_at: Action | None = None
+        self._failed_when = 0.0
+        self._peak_stashed_bytes = 0
+        self._start_buffer = small_buffer(members.size, self.device)
+        self.step_count = 0
+        """Steps run so far (restored by :meth:`load`); the index of the next step."""
+        self.skipped_steps: list[int] = []
+        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
+        self.last_step_skipped = False
+        """True if the last step's loss was not finite and its gradients were dropped."""
+        close_at_exit(self)
+
+    def _build_stages(self, all_blocks: list[nn.Module], loss_fn: LossFn) -> None:
+        """Keep this rank's blocks, on its device, as its stages."""
+        ranges = self.stage_blocks
         mine = self.schedule.stages_of(self.pp_rank)
         self.module = nn.Sequential(
             OrderedDict((str(i), all_blocks[i]) for s in mine for i in ranges[s])
         ).to(self.device)
-        """This rank's blocks, named by their index in the whole model."""
-        del all_blocks, blocks
         split = split_stages(self.schedule)
-        self.stages: dict[int, Stage] = {}
         for s in mine:
             module = nn.Sequential(
                 OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[s])
@@ -190,22 +239,6 @@ class Pipeline(PipelineState):
                 loss_fn,
                 self.n_microbatches,
             )
-        self.lowered_schedule = add_communication(self.schedule)
-        """The schedule with its transfers between ranks: what this pipeline runs."""
-        self._plan = plan_communication(self.schedule, self.pp_rank)
-        self._layouts: BoundaryLayouts = {}
-        self._forward_schedule: Schedule | None = None
-        self._forward_plan: CommPlan | None = None
-        self._spans: list[Span] = []
-        self._peak_stashed_bytes = 0
-        self._start_buffer = small_buffer(members.size, self.device)
-        self.step_count = 0
-        """Steps run so far (restored by :meth:`load`); the index of the next step."""
-        self.skipped_steps: list[int] = []
-        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
-        self.last_step_skipped = False
-        """True if the last step's loss was not finite and its gradients were dropped."""
-        close_at_exit(self)
 
     # -- end of life -----------------------------------------------------------------
 
@@ -262,24 +295,18 @@ class Pipeline(PipelineState):
             NonFiniteLossError: on every rank, if the mean loss is not finite
                 (with ``nonfinite="raise"``); the gradients were dropped.
             ShapeMismatchError: if activations change shape after the first step.
-            PeerError: if a peer fails or times out. After an error in the middle
-                of a step (in a block, the loss, a transfer) the ranks are out of
-                step: end the process (``torchrun`` can restart the group, and a
-                checkpoint resumes the run).
+            PeerStepFailedError: on every other rank, when the step failed on
+                one rank (in a block, the loss, a shape check); that rank raises
+                its own error. The step's gradients are dropped on every rank and
+                the pipeline can run the next step.
+            PeerError: if a peer is gone or times out; then end the process
+                (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
         self._check_open()
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
-        try:
-            result = self._run(
-                self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets
-            )
-        except BaseException:
-            for stage in self.stages.values():
-                stage.abandon_step()
-            raise
-        for stage in self.stages.values():
-            stage.finish_step()
-        loss, first_bad = self._share_loss(result)
+        _, loss, first_bad = self._run_step(
+            self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
+        )
         assert loss is not None
         step, self.step_count = self.step_count, self.step_count + 1
         self.last_step_skipped = not math.isfinite(loss)
@@ -314,8 +341,9 @@ class Pipeline(PipelineState):
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):
         # exchange layouts afresh each call.
-        result = self._run(self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets)
-        loss, _ = self._share_loss(result)
+        result, loss, _ = self._run_step(
+            self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets, False
+        )
         if loss is not None:
             return loss
         if not result.outputs:
@@ -367,6 +395,20 @@ class Pipeline(PipelineState):
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])
+        except Exception as exc:
+            self._failed_at = run.current
+            self._failed_when = time.time()
+            if channel is not None:
+                if lost_peer(exc):
+                    channel.abandon()
+                else:
+                    # Complete the step's transfers so that no peer waits on this rank.
+                    try:
+                        channel.drain()
+                    except PeerError as lost:
+                        channel.abandon()
+                        raise lost from exc
+            raise
         except BaseException:
             if channel is not None:
                 channel.abandon()
@@ -375,24 +417,109 @@ class Pipeline(PipelineState):
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
 
-    def _share_loss(self, result: StepResult) -> tuple[float | None, int]:
-        """The mean loss from the last stage's rank, on every rank (None: no targets).
+    def _run_step(
+        self,
+        schedule: Schedule,
+        plan: CommPlan,
+        layouts: BoundaryLayouts,
+        mb_inputs: list[Batch] | None,
+        mb_targets: list[Batch] | None,
+        training: bool,
+    ) -> tuple[StepResult, float | None, int]:
+        """Run a step and settle it with every rank: the loss, or the failure.
 
-        Also the first micro-batch whose loss is not finite (-1 if none).
+        Returns:
+            The step's result, the mean loss (None without targets) and the
+            first micro-batch whose loss is not finite (-1 if none).
+
+        Raises:
+            Exception: on the rank where the step failed, its own error; on the
+                others, :class:`PeerStepFailedError` naming it. A lost peer
+                (``PeerError``) is raised at once: there is nobody to settle with.
         """
+        failure: Exception | None = None
+        result = StepResult()
+        try:
+            result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
+        except Exception as exc:
+            for stage in self.stages.values():
+                stage.abandon_step()
+            if lost_peer(exc) or self.topology.is_single:
+                raise
+            failure = exc
+        except BaseException:
+            for stage in self.stages.values():
+                stage.abandon_step()
+            raise
+        else:
+            if training:
+                for stage in self.stages.values():
+                    stage.finish_step()
+        loss, first_bad, failed = self._exchange_status(result, failure)
+        if failure is not None or failed is not None:
+            if training:
+                self.zero_grad(set_to_none=True)
+            if failed is not None:
+                raise failed
+            assert failure is not None
+            raise failure
+        return result, loss, first_bad
+
+    def _exchange_status(
+        self, result: StepResult, failure: Exception | None
+    ) -> tuple[float | None, int, PeerStepFailedError | None]:
+        """Every rank's end of the step, on every rank: one small all-reduce.
+
+        It carries the mean loss from the last stage's rank (None: no targets),
+        the first micro-batch whose loss is not finite (-1 if none), and for
+        each rank whether its step failed (by its own error, or because a peer
+        failed). Only when one did, the ranks exchange what went wrong.
+
+        Returns:
+            The loss, the first bad micro-batch, and the error for this rank
+            when the step failed on some rank (else None).
+        """
+        members = self.topology.members
+        status = torch.zeros(3 + members.size, dtype=torch.float64, device=self.device)
         last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
-        message = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if self.rank == last_rank and result.losses:
+        if failure is None and self.rank == last_rank and result.losses:
             losses = torch.stack([result.losses[m].double() for m in range(self.n_microbatches)])
             bad = (~torch.isfinite(losses)).nonzero()
-            message[0] = 1.0
-            message[1] = losses.sum() / self.n_microbatches
-            message[2] = float(bad[0, 0]) if len(bad) else -1.0
-        collective.broadcast(
-            self.topology.members, message, last_rank, self.timeout, "the step's loss"
+            status[0] = 1.0
+            status[1] = losses.sum() / self.n_microbatches
+            status[2] = float(bad[0, 0]) + 1 if len(bad) else 0.0
+        if failure is not None:
+            status[3 + self.rank] = _PEER_FAILED if isinstance(failure, PeerStepFailedError) else 1
+        collective.all_reduce(
+            members, status, dist.ReduceOp.SUM, self.timeout, "the end of the step"
         )
-        values = message.tolist()
-        return (values[1] if values[0] else None), int(values[2])
+        values = status.tolist()
+        loss = values[1] if values[0] else None
+        codes = [int(v) for v in values[3:]]
+        if not any(codes):
+            return loss, int(values[2]) - 1, None
+        mine = None
+        if failure is not None and codes[self.rank] == 1:
+            mine = (self._failed_when, _describe_failure(failure, self._failed_at))
+        reports = collective.all_gather_objects(members, mine)
+        # The cause is the earliest failure: a peer may fail in turn on the zeros a
+        # failed rank sent in place of its tensors.
+        when = {r: rep[0] for r, rep in enumerate(reports) if rep is not None}
+        first = min(when, key=lambda r: (when[r], r)) if when else codes.index(_PEER_FAILED)
+        if first == self.rank:
+            return loss, -1, None
+        report = reports[first][1] if reports[first] is not None else "failed"
+        after = ""
+        if mine is not None:
+            after = f" (then this rank {mine[1]})"
+        error = PeerStepFailedError(
+            f"rank {self.rank}: rank {first} {report}{after}. The step was dropped on every "
+            "rank (no gradients were kept); the pipeline can run the next step",
+            self.rank,
+            first,
+        )
+        return loss, -1, error
+
 
     # -- timing ------------------------------------------------------------------------
 

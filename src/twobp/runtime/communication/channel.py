@@ -30,8 +30,10 @@ from twobp.runtime.communication.tensor_layout import (
     BoundaryMeta,
     TensorMeta,
     describe_mismatch,
+    failure_message,
+    is_failure_message,
 )
-from twobp.runtime.errors import PipelineError, ShapeMismatchError
+from twobp.runtime.errors import PeerStepFailedError, PipelineError, ShapeMismatchError
 from twobp.runtime.setup.topology import Topology
 from twobp.schedule.action import Action
 from twobp.schedule.transfers import CommPlan, Direction, Transfer
@@ -52,6 +54,7 @@ class _Posted:
     buffers: list[Tensor]
     layout: tuple[TensorMeta, ...]
     is_tuple: bool
+    src: int
 
 
 @dataclass
@@ -59,6 +62,10 @@ class _Peer:
     rank: int
     cursor: int = 0
     sends: list[tuple[Any, Tensor, Transfer]] = field(default_factory=list)
+
+
+_NOTHING = BoundaryMeta((), False)
+"""What a failure message in place of a layout stands for: no tensors follow."""
 
 
 class StepChannel:
@@ -95,6 +102,7 @@ class StepChannel:
         self._peers = {p: _Peer(p) for p in plan.peers}
         self._posted: dict[tuple[Direction, int, int], _Posted] = {}
         self._meta_works: dict[int, tuple[Any, Tensor]] = {}
+        self._sent_nothing: set[tuple[Direction, int, int]] = set()
         self.action: Action | None = None
         """The action being run, named in errors."""
 
@@ -140,8 +148,18 @@ class StepChannel:
             PeerFailedError: if the connection to the peer fails.
         """
         peer = self._peers[transfer.src]
-        if transfer.key not in self._posted:
+        if transfer.key not in self._posted and transfer.key not in self._sent_nothing:
             self._advance(peer, block=True, until=transfer)
+        if transfer.key in self._sent_nothing:
+            self._sent_nothing.discard(transfer.key)
+            where = f"at {self.action}" if self.action is not None else "in the step"
+            raise PeerStepFailedError(
+                f"rank {self._members.rank} {where}: rank "
+                f"{self._topology.group_rank(transfer.src)} failed in this step and sent no "
+                f"{transfer}",
+                self._members.rank,
+                self._topology.group_rank(transfer.src),
+            )
         posted = self._posted.pop(transfer.key)
         for work in posted.works:
             self._wait(work, transfer.src, str(transfer))
@@ -170,6 +188,81 @@ class StepChannel:
                 f"{leftover or list(self._posted)}; the schedule and the communication plan "
                 "disagree (this is a bug of the runtime)"
             )
+
+    def drain(self) -> None:
+        """After this rank failed part-way through the step: complete the step's pair orders.
+
+        Every send this rank still owes goes out as zeros of the boundary's
+        layout (or, where it never learnt the layout, as a failure message in
+        place of the layout), and every receive it still expects is posted and
+        completed. Its peers, which run the step on, are never left waiting on
+        it, and no transfer of the step is left to meet one of a later step.
+        They learn that the step failed from the status every rank reports at
+        the step's end.
+
+        Raises:
+            PeerError: if a peer is gone or times out meanwhile.
+        """
+        self.action = None
+        block = False
+        while True:
+            moved = False
+            unfinished = []
+            for peer in self._peers.values():
+                before = peer.cursor
+                self._drain_peer(peer, block)
+                moved |= peer.cursor != before
+                if peer.cursor < len(self._ops(peer)):
+                    unfinished.append(peer)
+            if not unfinished:
+                break
+            # Blocking on a layout message only when nothing else can move.
+            block = not moved
+        for key in list(self._posted):
+            posted = self._posted.pop(key)
+            for work in posted.works:
+                self._wait(work, posted.src, "a transfer of the failed step")
+        self._sent_nothing.clear()
+        self.finish()
+
+    def _drain_peer(self, peer: _Peer, block: bool) -> None:
+        ops = self._ops(peer)
+        while peer.cursor < len(ops):
+            op = ops[peer.cursor]
+            if op.is_send:
+                self._send_placeholder(op.transfer)
+            elif not self._post_recv(op.transfer, block):
+                return
+            peer.cursor += 1
+
+    def _send_placeholder(self, transfer: Transfer) -> None:
+        peer = self._peers[transfer.dst]
+        known = self._layouts.get(transfer.boundary)
+        if transfer.direction is Direction.GRADIENT:
+            if known is None:
+                return  # neither side learnt the layout: nothing crosses
+            layout = known.gradient
+        elif known is None:
+            message = failure_message().to(self._device)
+            work = dist.isend(
+                message,
+                dst=self._global(transfer.dst),
+                group=self._members.group,
+                tag=self._meta_tag(transfer.boundary),
+            )
+            peer.sends.append((work, message, transfer))
+            return
+        else:
+            layout = known.tensors
+        for index, meta in enumerate(layout):
+            payload = torch.zeros(meta.shape, dtype=meta.dtype, device=self._device)
+            work = dist.isend(
+                payload,
+                dst=self._global(transfer.dst),
+                group=self._members.group,
+                tag=self._tag(transfer, index),
+            )
+            peer.sends.append((work, payload, transfer))
 
     def abandon(self) -> None:
         """Give up the step's transfers after a failure: drop every posted operation.
@@ -215,14 +308,25 @@ class StepChannel:
             )
 
     def _post_recv(self, transfer: Transfer, block: bool) -> bool:
-        """Post the receives of ``transfer``; False if its layout is not known yet."""
+        """Post the receives of ``transfer``; False if its layout is not known yet.
+
+        A transfer whose sender failed before it knew the layout carries
+        nothing: it is recorded as such, and :meth:`recv` says so.
+        """
         if transfer.direction is Direction.GRADIENT:
-            meta = self._layouts[transfer.boundary]
+            meta = self._layouts.get(transfer.boundary)
+            if meta is None:
+                # Only after a failure: the activations never crossed, so neither does this.
+                self._sent_nothing.add(transfer.key)
+                return True
             layout, is_tuple = meta.gradient, False
         else:
             known = self._activation_layout(transfer, block)
             if known is None:
                 return False
+            if known is _NOTHING:
+                self._sent_nothing.add(transfer.key)
+                return True
             layout, is_tuple = known.tensors, known.is_tuple
         buffers = [torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in layout]
         works = [
@@ -234,7 +338,7 @@ class StepChannel:
             )
             for i, buf in enumerate(buffers)
         ]
-        self._posted[transfer.key] = _Posted(works, buffers, layout, is_tuple)
+        self._posted[transfer.key] = _Posted(works, buffers, layout, is_tuple, transfer.src)
         return True
 
     def _activation_layout(self, transfer: Transfer, block: bool) -> BoundaryMeta | None:
@@ -255,6 +359,8 @@ class StepChannel:
             return None
         self._wait(work, transfer.src, f"the layout of the {transfer}")
         del self._meta_works[boundary]
+        if is_failure_message(message.cpu()):
+            return _NOTHING
         self._layouts[boundary] = BoundaryMeta.decode(message.cpu())
         return self._layouts[boundary]
 

@@ -2,7 +2,8 @@
 
 The sender of the first activation of a boundary describes it once in a small
 fixed-size integer message; the receiver allocates its buffers from it for
-every later micro-batch and step. Gradients need no message: the gradient of
+every later micro-batch and step. A rank that failed before it could describe
+an activation sends a failure message in its place. Gradients need no message: the gradient of
 a boundary has the layout of its activations that require grad, which both
 sides already know.
 """
@@ -19,6 +20,7 @@ MESSAGE_LENGTH = 256
 """Integers in a metadata message (fixed, so the receiver can post it blind)."""
 
 _MAGIC = 0x2B9
+_FAILED = 0x2BA
 _DTYPES = (
     torch.float64,
     torch.float32,
@@ -117,6 +119,22 @@ class BoundaryMeta:
             tensors.append(TensorMeta(shape, _DTYPES[dtype], bool(grad)))
             pos += 3 + ndim
         return cls(tuple(tensors), is_tuple)
+
+
+def failure_message() -> Tensor:
+    """The message a failed rank sends instead of a layout it never learnt.
+
+    The receiver then expects no tensors for that transfer (see
+    :meth:`twobp.runtime.communication.channel.StepChannel.drain`).
+    """
+    message = torch.zeros(MESSAGE_LENGTH, dtype=torch.int64)
+    message[0] = _FAILED
+    return message
+
+
+def is_failure_message(message: Tensor) -> bool:
+    """True for a :func:`failure_message`."""
+    return int(message[0]) == _FAILED
 
 
 def describe_mismatch(expected: Sequence[TensorMeta], got: Sequence[TensorMeta]) -> str | None:

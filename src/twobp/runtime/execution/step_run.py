@@ -82,6 +82,8 @@ class StepRun:
         self._group_size = weight_group_size
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
+        self.current: Action | None = None
+        """The compute action being run (or served by the transfer being run)."""
 
     def run(self, actions: Sequence[Action]) -> StepResult:
         """Run ``actions`` in order and complete the step's sends.
@@ -106,6 +108,7 @@ class StepRun:
         if self._channel is not None:
             self._channel.post_ahead()
         for action, served in zip(actions, compute_served(actions), strict=True):
+            self.current = served
             if self._channel is not None:
                 self._channel.action = served
             try:

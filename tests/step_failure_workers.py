@@ -1,0 +1,149 @@
+"""Steps that fail on one rank while every rank lives on (run by ``test_runtime_step_failure``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from runtime_models import build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline
+
+N_MB = 4
+BATCH = 2 * N_MB
+
+
+class Trap(nn.Module):
+    """A block that fails, on purpose, while armed: by raising or by changing its dtype."""
+
+    def __init__(self, block: nn.Module, how: str) -> None:
+        super().__init__()
+        self.block = block
+        self.how = how
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.block(x)
+        if self.armed and self.how == "block":
+            raise RuntimeError("block failed on purpose")
+        if self.armed and self.how == "shape":
+            return out.float()
+        return out
+
+
+class TrapLoss:
+    """The model's loss, but a vector while armed (as a mistaken loss function would)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, out: Tensor, y: Tensor) -> Tensor:
+        if self.armed:
+            return (out - y) ** 2
+        return loss_fn("mlp")(out, y)
+
+
+def _needed(pipe: Pipeline, x: Any, y: Any) -> tuple[Any, Any]:
+    first, last = 0, pipe.schedule.n_stages - 1
+    return (x if first in pipe.stages else None), (y if last in pipe.stages else None)
+
+
+def _outcome(call: Any) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+def failing_steps(cases: list[tuple[str, int, bool]], timeout: float) -> dict[str, Any]:
+    """For each (how, block index, fail on the first step): a failed step, then a good one.
+
+    ``how`` is ``block`` (a block raises), ``shape`` (a block changes its
+    dtype after the first step) or ``loss`` (the loss is not a scalar). The
+    failing rank catches its error and goes on, as a training loop that skips
+    a bad batch would; the next step of the same pipeline must equal one
+    process's.
+    """
+    out: dict[str, Any] = {}
+    x, y = make_batch("mlp", 0, BATCH)
+    for how, index, first_step in cases:
+        blocks = build_blocks("mlp")
+        trap = Trap(blocks[index], how)
+        blocks[index] = trap
+        loss = TrapLoss()
+        pipe = Pipeline(blocks, loss, "1f1b", N_MB, device="cpu", timeout=timeout)
+        if not first_step:
+            pipe.step(*_needed(pipe, x, y))
+            pipe.zero_grad()
+        trap.armed = how in ("block", "shape")
+        loss.armed = how == "loss"
+        failed = _outcome(lambda p=pipe: p.step(*_needed(p, x, y)))
+        grads_after_failure = [p.grad for p in pipe.parameters()]
+        trap.armed = loss.armed = False
+        value = pipe.step(*_needed(pipe, x, y))
+        out[f"{how} {index} {'first' if first_step else 'later'}"] = {
+            "failed": failed,
+            "grads dropped": all(g is None for g in grads_after_failure),
+            "loss": value,
+            # Named as in the plain model: the trap adds ".block" to its block's names.
+            "grads": {
+                n.replace(f"{index}.block.", f"{index}.", 1): p.grad.clone()
+                for n, p in pipe.named_parameters()
+            },
+        }
+    return out
+
+
+def failure_then_other_work(folder: str, timeout: float) -> dict[str, Any]:
+    """The failing rank catches its error and saves, or builds another pipeline."""
+    rank = dist.get_rank()
+    x, y = make_batch("mlp", 0, BATCH)
+    blocks = build_blocks("mlp")
+    trap = Trap(blocks[9], "block")
+    blocks[9] = trap
+    pipe = Pipeline(blocks, loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=timeout)
+    trap.armed = True
+    out: dict[str, Any] = {"failed": _outcome(lambda: pipe.step(*_needed(pipe, x, y)))}
+    trap.armed = False
+    start = time.monotonic()
+    pipe.save(folder)
+    other = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "gpipe", N_MB, device="cpu")
+    out["other loss"] = other.step(*_needed(other, x, y))
+    out["seconds after"] = time.monotonic() - start
+    out["rank"] = rank
+    return out
+
+
+class MovesBadly(nn.Linear):
+    """A block that cannot be moved to its device on one rank."""
+
+    def __init__(self, failing_rank: int) -> None:
+        super().__init__(8, 8, dtype=torch.float64)
+        self.failing_rank = failing_rank
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        if dist.get_rank() == self.failing_rank:
+            raise RuntimeError("cannot move this block, on purpose")
+        return super()._apply(fn, recurse)
+
+
+def construction_and_save_failures(folder: str, timeout: float) -> dict[str, Any]:
+    """A rank that fails to build its stages or to save tells the others; all go on."""
+    x, y = make_batch("mlp", 0, BATCH)
+    blocks = build_blocks("mlp")
+    blocks[8] = MovesBadly(failing_rank=1)
+    out: dict[str, Any] = {}
+    out["build"] = _outcome(
+        lambda: Pipeline(blocks, loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=timeout)
+    )
+    pipe = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, timeout=timeout)
+    pipe.step(*_needed(pipe, x, y))
+    unpicklable = (lambda: None) if dist.get_rank() == 1 else None
+    out["save"] = _outcome(lambda: pipe.save(folder, extra=unpicklable))
+    out["saved after"] = str(pipe.save(folder, extra={"fine": True}))
+    return out

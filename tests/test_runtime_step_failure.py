@@ -1,0 +1,108 @@
+"""A step that fails on one rank fails on every rank at once, and the pipeline goes on.
+
+The failing rank completes the step's transfers with placeholders, so no
+peer waits on it; at the step's end every rank learns who failed, where and
+why. The next step of the same pipeline equals one process's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runtime_models import build_blocks, loss_fn, make_batch
+from step_failure_workers import (
+    BATCH,
+    construction_and_save_failures,
+    failing_steps,
+    failure_then_other_work,
+)
+from twobp.runtime import launch
+
+TIMEOUT = 30.0
+# Far below the pipeline's timeout: a rank that waited the timeout out would break it.
+FAST = 5.0
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = nn.Sequential(*build_blocks("mlp"))
+    x, y = make_batch("mlp", 0, BATCH)
+    loss = loss_fn("mlp")(model(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check(results, case, failing_rank, error_type, text, reference):
+    want_loss, want_grads = reference
+    for rank, result in enumerate(results):
+        got = result[case]
+        name, message, seconds = got["failed"]
+        if rank == failing_rank:
+            assert name == error_type and text in message, (case, rank, message)
+        else:
+            assert name == "PeerStepFailedError", (case, rank, name, message)
+            assert message.startswith(f"rank {rank}: rank {failing_rank} failed at "), message
+            assert f"{error_type}: " in message and text in message
+            assert "the pipeline can run the next step" in message
+        assert seconds < FAST, (case, rank, seconds)
+        assert got["grads dropped"], (case, rank)
+        assert got["loss"] == pytest.approx(want_loss, abs=TOL, rel=0)
+        for n, g in got["grads"].items():
+            torch.testing.assert_close(g, want_grads[n], rtol=0, atol=TOL)
+
+
+def test_failures_on_the_first_middle_and_last_of_three_ranks(reference):
+    cases = [
+        ("block", 0, True),  # stage 0, first step: no layout crossed yet
+        ("block", 5, False),
+        ("block", 9, True),
+        ("shape", 2, False),  # the last block of stage 0 (blocks 0-2 | 3-6 | 7-9)
+        ("shape", 6, False),
+        ("loss", 9, False),
+    ]
+    results = launch(failing_steps, 3, cases, TIMEOUT, threads_per_rank=1, timeout=300)
+    _check(results, "block 0 first", 0, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "block 5 later", 1, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "block 9 first", 2, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "shape 2 later", 0, "ShapeMismatchError", "float32", reference)
+    _check(results, "shape 6 later", 1, "ShapeMismatchError", "float32", reference)
+    _check(results, "loss 9 later", 2, "ValueError", "it must return a scalar", reference)
+
+
+def test_failures_on_four_ranks(reference):
+    cases = [("block", 3, True), ("loss", 9, False)]
+    results = launch(failing_steps, 4, cases, TIMEOUT, threads_per_rank=1, timeout=300)
+    _check(results, "block 3 first", 1, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "loss 9 later", 3, "ValueError", "it must return a scalar", reference)
+
+
+def test_the_failing_rank_goes_on_to_save_and_another_pipeline(tmp_path):
+    results = launch(
+        failure_then_other_work, 2, str(tmp_path), TIMEOUT, threads_per_rank=1, timeout=300
+    )
+    assert results[1]["failed"][0] == "RuntimeError"
+    assert results[0]["failed"][0] == "PeerStepFailedError"
+    assert all(r["failed"][2] < FAST and r["seconds after"] < FAST for r in results)
+    assert results[0]["other loss"] == results[1]["other loss"]
+    assert (tmp_path / "step-00000000" / "manifest.json").is_file()  # the failed step did not count
+
+
+def test_a_rank_that_fails_to_build_or_save_tells_the_others(tmp_path):
+    results = launch(
+        construction_and_save_failures, 2, str(tmp_path), TIMEOUT, threads_per_rank=1, timeout=300
+    )
+    for rank, result in enumerate(results):
+        name, message, seconds = result["build"]
+        if rank == 1:
+            assert name == "RuntimeError" and "cannot move this block, on purpose" in message
+        else:
+            assert name == "PeerFailedError"
+            assert message.startswith("rank 1 reported: cannot move this block, on purpose")
+        assert seconds < FAST
+        name, message, seconds = result["save"]
+        assert name == "CheckpointError" and seconds < FAST, message
+        assert "rank 1 cannot write its checkpoint file" in message
+        assert result["saved after"].endswith("step-00000001")
