@@ -51,6 +51,7 @@ def test_a_closed_pipeline_says_so_on_every_call():
             assert text == f"rank {rank}: this pipeline was closed; build a new Pipeline to go on"
 
 
+@pytest.mark.timeout(900)  # 30 process starts: about 2 minutes on 2 idle cores
 def test_thirty_launches_in_a_row_end_cleanly():
     # Before the group stopped on destroy, about 1 launch in 5 lost a rank to SIGABRT.
     for attempt in range(30):
