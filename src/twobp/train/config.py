@@ -48,7 +48,11 @@ class TrainConfig:
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
     out: str = doc("output folder for the report, curves and timelines", "runs/latest")
     threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
-    log_every: int = doc("steps between progress updates", 10)
+    log_every: int = doc(
+        "steps between records of OUT/metrics.jsonl and OUT/tensorboard (and the last step's), "
+        "and between progress lines when stderr is not a terminal",
+        10,
+    )
     timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
     nonfinite: str = doc(
         "when a step's loss is NaN or infinite: raise (stop the run with an error) or skip "
