@@ -64,6 +64,11 @@ class TrainConfig:
     save: bool = doc("write checkpoints into OUT/checkpoints (the last step's, at least)", True)
     save_every: int = doc("steps between checkpoints (0: only at the end of the run)", 0)
     keep_checkpoints: int = doc("checkpoints kept in OUT/checkpoints, the newest", 1)
+    async_save: bool = doc(
+        "write checkpoints in the background while the next steps run (the last one is "
+        "complete before the run ends; a crash while one is written leaves the one before)",
+        True,
+    )
     resume: str | None = doc(
         "continue a run from a checkpoint: a checkpoint folder, a folder of checkpoints or a "
         "run's --out folder (its latest), or 'auto': this --out's latest if there is one, else "
