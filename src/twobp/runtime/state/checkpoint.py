@@ -32,16 +32,13 @@ the rest is JSON. The folder must be on a file system every rank sees.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.runtime.communication import collective
@@ -49,6 +46,7 @@ from twobp.runtime.errors import CheckpointError
 from twobp.runtime.setup.agreement import agree
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint_storage as storage
+from twobp.runtime.state.checkpoint_background import BackgroundSaves
 from twobp.runtime.state.checkpoint_entries import (
     MODEL,
     check_json,
@@ -58,7 +56,7 @@ from twobp.runtime.state.checkpoint_entries import (
     optimizer_state,
     optimizer_tensor_names,
     rng_entries,
-    rng_state,
+    rng_state_from_entries,
     rng_tensor_names,
 )
 from twobp.runtime.state.checkpoint_files import (
@@ -76,10 +74,8 @@ from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
     parameter_names,
+    rng_state,
     set_rng_state,
-)
-from twobp.runtime.state.optimizer_and_rng import (
-    rng_state as current_rng_state,
 )
 from twobp.schedule.schedule import Schedule
 
@@ -94,25 +90,6 @@ __all__ = [
     "save",
     "wait",
 ]
-
-
-@dataclass
-class _Pending:
-    """A checkpoint being written in the background."""
-
-    future: Future[Any]
-    final: Path
-    published: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
-
-
-@dataclass
-class BackgroundSaves:
-    """A pipeline's checkpoint writes in the background: at most one at a time."""
-
-    group: dist.ProcessGroup | None = None
-    """The group of their collectives (made at the first background write)."""
-    pending: _Pending | None = None
 
 
 class Checkpointable(Protocol):
@@ -183,18 +160,19 @@ def save(
         if pipe.topology.writes_stage_files:
             tensors, part = _entries(pipe, optimizer, extra)
     except (CheckpointError, OSError, RuntimeError) as exc:
-        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot save")
+        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot save")
     agree(world, device, timeout, problem, "preparing a checkpoint")
     every = collective.all_gather_objects(world, (pipe.pp_rank, part))
     manifest = _manifest(pipe, step, every, optimizer, meta) if pipe.rank == 0 else {}
     if async_save:
-        _write_in_background(pipe, tensors, partial, final, manifest, keep)
+        complete = (lambda: publish(partial, final, manifest, keep)) if pipe.rank == 0 else None
+        pipe.background_saves.start(world, timeout, tensors, partial, final, complete)
         return final
     problem = None
     try:
         storage.write(tensors, partial, world.group)
     except storage.FAILURES as exc:
-        problem = _own_failure(exc, pipe.rank, "cannot write its part of the checkpoint")
+        problem = storage.own_error(exc, pipe.rank, "cannot write its part of the checkpoint")
     agree(world, device, timeout, problem, "writing a checkpoint")
     problem = None
     if pipe.rank == 0:
@@ -211,7 +189,7 @@ def _entries(
     """This rank's tensors, and its JSON part of the manifest."""
     state = pipe.state_dict()
     tensors = model_entries(state)
-    rng_tensors, rng_rest = rng_entries(pipe.pp_rank, current_rng_state(pipe.device))
+    rng_tensors, rng_rest = rng_entries(pipe.pp_rank, rng_state(pipe.device))
     tensors.update(rng_tensors)
     part: dict[str, Any] = {
         "tensors": {
@@ -269,36 +247,6 @@ def block_order(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def _write_in_background(
-    pipe: Checkpointable,
-    tensors: dict[str, Tensor],
-    partial: Path,
-    final: Path,
-    manifest: dict[str, Any],
-    keep: int,
-) -> None:
-    """Start writing; rank 0 completes the checkpoint once every rank's data is written."""
-    saves, world = pipe.background_saves, pipe.topology.members
-    if saves.group is None and world.group is not None:
-        saves.group = storage.background_group(world, pipe.timeout)
-    future = storage.write(tensors, partial, saves.group, background=True)
-    assert future is not None
-    pending = _Pending(future, final)
-
-    def complete(done: Future[Any]) -> None:
-        # DCP's coordinator (rank 0) finishes only after every rank's data is written.
-        try:
-            if pipe.rank == 0 and not done.cancelled() and done.exception() is None:
-                publish(partial, final, manifest, keep)
-        except Exception as exc:
-            pending.error = _as_checkpoint_error(exc, f"cannot complete {final}")
-        finally:
-            pending.published.set()
-
-    future.add_done_callback(complete)
-    saves.pending = pending
-
-
 def wait(pipe: Checkpointable) -> Path | None:
     """Wait until the checkpoint written in the background is complete. Collective.
 
@@ -312,16 +260,9 @@ def wait(pipe: Checkpointable) -> Path | None:
     if pending is None:
         return None
     pipe.background_saves.pending = None
-    problem: Exception | None = None
-    try:
-        pending.future.result()
-    except storage.FAILURES as exc:
-        problem = _own_failure(exc, pipe.rank, "cannot write its part of the checkpoint")
-    pending.published.wait()
-    problem = problem or pending.error
-    world = pipe.topology.members
+    problem = pending.outcome(pipe.rank)
     where = "completing a checkpoint written in the background"
-    agree(world, pipe.device, pipe.timeout, problem, where)
+    agree(pipe.topology.members, pipe.device, pipe.timeout, problem, where)
     return pending.final
 
 
@@ -329,22 +270,8 @@ def _attempt(action: Any, what: str) -> Exception | None:
     try:
         action()
     except (OSError, RuntimeError) as exc:
-        return _as_checkpoint_error(exc, what)
+        return storage.checkpoint_error(exc, what)
     return None
-
-
-def _own_failure(exc: BaseException, rank: int, what: str) -> Exception | None:
-    """This rank's failure in a DCP error, as a CheckpointError (None if only others failed)."""
-    own = storage.own_failure(exc, rank)
-    return None if own is None else _as_checkpoint_error(own, f"rank {rank} {what}")
-
-
-def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
-    if isinstance(exc, CheckpointError):
-        return exc
-    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -387,14 +314,14 @@ def load(
     try:
         plan = _plan(pipe, path, optimizer)
     except (CheckpointError, OSError, RuntimeError, KeyError, ValueError) as exc:
-        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
+        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     assert plan is not None
     problem = None
     try:
         storage.read(plan.tensors, plan.folder, world.group)
     except storage.FAILURES as exc:
-        problem = _own_failure(exc, pipe.rank, f"cannot load {plan.folder}")
+        problem = storage.own_error(exc, pipe.rank, f"cannot load {plan.folder}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     pipe.module.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
     if optimizer is not None and plan.optimizer is not None:
@@ -402,7 +329,7 @@ def load(
         saved = optimizer_state(plan.optimizer, plan.tensors, list(names.values()))
         load_optimizer_state_by_name(optimizer, names, [saved])
     if plan.rng is not None:
-        set_rng_state(rng_state(plan.home, plan.tensors, plan.rng), pipe.device)
+        set_rng_state(rng_state_from_entries(plan.home, plan.tensors, plan.rng), pipe.device)
     pipe.step_count = plan.step
     return plan.extra
 
@@ -497,5 +424,5 @@ def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         storage.read(tensors, folder, None)
     except storage.FAILURES as exc:
         own = storage.own_failure(exc, 0) or RuntimeError(str(exc))
-        raise _as_checkpoint_error(own, f"cannot read {folder}") from None
+        raise storage.checkpoint_error(own, f"cannot read {folder}") from None
     return {name: tensors[MODEL + name] for name in manifest["tensors"]}

@@ -167,7 +167,7 @@ def rng_tensor_names(pp_rank: int, rest: Mapping[str, Any], cuda: bool) -> list[
     return names + ([prefix + "cuda"] if cuda else [])
 
 
-def rng_state(
+def rng_state_from_entries(
     pp_rank: int, tensors: Mapping[str, Tensor], rest: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The states :func:`.optimizer_and_rng.set_rng_state` takes, from their entries."""

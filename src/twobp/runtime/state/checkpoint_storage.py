@@ -229,3 +229,18 @@ def own_failure(error: BaseException, rank: int) -> Exception | None:
 def dcp_files(folder: Path) -> list[str]:
     """The DCP data files in ``folder``."""
     return sorted(p.name for p in folder.iterdir() if p.suffix == ".distcp")
+
+
+def checkpoint_error(exc: Exception, what: str) -> CheckpointError:
+    """``exc`` as a CheckpointError that says ``what`` failed (a CheckpointError stays)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def own_error(exc: BaseException, rank: int, what: str) -> CheckpointError | None:
+    """This rank's failure in a DCP error, as a CheckpointError (None if only others failed)."""
+    own = own_failure(exc, rank)
+    return None if own is None else checkpoint_error(own, f"rank {rank} {what}")
