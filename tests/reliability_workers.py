@@ -243,12 +243,16 @@ def stalled_rank_session(timeout: float) -> None:
 # -- checkpoints --------------------------------------------------------------------------
 
 
-class KillWhilePickled:
-    """An object whose pickling kills its process (a crash in the middle of a save)."""
+def die_while_writing() -> None:
+    """From now on, this process dies by SIGKILL half-way through writing checkpoint data."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    def __reduce__(self) -> Any:
+    def write_half_then_die(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        (Path(self.path) / f"__{dist.get_rank()}_0.distcp").write_bytes(b"half a file")
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable")
+
+    FileSystemWriter.write_data = write_half_then_die  # type: ignore[method-assign]
 
 
 def conv(timeout: float, **options: Any) -> Pipeline:
@@ -312,7 +316,7 @@ def checkpoint_session(folder: str, timeout: float) -> None:
         import shutil
 
         shutil.copytree(out["saved path"], broken)
-        (broken / "rank-00001.pt").unlink()
+        (broken / "__1_0.distcp").unlink()
     dist.barrier()
     before = _state(b)
     out["file of rank 1 missing"] = outcome_of(lambda: b.load(root / "broken", opt_b))
@@ -320,8 +324,24 @@ def checkpoint_session(folder: str, timeout: float) -> None:
         torch.equal(before[k], v) for k, v in b.state_dict().items()
     )
 
+    # Written in the background while the next step changes the weights.
+    out["async state"] = _state(b)
+    out["async path"] = str(b.save(root / "async", opt_b, step=7, async_save=True))
+    train_steps(b, opt_b, range(4, 5))
+    out["async waited"] = str(b.wait_for_checkpoint())
+    out["nothing to wait for"] = b.wait_for_checkpoint()
+
+    # A checkpoint of one process, loaded by two ranks.
+    d = conv(timeout)
+    opt_d = torch.optim.AdamW(d.parameters(), lr=0.5)
+    out["from one process extra"] = d.load(root / "single", opt_d)
+    out["from one process losses"] = train_steps(d, opt_d, range(2, 4))
+    out["from one process state"] = _state(d)
+
     out["crash saved"] = str(b.save(root / "crash", opt_b, step=1))
     out["crash state"] = _state(b)
     save_outcomes(folder, out)
     dist.barrier()
-    b.save(root / "crash", opt_b, extra=KillWhilePickled() if rank == 1 else None, step=2)
+    if rank == 1:
+        die_while_writing()
+    b.save(root / "crash", opt_b, step=2)

@@ -61,7 +61,7 @@ def test_images_are_counted_in_samples_only():
     assert text == "32.0 samples/s, 2048 tokens/s"
     stream = io.StringIO()
     Progress(1, stream=stream).update(1, 1.0, 32.0, None)
-    assert stream.getvalue().rstrip().endswith("32.0 samples/s")
+    assert "32.0 samples/s" in stream.getvalue() and "tokens/s" not in stream.getvalue()
 
 
 def test_a_text_too_short_to_hold_out_a_sequence_is_refused_before_any_rank_starts(tmp_path):

@@ -4,6 +4,8 @@ Each field of a config dataclass carries its help text in
 ``field(metadata={"help": ...})``; :func:`add_arguments` turns the fields into
 ``argparse`` options (``--field-name``) and :func:`from_namespace` builds the
 dataclass back from the parsed arguments, so the two never drift apart.
+:func:`read_toml` reads the same options from a TOML file, checked against the
+field types and choices, and :func:`to_toml` writes them back.
 :func:`check_writable` checks an output path option before any work starts.
 """
 
@@ -11,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
+import math
 import os
+import sys
 import tempfile
 import types
 import typing
@@ -42,12 +48,21 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type[Any], *, only_given: bool = False
+) -> None:
     """Add one ``--option`` per field of the dataclass ``cls``.
 
     Booleans become ``--flag/--no-flag``; ``Optional[X]`` fields accept a value
     of ``X``; ``list[int]`` fields accept comma-separated values. ``choices``
     apply to every element of a list.
+
+    Args:
+        parser: the parser to add the options to.
+        cls: the dataclass.
+        only_given: leave the options that are not on the command line out of
+            the parsed namespace (the help still shows the defaults), so that
+            they can be told apart from values of a configuration file.
     """
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -64,9 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
             else None
         )
         help_text = f.metadata.get("help", "")
-        if default is not None and tp is not bool:
+        if default is not None and (tp is not bool or only_given):
             shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
             help_text += f" (default: {shown})"
+        if only_given:
+            default = argparse.SUPPRESS
         if tp is bool:
             parser.add_argument(
                 *names,
@@ -97,6 +114,102 @@ def from_namespace(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     }
     values.update(overrides)
     return cls(**values)
+
+
+def read_toml(cls: type[Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options of a TOML file, checked against the fields of the dataclass ``cls``.
+
+    Every key is a field's name, as written in Python (``seq_len``) or on the
+    command line (``seq-len``); values have the field's type (an integer is
+    also a float) and, where a field has ``choices``, one of them. An
+    ``Optional`` field left out keeps its default (TOML has no null).
+
+    Args:
+        cls: the dataclass whose fields are the options.
+        path: the TOML file.
+
+    Returns:
+        ``{field name: value}`` for the keys of the file.
+
+    Raises:
+        ValueError: one line naming the file, the key and what is wrong.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; keys are {', '.join(fields)}"
+            raise ValueError(f"{path}: unknown key {key!r}{hint}")
+        problem = _type_problem(hints[name], value, fields[name].metadata.get("choices"))
+        if problem:
+            raise ValueError(f"{path}: key {key!r} = {_toml_value(value)}: {problem}")
+        values[name] = float(value) if _base_type(hints[name])[0] is float else value
+    return values
+
+
+def _type_problem(tp: Any, value: Any, choices: Collection[Any] | None) -> str | None:
+    """What is wrong with ``value`` for a field of type ``tp`` (None if nothing)."""
+    tp, _ = _base_type(tp)
+    items = value if typing.get_origin(tp) in (list, tuple) else None
+    if items is not None:
+        if not isinstance(items, list):
+            return "expected a list"
+        inner = typing.get_args(tp)[0]
+        problems = [_type_problem(inner, item, choices) for item in items]
+        return next((p for p in problems if p), None)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        return f"expected {expected.get(tp, 'a string')}"
+    if choices is not None and value not in choices:
+        return f"choose from {', '.join(map(str, choices))}"
+    return None
+
+
+def to_toml(values: dict[str, Any], header: str = "") -> str:
+    """``values`` as a flat TOML table that :func:`read_toml` reads back; None values left out.
+
+    Args:
+        values: ``{key: value}`` of booleans, numbers, strings or lists of them.
+        header: a comment for the top of the file (lines without ``#``).
+    """
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    # A JSON string is a TOML basic string: the same quotes and escapes.
+    return json.dumps(str(value), ensure_ascii=False)
 
 
 def _comma_list(inner: Callable[[str], Any], choices: Collection[Any] | None) -> Any:

@@ -1,4 +1,4 @@
-"""``twobp checkpoint``: look into a pipeline checkpoint, or merge it into one state dict."""
+"""``twobp checkpoint``: look into a checkpoint, merge it into one state dict, convert it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ def register(subparsers: Any) -> None:
     """Add the ``checkpoint`` sub-command."""
     parser = subparsers.add_parser(
         "checkpoint",
-        help="show or merge a pipeline checkpoint",
+        help="show, merge or convert a pipeline checkpoint",
         description=(
-            "Checkpoints of Pipeline.save / twobp train hold one file per rank. 'info' prints "
-            "the manifest; 'merge' writes the single-process state dict that "
-            "nn.Sequential(*blocks).load_state_dict takes."
+            "Checkpoints of Pipeline.save / twobp train hold their tensors in "
+            "torch.distributed.checkpoint format and a JSON manifest. 'info' prints the "
+            "manifest; 'merge' writes the single-process state dict that "
+            "nn.Sequential(*blocks).load_state_dict takes; 'convert' turns a checkpoint of "
+            "twobp's first format (a pickle per rank) into the current one."
         ),
     )
     _add_actions(parser)
@@ -34,6 +36,15 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     merge.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
     merge.add_argument("output", help="the .pt file to write")
     merge.set_defaults(func=_guarded(_merge))
+    convert = actions.add_parser(
+        "convert", help="convert a checkpoint of the first format (rank-*.pt files)"
+    )
+    convert.add_argument("path", help="a checkpoint of the first format, or a folder of them")
+    convert.add_argument(
+        "output",
+        help="the folder of checkpoints to write into (the same folder replaces it in place)",
+    )
+    convert.set_defaults(func=_guarded(_convert))
 
 
 def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -65,6 +76,7 @@ def _info(args: argparse.Namespace) -> int:
     blocks = ", ".join(f"{a}-{b - 1}" for a, b in manifest["stage_blocks"])
     print(f"  blocks per stage: {blocks}")
     print(f"  {len(tensors)} tensors, {n_values:,} values; optimizer: {manifest['optimizer']}")
+    print(f"  format: twobp version {manifest['version']}, tensors in {manifest['storage']}")
     return 0
 
 
@@ -87,6 +99,17 @@ def _merge(args: argparse.Namespace) -> int:
     state = merge(args.path)
     torch.save(state, args.output)
     print(f"wrote {len(state)} tensors to {args.output}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from twobp.runtime.state.checkpoint_convert import convert
+
+    try:
+        check_writable("output", args.output, folder=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"wrote {convert(args.path, args.output)}")
     return 0
 
 

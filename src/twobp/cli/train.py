@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from twobp.cli.errors import UsageError
-from twobp.config import add_arguments, from_namespace
+from twobp.config import add_arguments, read_toml
 from twobp.train.config import TrainConfig
 
 
@@ -25,11 +27,42 @@ def register(subparsers: Any) -> None:
             "OUT/checkpoints; --resume OUT continues a run where it stopped (under torchrun "
             "--max-restarts, pass --resume auto). Options are checked before any rank starts; "
             "if a rank fails, the command prints one line per failed rank and writes the "
-            "tracebacks to OUT/errors.log (exit code 1)."
+            "tracebacks to OUT/errors.log (exit code 1). With --config FILE.toml the options "
+            "come from a file (one key per option), and those given here override it; every "
+            "run writes the options it ran with to OUT/config.toml."
         ),
     )
-    add_arguments(parser, TrainConfig)
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="read the options from a TOML file: one key per option (seq_len or seq-len); "
+        "options given on the command line override it (OUT/config.toml of a run repeats it)",
+    )
+    add_arguments(parser, TrainConfig, only_given=True)
     parser.set_defaults(func=_run)
+
+
+def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]]:
+    """The run's options: the ``--config`` file's, overridden by those on the command line.
+
+    Returns:
+        The options, and those that came from the file (by field name).
+
+    Raises:
+        UsageError: naming the file and the key, if the file cannot be read or
+            a key or value is wrong.
+    """
+    from_file: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            from_file = read_toml(TrainConfig, args.config)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {name: value for name, value in vars(args).items() if name in names}
+    return TrainConfig(**{**from_file, **given}), {
+        name: value for name, value in from_file.items() if name not in given
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -39,11 +72,11 @@ def _run(args: argparse.Namespace) -> int:
     from twobp.train.report import throughput
     from twobp.train.run import run_training
 
-    cfg = from_namespace(TrainConfig, args)
+    cfg, from_file = train_config(args)
     try:
         summary = run_training(cfg)
     except OptionError as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(_name_the_file(str(exc), from_file, args.config)) from exc
     except LaunchError as exc:
         print(f"twobp train: {failure_summary(exc, Path(cfg.out), cfg.verbose)}", file=sys.stderr)
         return 1
@@ -63,3 +96,12 @@ def _run(args: argparse.Namespace) -> int:
                 f"same options and --resume {cfg.out}"
             )
     return 0
+
+
+def _name_the_file(message: str, from_file: dict[str, Any], path: str | None) -> str:
+    """``message`` about ``--some-option``, saying so if the file gave that option."""
+    match = re.match(r"--([a-z][a-z0-9-]*)", message)
+    name = match.group(1).replace("-", "_") if match else None
+    if name is None or name not in from_file:
+        return message
+    return f"{path}, key {name}: {message}"

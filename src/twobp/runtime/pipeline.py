@@ -50,6 +50,7 @@ from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
 from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state import checkpoint
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action
 from twobp.schedule.lowering import add_communication, forward_only, split_stages
@@ -213,6 +214,8 @@ class Pipeline(PipelineState):
         self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
+        self.background_saves = checkpoint.BackgroundSaves()
+        """The checkpoint being written in the background (``save(..., async_save=True)``)."""
         self.skipped_steps: list[int] = []
         """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
         self.last_step_skipped = False

@@ -124,7 +124,11 @@ def save_due(cfg: TrainConfig, done: int) -> bool:
 def save(
     pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig, history: History
 ) -> Path:
-    """Write this run's checkpoint after ``history.step`` steps. Collective."""
+    """Write this run's checkpoint after ``history.step`` steps. Collective.
+
+    With ``--async-save`` it is written in the background, except the run's
+    last, which is complete when this returns (as is any earlier one).
+    """
     meta: dict[str, Any] = {"config": dataclasses.asdict(cfg), "step": history.step}
     return pipe.save(
         checkpoint_root(cfg),
@@ -133,4 +137,5 @@ def save(
         step=history.step,
         meta=meta,
         keep=cfg.keep_checkpoints,
+        async_save=cfg.async_save and history.step < last_step(cfg),
     )

@@ -48,7 +48,11 @@ class TrainConfig:
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
     out: str = doc("output folder for the report, curves and timelines", "runs/latest")
     threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
-    log_every: int = doc("steps between progress updates", 10)
+    log_every: int = doc(
+        "steps between records of OUT/metrics.jsonl and OUT/tensorboard (and the last step's), "
+        "and between progress lines when stderr is not a terminal",
+        10,
+    )
     timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
     nonfinite: str = doc(
         "when a step's loss is NaN or infinite: raise (stop the run with an error) or skip "
@@ -60,6 +64,11 @@ class TrainConfig:
     save: bool = doc("write checkpoints into OUT/checkpoints (the last step's, at least)", True)
     save_every: int = doc("steps between checkpoints (0: only at the end of the run)", 0)
     keep_checkpoints: int = doc("checkpoints kept in OUT/checkpoints, the newest", 1)
+    async_save: bool = doc(
+        "write checkpoints in the background while the next steps run (the last one is "
+        "complete before the run ends; a crash while one is written leaves the one before)",
+        True,
+    )
     resume: str | None = doc(
         "continue a run from a checkpoint: a checkpoint folder, a folder of checkpoints or a "
         "run's --out folder (its latest), or 'auto': this --out's latest if there is one, else "

@@ -7,17 +7,20 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from twobp.runtime import Pipeline
+from twobp.runtime.communication.collective import all_gather_objects
 from twobp.runtime.errors import NonFiniteLossError
-from twobp.timeline import Span
+from twobp.timeline import Span, bubble_ratio
 from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
+from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
-from twobp.train.task import build_task
+from twobp.train.task import Task, build_task
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
@@ -123,13 +126,62 @@ def train_rank(
         result.resumed_from = history.step
     # The same lists: what the loop appends is in the next checkpoint's history.
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
-    progress = Progress(cfg.steps, cfg.log_every, progress_stream) if pipe.rank == 0 else None
-    for step in range(history.step, checkpointing.last_step(cfg)):
+    progress, metrics = _reporters(pipe.rank, cfg, progress_stream, history.step)
+    try:
+        _train_steps(pipe, optimizer, task, cfg, history, result, on_step, progress, metrics)
+    finally:
+        if progress is not None and metrics is not None:
+            progress.close()
+            metrics.close()
+    spans = pipe.timeline()
+    if pipe.rank == 0:
+        result.spans = spans
+    eval_inputs, eval_targets = task.batch_at(0, "eval")
+    result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
+    result.peak_rss_bytes = _peak_rss_bytes()
+    return result
+
+
+def _reporters(
+    rank: int, cfg: TrainConfig, stream: TextIO | None, initial: int
+) -> tuple[Progress | None, MetricsLog | None]:
+    """Rank 0's progress display and metrics files (None on other ranks)."""
+    if rank != 0:
+        return None, None
+    progress = Progress(cfg.steps, cfg.log_every, stream, initial=initial)
+    metrics = MetricsLog(Path(cfg.out), resumed_from=initial)
+    if metrics.tensorboard_missing:
+        print(
+            f"tensorboard is not installed: metrics go to {metrics.path} only "
+            "(pip install 'twobp[tensorboard]' for TensorBoard event files)",
+            file=progress.stream,
+        )
+    return progress, metrics
+
+
+def _train_steps(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    cfg: TrainConfig,
+    history: checkpointing.History,
+    result: RankResult,
+    on_step: StepHook | None,
+    progress: Progress | None,
+    metrics: MetricsLog | None,
+) -> None:
+    """Run the steps from ``history.step`` to the run's last, saving as ``cfg`` says."""
+    logged = len(result.step_seconds)  # steps of this run before the last record
+    end = checkpointing.last_step(cfg)
+    for step in range(history.step, end):
         if on_step is not None:
             on_step(pipe.rank, step)
+        lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, cfg)
+            group["lr"] = lr
         inputs, targets = task.batch_at(step, "train")
+        log_due = (step + 1) % cfg.log_every == 0 or step + 1 == end
+        grad_norm: float | None = None
         start = time.perf_counter()
         loss = float(pipe.step(inputs, targets))
         if pipe.last_step_skipped:
@@ -137,30 +189,75 @@ def train_rank(
             _check_skipped_in_a_row(result.skipped_steps, pipe.rank)
         else:
             if cfg.grad_clip > 0:
-                pipe.clip_grad_norm_(cfg.grad_clip)
+                grad_norm = float(pipe.clip_grad_norm_(cfg.grad_clip))
+            elif log_due:
+                # An infinite limit scales by exactly 1: the norm, with the gradients unchanged.
+                grad_norm = float(pipe.clip_grad_norm_(math.inf))
             optimizer.step()
         pipe.zero_grad()
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)
         result.peak_stashed_bytes = max(result.peak_stashed_bytes, pipe.peak_stashed_bytes())
         history.step = step + 1
+        samples = _samples_per_s(result.step_seconds, logged, cfg.batch_size)
+        tokens = None if task.tokens_per_sample is None else samples * task.tokens_per_sample
+        if log_due:
+            # Collective: every rank's spans and memory.
+            record = _step_metrics(pipe, result, history.step, loss, lr, grad_norm, samples, tokens)
+            logged = len(result.step_seconds)
+            if metrics is not None:
+                metrics.write(record)
         if progress is not None:
-            recent = result.step_seconds[WARMUP_STEPS:][-20:] or result.step_seconds[-1:]
-            per_step = sum(recent) / len(recent)
-            samples = cfg.batch_size / per_step
-            tokens = None if task.tokens_per_sample is None else samples * task.tokens_per_sample
             progress.update(step + 1, loss, samples, tokens)
         if checkpointing.save_due(cfg, history.step):
             start = time.perf_counter()
             result.checkpoint = str(checkpointing.save(pipe, optimizer, cfg, history))
             result.save_seconds.append(time.perf_counter() - start)
+
+
+def _samples_per_s(step_seconds: list[float], since: int, batch_size: int) -> float:
+    """Samples per second over this run's steps from index ``since`` on.
+
+    The first :data:`WARMUP_STEPS` of the run are left out while later steps exist.
+    """
+    window = step_seconds[max(since, WARMUP_STEPS) :] or step_seconds[since:] or step_seconds[-1:]
+    return batch_size * len(window) / sum(window)
+
+
+def _step_metrics(
+    pipe: Pipeline,
+    result: RankResult,
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float | None,
+    samples_per_s: float,
+    tokens_per_s: float | None,
+) -> StepMetrics:
+    """The record of the step just done. Collective: gathers every rank's spans and memory."""
     spans = pipe.timeline()
-    if pipe.rank == 0:
-        result.spans = spans
-    eval_inputs, eval_targets = task.batch_at(0, "eval")
-    result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
-    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return result
+    device_peak = (
+        torch.cuda.max_memory_allocated(pipe.device) if pipe.device.type == "cuda" else None
+    )
+    mine = (_peak_rss_bytes(), result.peak_stashed_bytes, device_peak)
+    every = all_gather_objects(pipe.topology.members, mine)
+    return StepMetrics(
+        step=step,
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
+        bubble=bubble_ratio(spans),
+        step_seconds=result.step_seconds[-1],
+        peak_rss_bytes=[rss for rss, _, _ in every],
+        peak_stash_bytes=[stash for _, stash, _ in every],
+        peak_device_bytes=None if device_peak is None else [d for _, _, d in every],
+    )
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _check_skipped_in_a_row(skipped: list[int], rank: int) -> None:

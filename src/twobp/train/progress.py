@@ -1,27 +1,53 @@
-"""A dependency-free progress line: a bar on a terminal, plain log lines elsewhere."""
+"""The progress of a run: a tqdm bar on a terminal, plain log lines elsewhere.
+
+On a terminal, tqdm draws the bar with the elapsed time, the ETA and the step
+rate, and the latest loss and throughput after it. In a log file (stderr not
+a terminal), a bar's carriage returns are noise: every ``every`` steps (and
+at the first and the last) one plain line says the same.
+"""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 
 class Progress:
-    """Prints ``step/total [####....] loss ... samples/s ...`` as training goes.
+    """Shows ``step/total``, the loss, samples/s (and tokens/s), the step rate and the ETA.
 
     Args:
-        total: number of steps.
-        every: steps between updates when the stream is not a terminal.
+        total: the step the run ends at.
+        every: steps between plain lines when the stream is not a terminal.
         stream: where to write (default stderr).
+        initial: steps done before this run started (a resumed run).
     """
 
-    def __init__(self, total: int, every: int = 10, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total: int, every: int = 10, stream: TextIO | None = None, initial: int = 0
+    ) -> None:
         self.total = total
         self.every = max(1, every)
+        self.initial = initial
         self.stream = stream if stream is not None else sys.stderr
-        self.is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._last_draw = 0.0
+        is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._bar = (
+            tqdm(
+                total=total,
+                initial=initial,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                smoothing=0.1,
+                leave=True,
+            )
+            if is_tty
+            else None
+        )
+        self._start = time.monotonic()
 
     def update(
         self, step: int, loss: float, samples_per_s: float, tokens_per_s: float | None
@@ -30,22 +56,27 @@ class Progress:
 
         ``tokens_per_s`` is None for data without tokens (images).
         """
-        text = (
-            f"step {step:>{len(str(self.total))}}/{self.total} "
-            f"loss {loss:7.4f}  {samples_per_s:8.1f} samples/s"
-        )
+        figures = f"loss {loss:7.4f}  {samples_per_s:8.1f} samples/s"
         if tokens_per_s is not None:
-            text += f"  {tokens_per_s:9.0f} tokens/s"
-        if self.is_tty:
-            now = time.monotonic()
-            if now - self._last_draw < 0.1 and step != self.total:
-                return
-            self._last_draw = now
-            width = 24
-            filled = int(width * step / max(1, self.total))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            if step == self.total:
-                self.stream.write("\n")
-        elif step % self.every == 0 or step == self.total or step == 1:
-            self.stream.write(text + "\n")
+            figures += f"  {tokens_per_s:9.0f} tokens/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(figures, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        if step % self.every and step not in (self.initial + 1, self.total):
+            return
+        elapsed = time.monotonic() - self._start
+        done = step - self.initial
+        rate = done / elapsed if elapsed > 0 else float("inf")
+        left = (self.total - step) / rate if rate > 0 else math.inf
+        eta = tqdm.format_interval(left) if math.isfinite(left) else "?"
+        self.stream.write(
+            f"step {step:>{len(str(self.total))}}/{self.total} {figures}  "
+            f"{rate:.2f} steps/s, eta {eta}\n"
+        )
         self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar (its last state stays on the terminal)."""
+        if self._bar is not None:
+            self._bar.close()

@@ -7,6 +7,9 @@ Writes into the output folder:
 - ``loss.png``: the loss curve;
 - ``timeline.png`` and ``trace.json``: the last step as measured (open the trace
   in chrome://tracing or ui.perfetto.dev).
+
+and, when the run starts, ``config.toml``: the options it runs with, which
+``twobp train --config OUT/config.toml`` repeats.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from twobp.config import to_toml
 from twobp.timeline import bubble_ratio, makespan
 from twobp.train.config import TrainConfig
 from twobp.train.loop import WARMUP_STEPS, RankResult
@@ -70,6 +74,21 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         "stage_blocks": lead.stage_blocks,
         "losses": losses,
     }
+
+
+CONFIG_FILE = "config.toml"
+
+
+def write_config(cfg: TrainConfig, out: Path) -> Path:
+    """Write the run's options to ``out/config.toml``; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CONFIG_FILE
+    header = (
+        "The options of a twobp train run (options left out had no value).\n"
+        f"Repeat it with: twobp train --config {path}"
+    )
+    path.write_text(to_toml(dataclasses.asdict(cfg), header))
+    return path
 
 
 def write_report(cfg: TrainConfig, results: Sequence[RankResult], out: Path) -> dict[str, Any]:

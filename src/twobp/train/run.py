@@ -14,11 +14,11 @@ from twobp.train.config import TrainConfig
 from twobp.train.failures import ERROR_LOG, RANK_LOGS, send_stderr_to, write_error_log
 from twobp.train.loop import RankResult, StepHook, train_rank
 from twobp.train.preflight import check_config
-from twobp.train.report import write_report
+from twobp.train.report import write_config, write_report
 
 
 def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str, Any] | None:
-    """Train as ``cfg`` says and write the report.
+    """Train as ``cfg`` says; write its options (``OUT/config.toml``) first, the report last.
 
     Under ``torchrun`` this process is one rank: the results are gathered to
     rank 0, which writes the report and returns the summary (other ranks
@@ -46,12 +46,15 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
     check_config(cfg, n_ranks)
     out = Path(cfg.out)
     if launched_by_env() or dist.is_initialized():
+        if _global_rank() == 0:
+            write_config(cfg, out)
         mine = train_rank(cfg, on_step)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
             return None
         return write_report(cfg, _by_rank(gathered), out)
+    write_config(cfg, out)
     logs = out / RANK_LOGS
     logs.mkdir(parents=True, exist_ok=True)
     (out / ERROR_LOG).unlink(missing_ok=True)
@@ -78,6 +81,10 @@ def _train_rank_logged(cfg: TrainConfig, on_step: StepHook | None, logs: str) ->
         return train_rank(cfg, on_step, progress_stream=terminal)
     finally:
         terminal.close()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
 
 
 def _by_rank(results: list[Any]) -> list[RankResult]:

@@ -1,23 +1,32 @@
-"""Checkpoints of a pipeline: one file per rank, a manifest, atomic on disk.
+"""Checkpoints of a pipeline: ``torch.distributed.checkpoint`` tensors, a JSON manifest, atomic.
 
 A folder of checkpoints holds one sub-folder per saved step::
 
     checkpoints/
       step-00000200/
-        rank-00000.pt     weights and buffers (single-process names), optimizer
-        rank-00001.pt     state by name, RNG states, step, the caller's extra
-        manifest.json     written last: world size, schedule, stages, names -> shapes
+        __0_0.distcp      tensors of pipeline rank 0, in torch.distributed.checkpoint (DCP)
+        __1_0.distcp      format: weights and buffers, optimizer state, RNG states, by name
+        .metadata         DCP's index of every tensor (written once all data is in place)
+        manifest.json     written last: step, schedule, stages, optimizer groups, RNG
+                          rest, every rank's extra (JSON)
 
-Every rank writes its file into ``.partial-step-00000200`` (a temporary file,
-fsync, rename); once all ranks have, rank 0 writes the manifest and renames the
-folder to ``step-00000200``. A crash at any moment leaves the earlier
-checkpoints as they were: a folder without a manifest is never loaded, and
-older checkpoints are deleted only after the new one is complete.
+The tensors are named as in the single-process model (``model.3.attn.q.weight``,
+``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.checkpoint_entries`),
+so a checkpoint loads into another partition, schedule or number of ranks, and
+``torch.distributed.checkpoint.load`` reads it without twobp. One replica of
+each stage writes (:attr:`Topology.writes_stage_files`).
 
-Because tensors are named as in ``nn.Sequential(*blocks)``, a checkpoint loads
-into another partition, schedule or number of ranks, and :func:`merge` turns
-it into a single-process state dict. The folder must be on a file system that
-every rank sees.
+Every rank writes into ``.partial-step-00000200``; once all have, rank 0 writes
+the manifest and renames the folder to ``step-00000200``. A crash at any
+moment leaves the earlier checkpoints as they were: a folder without a manifest
+is never loaded, and older checkpoints are deleted only after the new one is
+complete. With ``async_save=True`` the tensors are copied at once and written
+in the background; rank 0 completes the checkpoint when every rank's data is
+written, and the next ``save``, ``load`` or :func:`wait` reports how it went.
+
+Loading unpickles nothing from the checkpoint: tensors are read with
+``weights_only``, DCP's metadata through an allow-list of its own classes, and
+the rest is JSON. The folder must be on a file system every rank sees.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +45,20 @@ from twobp.runtime.communication import collective
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.setup.agreement import agree
 from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state import checkpoint_storage as storage
+from twobp.runtime.state.checkpoint_background import BackgroundSaves
+from twobp.runtime.state.checkpoint_entries import (
+    MODEL,
+    check_json,
+    merge_optimizer_json,
+    model_entries,
+    optimizer_entries,
+    optimizer_state,
+    optimizer_tensor_names,
+    rng_entries,
+    rng_state_from_entries,
+    rng_tensor_names,
+)
 from twobp.runtime.state.checkpoint_files import (
     FORMAT,
     VERSION,
@@ -42,12 +66,9 @@ from twobp.runtime.state.checkpoint_files import (
     fresh_folder,
     is_checkpoint,
     latest_checkpoint,
-    merge,
     publish,
-    rank_file,
     read_manifest,
     step_folder,
-    write_atomic,
 )
 from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
@@ -59,6 +80,7 @@ from twobp.runtime.state.optimizer_and_rng import (
 from twobp.schedule.schedule import Schedule
 
 __all__ = [
+    "BackgroundSaves",
     "find_checkpoint",
     "is_checkpoint",
     "latest_checkpoint",
@@ -66,7 +88,9 @@ __all__ = [
     "merge",
     "read_manifest",
     "save",
+    "wait",
 ]
+
 
 class Checkpointable(Protocol):
     """What a checkpoint reads from and writes into a pipeline (its model state)."""
@@ -81,11 +105,11 @@ class Checkpointable(Protocol):
     n_microbatches: int
     stage_blocks: tuple[range, ...]
     module: nn.Sequential
+    background_saves: BackgroundSaves
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]: ...
-
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -100,62 +124,58 @@ def save(
     step: int | None = None,
     meta: Mapping[str, Any] | None = None,
     keep: int = 1,
+    async_save: bool = False,
 ) -> Path:
     """Write a checkpoint of ``pipe`` into the folder of checkpoints ``root``.
 
     Collective: every rank calls it. See :meth:`Pipeline.save`.
 
     Returns:
-        The checkpoint's folder.
+        The checkpoint's folder (complete once :func:`wait` returns, if ``async_save``).
 
     Raises:
         CheckpointError: on every rank, if any rank cannot write.
     """
     if keep < 1:
         raise CheckpointError(f"keep={keep}: keep at least the checkpoint being written")
+    wait(pipe)
     step = pipe.step_count if step is None else step
-    folder = Path(root)
-    final = folder / step_folder(step)
-    partial = folder / f".partial-{final.name}"
+    final = Path(root) / step_folder(step)
+    partial = final.with_name(f".partial-{final.name}")
     world, device, timeout = pipe.topology.members, pipe.device, pipe.timeout
-    # One file per pipeline rank, written by the first replica of its stages.
-    writes = pipe.topology.writes_stage_files
     problem: Exception | None = None
     if pipe.rank == 0:
         problem = _attempt(lambda: fresh_folder(partial), f"cannot create {partial}")
     agree(world, device, timeout, problem, "starting to save a checkpoint")
-    payload = {
-        "format": VERSION,
-        "rank": pipe.pp_rank,
-        "step": step,
-        "model": pipe.state_dict(),
-        "optimizer": None,
-        "rng": rng_state(device),
-        "extra": extra,
-    }
+    tensors: dict[str, Tensor] = {}
+    part: dict[str, Any] | None = None
     problem = None
     try:
-        if optimizer is not None:
-            payload["optimizer"] = optimizer_state_by_name(
-                optimizer, parameter_names(pipe.named_parameters())
-            )
         if not partial.is_dir():
             raise CheckpointError(
                 f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
                 "folder must be on a file system that every rank shares"
             )
-        if writes:
-            write_atomic(partial / rank_file(pipe.pp_rank), lambda f: torch.save(payload, f))
+        # One copy per stage: the first replica of this rank's stages writes it.
+        if pipe.topology.writes_stage_files:
+            tensors, part = _entries(pipe, optimizer, extra)
     except Exception as exc:  # any failure here must reach every rank
-        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot write its checkpoint file")
+        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot save")
+    agree(world, device, timeout, problem, "preparing a checkpoint")
+    every = collective.all_gather_objects(world, (pipe.pp_rank, part))
+    manifest = _manifest(pipe, step, every, optimizer, meta) if pipe.rank == 0 else {}
+    if async_save:
+        complete = (lambda: publish(partial, final, manifest, keep)) if pipe.rank == 0 else None
+        pipe.background_saves.start(world, timeout, tensors, partial, final, complete)
+        return final
+    problem = None
+    try:
+        storage.write(tensors, partial, world.group)
+    except storage.FAILURES as exc:
+        problem = storage.own_error(exc, pipe.rank, "cannot write its part of the checkpoint")
     agree(world, device, timeout, problem, "writing a checkpoint")
-    described = {
-        n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in payload["model"].items()
-    }
-    every = collective.all_gather_objects(world, (pipe.pp_rank, writes, described))
     problem = None
     if pipe.rank == 0:
-        manifest = _manifest(pipe, step, every, optimizer, meta)
         problem = _attempt(
             lambda: publish(partial, final, manifest, keep), f"cannot complete {final}"
         )
@@ -163,22 +183,47 @@ def save(
     return final
 
 
+def _entries(
+    pipe: Checkpointable, optimizer: torch.optim.Optimizer | None, extra: Any
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This rank's tensors, and its JSON part of the manifest."""
+    state = pipe.state_dict()
+    tensors = model_entries(state)
+    rng_tensors, rng_rest = rng_entries(pipe.pp_rank, rng_state(pipe.device))
+    tensors.update(rng_tensors)
+    part: dict[str, Any] = {
+        "tensors": {
+            name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in state.items()
+        },
+        "extra": check_json(extra, "extra"),
+        "rng": rng_rest,
+        "optimizer": None,
+    }
+    if optimizer is not None:
+        by_name = optimizer_state_by_name(optimizer, parameter_names(pipe.named_parameters()))
+        optimizer_tensors, part["optimizer"] = optimizer_entries(by_name)
+        tensors.update(optimizer_tensors)
+    return tensors, part
+
+
 def _manifest(
     pipe: Checkpointable,
     step: int,
-    every: list[tuple[int, bool, dict[str, tuple[list[int], str]]]],
+    every: list[tuple[int, dict[str, Any] | None]],
     optimizer: torch.optim.Optimizer | None,
     meta: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
+    parts = {pp_rank: part for pp_rank, part in every if part is not None}
     tensors = {
-        name: {"shape": shape, "dtype": dtype, "file": pp_rank}
-        for pp_rank, writes, described in every
-        if writes
-        for name, (shape, dtype) in described.items()
+        name: {**entry, "rank": pp_rank}
+        for pp_rank, part in sorted(parts.items())
+        for name, entry in part["tensors"].items()
     }
     return {
         "format": FORMAT,
         "version": VERSION,
+        "storage": "torch.distributed.checkpoint",
         "step": step,
         "world_size": pipe.topology.pp_size,
         "schedule": pipe.schedule.name,
@@ -186,8 +231,11 @@ def _manifest(
         "placement": list(pipe.schedule.placement),
         "stage_blocks": [[r.start, r.stop] for r in pipe.stage_blocks],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "files": [rank_file(r) for r in range(pipe.topology.pp_size)],
         "tensors": dict(sorted(tensors.items(), key=lambda item: block_order(item[0]))),
+        "ranks": [
+            {key: parts[r][key] for key in ("extra", "rng", "optimizer")}
+            for r in range(pipe.topology.pp_size)
+        ],
         "meta": dict(meta or {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -199,23 +247,50 @@ def block_order(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
+def wait(pipe: Checkpointable) -> Path | None:
+    """Wait until the checkpoint written in the background is complete. Collective.
+
+    Returns:
+        The checkpoint's folder, or None if none was being written.
+
+    Raises:
+        CheckpointError: on every rank, if any rank could not write its part.
+    """
+    pending = pipe.background_saves.pending
+    if pending is None:
+        return None
+    pipe.background_saves.pending = None
+    problem = pending.outcome(pipe.rank)
+    where = "completing a checkpoint written in the background"
+    agree(pipe.topology.members, pipe.device, pipe.timeout, problem, where)
+    return pending.final
+
+
 def _attempt(action: Any, what: str) -> Exception | None:
     try:
         action()
     except Exception as exc:  # any failure here must reach every rank
-        return _as_checkpoint_error(exc, what)
+        return storage.checkpoint_error(exc, what)
     return None
 
 
-def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
-    if isinstance(exc, CheckpointError):
-        return exc
-    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
 # -- reading ---------------------------------------------------------------------------
+
+
+@dataclass
+class _LoadPlan:
+    folder: Path
+    tensors: dict[str, Tensor]
+    """What DCP fills: every tensor this rank needs, by checkpoint name."""
+    own: list[str]
+    """This rank's state-dict names."""
+    optimizer: dict[str, Any] | None
+    """The optimizer's JSON part (every rank's groups, this rank's state)."""
+    rng: dict[str, Any] | None
+    """The JSON rest of the RNG states to restore (None: keep this process's)."""
+    home: int
+    extra: Any
+    step: int
 
 
 def load(
@@ -232,40 +307,37 @@ def load(
     Raises:
         CheckpointError: on every rank, if any rank cannot load.
     """
+    wait(pipe)
+    world = pipe.topology.members
     problem: Exception | None = None
     plan: _LoadPlan | None = None
     try:
-        plan = _read(pipe, path, optimizer)
+        plan = _plan(pipe, path, optimizer)
     except Exception as exc:  # any failure here must reach every rank
-        problem = _as_checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
-    agree(pipe.topology.members, pipe.device, pipe.timeout, problem, "loading a checkpoint")
+        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
+    agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     assert plan is not None
-    pipe.module.load_state_dict(plan.model, strict=True)
-    if optimizer is not None:
-        load_optimizer_state_by_name(
-            optimizer, parameter_names(pipe.named_parameters()), plan.optimizer
-        )
+    problem = None
+    try:
+        storage.read(plan.tensors, plan.folder, world.group)
+    except storage.FAILURES as exc:
+        problem = storage.own_error(exc, pipe.rank, f"cannot load {plan.folder}")
+    agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
+    pipe.module.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
+    if optimizer is not None and plan.optimizer is not None:
+        names = parameter_names(pipe.named_parameters())
+        saved = optimizer_state(plan.optimizer, plan.tensors, list(names.values()))
+        load_optimizer_state_by_name(optimizer, names, [saved])
     if plan.rng is not None:
-        set_rng_state(plan.rng, pipe.device)
+        set_rng_state(rng_state_from_entries(plan.home, plan.tensors, plan.rng), pipe.device)
     pipe.step_count = plan.step
     return plan.extra
 
 
-class _LoadPlan:
-    def __init__(
-        self, model: dict[str, Tensor], optimizer: list[Any], rng: Any, extra: Any, step: int
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.rng = rng
-        self.extra = extra
-        self.step = step
-
-
-def _read(
+def _plan(
     pipe: Checkpointable, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
 ) -> _LoadPlan:
-    """Read and check everything this rank needs, changing nothing."""
+    """Read and check what this rank needs to load, changing nothing."""
     manifest = read_manifest(path)
     folder = Path(manifest["path"])
     saved = manifest["tensors"]
@@ -295,22 +367,62 @@ def _read(
             f"{folder} holds the state of a {manifest['optimizer']}, not of a "
             f"{type(optimizer).__name__}; use the same optimizer class"
         )
+    stored = storage.tensor_shapes(folder)
+    wanted = [MODEL + n for n in own]
+    optimizer_json = None
+    if optimizer is not None:
+        optimizer_json = merge_optimizer_json(
+            [r["optimizer"] for r in manifest["ranks"] if r["optimizer"] is not None]
+        )
+        names = list(parameter_names(pipe.named_parameters()).values())
+        wanted += optimizer_tensor_names(optimizer_json, names)
     same_world = manifest["world_size"] == pipe.topology.pp_size
     home = pipe.pp_rank if same_world else 0
-    needed = sorted({saved[n]["file"] for n in own} | {home})
-    files = {
-        r: torch.load(
-            folder / manifest["files"][r], map_location="cpu", mmap=True, weights_only=False
+    # Another number of ranks: the RNG streams no longer match ranks, keep this process's.
+    rng = manifest["ranks"][home]["rng"] if same_world else None
+    if rng is not None:
+        cuda = pipe.device.type == "cuda" and f"rng.{home}.cuda" in stored
+        wanted += rng_tensor_names(home, rng, cuda)
+    absent = [n for n in wanted if n not in stored]
+    if absent:
+        raise CheckpointError(
+            f"{folder} is incomplete: its DCP metadata has no {', '.join(absent[:3])}"
         )
-        for r in needed
-    }
-    model = {n: files[saved[n]["file"]]["model"][n] for n in own}
-    optimizer_parts = [files[r]["optimizer"] for r in needed if files[r]["optimizer"] is not None]
     return _LoadPlan(
-        model=model,
-        optimizer=optimizer_parts,
-        # Another number of ranks: the RNG streams no longer match ranks, keep this process's.
-        rng=files[home]["rng"] if same_world else None,
-        extra=files[home]["extra"],
+        folder=folder,
+        tensors={n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in wanted},
+        own=list(own),
+        optimizer=optimizer_json,
+        rng=rng,
+        home=home,
+        extra=manifest["ranks"][home]["extra"],
         step=int(manifest["step"]),
     )
+
+
+def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The single-process state dict of a checkpoint (what ``nn.Sequential(*blocks)`` loads).
+
+    Reads in this process alone (not collective).
+
+    Args:
+        path: a checkpoint, or a folder of checkpoints (its latest is used).
+
+    Returns:
+        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
+
+    Raises:
+        CheckpointError: if there is no complete checkpoint, or it cannot be read.
+    """
+    manifest = read_manifest(path)
+    folder = Path(manifest["path"])
+    tensors = {
+        MODEL + name: torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        for name, entry in manifest["tensors"].items()
+    }
+    try:
+        storage.read(tensors, folder, None)
+    except storage.FAILURES as exc:
+        own = storage.own_failure(exc, 0) or RuntimeError(str(exc))
+        raise storage.checkpoint_error(own, f"cannot read {folder}") from None
+    return {name: tensors[MODEL + name] for name in manifest["tensors"]}

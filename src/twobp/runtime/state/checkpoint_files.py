@@ -1,4 +1,4 @@
-"""Where a checkpoint's files go and how they are found, written atomically and merged.
+"""Where a checkpoint's files go and how they are found, written atomically.
 
 See :mod:`twobp.runtime.state.checkpoint` for the layout. Nothing here communicates:
 these are the file operations of one process.
@@ -14,20 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-from torch import Tensor
-
 from twobp.runtime.errors import CheckpointError
 
 FORMAT = "twobp-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: tensors in torch.distributed.checkpoint format, the rest in the manifest as JSON.
+1: one pickle per rank (``rank-00000.pt``); ``twobp checkpoint convert`` turns it into 2."""
 MANIFEST = "manifest.json"
 _STEP_FOLDER = re.compile(r"^(?:\.partial-|\.replaced-)?step-(\d+)$")
-
-
-def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s file in a checkpoint."""
-    return f"rank-{rank:05d}.pt"
 
 
 def step_folder(step: int) -> str:
@@ -82,17 +76,29 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str], *, old: bool = False) -> dict[str, Any]:
     """The manifest of the checkpoint ``path`` names (see :func:`find_checkpoint`).
 
+    Args:
+        path: a checkpoint, a folder of checkpoints or a run's output folder.
+        old: accept a checkpoint of the first format too (version 1).
+
     Raises:
-        CheckpointError: if there is none, or it is not a twobp manifest.
+        CheckpointError: if there is none, it is not a twobp manifest, or it is
+            of the first format (it names the command that converts it).
     """
     folder = find_checkpoint(path)
     manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version", 0) > VERSION:
+    version = manifest.get("version", 0)
+    if manifest.get("format") != FORMAT or not 1 <= version <= VERSION:
         raise CheckpointError(
             f"{folder / MANIFEST} is not a twobp checkpoint manifest of version <= {VERSION}"
+        )
+    if version == 1 and not old:
+        raise CheckpointError(
+            f"{folder} is a checkpoint of twobp's first format (a pickle per rank), which "
+            f"twobp no longer loads: convert it once with `twobp checkpoint convert {folder} "
+            "NEW_FOLDER` (it reads tensors and plain data only)"
         )
     manifest["path"] = str(folder)
     return manifest
@@ -109,8 +115,16 @@ def fresh_folder(partial: Path) -> None:
     partial.mkdir()
 
 
-def publish(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
-    """Mark ``partial`` complete, move it into place, then drop what it replaces."""
+def publish(partial: Path, final: Path, manifest: dict[str, Any], keep: int | None) -> None:
+    """Mark ``partial`` complete, move it into place, then drop what it replaces.
+
+    Args:
+        partial: the folder holding every rank's data.
+        final: where the checkpoint goes.
+        manifest: written into ``partial`` last.
+        keep: checkpoints to keep in the folder, this one included (see
+            :func:`prune`); None: leave the others as they are.
+    """
     text = json.dumps(manifest, indent=1)
     write_atomic(partial / MANIFEST, lambda f: f.write(text.encode()))
     fsync_folder(partial)
@@ -121,7 +135,10 @@ def publish(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> 
         final.rename(replaced)
     partial.rename(final)
     fsync_folder(final.parent)
-    prune(final, keep)
+    if keep is not None:
+        prune(final, keep)
+    elif replaced.exists():
+        shutil.rmtree(replaced)
 
 
 def prune(final: Path, keep: int) -> None:
@@ -157,27 +174,3 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """The single-process state dict of a checkpoint (what ``nn.Sequential(*blocks)`` loads).
-
-    Args:
-        path: a checkpoint, or a folder of checkpoints (its latest is used).
-
-    Returns:
-        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
-
-    Raises:
-        CheckpointError: if there is no complete checkpoint.
-    """
-    manifest = read_manifest(path)
-    folder = Path(manifest["path"])
-    merged: dict[str, Tensor] = {}
-    parts = [
-        torch.load(folder / name, map_location="cpu", weights_only=False)["model"]
-        for name in manifest["files"]
-    ]
-    for name, entry in manifest["tensors"].items():
-        merged[name] = parts[entry["file"]][name]
-    return merged

@@ -38,6 +38,7 @@ class PipelineState:
     schedule: Schedule
     n_microbatches: int
     stage_blocks: tuple[range, ...]
+    background_saves: checkpoint.BackgroundSaves
     _closed: bool
 
     def _check_open(self) -> None:
@@ -100,12 +101,15 @@ class PipelineState:
         step: int | None = None,
         meta: Mapping[str, Any] | None = None,
         keep: int = 1,
+        async_save: bool = False,
     ) -> Path:
         """Write a checkpoint into the folder of checkpoints ``path``. Collective.
 
-        Each rank writes its parameters and buffers (single-process names), the
-        optimizer's state keyed by parameter name, its RNG states and ``extra``;
-        rank 0 adds a manifest. The write is atomic: until the new checkpoint is
+        The tensors go to ``torch.distributed.checkpoint`` (DCP) format: the
+        parameters and buffers and the optimizer's state under single-process
+        names, and each rank's RNG states; the rest (step, schedule, stages,
+        optimizer hyper-parameters, ``extra``) goes to a JSON manifest that rank
+        0 writes last. The write is atomic: until the new checkpoint is
         complete, the earlier ones stay as they were (see
         :mod:`twobp.runtime.state.checkpoint`).
 
@@ -113,21 +117,42 @@ class PipelineState:
             path: the folder of checkpoints (shared by every rank); this one goes
                 into ``path/step-<step>``.
             optimizer: an optimizer over this rank's parameters, saved with them.
-            extra: anything picklable to get back from :meth:`load` (the data
-                position, the loss history); each rank saves its own.
+            extra: JSON data to get back from :meth:`load` (the data position,
+                the loss history): dicts with string keys, lists, strings,
+                numbers (NaN and infinities too), booleans and None; tuples
+                come back as lists. Each rank saves its own.
             step: the step to file it under; None: :attr:`step_count`.
             meta: JSON data for the manifest, readable without loading tensors
                 (``twobp.runtime.state.checkpoint.read_manifest``).
             keep: how many checkpoints to keep in ``path``, this one included.
+            async_save: copy the tensors and return; they are written in the
+                background while training goes on. The checkpoint is complete
+                once :meth:`wait_for_checkpoint` (or the next ``save`` or
+                ``load``) returns; a crash before then leaves the earlier ones.
 
         Returns:
             The checkpoint's folder.
 
         Raises:
-            CheckpointError: on every rank, if any rank cannot write.
+            CheckpointError: on every rank, if any rank cannot write (for a
+                background write, from the call that waits for it).
         """
         self._check_open()
-        return checkpoint.save(self, path, optimizer, extra, step=step, meta=meta, keep=keep)
+        return checkpoint.save(
+            self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
+        )
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait until a checkpoint written in the background is complete. Collective.
+
+        Returns:
+            The checkpoint's folder, or None if none was being written.
+
+        Raises:
+            CheckpointError: on every rank, if any rank could not write its part.
+        """
+        self._check_open()
+        return checkpoint.wait(self)
 
     def load(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
@@ -135,9 +160,10 @@ class PipelineState:
         """Load a checkpoint written by :meth:`save`. Collective.
 
         The checkpoint may come from another partition, schedule or number of
-        ranks: every rank takes the tensors (and optimizer state) of the
+        ranks: every rank reads the tensors (and optimizer state) of the
         parameters it holds now, by name. RNG states are restored when the
-        number of ranks is the same; :attr:`step_count` is restored.
+        number of ranks is the same; :attr:`step_count` is restored. Nothing in
+        the checkpoint is unpickled: tensors, DCP's index and JSON only.
 
         Args:
             path: a checkpoint, or a folder of checkpoints (its latest is loaded).
@@ -148,7 +174,9 @@ class PipelineState:
 
         Raises:
             CheckpointError: on every rank, if any rank cannot load it (missing,
-                incomplete, other model); no rank's state has changed then.
+                incomplete, other model, of the first format of twobp: convert
+                it with ``twobp checkpoint convert``); no rank's state has
+                changed then.
         """
         self._check_open()
         return checkpoint.load(self, path, optimizer)

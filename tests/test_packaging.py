@@ -1,0 +1,91 @@
+"""`pip install twobp` from its wheel, in a fresh virtual environment with only the CPU torch.
+
+The wheel is built from a copy of the sources (no build folder of an earlier
+build can slip in), torch 2.13.0 is installed from pip's configured indexes as
+the Makefile does, then the wheel with its dependencies; ``twobp --version``
+and the imports must work there, and ``twobp bench`` must find its application.
+Skipped where the tools or a torch 2.13.0 that pip can install are missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import twobp
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"
+
+
+def _pip(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed: cannot build the wheel here")
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("src", "tools"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("wheel")
+    # The setuptools at hand, not one fetched into an isolated build environment.
+    done = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(source))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (built,) = out.glob("twobp-*.whl")
+    return built
+
+
+def test_the_wheel_holds_the_library_and_the_bench_application(wheel):
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert wheel.name == f"twobp-{twobp.__version__}-py3-none-any.whl"
+    assert "twobp/py.typed" in names and "twobp/cli/main.py" in names
+    assert "twobp_bench/cli.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    for extra in ("tensorboard", "test", "dev"):
+        assert f"Provides-Extra: {extra}" in text
+    assert 'Requires-Dist: tomli>=1.1; python_version < "3.11"' in text
+
+
+def test_pip_install_in_a_fresh_venv_gives_a_working_twobp(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # This interpreter's pip installs into the fresh environment (pip --python); no
+    # byte-compiling keeps the test short.
+    target = ["--python", str(python), "install", "--no-compile"]
+    done = _pip(*target, TORCH)
+    if done.returncode != 0 and "No matching distribution" in done.stderr:
+        pytest.skip(f"pip cannot install {TORCH} here (no local index holds it)")
+    if done.returncode != 0 and "no such option: --python" in done.stderr:
+        pytest.skip("this pip is older than 22.3 (no --python)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _pip(*target, str(wheel))
+    assert done.returncode == 0, done.stderr[-3000:]
+    version = subprocess.run(
+        [venv / "bin" / "twobp", "--version"], capture_output=True, text=True, check=True
+    )
+    assert version.stdout.strip() == f"twobp {twobp.__version__}"
+    code = (
+        "import importlib.util, twobp, twobp.schedule, torch;"
+        "print(twobp.__file__, torch.__version__, importlib.util.find_spec('twobp_bench.cli'))"
+    )
+    done = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    where, torch_version, bench = done.stdout.split(maxsplit=2)
+    assert Path(where).is_relative_to(venv) and torch_version.startswith("2.13.0")
+    assert bench != "None"
