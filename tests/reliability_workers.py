@@ -30,6 +30,8 @@ from twobp.schedule import Kind, generate
 
 N_MB = 4
 BATCH = 2 * N_MB
+FATAL_TIMEOUT = 4.0
+"""Seconds the last pipeline of the bad-inputs session waits on a peer."""
 
 Outcome = tuple[str, str] | None
 """``(error class name, message)``, or None if the call returned."""
@@ -132,6 +134,7 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
         out[name] = outcome_of(call)
     x, y = make_batch("mlp", 0, BATCH)
     out["usable after bad inputs"] = pipe.step(*_needed(pipe, x, y))
+    out["usable grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     pipe.zero_grad()
     nan_targets = y.clone()
     nan_targets[5, 0] = float("nan")  # micro-batch 2
@@ -152,8 +155,9 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     out.update(_mid_step_failures(rank))
     save_outcomes(folder, out)
     dist.barrier()
-    # Finally a rank raises out of its function: its process ends, the peer must not hang.
-    fatal = mlp(30.0, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
+    # Finally a rank raises out of its function: its process ends, the peer must not hang
+    # (the peer would wait 4 s for it; the launcher gives it 5 s to fail on its own).
+    fatal = mlp(FATAL_TIMEOUT, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
     fatal.step(*_needed(fatal, x, y))
 
 
