@@ -34,8 +34,8 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
 
 
 def test_a_rank_that_fails_makes_twobp_train_exit_1(tmp_path, monkeypatch):
-    # Rank 1 is killed (SIGKILL) before step 1; rank 0 then fails on its peer.
-    monkeypatch.setenv("KILL_AT", "1")
+    # Rank 1 is killed (SIGKILL) before its first step; rank 0 then fails on its peer.
+    monkeypatch.setenv("KILL_AT", "0")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setattr(
         twobp.train.run,
