@@ -1,9 +1,12 @@
 """The runtime on real process groups (gloo, CPU, float64) against one-process references.
 
 One launch per world size trains every schedule x two_bp x partition x model
-for a few AdamW steps and returns losses, first-step gradients and final
-parameters and buffers of every rank; the tests compare them here with a
-single-process run of the same model. Failure tests launch groups of their own.
+(on 4 ranks, one model per schedule x two_bp x partition, in rotation) for a
+few AdamW steps and returns losses, first-step gradients and final parameters
+and buffers of every rank; the tests compare them here with a single-process
+run of the same model. The 2-rank launch also checks the utilities (timeline,
+clipping, evaluation, W groups, threads), the 4-rank one loads a 2-rank
+checkpoint. Failure tests launch groups of their own.
 """
 
 from __future__ import annotations
