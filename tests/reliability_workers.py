@@ -30,6 +30,8 @@ from twobp.schedule import Kind, generate
 
 N_MB = 4
 BATCH = 2 * N_MB
+FATAL_TIMEOUT = 4.0
+"""Seconds the last pipeline of the bad-inputs session waits on a peer."""
 
 Outcome = tuple[str, str] | None
 """``(error class name, message)``, or None if the call returned."""
@@ -132,6 +134,7 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
         out[name] = outcome_of(call)
     x, y = make_batch("mlp", 0, BATCH)
     out["usable after bad inputs"] = pipe.step(*_needed(pipe, x, y))
+    out["usable grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     pipe.zero_grad()
     nan_targets = y.clone()
     nan_targets[5, 0] = float("nan")  # micro-batch 2
@@ -152,8 +155,9 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     out.update(_mid_step_failures(rank))
     save_outcomes(folder, out)
     dist.barrier()
-    # Finally a rank raises out of its function: its process ends, the peer must not hang.
-    fatal = mlp(30.0, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
+    # Finally a rank raises out of its function: its process ends, the peer must not hang
+    # (the peer would wait 4 s for it; the launcher gives it 5 s to fail on its own).
+    fatal = mlp(FATAL_TIMEOUT, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
     fatal.step(*_needed(fatal, x, y))
 
 
@@ -261,11 +265,13 @@ def conv(timeout: float, **options: Any) -> Pipeline:
     return Pipeline(build_blocks("conv"), loss_fn("conv"), device="cpu", timeout=timeout, **options)
 
 
-def train_steps(pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
-    """AdamW steps on the conv batches of ``steps``; the losses."""
+def train_steps(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: range, model: str = "conv"
+) -> list[float]:
+    """AdamW steps on the batches of ``steps`` (of the conv model by default); the losses."""
     losses = []
     for step in steps:
-        x, y = make_batch("conv", step, BATCH)
+        x, y = make_batch(model, step, BATCH)
         losses.append(pipe.step(*_needed(pipe, x, y)))
         optimizer.step()
         pipe.zero_grad()
@@ -276,11 +282,50 @@ def _state(pipe: Pipeline) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in pipe.state_dict().items()}
 
 
-def checkpoint_session(folder: str, timeout: float) -> None:
-    """Save, load into the same and another layout, fail to load, then die while saving."""
+def dropout_blocks() -> list[nn.Module]:
+    """The test MLP with dropout in a block of each half (each rank of 2 draws its own masks)."""
+    blocks = build_blocks("mlp")
+    for i in (2, 7):
+        blocks[i] = nn.Sequential(blocks[i], nn.Dropout(0.3))
+    return blocks
+
+
+def _resume_with_dropout(root: Path, rank: int, timeout: float) -> dict[str, Any]:
+    """Save a model with dropout, go on; load it after drawing other numbers, go on."""
+    out: dict[str, Any] = {}
+    blocks = dropout_blocks()
+    torch.manual_seed(1000 + rank)  # each rank its own random stream
+    saved = mlp(timeout, blocks=blocks)
+    optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+    train_steps(saved, optimizer, range(2), "mlp")
+    saved.save(root / "dropout", optimizer)
+    out["continued losses"] = train_steps(saved, optimizer, range(2, 4), "mlp")
+    out["continued state"] = _state(saved)
+    resumed = mlp(timeout, blocks=dropout_blocks())
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    torch.manual_seed(7)  # the same stream on both ranks, and not the saved one
+    resumed.load(root / "dropout", optimizer)
+    out["resumed losses"] = train_steps(resumed, optimizer, range(2, 4), "mlp")
+    out["resumed state"] = _state(resumed)
+    return out
+
+
+def checkpoint_session(folder: str, timeout: float, one_process: str) -> None:
+    """Save, load into the same and another layout, fail to load, then die while saving.
+
+    Also loads ``one_process``, a checkpoint of the conv model saved by one process
+    after 2 steps, and trains it on for 2 steps.
+    """
     rank = dist.get_rank()
     root = Path(folder)
     out: dict[str, Any] = {}
+    from_one = conv(timeout)
+    optimizer = torch.optim.AdamW(from_one.parameters(), lr=0.5)
+    out["from one extra"] = from_one.load(one_process, optimizer)
+    out["from one stages"] = sorted(from_one.stages)
+    out["from one losses"] = train_steps(from_one, optimizer, range(2, 4))
+    out["from one state"] = _state(from_one)
+    out["dropout"] = _resume_with_dropout(root, rank, timeout)
     a = conv(timeout)
     opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
     out["losses before"] = train_steps(a, opt_a, range(2))

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline
@@ -43,7 +47,7 @@ def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
     return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
 
 
-def _pipeline(case: Case, n_mb: int, timeout: float) -> Pipeline:
+def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline:
     return Pipeline(
         build_blocks(case.model),
         loss_fn(case.model),
@@ -55,6 +59,7 @@ def _pipeline(case: Case, n_mb: int, timeout: float) -> Pipeline:
         weight_group_size=case.weight_group_size,
         device="cpu",
         timeout=timeout,
+        **options,
     )
 
 
@@ -84,12 +89,60 @@ def train_cases(cases: list[Case], n_mb: int, batch_size: int, timeout: float) -
     return {str(c): train_case(c, n_mb, batch_size, timeout) for c in cases}
 
 
+class WeightProducts(TorchDispatchMode):
+    """The rows each weight-gradient product contracts, of the linear layers of a model.
+
+    A product whose result has the shape of a linear weight (out x in) and
+    whose operands are out x rows and rows x in is that weight's gradient over
+    ``rows`` rows: the micro-batches a W concatenated. Forward and input-gradient
+    products have the micro-batch's rows as their first dimension instead.
+    """
+
+    def __init__(self, weight_shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self._shapes = weight_shapes
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__.rstrip("_") in ("mm", "addmm"):
+            left, right = args[-2:]
+            if tuple(out.shape) in self._shapes and left.shape[1] == right.shape[0]:
+                self.rows.append(int(left.shape[1]))
+        return out
+
+
+def weight_groups(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
+    """The rows of every weight-gradient product of 1F1B with 2BP, by weight_group_size.
+
+    The MLP's micro-batches have 2 rows; its linear weights are 8 x 8 and 4 x 8.
+    """
+    out: dict[str, Any] = {}
+    inputs, targets = make_batch("mlp", 0, batch_size)
+    for group in (None, 2):
+        pipe = _pipeline(Case("mlp", "1f1b", True, weight_group_size=group), n_mb, timeout)
+        shapes = {tuple(p.shape) for n, p in pipe.named_parameters() if n.endswith("weight")}
+        with WeightProducts(shapes) as products:
+            pipe.step(*_needed(pipe, inputs, targets))
+        out[str(group)] = {
+            "rows": products.rows,
+            "schedule": [str(a) for a in pipe.schedule.actions[pipe.pp_rank]],
+            "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+        }
+    return out
+
+
 def utilities(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
-    """Clip-grad-norm, evaluation, timeline and state-dict loading on this rank."""
+    """Clip-grad-norm, evaluation, timeline, state-dict loading and threads on this rank."""
     out: dict[str, Any] = {}
     pipe = _pipeline(Case("transformer", "1f1b", True), n_mb, timeout)
     inputs, targets = make_batch("transformer", 0, batch_size)
     pipe.step(*_needed(pipe, inputs, targets))
+    out["schedule"] = {r: [str(a) for a in acts] for r, acts in pipe.schedule.actions.items()}
+    out["lowered compute"] = {
+        r: [str(a) for a in acts if a.kind.is_compute]
+        for r, acts in pipe.lowered_schedule.actions.items()
+    }
     out["norm2"] = float(pipe.clip_grad_norm_(0.05))
     out["clipped2"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     out["norm_inf"] = float(pipe.clip_grad_norm_(0.001, norm_type=float("inf")))
@@ -103,7 +156,25 @@ def utilities(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     shifted = {k: v + 1 for k, v in full.items()}
     conv.load_state_dict(shifted)
     out["loaded"] = conv.state_dict()
+    out["weight groups"] = weight_groups(n_mb, batch_size, timeout)
+    out["pipeline threads"] = _default_pipeline_threads(n_mb, timeout)
     return out
+
+
+def _default_pipeline_threads(n_mb: int, timeout: float) -> tuple[int, int]:
+    """(cores of this process, intra-op threads a pipeline built with the defaults leaves)."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert cores is not None
+    omp = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        torch.set_num_threads(cores + 2)  # more than a fair share: the default lowers it
+        _pipeline(Case("mlp", "gpipe", False), n_mb, timeout)
+        return cores, torch.get_num_threads()
+    finally:
+        if omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp
+        torch.set_num_threads(before)
 
 
 def step_twice_changing_shape(n_mb: int, timeout: float) -> None:
@@ -115,17 +186,23 @@ def step_twice_changing_shape(n_mb: int, timeout: float) -> None:
     pipe.step(*_needed(pipe, inputs, targets))
 
 
-def _dies_on_rank_1(logits: Tensor, targets: Tensor) -> Tensor:
-    """A loss that kills its process in the middle of a step."""
-    os.kill(os.getpid(), signal.SIGKILL)
-    raise AssertionError("unreachable")
+class _DiesOnRank1:
+    """A loss that notes the time in ``folder/killed_at`` and kills its process."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        (Path(self.folder) / "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
 
 
-def rank_killed_mid_step(n_mb: int, timeout: float) -> None:
+def rank_killed_mid_step(n_mb: int, timeout: float, folder: str) -> None:
     """Rank 1 (last stage) is killed during its first loss; rank 0 must not hang."""
     pipe = Pipeline(
         build_blocks("mlp"),
-        _dies_on_rank_1,
+        _DiesOnRank1(folder),
         schedule="1f1b",
         n_microbatches=n_mb,
         device="cpu",
@@ -150,3 +227,43 @@ def placed_by_costs(costs_file: str, n_mb: int, batch_size: int) -> dict[str, An
             "loss": pipe.step(*_needed(pipe, inputs, targets)),
         }
     return out
+
+
+def checkpoint_onto_more_ranks(folder: str, n_mb: int, batch_size: int, timeout: float) -> Any:
+    """Ranks 0 and 1 train the conv model, save and go on; then all ranks load and go on.
+
+    Returns, on ranks 0 and 1, the losses and state of the 2-rank pipeline's
+    continuation; on every rank, those of the pipeline that loaded the 2-rank
+    checkpoint, what ``load`` returned and the step it resumed at.
+    """
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    pair = dist.new_group([0, 1])  # every rank takes part in making a group
+    if rank < 2:
+        two = _pipeline(Case("conv", "1f1b", True), n_mb, timeout, group=pair)
+        optimizer = torch.optim.AdamW(two.parameters(), lr=LR)
+        _train(two, optimizer, "conv", range(2), batch_size)
+        two.save(Path(folder) / "two-ranks", optimizer, extra={"rank": rank})
+        out["continued losses"] = _train(two, optimizer, "conv", range(2, 4), batch_size)
+        out["continued state"] = two.state_dict()
+    dist.barrier()
+    every = _pipeline(Case("conv", "1f1b", True), n_mb, timeout)
+    optimizer = torch.optim.AdamW(every.parameters(), lr=0.5)  # the checkpoint's lr wins
+    out["extra"] = every.load(Path(folder) / "two-ranks", optimizer)
+    out["step count"] = every.step_count
+    out["stages"] = sorted(every.stages)
+    out["loaded losses"] = _train(every, optimizer, "conv", range(2, 4), batch_size)
+    out["loaded state"] = every.state_dict()
+    return out
+
+
+def _train(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer, model: str, steps: range, batch_size: int
+) -> list[float]:
+    losses = []
+    for step in steps:
+        inputs, targets = make_batch(model, step, batch_size)
+        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
+        optimizer.step()
+        pipe.zero_grad()
+    return losses

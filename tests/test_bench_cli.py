@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from twobp.cli.main import main
 from twobp_bench import build_variants, resolve
 from twobp_bench.config import BenchConfig
@@ -33,9 +35,24 @@ def test_quick_bench_writes_every_variant(tmp_path, capsys):
     for v in ran:
         assert v["step_s"]["n"] == results["rounds"]
         assert v["step_s"]["median"] > 0
-        # Every variant computes the gradients of the same model on the same batch.
+        # Every variant computes the gradients of the same model on the same batch:
+        # each parameter's gradient, not only their norm.
         assert v["grad_rel_error"] < 1e-4, v["label"]
         assert all(b > 0 for b in v["peak_step_bytes"]), v["label"]
+    bounds = group["reference_bounds_s"]
+    for name, bound in bounds.items():
+        # A bound is the reference's median time over p = 2 ranks.
+        assert bound == variants[f"reference {name}"]["step_s"]["median"] / 2
+    for v in ran:
+        if v["framework"] == "reference":
+            continue
+        median = v["step_s"]["median"]
+        assert v["efficiency"] == {
+            n: pytest.approx(b / median, rel=1e-12) for n, b in bounds.items()
+        }
+        if "sim_step_s" in v:
+            assert v["sim_error"] == pytest.approx(v["sim_step_s"] / median - 1, rel=1e-12)
+            assert v["replay_error"] == pytest.approx(v["replay_step_s"] / median - 1, rel=1e-12)
     for label in ("twobp 1f1b", "twobp 1f1b+2bp", "twobp zb-v"):
         assert 0 <= variants[label]["bubble_ratio"] < 1
         assert variants[label]["sim_step_s"] > 0

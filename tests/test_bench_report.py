@@ -1,15 +1,19 @@
 """From rank records to figures, targets, markdown and chart, on made-up timings."""
 
 import json
+import math
 
 import pytest
+import torch
+from torch import nn
 
 from twobp_bench import matrix
-from twobp_bench.analysis import analyse_regime
+from twobp_bench.analysis import analyse_regime, gradient_error
 from twobp_bench.config import Regime
 from twobp_bench.job import RankReport, VariantRecord
-from twobp_bench.report import render_markdown
+from twobp_bench.report import GRAD_TOLERANCE, render_markdown
 from twobp_bench.run import write_outputs
+from twobp_bench.runner import gradient_sketch
 from twobp_bench.targets import evaluate
 
 # Step seconds of each variant in three rounds (m = 2, batch 2 * 4 = 8 samples).
@@ -25,6 +29,21 @@ TIMES = {
 PEAK = {"twobp 1f1b": 1000, "twobp 1f1b+2bp": 1500, "torch 1F1B": 1200}
 
 
+# A model of two parameters; torch's 1F1B differs from the others in one projection
+# of "1.weight" by 0.1, 5% of that gradient's norm.
+SKETCH = {"0.weight": (1.0, 0.5, -0.25), "1.weight": (2.0, 1.0, -1.0)}
+
+
+def _sketch(variant: matrix.Variant, rank: int) -> dict[str, tuple[float, ...]]:
+    sketch = dict(SKETCH)
+    if variant.label == "torch 1F1B":
+        sketch["1.weight"] = (2.0, 1.1, -1.0)
+    if not variant.is_pipeline:
+        return sketch  # every rank ran the whole model
+    name = f"{rank}.weight"  # stage r (rank r) holds block r
+    return {name: sketch[name]}
+
+
 def _records(rank: int) -> list[VariantRecord]:
     variants = matrix.build_variants(["1f1b"], ["1F1B", "DualPipeV"], ["paper"])
     out = []
@@ -38,7 +57,7 @@ def _records(rank: int) -> list[VariantRecord]:
             rec.bubble_ratios = [0.1, 0.2, 0.3] if v.framework == "twobp" else []
             rec.peak_step_bytes = PEAK.get(v.label, 2000) + rank
             rec.stashed_bytes = 300 if v.two_bp else None
-            rec.grad_norm = 2.0 if v.label != "torch 1F1B" else 2.1
+            rec.grad_sketch = _sketch(v, rank)
             rec.parameter_bytes = 4000
         out.append(rec)
     return out
@@ -101,6 +120,8 @@ def test_figures_of_a_group(results):
     assert group["best"]["speedup"]["median"] == pytest.approx(2.0)
     assert variants["torch DualPipeV"]["skipped"].startswith("rank 0: ValueError")
     assert variants["torch 1F1B"]["grad_rel_error"] == pytest.approx(0.05)
+    assert variants["twobp 1f1b+2bp"]["grad_rel_error"] == 0.0
+    assert variants["twobp 1f1b+2bp"]["grad_norm"] == pytest.approx(math.sqrt(5.0))
 
 
 def test_targets_report_met_and_missed(results):
@@ -204,3 +225,53 @@ def test_baseline_and_rank_figures_reach_the_report():
     row = "| preset (4 samples/micro-batch) | 2 | twobp 1f1b+2bp | baseline 1f1b+2bp | 1.55x"
     assert row in text
     assert "| twobp 1f1b+2bp | 600 / 1600 | 15.0% / 35.0% | F 10 / 20, W 0 / 30 |" in text
+
+
+def _model_gradients() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    model(torch.randn(5, 4)).square().mean().backward()
+    return model
+
+
+def test_grad_check_compares_every_parameter_and_fails_a_permuted_gradient():
+    model = _model_gradients()
+    want = gradient_sketch(model.named_parameters())
+    assert list(want) == [n for n, _ in model.named_parameters()]
+    assert gradient_error(gradient_sketch(model.named_parameters()), want) == 0.0
+    # Rounding-sized differences pass.
+    for p in model.parameters():
+        p.grad.mul_(1 + 1e-7)
+    assert gradient_error(gradient_sketch(model.named_parameters()), want) < GRAD_TOLERANCE
+
+    def error_after(change) -> float:
+        changed = _model_gradients()
+        with torch.no_grad():
+            change(dict(changed.named_parameters()))
+        got = gradient_sketch(changed.named_parameters())
+        # Every change keeps the global norm: a norm check would take it.
+        total = math.sqrt(sum(s[0] ** 2 for s in got.values()))
+        assert total == pytest.approx(math.sqrt(sum(s[0] ** 2 for s in want.values())))
+        return gradient_error(got, want)
+
+    def permute_entries(params):
+        params["2.weight"].grad.copy_(params["2.weight"].grad.flatten().roll(1).view(3, 3))
+
+    def swap_parameters(params):
+        a, b = params["2.weight"].grad, params["4.weight"].grad
+        a_copy = a.clone()
+        a.copy_(b)
+        b.copy_(a_copy)
+
+    def transpose(params):
+        params["4.weight"].grad.copy_(params["4.weight"].grad.t().clone())
+
+    def negate(params):
+        params["0.bias"].grad.neg_()
+
+    for change in (permute_entries, swap_parameters, transpose, negate):
+        assert error_after(change) > 0.1, change.__name__
+    # A parameter missing from one side: no verdict of "same gradients".
+    partial = dict(want)
+    del partial["0.bias"]
+    assert gradient_error(partial, want) == math.inf

@@ -58,14 +58,28 @@ def single(session) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], LaunchError, dict[str, Any]]:
+def one_process(tmp_path_factory) -> tuple[Path, list[float], dict[str, torch.Tensor]]:
+    """A conv checkpoint saved by one process after 2 steps; its next 2 losses and state."""
+    path = tmp_path_factory.mktemp("one-process") / "ckpt"
+    pipe = conv(5.0)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    train_steps(pipe, optimizer, range(2))
+    pipe.save(path, optimizer, extra={"saved by": "one process"})
+    losses = train_steps(pipe, optimizer, range(2, 4))
+    return path, losses, {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def session(
+    tmp_path_factory, one_process
+) -> tuple[Path, list[dict[str, Any]], LaunchError, dict[str, Any]]:
     folder = tmp_path_factory.mktemp("checkpoints")
     with one_thread():
         single = _single_process_reference(folder)
     with pytest.raises(LaunchError) as info:
         launch(
-            checkpoint_session, 2, str(folder), 30.0, threads_per_rank=1, grace_period=5.0,
-            timeout=180,
+            checkpoint_session, 2, str(folder), 30.0, str(one_process[0]), threads_per_rank=1,
+            grace_period=5.0, timeout=180,
         )  # fmt: skip
     outcomes = [pickle.loads((folder / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
     return folder, outcomes, info.value, single
@@ -179,6 +193,31 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(session):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
     pipe.save(root, optimizer, step=3)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+
+
+def test_a_one_process_checkpoint_loads_onto_two_ranks_and_trains_on(session, one_process):
+    _, outcomes, _, _ = session
+    _, want_losses, want_state = one_process
+    for rank, out in enumerate(outcomes):
+        assert out["from one stages"] == [rank]
+        assert out["from one extra"] == {"saved by": "one process"}
+        for a, b in zip(out["from one losses"], want_losses, strict=True):
+            assert abs(a - b) < TOL, (rank, a, b)
+    got = _union(outcomes, "from one state")
+    assert set(got) == set(want_state)
+    for name, tensor in want_state.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=TOL, msg=name)
+
+
+def test_each_rank_resumes_its_own_random_stream_bitwise(session):
+    # Dropout on both ranks, each rank seeded apart: the resumed run draws the same
+    # masks as the run that went on after saving, on each rank.
+    _, outcomes, _, _ = session
+    for out in outcomes:
+        dropout = out["dropout"]
+        assert dropout["resumed losses"] == dropout["continued losses"]
+        for name, want in dropout["continued state"].items():
+            assert torch.equal(dropout["resumed state"][name], want), name
 
 
 def test_a_two_rank_checkpoint_loads_into_one_process_and_trains_on(session):

@@ -101,19 +101,63 @@ def test_configuration_errors_say_what_to_change():
         _pipe(partition="balanced")
 
 
-def test_balanced_partition_profiles_the_blocks():
+def _heavy_tailed_blocks() -> list[nn.Module]:
+    """The test MLP whose last block is some 15 times as costly as any other."""
     blocks = build_blocks("mlp")
+    torch.manual_seed(5)
+    layers: list[nn.Module] = []
+    for _ in range(30):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    blocks[-1] = nn.Sequential(*layers, nn.Linear(8, 4)).double()
+    return blocks
+
+
+def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):
+    from twobp.partition import profiler, solve, stage_ranges
+
+    profiled = []
+
+    def recording(*args, **kwargs):
+        costs = real_profile(*args, **kwargs)
+        profiled.append(costs)
+        return costs
+
+    real_profile = profiler.profile_blocks
+    monkeypatch.setattr(profiler, "profile_blocks", recording)
     pipe = Pipeline(
-        blocks,
+        _heavy_tailed_blocks(),
         loss_fn("mlp"),
         schedule="interleaved-1f1b",
+        stages_per_rank=4,
         n_microbatches=N_MB,
         partition="balanced",
         example_input=make_batch("mlp", 0, 2)[0],
         device="cpu",
     )
-    assert sum(len(r) for r in pipe.stage_blocks) == len(blocks)
-    assert all(len(r) >= 1 for r in pipe.stage_blocks)
+    (costs,) = profiled
+    assert [c.index for c in costs] == list(range(10))
+    sizes = solve(profiler.solver_costs(costs), 4).sizes
+    assert pipe.stage_blocks == tuple(stage_ranges(sizes))
+    # The costly block has a stage of its own: the profile measured it.
+    assert pipe.stage_blocks[-1] == range(9, 10)
+
+    # The pipeline trains as one process does, on its balanced stages.
+    reference = nn.Sequential(*_heavy_tailed_blocks())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pipe, reference)]
+    for step in range(3):
+        inputs, targets = make_batch("mlp", step, 2 * N_MB)
+        loss = pipe.step(inputs, targets)
+        want = loss_fn("mlp")(reference(inputs), targets)
+        want.backward()
+        assert math.isclose(loss, float(want.detach()), rel_tol=0, abs_tol=TOL), step
+        grads = {n: p.grad for n, p in pipe.named_parameters()}
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=TOL, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, rtol=0, atol=TOL, msg=name)
 
 
 def test_errors_in_a_block_name_the_stage_and_action():

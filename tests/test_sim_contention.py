@@ -5,6 +5,7 @@ import math
 import random
 from dataclasses import replace
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,29 @@ def test_text_form_reads_contention():
     assert parse_costs("F=1", 2).contention == 1.0
     with pytest.raises(ValueError, match="contention"):
         parse_costs("contention=0.5", 2)
+
+
+def test_the_gpipe_example_of_the_docs():
+    # docs/schedules.md: GPipe, p = 2, m = 4, F = I = W = 1 (B = 2): 15 at c = 1 and
+    # 24 at c = 2, the bubble falling from 20% to 12.5%. With c = 2 an action runs at
+    # half speed while the other rank computes too:
+    #   0F0 alone [0, 1]; then 0F1..0F3 beside 1F0..1F2, 2 each: [1, 7];
+    #   1F3 alone [7, 8], 1B0 alone [8, 10] while rank 0 waits for its gradient;
+    #   0B0..0B2 beside 1B1..1B3, 4 each: [10, 22]; 0B3 alone [22, 24].
+    # Each rank idles 3 of 24 (rank 0 on [7, 10], rank 1 on [0, 1] and [22, 24]).
+    schedule = generate("gpipe", 2, 4)
+    alone = simulate(schedule, CostModel.uniform(2))
+    assert alone.makespan == 15.0 and alone.bubble_ratio == pytest.approx(0.2)
+    shared = simulate(schedule, CostModel.uniform(2, contention=2.0))
+    assert shared.makespan == 24.0 and shared.bubble_ratio == pytest.approx(0.125)
+    assert shared.idle == (3.0, 3.0)
+    assert timeline(shared) == [
+        (0, "0F0", 0, 1), (0, "0F1", 1, 3), (0, "0F2", 3, 5), (0, "0F3", 5, 7),
+        (0, "0B0", 10, 14), (0, "0B1", 14, 18), (0, "0B2", 18, 22), (0, "0B3", 22, 24),
+        (1, "1F0", 1, 3), (1, "1F1", 3, 5), (1, "1F2", 5, 7), (1, "1F3", 7, 8),
+        (1, "1B0", 8, 10), (1, "1B1", 10, 14), (1, "1B2", 14, 18), (1, "1B3", 18, 22),
+    ]  # fmt: skip
+    text = " ".join((Path(__file__).parents[1] / "docs" / "schedules.md").read_text().split())
+    claim = "GPipe on 2 ranks, 4 micro-batches, `F = I = W = 1` takes 15 at `c = 1` and 24 at"
+    assert claim in text
+    assert "with the bubble falling from 20% to 12.5%" in text

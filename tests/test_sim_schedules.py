@@ -6,7 +6,9 @@ per rank the costs are one rank's share of the model, each stage taking 1/V
 computes ``3m`` per step, so ``bubble = 1 - 3m / makespan``.
 """
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +140,100 @@ def test_every_schedule_and_policy_runs_and_does_all_work(name, policy):
     assert result.busy == pytest.approx((3.0 * m,) * p)
     assert 0 <= result.bubble_ratio < 1
     assert result.makespan >= 3 * m
+
+
+# -- the bubble table of docs/schedules.md ------------------------------------------------
+
+DOCS = Path(__file__).parents[1] / "docs" / "schedules.md"
+POLICIES = {"off": None, "eager": "eager", "paper": "paper"}
+
+
+def _docs_bubble_table() -> dict[tuple[str, int, str], str]:
+    """``(schedule, m, policy) -> cell`` of the table 'Simulated bubble ratios, p = 4'."""
+    lines = DOCS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Simulated bubble ratios"))
+    rows = []
+    for line in lines[start + 1 :]:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    head, _, *body = rows
+    columns = [re.fullmatch(r"m=(\d+) (\w+)", h) for h in head[1:]]
+    table = {}
+    for row in body:
+        for column, cell in zip(columns, row[1:], strict=True):
+            assert column is not None, head
+            table[(row[0], int(column[1]), column[2])] = cell
+    return table
+
+
+def _closed_form_makespan(name: str, m: int, policy: str) -> float | None:
+    """The makespan of ``name`` on p = 4 ranks with unit costs, where a closed form exists.
+
+    Every rank computes 3m; what varies is the wait. ``V`` = 2 stages per rank
+    (interleaved-1f1b, zb-v), each stage taking half of F, I, W.
+
+    - off: naive runs each micro-batch alone, 3pm. GPipe and 1F1B fill and
+      drain with (p - 1)(F + B) = 3(p - 1); interleaved with 3(p - 1)/V.
+      ZB-H1 idles (p - 1)(F + I - W) = p - 1, as do ZB-H2 and ZB-V once
+      m >= 2p (their warm-up is then full): 3m + (p - 1) and 3m + (p - 1)/V.
+    - eager (W right after its I, so a B that lets its gradient go after I):
+      naive (2p + 1)m (a micro-batch takes p F, p I and rank 0's W alone);
+      the others fill and drain with (p - 1)(F + I) = 2(p - 1), over V for the
+      interleaved and V-shaped ones.
+    - paper: GPipe as eager (its W waits to the end anyway); naive ends on the
+      last rank, which runs F and I of the last micro-batch from 2p(m - 1) +
+      p - 1 on, then one W over all m: (2p + 1)m - (p - 1). The others reach
+      ZB-H1's 3m + (p - 1), or 3m + (p - 1)/V with two stages per rank.
+    """
+    p, v = 4, 2
+    per_rank = 3 * m
+    fill = {
+        "off": {
+            "naive": 3 * p * m - per_rank,
+            "gpipe": 3 * (p - 1),
+            "1f1b": 3 * (p - 1),
+            "interleaved-1f1b": 3 * (p - 1) / v,
+            "zb-h1": p - 1,
+            "zb-h2": p - 1 if m >= 2 * p else None,
+            "zb-v": (p - 1) / v if m >= 2 * p else None,
+        },
+        "eager": {
+            "naive": (2 * p + 1) * m - per_rank,
+            "gpipe": 2 * (p - 1),
+            "1f1b": 2 * (p - 1),
+            "interleaved-1f1b": 2 * (p - 1) / v,
+            "zb-h1": 2 * (p - 1),
+            "zb-h2": 2 * (p - 1),
+            "zb-v": 2 * (p - 1) / v,
+        },
+        "paper": {
+            "naive": (2 * p + 1) * m - (p - 1) - per_rank,
+            "gpipe": 2 * (p - 1),
+            "1f1b": p - 1,
+            "interleaved-1f1b": (p - 1) / v,
+            "zb-h1": p - 1,
+            "zb-h2": p - 1,
+            "zb-v": (p - 1) / v,
+        },
+    }[policy][name]
+    return None if fill is None else per_rank + fill
+
+
+def test_the_bubble_table_of_the_docs_is_what_the_simulator_gives():
+    table = _docs_bubble_table()
+    assert {k[0] for k in table} == set(SCHEDULES)
+    assert len(table) == len(SCHEDULES) * 2 * len(POLICIES)
+    without_closed_form = []
+    for (name, m, policy), cell in table.items():
+        result, _, _ = run(name, 4, m, POLICIES[policy])
+        assert cell == f"{100 * result.bubble_ratio:.1f}%", (name, m, policy, result.makespan)
+        expected = _closed_form_makespan(name, m, policy)
+        if expected is None:
+            without_closed_form.append((name, m, policy))
+            continue
+        assert result.makespan == pytest.approx(expected), (name, m, policy)
+        assert cell == f"{100 * bubble(4, m, expected):.1f}%", (name, m, policy)
+    # ZB-H2 and ZB-V with m = p cannot fill their warm-up: the table holds what they simulate.
+    assert sorted(without_closed_form) == [("zb-h2", 4, "off"), ("zb-v", 4, "off")]

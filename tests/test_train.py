@@ -1,11 +1,14 @@
 """`twobp train` end to end: real ranks, real text, real report files."""
 
 import dataclasses
+import functools
 import io
 import json
 
 import pytest
 
+import twobp.train.run
+from reliability_train_script import kill_once
 from twobp.cli.main import main
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData
@@ -33,6 +36,25 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1"}
     assert all(0.0 <= b < 1.0 for b in metrics["bubble_ratio_per_rank"].values())
     assert "samples/s" in capsys.readouterr().out
+
+
+def test_a_rank_that_fails_makes_twobp_train_exit_1(tmp_path, monkeypatch):
+    # Rank 1 is killed (SIGKILL) before its first step; rank 0 then fails on its peer.
+    monkeypatch.setenv("KILL_AT", "0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(
+        twobp.train.run,
+        "run_training",
+        functools.partial(twobp.train.run.run_training, on_step=kill_once),
+    )
+    code = main(
+        [
+            "train", "--steps", "3", "--batch-size", "4", "--microbatches", "2",
+            "--seq-len", "16", "--threads", "1", "--timeout", "30",
+            "--out", str(tmp_path / "run"),
+        ]
+    )  # fmt: skip
+    assert code == 1
 
 
 def test_bad_batch_size_is_refused_before_any_rank_starts(capsys):

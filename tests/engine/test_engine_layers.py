@@ -62,6 +62,22 @@ def test_conv2d(kwargs):
     assert_matches(seeded(lambda: nn.Conv2d(4, 6, kernel, **kwargs)), _x(2, 4, 7, 6))
 
 
+@pytest.mark.parametrize("mode", ["circular", "replicate"])
+def test_conv2d_and_conv3d_with_circular_and_replicate_padding(mode):
+    # The module pads with F.pad itself; the deferred layer must pad alike in F and I.
+    store = assert_matches(
+        seeded(lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode=mode, stride=(1, 2))),
+        _x(2, 3, 6, 7),
+    )
+    assert [n for n, _ in store.deferred_parameters()] == ["weight", "bias"]
+    store = assert_matches(
+        seeded(lambda: nn.Conv3d(2, 3, (3, 2, 3), padding=(1, 1, 2), padding_mode=mode)),
+        _x(2, 2, 4, 5, 5),
+        n=3,
+    )
+    assert [n for n, _ in store.deferred_parameters()] == ["weight", "bias"]
+
+
 def test_conv2d_spatial_size_differs_between_microbatches():
     make_inputs = lambda mb: [(randn(2, 3, 5 + mb % 2, 6, seed=mb), True)]  # noqa: E731
     assert_matches(seeded(lambda: nn.Conv2d(3, 4, 3, padding=1)), make_inputs)
@@ -141,6 +157,21 @@ def test_batch_norm_eval_and_untracked_and_1d():
     assert_matches(seeded(lambda: nn.BatchNorm2d(3, track_running_stats=False)), _x(4, 3, 5, 5))
     assert_matches(seeded(lambda: nn.BatchNorm1d(3)), _x(6, 3))
     assert_matches(seeded(lambda: nn.BatchNorm1d(3)), _x(4, 3, 5))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm3d_training_and_eval(momentum):
+    make = seeded(lambda: nn.BatchNorm3d(3, momentum=momentum))
+    store = assert_matches(make, _x(2, 3, 4, 3, 5), steps=2)
+    assert [n for n, _ in store.deferred_parameters()] == ["weight", "bias"]
+
+    def eval_bn():
+        bn = nn.BatchNorm3d(3)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        return bn.eval()
+
+    assert_matches(seeded(eval_bn), _x(2, 3, 4, 3, 5))
 
 
 def test_partly_frozen_layer_defers_only_what_requires_grad():

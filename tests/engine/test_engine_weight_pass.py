@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from engine_harness import TOL, compare_with_autograd, randn, seeded
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from twobp.engine import defer_weight_grads
 from twobp.engine.stash import CONCAT_ROWS, SharedRows, row_chunks
@@ -98,3 +101,60 @@ def test_autocast_runs_the_plain_forward():
     assert module[0].weight.grad is not None  # plain autograd: no W to wait for
     store.backward_weight([0])
     store.finish_step()
+
+
+class _HeavyOps(TorchDispatchMode):
+    """Records every matrix product and convolution run inside it: (op, operand shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[tuple[int, ...]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.rstrip("_") in ("mm", "addmm", "bmm", "baddbmm") or "conv" in name:
+            shapes = [tuple(a.shape) for a in args if isinstance(a, Tensor)]
+            self.calls.append((name, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def _conv_then_linear() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 5), nn.Tanh(), nn.Linear(5, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("group_size", "groups"), [(None, 1), (2, 2), (1, 4)])
+def test_weight_pass_is_one_concatenated_operation_per_layer(group_size, groups):
+    """A W over 4 micro-batches of 3 samples runs one product per layer and group."""
+    n, samples = 4, 3
+    module = seeded(_conv_then_linear)()
+    reference = copy.deepcopy(module)
+    store = defer_weight_grads(module)
+    inputs = [randn(samples, 2, 4, 4, seed=mb) for mb in range(n)]
+    grads = [randn(samples, 4, seed=100 + mb) for mb in range(n)]
+    for mb in range(n):
+        with store.forward(mb):
+            out = module(inputs[mb])
+        store.backward_input(mb, [out], [grads[mb]], [])
+    with _HeavyOps() as ops:
+        store.backward_weight(range(n), group_size=group_size)
+    store.finish_step()
+
+    rows = samples * n // groups  # samples of one group
+    conv = [shapes for name, shapes in ops.calls if "conv" in name]
+    products = [shapes for name, shapes in ops.calls if "conv" not in name]
+    # The convolution: one weight-gradient op per group over all its samples.
+    assert len(conv) == groups, ops.calls
+    assert all(shapes[0][0] == rows for shapes in conv), ops.calls
+    # The two linear layers: one product each per group, contracting all its rows.
+    assert len(products) == 2 * groups, ops.calls
+    for shapes in products:
+        left, right = shapes[-2:]
+        assert left[-1] == right[-2] == rows, ops.calls
+
+    for mb in range(n):
+        reference(inputs[mb]).backward(grads[mb])
+    for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)

@@ -4,7 +4,9 @@ Step times of a pipeline variant are rank 0's (both barriers make every rank
 see the same step); a reference's time in a round is the mean over the ranks,
 each of which ran it alone. Speedups are medians of round-by-round ratios
 (two variants of one round ran next to each other). Efficiency is the
-reference's time divided by ``p``, over the variant's median step time.
+reference's time divided by ``p``, over the variant's median step time. The
+gradient check compares every parameter's gradient sketch with that of the
+whole-batch reference (:func:`gradient_error`).
 """
 
 from __future__ import annotations
@@ -89,12 +91,12 @@ def _group(
     reference_bounds = {
         name: statistics.median(times) / n_ranks for name, times in references.items()
     }
-    baseline_norm = _baseline_norm(per_rank[0])
+    baseline_grads = _baseline_grads(per_rank)
     variants = []
     times: dict[str, list[float]] = {}
     for index, lead in enumerate(per_rank[0]):
         records = [rank_records[index] for rank_records in per_rank]
-        entry = _variant(records, batch, n_ranks, reference_bounds, baseline_norm, profiles)
+        entry = _variant(records, batch, n_ranks, reference_bounds, baseline_grads, profiles)
         if references.get(lead.variant.schedule) and not lead.variant.is_pipeline:
             times[lead.variant.label] = references[lead.variant.schedule]
         elif lead.skipped is None and lead.step_seconds:
@@ -123,13 +125,56 @@ def _references(per_rank: Sequence[Sequence[VariantRecord]]) -> dict[str, list[f
     return out
 
 
-def _baseline_norm(records: Sequence[VariantRecord]) -> float | None:
-    """The gradient norm of the whole-batch reference, else of the first variant that ran."""
-    ran = [r for r in records if r.grad_norm is not None]
-    for r in ran:
-        if r.variant.schedule == matrix.REFERENCE_WHOLE_BATCH:
-            return r.grad_norm
-    return ran[0].grad_norm if ran else None
+Sketch = dict[str, tuple[float, ...]]
+"""``parameter name -> (gradient norm, projections ...)``, see ``runner.gradient_sketch``."""
+
+
+def _variant_grads(records: Sequence[VariantRecord]) -> Sketch | None:
+    """The whole model's gradient sketch of one variant (None if it has none).
+
+    A pipeline's ranks hold one part of the model each; a reference ran the
+    whole model on every rank, and rank 0's run stands for it.
+    """
+    if records[0].grad_sketch is None:
+        return None
+    if not records[0].variant.is_pipeline:
+        return dict(records[0].grad_sketch)
+    merged: Sketch = {}
+    for record in records:
+        merged.update(record.grad_sketch or {})
+    return merged
+
+
+def _baseline_grads(per_rank: Sequence[Sequence[VariantRecord]]) -> Sketch | None:
+    """The gradient sketch of the whole-batch reference, else of the first variant that ran."""
+    sketches = [
+        (lead.variant.schedule, _variant_grads([rank[i] for rank in per_rank]))
+        for i, lead in enumerate(per_rank[0])
+    ]
+    ran = [(schedule, s) for schedule, s in sketches if s is not None]
+    for schedule, sketch in ran:
+        if schedule == matrix.REFERENCE_WHOLE_BATCH:
+            return sketch
+    return ran[0][1] if ran else None
+
+
+def gradient_error(got: Sketch, want: Sketch) -> float:
+    """The largest difference of any parameter's gradient from ``want``'s, relative.
+
+    For each parameter, the largest difference of its norm and projections,
+    over the norm of its gradient in ``want`` (absolute where that is 0).
+
+    Returns:
+        The largest over all parameters; infinite if the two sketches do not
+        name the same parameters.
+    """
+    if set(got) != set(want):
+        return math.inf
+    worst = 0.0
+    for name, reference in want.items():
+        difference = max(abs(a - b) for a, b in zip(got[name], reference, strict=True))
+        worst = max(worst, difference / reference[0] if reference[0] > 0 else difference)
+    return worst
 
 
 def _variant(
@@ -137,7 +182,7 @@ def _variant(
     batch: int,
     n_ranks: int,
     bounds: Mapping[str, float],
-    baseline_norm: float | None,
+    baseline_grads: Sketch | None,
     profiles: Sequence[Any],
 ) -> dict[str, Any]:
     lead = records[0]
@@ -175,10 +220,13 @@ def _variant(
     entry["peak_step_bytes"] = [r.peak_step_bytes for r in records]
     entry["stashed_bytes"] = [r.stashed_bytes for r in records] if v.two_bp else None
     entry["parameter_bytes"] = [r.parameter_bytes for r in records]
-    entry["grad_norm"] = lead.grad_norm
+    grads = _variant_grads(records)
+    entry["grad_norm"] = (
+        math.sqrt(sum(s[0] ** 2 for s in grads.values())) if grads is not None else None
+    )
     entry["grad_rel_error"] = (
-        abs(lead.grad_norm - baseline_norm) / baseline_norm
-        if lead.grad_norm is not None and baseline_norm
+        gradient_error(grads, baseline_grads)
+        if grads is not None and baseline_grads is not None
         else None
     )
     if v.is_pipeline:

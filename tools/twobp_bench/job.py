@@ -8,8 +8,8 @@ same partition. Then, for each micro-batch count:
    skipped on all of them, with the reason;
 2. run the rounds: every variant once per round, in turn (A B C A B C ...);
    the first ``warmup`` rounds are not timed, and the last of them runs each
-   step under the memory probe and reads the gradient norm (the check that
-   all variants compute the same gradients); after each timed round, every
+   step under the memory probe and sketches every parameter's gradient (the
+   check that all variants compute the same gradients); after each timed round, every
    rank profiles the blocks for the simulator check; the timed steps of the
    variant ``--cprofile`` names run under cProfile;
 3. free the variants before the next count.
@@ -44,7 +44,7 @@ from twobp_bench.config import BenchPlan, Regime
 from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
 from twobp_bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
 from twobp_bench.references import ReferenceRunner
-from twobp_bench.runner import StepRunner, grad_norm, parameter_bytes
+from twobp_bench.runner import StepRunner, gradient_sketch, parameter_bytes
 from twobp_bench.torch_pipelining import TorchRunner
 from twobp_bench.twobp_runner import TwobpRunner
 
@@ -70,7 +70,9 @@ class VariantRecord:
             (twobp and baseline only).
         peak_step_bytes: the memory probe's peak of the step on this rank.
         stashed_bytes: the most bytes the 2BP engine held for W on this rank.
-        grad_norm: the 2-norm of the whole model's gradients after one step.
+        grad_sketch: a sketch of each of this rank's parameter gradients after
+            one step (:func:`~twobp_bench.runner.gradient_sketch`), by name in
+            the whole model.
         parameter_bytes: bytes of this rank's parameters.
         schedule: the compute schedule twobp ran (twobp only).
         action_seconds: the measured durations of the compute actions of the
@@ -92,7 +94,7 @@ class VariantRecord:
     rank_bubble_ratios: list[list[float]] = field(default_factory=list)
     peak_step_bytes: int | None = None
     stashed_bytes: int | None = None
-    grad_norm: float | None = None
+    grad_sketch: dict[str, tuple[float, ...]] | None = None
     parameter_bytes: int = 0
     schedule: Schedule | None = None
     action_seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -264,12 +266,12 @@ def _record_actions(record: VariantRecord, spans: Sequence[Span], n_ranks: int) 
 
 
 def _probe(record: VariantRecord, runner: StepRunner, device: torch.device) -> None:
-    """One untimed step under the memory probe, then the gradient norm and the stash."""
+    """One untimed step under the memory probe, then the gradients' sketch and the stash."""
     barrier()
     record.peak_step_bytes = step_peak_bytes(runner.step, device)
     if runner.collective:
         barrier()
-    record.grad_norm = grad_norm(runner, device)
+    record.grad_sketch = gradient_sketch(runner.named_parameters())
     figures = runner.after_step()
     if "stashed_bytes" in figures:
         record.stashed_bytes = int(figures["stashed_bytes"])

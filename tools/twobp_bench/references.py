@@ -96,5 +96,8 @@ class ReferenceRunner:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
     def after_step(self) -> dict[str, float]:
         return {}

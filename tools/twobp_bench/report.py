@@ -14,7 +14,8 @@ from typing import Any
 
 MIB = 1024 * 1024
 GRAD_TOLERANCE = 1e-3
-"""Largest relative difference of gradient norms still taken as the same gradients."""
+"""Largest relative difference of a parameter's gradient (its norm and projections, over
+its norm) still taken as the same gradients."""
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
@@ -380,7 +381,8 @@ def _notes() -> list[str]:
         "- Replay: the same simulator on the step's own measured action times (medians per "
         "stage and kind) and the order the ranks ran them in: its error is the simulator's "
         "model of dependencies and transfers alone, without the profile's.",
-        "- Grad check: relative difference of the gradient norm from the whole-batch reference.",
+        "- Grad check: the largest difference of any parameter's gradient from the whole-batch "
+        "reference's (its norm and two random projections), relative to that gradient's norm.",
         "- Per rank: the CPU time of each rank's process in the step (all its threads; well "
         "below the step time, the rank waited or other work on the machine held the cores), "
         "and, from the twobp runtime's timeline, each rank's bubble and compute time per "

@@ -8,13 +8,15 @@ all alike.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+SKETCH_PROJECTIONS = 2
+"""Random projections of each gradient in its sketch, besides its norm."""
 
 
 class StepRunner(Protocol):
@@ -36,30 +38,46 @@ class StepRunner(Protocol):
         """This rank's parameters."""
         ...
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters, named as in the whole model (``"4.attn.q.weight"``)."""
+        ...
+
     def after_step(self) -> dict[str, float]:
         """Figures of the last step (e.g. ``bubble_ratio``); collective where ``collective``."""
         ...
 
 
-def grad_norm(runner: StepRunner, device: torch.device) -> float:
-    """The 2-norm of all gradients of the variant's model, over all ranks if it is split.
+def gradient_sketch(named: Iterable[tuple[str, nn.Parameter]]) -> dict[str, tuple[float, ...]]:
+    """A few numbers per parameter that change whenever its gradient does.
 
-    Collective for pipeline variants: every rank calls it.
+    For each parameter: the 2-norm of its gradient, then its dot products with
+    :data:`SKETCH_PROJECTIONS` random vectors drawn from a generator seeded by the
+    parameter's name and shape, so that every rank and every variant projects a
+    parameter's gradient on the same vectors. A gradient moved between entries or
+    between parameters keeps its norm but not its projections. A parameter
+    without a gradient counts as a zero gradient.
+
+    Args:
+        named: ``(name, parameter)`` pairs, names as in the whole model.
+
+    Returns:
+        ``name -> (norm, projection, ...)``, in float64.
     """
-    local = _squares(runner.parameters(), device)
-    if runner.collective and dist.is_initialized():
-        dist.all_reduce(local)
-    return math.sqrt(float(local))
+    out: dict[str, tuple[float, ...]] = {}
+    for name, p in named:
+        seed = zlib.crc32(f"{name}:{tuple(p.shape)}".encode())
+        generator = torch.Generator().manual_seed(seed)
+        directions = torch.randn(
+            SKETCH_PROJECTIONS, p.numel(), generator=generator, dtype=torch.float64
+        )
+        if p.grad is None:
+            grad = torch.zeros(p.numel(), dtype=torch.float64)
+        else:
+            grad = p.grad.detach().to("cpu", torch.float64).reshape(-1)
+        out[name] = (float(grad.norm()), *map(float, directions @ grad))
+    return out
 
 
 def parameter_bytes(runner: StepRunner) -> int:
     """Bytes of this rank's parameters."""
     return sum(p.numel() * p.element_size() for p in runner.parameters())
-
-
-def _squares(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum()
-    return total

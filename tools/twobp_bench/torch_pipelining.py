@@ -98,6 +98,7 @@ class TorchRunner:
         ranges = stage_ranges(list(partition))
         mine = stages_of_rank(stage_ranks, rank)
         self.modules = [StageModule([blocks[i] for i in ranges[s]]).to(device) for s in mine]
+        self._block_indices = [list(ranges[s]) for s in mine]
         stages = [
             pipelining.PipelineStage(module, s, n_stages, device)
             for s, module in zip(mine, self.modules, strict=True)
@@ -121,6 +122,15 @@ class TorchRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules for p in module.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Named by block index in the whole model, as twobp's pipeline names them."""
+        named = []
+        for module, indices in zip(self.modules, self._block_indices, strict=True):
+            for name, p in module.blocks.named_parameters():
+                local, _, rest = name.partition(".")
+                named.append((f"{indices[int(local)]}.{rest}", p))
+        return named
 
     def after_step(self) -> dict[str, float]:
         return {}

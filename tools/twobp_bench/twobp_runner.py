@@ -86,6 +86,9 @@ class TwobpRunner:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.pipe.parameters())
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.pipe.named_parameters())
+
     def after_step(self) -> dict[str, float]:
         """Bubble ratio and compute time (means over ranks), bytes held for W. Collective."""
         spans = self.pipe.timeline()
