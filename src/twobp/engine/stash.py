@@ -125,7 +125,7 @@ class SharedRows:
 
 
 def group_by_shape(stashes: Iterable[tuple[Tensor, ...]]) -> list[list[tuple[Tensor, ...]]]:
-    """Split stashes into groups whose tensors agree in every dim but the first.
+    """Split stashes into groups whose tensors agree in dtype and in every dim but the first.
 
     Only such stashes can be concatenated along the batch dimension (e.g.
     convolutions over images of different sizes land in different groups).
@@ -133,7 +133,7 @@ def group_by_shape(stashes: Iterable[tuple[Tensor, ...]]) -> list[list[tuple[Ten
     """
     groups: dict[Hashable, list[tuple[Tensor, ...]]] = {}
     for stash in stashes:
-        key = tuple(tuple(t.shape[1:]) for t in stash)
+        key = tuple((tuple(t.shape[1:]), t.dtype) for t in stash)
         groups.setdefault(key, []).append(stash)
     return list(groups.values())
 
