@@ -64,7 +64,7 @@ def test_the_direct_apply_and_the_wrapper_build_the_same_graph():
     from twobp.engine import deferred
 
     # On the pinned torch the deferred ops skip Function.apply's Python wrapper.
-    assert deferred._DIRECT_APPLY is not None
+    assert deferred.DIRECT_APPLY is not None
     module = _mlp()
     store = defer_weight_grads(module)
     _forward(store, module, 9)  # makes the deferred ops
@@ -72,7 +72,7 @@ def test_the_direct_apply_and_the_wrapper_build_the_same_graph():
     x = randn(4, 5, seed=0).requires_grad_()
     params = [o.param for o in op.operands]
     with store.forward(0):
-        direct = deferred._apply_function(op, 0, (None, None), x, *params)
+        direct = deferred.apply_function(op, 0, (None, None), x, *params)
     with store.forward(1):
         wrapped = deferred.DeferredWeightFunction.apply(op, 1, (None, None), x, *params)
     assert torch.equal(direct, wrapped)

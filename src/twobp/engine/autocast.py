@@ -28,21 +28,13 @@ class AutocastRule(Enum):
     """Float32 on some devices, unchanged on others: asked of autocast (norms)."""
 
 
-def _any_autocast_on_device(device: torch.device) -> bool:
-    return torch.is_autocast_enabled(device.type)
+def _unknown() -> bool:
+    return True
 
 
-def _any_autocast_anywhere(device: torch.device) -> bool:
-    return torch._C._is_any_autocast_enabled()
-
-
-# One call that answers for every device where torch offers it: cheaper than
-# asking per device type, and the common answer (no autocast) is final.
-_maybe_autocast: Callable[[torch.device], bool] = (
-    _any_autocast_anywhere
-    if hasattr(torch._C, "_is_any_autocast_enabled")
-    else _any_autocast_on_device
-)
+maybe_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _unknown)
+"""False when autocast is surely off on every device: one cheap call answers the
+common case where torch offers it (else :meth:`AutocastDtypes.for_call` asks)."""
 
 
 class AutocastDtypes:
@@ -67,7 +59,7 @@ class AutocastDtypes:
             probe: a tiny call of the operation (for :attr:`AutocastRule.PROBED`).
             device: where the call runs.
         """
-        if not _maybe_autocast(device) or not torch.is_autocast_enabled(device.type):
+        if not maybe_autocast() or not torch.is_autocast_enabled(device.type):
             return None
         if rule is AutocastRule.UNCHANGED:
             return None

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from twobp.engine.autocast import AutocastDtypes
-from twobp.engine.deferred import DeferredOp, StashSink
+from twobp.engine.autocast import AutocastDtypes, maybe_autocast
+from twobp.engine.deferred import DIRECT_APPLY, DeferredOp, StashSink, apply_function
 from twobp.engine.operand import VIEW_STEPS, Operand
 from twobp.engine.phases import TwoStageBackwardError
 
@@ -149,11 +149,12 @@ class Capture(TorchFunctionMode):
         self._sink = sink
         self._handlers = handlers
         self._label = label
-        self._operands: dict[int, Operand] = {}
+        self.parameters: dict[int, Operand] = {}
+        """Each stage parameter as an operand read as it is, by id."""
         self.names: dict[int, str] = {}
         """The qualified name of each parameter, by id."""
         for name, p in params:
-            self._operands[id(p)] = Operand(p)
+            self.parameters[id(p)] = Operand(p)
             self.names[id(p)] = name
         # Views and casts of parameters made in the running forward: the
         # tensor (weakly, its id may be reused once it dies) and what it reads.
@@ -174,29 +175,32 @@ class Capture(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if kwargs is None:
-            kwargs = {}
         reason = None
         handler = self._handlers.get(func)
         if handler is not None and torch.is_grad_enabled():
             try:
-                out = handler(self, args, kwargs)
+                out = handler(self, args, kwargs or {})
             except _ForeignParameter as foreign:
                 raise self._foreign_error(func, foreign.param) from None
             if out is not None and out.__class__ is not str:
                 return out
             reason = out
-        out = func(*args, **kwargs)
+        if not kwargs:
+            out = func(*args)
+            read: tuple[Any, ...] = args
+        else:
+            out = func(*args, **kwargs)
+            read = (*args, *kwargs.values())
         # Runs for every call of the forward: most read no parameter.
-        operands, views = self._operands, self._views
-        for a in (*args, *kwargs.values()) if kwargs else args:
+        operands, views = self.parameters, self._views
+        for a in read:
             if id(a) in operands or id(a) in views:
-                self._observe(func, args, kwargs, out, reason)
+                self._observe(func, args, kwargs or {}, out, reason)
                 break
             if (a.__class__ is list or a.__class__ is tuple) and any(
                 id(b) in operands or id(b) in views for b in a
             ):
-                self._observe(func, args, kwargs, out, reason)
+                self._observe(func, args, kwargs or {}, out, reason)
                 break
         return out
 
@@ -220,7 +224,7 @@ class Capture(TorchFunctionMode):
         """
         if t is None:
             return None
-        found = self._operands.get(id(t))
+        found = self.parameters.get(id(t))
         if found is not None:
             return found
         view = self._views.get(id(t))
@@ -236,7 +240,8 @@ class Capture(TorchFunctionMode):
         name: str,
         options: Any,
         x: Any,
-        operands: tuple[Operand | None, ...],
+        weight: Operand | None,
+        bias: Operand | None,
         extra: Any = None,
     ) -> Captured:
         """Run one call of a covered operation through its deferred op.
@@ -246,24 +251,39 @@ class Capture(TorchFunctionMode):
             name: the operation as the report names it (``"torch.addmm"``).
             options: the call's static options (hashable; part of the op's identity).
             x: the operand that is not a parameter.
-            operands: the parameter operands in ``op_class``'s order.
+            weight: the weight operand (None if the call has none).
+            bias: the bias operand (None if the call has none).
             extra: per-call state passed to the op's forward.
 
         Returns:
             The output; None (the call runs as it is) if ``x`` is not a
             tensor or no parameter operand requires a gradient.
         """
+        # Runs for every call of a covered operation: written out for speed.
         mb = self._store.active_microbatch
         if mb is None or not isinstance(x, Tensor):
             return None
-        if not any(o is not None and o.param.requires_grad for o in operands):
+        w = None if weight is None else weight.param
+        b = None if bias is None else bias.param
+        if not ((w is not None and w.requires_grad) or (b is not None and b.requires_grad)):
             return None
-        key = (op_class, name, options, *(None if o is None else o.key for o in operands))
-        op = self._by_identity.get(key)
+        identity = (
+            name,
+            options,
+            None if weight is None else weight.key,
+            None if bias is None else bias.key,
+        )
+        op = self._by_identity.get(identity)
         if op is None:
-            op = self._new_op(key, op_class, name, options, operands)
-        dtype = self._autocast.for_call(op_class.autocast_rule, op_class.probe, x.device)
-        return op.apply(mb, (dtype, extra), x, [None if o is None else o.param for o in operands])
+            op = self._new_op(identity, op_class, name, options, (weight, bias))
+        dtype = None
+        if maybe_autocast():
+            dtype = self._autocast.for_call(op_class.autocast_rule, op_class.probe, x.device)
+        if DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
+            out: Tensor = apply_function(op, mb, (dtype, extra), x, w, b)
+        else:  # apply_function written out: one call less
+            out = DIRECT_APPLY(op, mb, (dtype, extra), torch._C._functorch.unwrap_if_dead(x), w, b)
+        return out
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -279,7 +299,7 @@ class Capture(TorchFunctionMode):
         op_class: type[DeferredOp],
         name: str,
         options: Any,
-        operands: tuple[Operand | None, ...],
+        operands: tuple[Operand | None, Operand | None],
     ) -> DeferredOp:
         op = op_class(len(self.ops), operands, options, self._sink)
         read = [o for o in operands if o is not None]
@@ -292,7 +312,7 @@ class Capture(TorchFunctionMode):
         return op
 
     def _resolve(self, t: Any) -> Operand | None:
-        found = self._operands.get(id(t))
+        found = self.parameters.get(id(t))
         if found is not None:
             return found
         view = self._views.get(id(t))

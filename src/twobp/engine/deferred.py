@@ -38,21 +38,22 @@ class DeferredOp(ABC):
 
     Args:
         index: the op's position in its store (the key of its stashes).
-        operands: the parameter operands, in the order of :attr:`operand_names`
-            (None where the call has none, e.g. no bias).
+        operands: the parameter operands, weight and bias (None where the call
+            has none).
         options: the call's static options (a convolution's stride and
             padding), hashable; part of the op's identity.
         sink: where the input pass hands the stashed tensors.
     """
 
-    operand_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
-    """The operation's parameter operands, in the order the Function takes them."""
-
     autocast_rule: ClassVar[AutocastRule] = AutocastRule.LOWER
     """Which dtype the operation runs in under ``torch.autocast``."""
 
     def __init__(
-        self, index: int, operands: tuple[Operand | None, ...], options: Any, sink: StashSink
+        self,
+        index: int,
+        operands: tuple[Operand | None, Operand | None],
+        options: Any,
+        sink: StashSink,
     ) -> None:
         self.index = index
         self.operands = operands
@@ -63,10 +64,9 @@ class DeferredOp(ABC):
         # What the Function's backward returns after the input gradient: no
         # gradient for the parameters (W adds it later). Built once: the
         # backward runs for every call.
-        self.no_parameter_grads: tuple[None, ...] = (None,) * len(operands)
-        # True when every operand is a parameter read as it is: the common
-        # case skips reading the operands through their views.
-        self._plain = all(o is None or not o.steps for o in operands)
+        self.no_parameter_grads = (None, None)
+        self.plain = all(o is None or not o.steps for o in operands)
+        """Every operand is a parameter read as it is (no view or cast): the common, fast case."""
 
     @staticmethod
     def probe(device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -82,7 +82,7 @@ class DeferredOp(ABC):
             params: the parameters passed to the Function, in operand order.
             dtype: the dtype autocast would cast the operands to, or None.
         """
-        if self._plain and dtype is None:
+        if self.plain and dtype is None:
             return tuple(params)
         return tuple(
             None if o is None or p is None else o.read(p, dtype)
@@ -98,7 +98,7 @@ class DeferredOp(ABC):
             x: the operand that is not a parameter (input, indices).
             params: the parameters, in operand order (None where absent).
         """
-        out: Tensor = _apply_function(self, mb, call, x, *params)
+        out: Tensor = apply_function(self, mb, call, x, *params)
         return out
 
     @abstractmethod
@@ -159,9 +159,7 @@ class DeferredWeightFunction(torch.autograd.Function):
         ctx: Any, op: DeferredOp, mb: int, call: Any, x: Tensor, *params: Tensor | None
     ) -> Tensor:
         out, saved, state = op.forward(x, params, call)
-        ctx.op = op
-        ctx.mb = mb
-        ctx.state = state
+        ctx.op, ctx.mb, ctx.state = op, mb, state
         ctx.save_for_backward(*saved)
         return out
 
@@ -180,7 +178,7 @@ class DeferredWeightFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch._C.DisableTorchFunction():
             grad_in, stash = op.input_grad(grad_out, saved, ctx.state, ctx.needs_input_grad[3])
-        op.sink(ctx.mb, op.index, stash)
+            op.sink(ctx.mb, op.index, stash)
         return (None, None, None, grad_in, *op.no_parameter_grads)
 
 
@@ -199,13 +197,13 @@ def _direct_apply() -> Callable[..., Any] | None:
     return bound
 
 
-_DIRECT_APPLY = _direct_apply()
+DIRECT_APPLY = _direct_apply()
 
 
-def _apply_function(op: DeferredOp, mb: int, call: Any, x: Tensor, *params: Any) -> Any:
+def apply_function(op: DeferredOp, mb: int, call: Any, x: Tensor, *params: Any) -> Any:
     """``DeferredWeightFunction.apply(op, mb, call, x, *params)``, directly where it can."""
-    if _DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
+    if DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
         return DeferredWeightFunction.apply(op, mb, call, x, *params)  # type: ignore[no-untyped-call]
     # What Function.apply does outside transforms: a dead functorch wrapper
     # (only the operand x can be one; parameters are plain) is unwrapped first.
-    return _DIRECT_APPLY(op, mb, call, torch._C._functorch.unwrap_if_dead(x), *params)
+    return DIRECT_APPLY(op, mb, call, torch._C._functorch.unwrap_if_dead(x), *params)

@@ -127,4 +127,4 @@ def capture_batch_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str
     if training:
         check_values_per_channel(list(x.shape))
     extra = (running_mean, running_var, bool(training), momentum)
-    return capture.run(DeferredBatchNorm, "F.batch_norm", eps, x, (w, b), extra)
+    return capture.run(DeferredBatchNorm, "F.batch_norm", eps, x, w, b, extra)

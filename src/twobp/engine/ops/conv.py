@@ -161,7 +161,7 @@ def _capture_conv(
         x = x.unsqueeze(0)
     if pre_pad is not None:
         x = F.pad(x, pre_pad)
-    out = capture.run(DeferredConv, name, (strides, paddings, dilations, groups), x, (w, b))
+    out = capture.run(DeferredConv, name, (strides, paddings, dilations, groups), x, w, b)
     return out.squeeze(0) if unbatched and isinstance(out, Tensor) else out
 
 

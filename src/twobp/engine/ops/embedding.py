@@ -22,13 +22,12 @@ from twobp.engine.stash import SharedRows
 class DeferredEmbedding(DeferredOp):
     """A dense embedding lookup; ``options`` is its ``padding_idx`` (a row without gradient)."""
 
-    operand_names = ("weight",)
     autocast_rule = AutocastRule.UNCHANGED
 
     def forward(
         self, x: Tensor, params: Sequence[Tensor | None], call: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
-        (weight,) = self.weights(params, None)
+        weight, _ = self.weights(params, None)
         assert weight is not None
         return F.embedding(x, weight, self.options), (x,), None
 
@@ -41,7 +40,7 @@ class DeferredEmbedding(DeferredOp):
     def accumulate_weight_grads(
         self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
     ) -> None:
-        (weight,) = self.operands
+        weight, _ = self.operands
         assert weight is not None
         if not weight.param.requires_grad:
             return
@@ -87,4 +86,4 @@ def capture_embedding(capture: Capture, args: tuple[Any, ...], kwargs: dict[str,
         return "F.embedding with sparse=True: its gradient is sparse"
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    return capture.run(DeferredEmbedding, "F.embedding", padding_idx, indices, (w,))
+    return capture.run(DeferredEmbedding, "F.embedding", padding_idx, indices, w, None)

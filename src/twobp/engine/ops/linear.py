@@ -29,10 +29,14 @@ class DeferredLinear(DeferredOp):
         self, x: Tensor, params: Sequence[Tensor | None], call: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
         dtype = call[0]
-        weight, bias = self.weights(params, dtype)
+        if dtype is None and self.plain:
+            weight, bias = params
+            input_dtype = None
+        else:
+            weight, bias = self.weights(params, dtype)
+            input_dtype, x = x.dtype, cast(x, dtype)
         assert weight is not None
-        xc = cast(x, dtype)
-        return F.linear(xc, weight, bias), (xc, weight), x.dtype
+        return F.linear(x, weight, bias), (x, weight), input_dtype
 
     def input_grad(
         self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
@@ -41,7 +45,7 @@ class DeferredLinear(DeferredOp):
         grad_in = None
         if needs_input_grad:
             grad_in = grad_out.matmul(weight)
-            if grad_in.dtype != state:
+            if state is not None and grad_in.dtype != state:  # autocast cast the input
                 grad_in = grad_in.to(state)
         return grad_in, (x, grad_out)
 
@@ -75,14 +79,18 @@ _LINEAR = (("input", "weight", "bias"), (None,))
 
 def capture_linear(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
     """``F.linear(input, weight, bias=None)`` with a stage parameter as ``weight``."""
-    bound = bind(args, kwargs, *_LINEAR)
-    if bound is None:
-        return None
-    x, weight, bias = bound
-    w = capture.operand(weight)
+    if len(args) == 3 and not kwargs:  # as nn.Linear calls it
+        x, weight, bias = args
+    else:
+        bound = bind(args, kwargs, *_LINEAR)
+        if bound is None:
+            return None
+        x, weight, bias = bound
+    parameters = capture.parameters
+    w = parameters.get(id(weight)) or capture.operand(weight)
     if not w:
         return None
-    b = capture.operand(bias)
+    b = parameters.get(id(bias)) or capture.operand(bias)
     if b is False:
         return "F.linear with a bias that is not a parameter"
-    return capture.run(DeferredLinear, "F.linear", None, x, (w, b))
+    return capture.run(DeferredLinear, "F.linear", None, x, w, b)

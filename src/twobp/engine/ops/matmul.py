@@ -136,7 +136,7 @@ def _matmul(capture: Capture, a: Any, b: Any, name: str) -> Captured:
     batched = len(p_shape) > 2
     if batched and tuple(x.shape[:-2]) != p_shape[:-2]:
         return f"{name} broadcasting over a parameter's batch dimensions"
-    return capture.run(DeferredMatmul, name, (side, batched), x, (param, None))
+    return capture.run(DeferredMatmul, name, (side, batched), x, param, None)
 
 
 _TWO = (("input", "other"), ())
@@ -176,4 +176,4 @@ def capture_addmm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any
         return "torch.addmm with a bias that is not a parameter, or with beta or alpha"
     if b is not None and _shape(bias) != (_shape(weight) or (0, 0))[-1:]:
         return "torch.addmm with a bias that is broadcast over more than the rows"
-    return capture.run(DeferredMatmul, "torch.addmm", ("right", False), x, (w, b))
+    return capture.run(DeferredMatmul, "torch.addmm", ("right", False), x, w, b)

@@ -161,7 +161,6 @@ def _opmath(x: Tensor) -> Tensor:
 class DeferredRMSNorm(DeferredOp):
     """An RMS norm with an affine weight; ``options`` is ``(normalized_shape, eps)``."""
 
-    operand_names = ("weight",)
     autocast_rule = AutocastRule.PROBED
 
     @staticmethod
@@ -175,7 +174,7 @@ class DeferredRMSNorm(DeferredOp):
         self, x: Tensor, params: Sequence[Tensor | None], call: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
         dtype = call[0]
-        (weight,) = self.weights(params, dtype)
+        weight, _ = self.weights(params, dtype)
         assert weight is not None
         xc = cast(x, dtype)
         eps = self.options[1]
@@ -203,7 +202,7 @@ class DeferredRMSNorm(DeferredOp):
     def accumulate_weight_grads(
         self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
     ) -> None:
-        (weight,) = self.operands
+        weight, _ = self.operands
         assert weight is not None
         if not weight.param.requires_grad:
             return
@@ -250,7 +249,7 @@ def capture_layer_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str
         return operands
     if shape is None:
         return None
-    return capture.run(DeferredLayerNorm, "F.layer_norm", (shape, eps), x, operands)
+    return capture.run(DeferredLayerNorm, "F.layer_norm", (shape, eps), x, *operands)
 
 
 def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
@@ -265,7 +264,7 @@ def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str
     if not isinstance(groups, int) or groups <= 0 or x.shape[1] % groups:
         return None  # F.group_norm raises: let it
     check_values_per_channel([x.shape[0] * x.shape[1] // groups, groups, *x.shape[2:]])
-    return capture.run(DeferredGroupNorm, "F.group_norm", (groups, eps), x, operands)
+    return capture.run(DeferredGroupNorm, "F.group_norm", (groups, eps), x, *operands)
 
 
 def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
@@ -278,4 +277,4 @@ def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, 
     shape = _shape(normalized_shape)
     if not w or shape is None:
         return None
-    return capture.run(DeferredRMSNorm, "F.rms_norm", (shape, eps), x, (w,))
+    return capture.run(DeferredRMSNorm, "F.rms_norm", (shape, eps), x, w, None)
