@@ -19,6 +19,7 @@ ALLOWED = {
     "partition": {"engine"},
     "engine": set(),
     "models": set(),
+    "integrations": set(),
     "runtime": {"engine", "partition", "models", "sim", "schedule"},
     "train": {"runtime", "engine", "partition", "models", "sim", "schedule", "config"},
     "cli": {"train", "runtime", "engine", "partition", "models", "sim", "schedule", "config"},

@@ -85,8 +85,11 @@ class WeightGradStore:
         self._marked = self._mark(module)
 
     def _mark(self, module: nn.Module) -> set[int]:
-        """Name this store on every submodule; refuse one another live store defers."""
-        for name, m in module.named_modules():
+        """Name this store on every submodule with parameters; refuse one another live
+        store defers (modules without parameters, such as a shared rotary embedding,
+        may serve several stages)."""
+        holders = [(n, m) for n, m in module.named_modules() if m._parameters]
+        for name, m in holders:
             owner = m.__dict__.get(_OWNER)
             other = owner() if owner is not None else None
             if other is not None and other is not self and other._defers(m):
@@ -94,11 +97,9 @@ class WeightGradStore:
                     f"{self._where()}module '{name or type(m).__name__}' is already patched by "
                     f"another WeightGradStore; call its restore() first"
                 )
-        marked = set()
-        for m in module.modules():
+        for _, m in holders:
             m.__dict__[_OWNER] = weakref.ref(self)
-            marked.add(id(m))
-        return marked
+        return {id(m) for _, m in holders}
 
     def _defers(self, module: nn.Module) -> bool:
         return self._capture is not None and id(module) in self._marked
