@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twobp.engine.autocast import check_autocast_dtype
 from twobp.runtime import collective
 from twobp.runtime.backward import stage_gradients
 from twobp.runtime.build import CostsArgument, build_layout
@@ -37,6 +38,7 @@ from twobp.runtime.checks import nonfinite_error, small_buffer
 from twobp.runtime.clock import StepClock
 from twobp.runtime.comm import Layouts, StepChannel
 from twobp.runtime.dispatcher import StepResult, StepRun
+from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.microbatch import (
@@ -87,6 +89,10 @@ class Pipeline(PipelineState):
             infinite: ``"raise"`` :class:`NonFiniteLossError`, or ``"skip"``
             the step (see :attr:`last_step_skipped`). Either way the step's
             gradients are dropped on every rank.
+        autocast: run every stage's forward (and loss) under
+            ``torch.autocast(device type, autocast)``, e.g. ``torch.bfloat16``:
+            float32 master weights, the 2BP engine's I and W in autocast's dtypes.
+            None: no autocast.
         costs: the cost model by which the ``paper`` and ``fill`` policies place
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
@@ -99,7 +105,7 @@ class Pipeline(PipelineState):
 
     Raises:
         PipelineConfigError: on every rank, if the schedule, partition, options
-            or model do not fit on any rank.
+            or model do not fit on any rank, or the device cannot run ``autocast``.
         ModelMismatchError: if the ranks were given other options or built
             other models (it names the ranks and the first differing block).
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
@@ -124,6 +130,7 @@ class Pipeline(PipelineState):
         example_input: Batch | None = None,
         nonfinite: str = "raise",
         costs: CostsArgument = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self._closed = False
         self.timeout = float(timeout)
@@ -137,6 +144,13 @@ class Pipeline(PipelineState):
             # Collectives of objects (timeline, balanced partition) use the current device.
             torch.cuda.set_device(self.device)
         self.rank = self.world.rank
+        if autocast is not None:
+            try:
+                check_autocast_dtype(self.device, autocast)
+            except ValueError as error:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: autocast={autocast}: {error}"
+                ) from None
         set_threads_per_rank(self.world.local_size, num_threads)
         all_blocks = list(blocks)
         layout = build_layout(
@@ -180,6 +194,7 @@ class Pipeline(PipelineState):
                 stage_gradients(module, split=s in split, label=f"rank {self.rank} stage {s}"),
                 loss_fn,
                 self.n_microbatches,
+                autocast=None if autocast is None else (self.device.type, autocast),
             )
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
