@@ -20,7 +20,14 @@ from twobp.engine import WeightGradStore, defer_weight_grads
 from twobp.engine.coverage import deferred_share
 
 transformers = pytest.importorskip("transformers")
-from twobp.integrations.transformers import blocks, family, loss_function  # noqa: E402
+from twobp.integrations.transformers import (  # noqa: E402
+    FAMILIES,
+    SIZES,
+    blocks,
+    build_model,
+    family,
+    loss_function,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("torch_one_thread"),
@@ -28,51 +35,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
-VOCAB = 97
-FAMILIES = ("llama", "gpt2", "bert", "mamba")
+VOCAB = SIZES["tiny"]["vocab_size"]
 COVERAGE = {"llama": 0.99, "gpt2": 0.99, "bert": 0.99, "mamba": 0.93}
 """The share of weight elements whose gradient W adds in full, at least."""
 
 
 def make_model(kind: str) -> nn.Module:
-    """A small model of the family, without dropout, from a fixed seed."""
+    """A tiny model of the family, from a fixed seed."""
     torch.manual_seed(0)
-    common: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2}
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **common,
-        )
-        return transformers.LlamaForCausalLM(config)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return transformers.GPT2LMHeadModel(config)
-    if kind == "bert":
-        config = transformers.BertConfig(
-            intermediate_size=128,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **common,
-        )
-        return transformers.BertForMaskedLM(config)
-    config = transformers.MambaConfig(state_size=16, **common)
-    return transformers.MambaForCausalLM(config)
+    return build_model(kind, "tiny")
 
 
 def micro_batches(n: int, padded: bool) -> list[tuple[Tensor, Tensor | None, Tensor]]:

@@ -311,6 +311,83 @@ def blocks(model: nn.Module) -> nn.Sequential:
     return nn.Sequential(*parts)
 
 
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128},
+    "small": {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "intermediate_size": 688,
+    },
+}
+"""Model sizes that :func:`build_model` knows (4 attention heads, 64 positions)."""
+
+FAMILIES = ("llama", "gpt2", "bert", "mamba")
+"""The layouts :func:`blocks` covers, by the name :func:`family` gives them."""
+
+
+def build_model(kind: str, size: str = "tiny") -> nn.Module:
+    """A freshly initialised model of a covered family, from a small configuration (no download).
+
+    Dropout is off, so that a pipeline and the model compute the same.
+
+    Args:
+        kind: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
+        size: a key of :data:`SIZES`.
+
+    Raises:
+        ValueError: for an unknown family or size.
+    """
+    import transformers
+
+    if kind not in FAMILIES or size not in SIZES:
+        raise ValueError(f"build_model takes a family of {FAMILIES} and a size of {list(SIZES)}")
+    dims = SIZES[size]
+    vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+    }
+    model: nn.Module
+    if kind == "llama":
+        llama = transformers.LlamaConfig(
+            intermediate_size=dims["intermediate_size"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(llama)
+    elif kind == "gpt2":
+        gpt2 = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = transformers.GPT2LMHeadModel(gpt2)
+    elif kind == "bert":
+        bert = transformers.BertConfig(
+            intermediate_size=dims["intermediate_size"],
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
+        model = transformers.BertForMaskedLM(bert)
+    else:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(state_size=16, **common))
+    return model
+
+
 def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """``loss(logits, labels)``: the loss the model computes itself when given ``labels``.
 
