@@ -1,10 +1,13 @@
-"""The engine's own cost per layer call: F, I and W of small Linear layers, against plain autograd.
+"""The engine's own cost per layer call: F, I and W of small layers, against plain autograd.
 
-A stack of small ``nn.Linear`` layers (one pipeline stage) runs one micro-batch
-at a time, the engine's way (F in ``store.forward``, then I, then W) and plain
-autograd's (forward, then one backward), interleaved after a warm-up. The
-layers are small enough that the kernels cost little: what remains is the
-per-call overhead of the engine. One thread.
+A stage runs one micro-batch at a time, the engine's way (F in
+``store.forward``, then I, then W) and plain autograd's (forward, then one
+backward), interleaved after a warm-up. The layers are small enough that the
+kernels cost little: what remains is the per-call overhead of the engine.
+``--stage linear`` is a stack of ``nn.Linear`` (figures per Linear call);
+``--stage llama`` a stack of twobp's LLaMA-like decoder blocks (figures per
+block: attention, norms and activations pass through the engine's capture
+too). One thread.
 
     python benchmarks/engine_overhead/run.py                 # this checkout
     python benchmarks/engine_overhead/run.py --baseline REV  # and git revision REV, alternated
@@ -25,24 +28,39 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def measure(width: int, layers: int, rows: int, reps: int) -> dict[str, float]:
-    """Microseconds per layer call: plain forward and backward, and the engine's F, I, W."""
+def _stage(kind: str, width: int, layers: int) -> Any:
     import torch
     from torch import nn
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    from twobp.models.llama import DecoderBlock, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=32, dim=width, n_layers=layers, n_heads=4, ffn_dim=2 * width, seq_len=16
+    )
+    return nn.Sequential(*[DecoderBlock(config) for _ in range(layers)])
+
+
+def measure(kind: str, width: int, layers: int, rows: int, reps: int) -> dict[str, float]:
+    """Microseconds per layer call: plain forward and backward, and the engine's F, I, W."""
+    import torch
 
     from twobp.engine import defer_weight_grads
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    split = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    plain = _stage(kind, width, layers)
+    split = _stage(kind, width, layers)
     store = defer_weight_grads(split)
-    x = torch.randn(rows, width)
-    dy = torch.randn(rows, width)
+    shape = (rows, width) if kind == "linear" else (rows, 16, width)
+    x = torch.randn(*shape)
+    dy = torch.randn(*shape)
     times: dict[str, list[float]] = {"plain F": [], "plain B": [], "F": [], "I": [], "W": []}
     for rep in range(reps + reps // 5):
         t0 = time.perf_counter()
@@ -67,12 +85,12 @@ def measure(width: int, layers: int, rows: int, reps: int) -> dict[str, float]:
 
 
 def _child(args: argparse.Namespace) -> None:
-    print(json.dumps(measure(args.width, args.layers, args.rows, args.reps)))
+    print(json.dumps(measure(args.stage, args.width, args.layers, args.rows, args.reps)))
 
 
 def _run(src: Path, args: argparse.Namespace) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
+    cmd = [sys.executable, __file__, "--child", "--stage", args.stage, "--width", str(args.width)]
     cmd += ["--layers", str(args.layers), "--rows", str(args.rows), "--reps", str(args.reps)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
@@ -81,6 +99,7 @@ def _run(src: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=["linear", "llama"], default="linear")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rows", type=int, default=8)
@@ -106,9 +125,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, src in sources.items():
                 rounds[name].append(_run(src, args))
+    stage = f"Linear({args.width}, {args.width})" if args.stage == "linear" else "LLaMA block"
     print(
-        f"{args.layers} x Linear({args.width}, {args.width}), {args.rows} rows, 1 thread; "
-        f"us per layer call, medians of {args.reps} reps, median over {args.rounds} rounds"
+        f"{args.layers} x {stage} (width {args.width}), {args.rows} rows, 1 thread; us per layer "
+        f"call, medians of {args.reps} reps, median over {args.rounds} rounds"
     )
     print("| twobp | plain F | F | F - plain F | plain B | I + W | I + W - plain B |")
     print("|---|---:|---:|---:|---:|---:|---:|")

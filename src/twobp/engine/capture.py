@@ -159,6 +159,8 @@ class Capture(TorchFunctionMode):
         # Views and casts of parameters made in the running forward: the
         # tensor (weakly, its id may be reused once it dies) and what it reads.
         self._views: dict[int, tuple[weakref.ref[Tensor], Operand]] = {}
+        # The ids of the parameters and of those views: one lookup per argument.
+        self._watched: set[int] = set(self.parameters)
         self._by_identity: dict[tuple[Any, ...], DeferredOp] = {}
         self.ops: list[DeferredOp] = []
         """Every deferred op made so far, in the order the forwards first called them."""
@@ -192,13 +194,10 @@ class Capture(TorchFunctionMode):
             out = func(*args, **kwargs)
             read = (*args, *kwargs.values())
         # Runs for every call of the forward: most read no parameter.
-        operands, views = self.parameters, self._views
+        watched = self._watched
         for a in read:
-            if id(a) in operands or id(a) in views:
-                self._observe(func, args, kwargs or {}, out, reason)
-                break
-            if (a.__class__ is list or a.__class__ is tuple) and any(
-                id(b) in operands or id(b) in views for b in a
+            if id(a) in watched or (
+                (a.__class__ is list or a.__class__ is tuple) and any(id(b) in watched for b in a)
             ):
                 self._observe(func, args, kwargs or {}, out, reason)
                 break
@@ -206,6 +205,7 @@ class Capture(TorchFunctionMode):
 
     def finish(self) -> None:
         """Forget the views of the forward that ended (the mode is no longer active)."""
+        self._watched.difference_update(self._views)
         self._views.clear()
 
     # -- what handlers call --------------------------------------------------
@@ -335,6 +335,7 @@ class Capture(TorchFunctionMode):
                 step = step_of(args[0], out, args)
                 if step is not None:
                     self._views[id(out)] = (weakref.ref(out), source.then(step))
+                    self._watched.add(id(out))
                     return
         if not _requires_grad(out):
             return
