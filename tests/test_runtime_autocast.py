@@ -46,6 +46,7 @@ def test_bf16_autocast_pipeline_matches_autocast_autograd(two_bp):
         error = (p.grad - want_grad).norm() / max(want_grad.norm(), 1e-3 * total)
         assert error <= 2e-2, (name, float(error))
     assert loss == pytest.approx(want_loss, rel=2e-2)
+    assert pipe.eval_step(inputs).dtype is torch.bfloat16  # the last Linear ran under autocast
 
 
 def test_autocast_with_a_dtype_the_device_cannot_run_is_refused():

@@ -95,6 +95,49 @@ def test_autocast_is_deferred_in_its_dtypes_with_float32_master_gradients(dtype)
     assert [n for n, _ in store.immediate_parameters()] == ["gate"]
 
 
+CALLS = {
+    "linear": (lambda m, x: F.linear(x, m.w2), (4, 6)),
+    "addmm": (lambda m, x: torch.addmm(m.b4, x, m.w2.t()), (4, 6)),
+    "matmul left": (lambda m, x: m.w2 @ x.t(), (4, 6)),
+    "bmm": (lambda m, x: torch.bmm(x.unsqueeze(0), m.w2.t().unsqueeze(0)), (4, 6)),
+    "conv1d": (lambda m, x: F.conv1d(x, m.w3), (2, 6, 5)),
+    "embedding": (lambda m, x: F.embedding(x.long().abs() % 4, m.w2), (4, 6)),
+    "layer_norm": (lambda m, x: F.layer_norm(x, (6,), m.g6, m.b6), (4, 6)),
+    "rms_norm": (lambda m, x: F.rms_norm(x, (6,), m.g6), (4, 6)),
+    "group_norm": (lambda m, x: F.group_norm(x, 2, m.g6, m.b6), (4, 6, 3)),
+    "batch_norm": (lambda m, x: F.batch_norm(x, None, None, m.g6, m.b6, True), (4, 6)),
+}
+
+
+class Operands(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w2 = nn.Parameter(torch.randn(4, 6))
+        self.w3 = nn.Parameter(torch.randn(3, 6, 2))
+        self.b4 = nn.Parameter(torch.randn(4))
+        self.g6 = nn.Parameter(torch.randn(6))
+        self.b6 = nn.Parameter(torch.randn(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CALLS))
+def test_each_operation_runs_in_the_dtype_autocast_gives_it(name, dtype):
+    call, shape = CALLS[name]
+    module = Operands()
+    store = defer_weight_grads(module)
+    x = torch.randn(*shape, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        want = call(module, x)
+        with store.forward(0):
+            got = call(module, x)
+    assert type(got.grad_fn).__name__ == "DeferredWeightFunctionBackward"
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    store.backward_input(0, [got], [torch.ones_like(got)], [x])
+    store.backward_weight([0])
+    store.finish_step()
+
+
 def test_autocast_deferred_ops_are_split_functions_with_lower_precision_outputs():
     model = nn.Sequential(nn.Linear(4, 4))
     store = defer_weight_grads(model)
