@@ -47,7 +47,8 @@ def make_model(kind: str) -> nn.Module:
 
 
 def micro_batches(n: int, padded: bool) -> list[tuple[Tensor, Tensor | None, Tensor]]:
-    """``(input_ids, attention_mask, labels)`` per micro-batch; padded: one row's last tokens."""
+    """``(input_ids, attention_mask, labels)`` per micro-batch; padded: one row's first tokens
+    (padding on the left: causal attention would never see padding on the right)."""
     out = []
     for mb in range(n):
         g = torch.Generator().manual_seed(mb)
@@ -56,8 +57,8 @@ def micro_batches(n: int, padded: bool) -> list[tuple[Tensor, Tensor | None, Ten
         mask = None
         if padded:
             mask = torch.ones_like(ids)
-            mask[1, 9:] = 0
-            labels[1, 9:] = -100
+            mask[1, :3] = 0
+            labels[1, :3] = -100
         out.append((ids, mask, labels))
     return out
 

@@ -119,13 +119,14 @@ class Operands(nn.Module):
         self.b6 = nn.Parameter(torch.randn(6))
 
 
+@pytest.mark.parametrize("lower_input", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CALLS))
-def test_each_operation_runs_in_the_dtype_autocast_gives_it(name, dtype):
+def test_each_operation_runs_in_the_dtype_autocast_gives_it(name, dtype, lower_input):
     call, shape = CALLS[name]
     module = Operands()
     store = defer_weight_grads(module)
-    x = torch.randn(*shape, requires_grad=True)
+    x = torch.randn(*shape, dtype=dtype if lower_input else torch.float32, requires_grad=True)
     with torch.autocast("cpu", dtype=dtype):
         want = call(module, x)
         with store.forward(0):
