@@ -36,7 +36,10 @@ Captured = Tensor | str | None
 why the call is left to autograd though it reads a stage parameter; or None
 when no stage parameter is an operand it could defer."""
 
-Handler = Callable[["Capture", tuple[Any, ...], dict[str, Any]], Captured]
+Kwargs = dict[str, Any] | None
+"""A call's keyword arguments, as the torch function mode gets them (None: none)."""
+
+Handler = Callable[["Capture", tuple[Any, ...], Kwargs], Captured]
 """Splits one torch function's call, given its positional and keyword arguments."""
 
 
@@ -66,8 +69,12 @@ class _ForeignParameter(Exception):
         self.param = param
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
 def bind(
-    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], defaults: tuple[Any, ...]
+    args: tuple[Any, ...], kwargs: Kwargs, names: tuple[str, ...], defaults: tuple[Any, ...]
 ) -> tuple[Any, ...] | None:
     """The arguments of a call in the order of ``names``, defaults filled in.
 
@@ -181,7 +188,7 @@ class Capture(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None and torch.is_grad_enabled():
             try:
-                out = handler(self, args, kwargs or {})
+                out = handler(self, args, kwargs)
             except _ForeignParameter as foreign:
                 raise self._foreign_error(func, foreign.param) from None
             if out is not None and out.__class__ is not str:
@@ -279,10 +286,10 @@ class Capture(TorchFunctionMode):
         dtype = None
         if maybe_autocast():
             dtype = self._autocast.for_call(op_class.autocast_rule, op_class.probe, x.device)
-        if DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
+        if DIRECT_APPLY is None or _functorch_active():
             out: Tensor = apply_function(op, mb, (dtype, extra), x, w, b)
         else:  # apply_function written out: one call less
-            out = DIRECT_APPLY(op, mb, (dtype, extra), torch._C._functorch.unwrap_if_dead(x), w, b)
+            out = DIRECT_APPLY(op, mb, (dtype, extra), _unwrap_if_dead(x), w, b)
         return out
 
     # -- bookkeeping ---------------------------------------------------------

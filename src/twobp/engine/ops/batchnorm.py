@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows
@@ -113,7 +113,7 @@ _BATCH_NORM = (
 )
 
 
-def capture_batch_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_batch_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.batch_norm`` with stage parameters as ``weight`` and/or ``bias``."""
     bound = bind(args, kwargs, *_BATCH_NORM)
     if bound is None:

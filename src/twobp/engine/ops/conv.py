@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows, cat_rows, group_by_shape
@@ -130,9 +130,7 @@ def _same_padding(
 _CONV = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"), (None, 1, 0, 1, 1))
 
 
-def _capture_conv(
-    dims: int, capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Captured:
+def _capture_conv(dims: int, capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     bound = bind(args, kwargs, *_CONV)
     if bound is None:
         return None
@@ -165,16 +163,16 @@ def _capture_conv(
     return out.squeeze(0) if unbatched and isinstance(out, Tensor) else out
 
 
-def capture_conv1d(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_conv1d(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.conv1d`` with a stage parameter as ``weight``."""
     return _capture_conv(1, capture, args, kwargs)
 
 
-def capture_conv2d(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_conv2d(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.conv2d`` with a stage parameter as ``weight``."""
     return _capture_conv(2, capture, args, kwargs)
 
 
-def capture_conv3d(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_conv3d(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.conv3d`` with a stage parameter as ``weight``."""
     return _capture_conv(3, capture, args, kwargs)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.stash import SharedRows
 
@@ -69,7 +69,7 @@ _EMBEDDING = (
 )
 
 
-def capture_embedding(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_embedding(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.embedding`` with a stage parameter as ``weight``."""
     bound = bind(args, kwargs, *_EMBEDDING)
     if bound is None:

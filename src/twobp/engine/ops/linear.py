@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
@@ -77,7 +77,7 @@ class DeferredLinear(DeferredOp):
 _LINEAR = (("input", "weight", "bias"), (None,))
 
 
-def capture_linear(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_linear(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.linear(input, weight, bias=None)`` with a stage parameter as ``weight``."""
     if len(args) == 3 and not kwargs:  # as nn.Linear calls it
         x, weight, bias = args

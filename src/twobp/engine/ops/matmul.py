@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.operand import Operand, cast
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
@@ -144,25 +144,25 @@ _MM = (("input", "mat2"), ())
 _ADDMM = (("input", "mat1", "mat2", "beta", "alpha"), (1, 1))
 
 
-def capture_matmul(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_matmul(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``torch.matmul`` / ``Tensor.matmul`` / ``@`` with a stage parameter operand."""
     bound = bind(args, kwargs, *_TWO)
     return None if bound is None else _matmul(capture, bound[0], bound[1], "torch.matmul")
 
 
-def capture_mm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_mm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``torch.mm`` / ``Tensor.mm`` with a stage parameter operand."""
     bound = bind(args, kwargs, *_MM)
     return None if bound is None else _matmul(capture, bound[0], bound[1], "torch.mm")
 
 
-def capture_bmm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_bmm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``torch.bmm`` / ``Tensor.bmm`` with a stage parameter operand."""
     bound = bind(args, kwargs, *_MM)
     return None if bound is None else _matmul(capture, bound[0], bound[1], "torch.bmm")
 
 
-def capture_addmm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_addmm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``torch.addmm(bias, x, P)`` with a stage parameter ``P`` (GPT-2's ``Conv1D``)."""
     bound = bind(args, kwargs, *_ADDMM)
     if bound is None:

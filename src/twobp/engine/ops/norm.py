@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
-from twobp.engine.capture import Capture, Captured, bind
+from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.operand import Operand, cast
 from twobp.engine.ops.batchnorm import check_values_per_channel
@@ -237,7 +237,7 @@ def _affine(
     return w, b
 
 
-def capture_layer_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_layer_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.layer_norm`` with stage parameters as ``weight`` and/or ``bias``."""
     bound = bind(args, kwargs, *_LAYER_NORM)
     if bound is None:
@@ -252,7 +252,7 @@ def capture_layer_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str
     return capture.run(DeferredLayerNorm, "F.layer_norm", (shape, eps), x, *operands)
 
 
-def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.group_norm`` with stage parameters as ``weight`` and/or ``bias``."""
     bound = bind(args, kwargs, *_GROUP_NORM)
     if bound is None:
@@ -267,7 +267,7 @@ def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str
     return capture.run(DeferredGroupNorm, "F.group_norm", (groups, eps), x, *operands)
 
 
-def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Captured:
+def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.rms_norm`` with a stage parameter as ``weight``."""
     bound = bind(args, kwargs, *_RMS_NORM)
     if bound is None:
