@@ -93,4 +93,6 @@ def capture_linear(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> C
     b = parameters.get(id(bias)) or capture.operand(bias)
     if b is False:
         return "F.linear with a bias that is not a parameter"
+    if weight.dim() != 2 or (bias is not None and bias.dim() != 1):
+        return "F.linear with a weight that is not 2-D or a bias that is not 1-D"
     return capture.run(DeferredLinear, "F.linear", None, x, w, b)
