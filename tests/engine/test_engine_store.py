@@ -115,7 +115,7 @@ def test_restore_stops_deferring():
 def test_patching_twice_is_refused():
     module = _mlp()
     defer_weight_grads(module)
-    with pytest.raises(TwoStageBackwardError, match="already patched"):
+    with pytest.raises(TwoStageBackwardError, match="already deferred"):
         defer_weight_grads(module, label="stage 1")
 
 

@@ -94,7 +94,7 @@ class WeightGradStore:
             other = owner() if owner is not None else None
             if other is not None and other is not self and other._defers(m):
                 raise TwoStageBackwardError(
-                    f"{self._where()}module '{name or type(m).__name__}' is already patched by "
+                    f"{self._where()}module '{name or type(m).__name__}' is already deferred by "
                     f"another WeightGradStore; call its restore() first"
                 )
         for _, m in holders:
