@@ -89,20 +89,6 @@ def test_full_backward_adds_weight_gradients_at_once_and_stashes_nothing():
     store.finish_step()
 
 
-def test_autocast_runs_the_plain_forward():
-    module = nn.Sequential(nn.Linear(4, 4))
-    store = defer_weight_grads(module)
-    x = torch.randn(2, 4)
-    with torch.autocast("cpu", dtype=torch.bfloat16), store.forward(0):
-        y = module(x)
-    assert y.dtype is torch.bfloat16
-    assert "DeferredWeightFunction" not in type(y.grad_fn).__name__
-    store.backward_input(0, [y], [torch.ones_like(y)], [])
-    assert module[0].weight.grad is not None  # plain autograd: no W to wait for
-    store.backward_weight([0])
-    store.finish_step()
-
-
 class _HeavyOps(TorchDispatchMode):
     """Records every matrix product and convolution run inside it: (op, operand shapes)."""
 

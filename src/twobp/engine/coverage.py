@@ -1,23 +1,28 @@
-"""Which submodules get a deferred weight gradient, and where every parameter's gradient comes from.
+"""Where every parameter's gradient comes from, and why: the store's report.
 
-A parameter is *deferred* when a covered layer owns it: its gradient is added
-by the weight pass (W). It is *immediate* when no covered layer owns it (a raw
-``nn.Parameter``, a custom module, a layer type or configuration the engine
-does not cover): autograd accumulates its exact gradient during the input
-pass (I). A parameter that a covered layer owns and other code also uses (a
-tied embedding read through ``F.linear``) gets both parts, and the sum is exact.
+A parameter is *deferred* when the forwards read it as the weight operand of
+covered operations only: its gradient is added by the weight pass (W). It is
+*immediate* when some other operation reads it (a gate multiplied
+elementwise, an operation the engine does not split, a custom autograd
+Function): autograd accumulates its exact gradient during the input pass (I).
+A parameter read both ways gets both parts, and the sum is exact; it counts as
+deferred, since its gradient is complete only after W.
+
+Before any forward the routes are predicted from the type of the module that
+owns each parameter; the first forward replaces the prediction with what the
+operations actually read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from torch import nn
 from torch.nn.utils import parametrize
 
-from twobp.engine.deferred import DeferredLayer
-from twobp.engine.layers import deferred_layer_for
+from twobp.engine.capture import Usage
 
 
 class Route(Enum):
@@ -36,123 +41,172 @@ class ParameterRoute:
     """Where one parameter's gradient comes from, and why.
 
     Args:
-        name: the parameter's qualified name in the patched model.
+        name: the parameter's qualified name in the store's module.
         parameter: the parameter itself.
         route: when its gradient is computed.
         reason: a short human explanation.
+        partly_immediate: a deferred parameter that an operation left to
+            autograd reads too (autograd adds that part during I).
     """
 
     name: str
     parameter: nn.Parameter
     route: Route
     reason: str
+    partly_immediate: bool = False
 
 
-@dataclass(frozen=True)
-class CoveredModule:
-    """A submodule that gets a deferred weight gradient.
-
-    Args:
-        name: its qualified name (``""`` for the root).
-        module: the submodule.
-        layer_class: the class that runs it.
-    """
-
-    name: str
-    module: nn.Module
-    layer_class: type[DeferredLayer]
-
-
-@dataclass(frozen=True)
-class CoveragePlan:
-    """The covered submodules of a model and the route of each parameter."""
-
-    covered: tuple[CoveredModule, ...]
-    routes: tuple[ParameterRoute, ...]
-
-    def parameters(self, route: Route) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every parameter on ``route``, in model order."""
-        return [(r.name, r.parameter) for r in self.routes if r.route is route]
-
-    def report(self, label: str = "") -> str:
-        """A table of every parameter: deferred, immediate or frozen, and why."""
-        counts = ", ".join(f"{len(self.parameters(route))} {route.value}" for route in Route)
-        lines = [f"2BP weight gradients{' of ' + label if label else ''}: {counts}"]
-        width = max((len(r.name) for r in self.routes), default=0)
-        headings = {
-            Route.DEFERRED: "deferred (added by backward_weight, concatenated over micro-batches):",
-            Route.IMMEDIATE: "immediate (accumulated by autograd during backward_input):",
-            Route.FROZEN: "frozen (requires_grad=False):",
-        }
-        for route, heading in headings.items():
-            rows = [r for r in self.routes if r.route is route]
-            if rows:
-                lines.append(heading)
-                lines.extend(f"  {r.name:<{width}}  {r.reason}" for r in rows)
-        return "\n".join(lines)
+_PREDICTED: dict[type[nn.Module], str] = {
+    nn.Linear: "F.linear",
+    nn.Conv1d: "F.conv1d",
+    nn.Conv2d: "F.conv2d",
+    nn.Conv3d: "F.conv3d",
+    nn.Embedding: "F.embedding",
+    nn.LayerNorm: "F.layer_norm",
+    nn.RMSNorm: "F.rms_norm",
+    nn.GroupNorm: "F.group_norm",
+    nn.BatchNorm1d: "F.batch_norm",
+    nn.BatchNorm2d: "F.batch_norm",
+    nn.BatchNorm3d: "F.batch_norm",
+}
+"""Module types whose ``forward`` calls a covered operation with their parameters."""
 
 
 def _describe(name: str, module: nn.Module) -> str:
     return f"{type(module).__name__} '{name}'" if name else f"{type(module).__name__} (root)"
 
 
-def _unsupported_reason(module: nn.Module, layer_class: type[DeferredLayer]) -> str | None:
-    params = list(module.parameters(recurse=False))
-    if not params:
-        return "has no parameters"
-    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
-        return "lazy parameters are not initialised yet (run one forward first)"
+def _predicted_op(module: nn.Module) -> tuple[str | None, str | None]:
+    """The covered operation the module's forward calls, or why it is not expected to."""
+    op = None
+    for layer_type, name in _PREDICTED.items():
+        if isinstance(module, layer_type) and type(module).forward is layer_type.forward:
+            op = name
+            break
+    if op is None:
+        return None, "a type without a deferred W"
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(False)):
+        return None, "lazy parameters are not initialised yet (run one forward first)"
     if parametrize.is_parametrized(module):
-        return "its weight is computed by a parametrization"
-    reason = layer_class.unsupported_reason(module)
-    if reason is not None:
-        return reason
-    if not any(p.requires_grad for p in params):
-        return "no parameter requires a gradient"
-    return None
+        return None, "its weight is computed by a parametrization"
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None:
+            return None, "max_norm renormalises the weight in place during forward"
+        if module.scale_grad_by_freq:
+            return None, "scale_grad_by_freq scales by per-batch index counts"
+        if module.sparse:
+            return None, "sparse=True produces sparse gradients"
+    return op, None
 
 
-def plan_coverage(model: nn.Module) -> CoveragePlan:
-    """Decide which submodules of ``model`` to cover and route every parameter.
-
-    Args:
-        model: the stage module.
-
-    Returns:
-        The covered submodules (each once, even if registered twice) and the
-        route of every parameter of ``model``.
-    """
-    covered: dict[int, CoveredModule] = {}
-    left_out: dict[int, str] = {}
-    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """The first module (in ``named_modules`` order) that registers each parameter."""
+    owners: dict[int, tuple[str, nn.Module]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append((name, module))
-        layer_class = deferred_layer_for(module)
-        if layer_class is None:
-            continue
-        reason = _unsupported_reason(module, layer_class)
-        if reason is None:
-            covered[id(module)] = CoveredModule(name, module, layer_class)
-        else:
-            left_out[id(module)] = f"{_describe(name, module)} not covered: {reason}"
+            owners.setdefault(id(p), (name, module))
+    return owners
 
+
+def predicted_routes(model: nn.Module) -> tuple[ParameterRoute, ...]:
+    """Each parameter's route as the type of the module that owns it suggests (no forward yet).
+
+    Args:
+        model: the store's module.
+    """
+    predicted: dict[int, tuple[Route, str]] = {}
+    for name, module in model.named_modules():
+        op, why_not = _predicted_op(module)
+        where = _describe(name, module)
+        for p in module.parameters(recurse=False):
+            if op is not None:
+                predicted.setdefault(id(p), (Route.DEFERRED, f"in {where} ({op}; predicted)"))
+            else:
+                why = f"owned by {where}, {why_not} (predicted)"
+                predicted.setdefault(id(p), (Route.IMMEDIATE, why))
     routes = []
     for pname, p in model.named_parameters():
-        owned_by = owners.get(id(p), [])
-        by_covered = [_describe(n, m) for n, m in owned_by if id(m) in covered]
-        by_others = [_describe(n, m) for n, m in owned_by if id(m) not in covered]
         if not p.requires_grad:
             routes.append(ParameterRoute(pname, p, Route.FROZEN, "requires_grad=False"))
-        elif by_covered:
-            reason = f"in {', '.join(by_covered)}"
-            if by_others:
-                reason += f"; also owned by {', '.join(by_others)}, whose use is immediate"
-            routes.append(ParameterRoute(pname, p, Route.DEFERRED, reason))
         else:
-            m_name, m = owned_by[0]
-            reason = left_out.get(
-                id(m), f"owned by {_describe(m_name, m)}, a type without a deferred W"
+            routes.append(ParameterRoute(pname, p, *predicted[id(p)]))
+    return tuple(routes)
+
+
+def _counted(uses: Mapping[str, int]) -> str:
+    return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in uses.items())
+
+
+def observed_routes(model: nn.Module, usage: Mapping[int, Usage]) -> tuple[ParameterRoute, ...]:
+    """Each parameter's route as the forwards seen so far read it.
+
+    Args:
+        model: the store's module.
+        usage: how the forwards read each parameter, by id.
+    """
+    owners = _owners(model)
+    routes = []
+    for pname, p in model.named_parameters():
+        where = _describe(*owners[id(p)])
+        seen = usage.get(id(p), Usage())
+        immediate = "; ".join(seen.immediate)
+        if not p.requires_grad:
+            routes.append(ParameterRoute(pname, p, Route.FROZEN, "requires_grad=False"))
+        elif seen.deferred:
+            reason = f"{_counted(seen.deferred)} in {where}"
+            if immediate:
+                reason += f"; also {immediate}: autograd adds that part during backward_input"
+            routes.append(ParameterRoute(pname, p, Route.DEFERRED, reason, bool(immediate)))
+        elif immediate:
+            routes.append(ParameterRoute(pname, p, Route.IMMEDIATE, f"{immediate}, in {where}"))
+        else:
+            reason = (
+                f"read by no operation of the forwards seen, in {where} (unused, or read inside "
+                f"a custom autograd Function: autograd adds any gradient during backward_input)"
             )
             routes.append(ParameterRoute(pname, p, Route.IMMEDIATE, reason))
-    return CoveragePlan(tuple(covered.values()), tuple(routes))
+    return tuple(routes)
+
+
+def format_report(routes: tuple[ParameterRoute, ...], label: str, observed: bool) -> str:
+    """A table of every parameter: deferred, immediate or frozen, and why.
+
+    Args:
+        routes: every parameter's route.
+        label: names the stage.
+        observed: whether the routes come from forwards (else a prediction).
+    """
+    counts = ", ".join(f"{sum(r.route is route for r in routes)} {route.value}" for route in Route)
+    lines = [f"2BP weight gradients{' of ' + label if label else ''}: {counts}"]
+    lines.append(
+        "(as the forwards seen so far read each parameter)"
+        if observed
+        else "(predicted from the module types; a forward shows how each parameter is read)"
+    )
+    width = max((len(r.name) for r in routes), default=0)
+    headings = {
+        Route.DEFERRED: "deferred (added by backward_weight, concatenated over micro-batches):",
+        Route.IMMEDIATE: "immediate (accumulated by autograd during backward_input):",
+        Route.FROZEN: "frozen (requires_grad=False):",
+    }
+    for route, heading in headings.items():
+        rows = [r for r in routes if r.route is route]
+        if rows:
+            lines.append(heading)
+            lines.extend(f"  {r.name:<{width}}  {r.reason}" for r in rows)
+    return "\n".join(lines)
+
+
+def deferred_share(routes: tuple[ParameterRoute, ...]) -> float:
+    """The share of trainable parameter elements whose gradient W adds in full.
+
+    A parameter also read by an operation left to autograd does not count.
+    """
+    trainable = [r for r in routes if r.route is not Route.FROZEN]
+    total = sum(r.parameter.numel() for r in trainable)
+    full = sum(
+        r.parameter.numel()
+        for r in trainable
+        if r.route is Route.DEFERRED and not r.partly_immediate
+    )
+    return full / total if total else 0.0

@@ -1,12 +1,13 @@
-"""The autograd Function that splits a covered layer's backward, and the layer base class.
+"""The autograd Function that splits an operation's backward, and the base class of deferred ops.
 
-While a micro-batch is active, a covered layer runs its forward through
-:class:`DeferredWeightFunction`. The layer's real parameters are inputs of the
-Function, so that its graph node exists even when the layer input needs no
-gradient (the first layer of stage 0, an embedding), but the Function returns
-no gradient for them: autograd accumulates nothing into their ``.grad``. Its
-backward computes only the input gradient and hands what the weight gradient
-needs to the store, under the micro-batch id captured at forward time.
+While a micro-batch is active, an operation whose weight operand is a stage
+parameter runs through :class:`DeferredWeightFunction`. The parameters are
+inputs of the Function, so that its graph node exists even when the other
+operand needs no gradient (the first layer of stage 0, an embedding), but the
+Function returns no gradient for them: autograd accumulates nothing into their
+``.grad``. Its backward computes only the input gradient and hands what the
+weight gradient needs to the store, under the micro-batch id captured at
+forward time.
 """
 
 from __future__ import annotations
@@ -16,86 +17,100 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from twobp.engine.autocast import AutocastRule
+from twobp.engine.operand import Operand
 from twobp.engine.stash import SharedRows
 
-# (micro-batch, layer index, stashed tensors) -> None
+# (micro-batch, op index, stashed tensors) -> None
 StashSink = Callable[[int, int, tuple[Tensor, ...]], None]
 
 
-class DeferredLayer(ABC):
-    """One covered module instance: how it runs F, I and W when its W is deferred.
+class DeferredOp(ABC):
+    """One use of stage parameters by one kind of operation: how it runs F, I and W.
 
-    Subclasses exist per layer type (linear, convolution, ...). They read the
-    module's parameters at every call, so that a parameter replaced after
-    patching is still the one used; configuration such as a convolution's
-    padding is read once, when the store is built.
+    A deferred op is made the first time a forward calls the operation with
+    these parameter operands and these options (``F.linear`` with ``fc.weight``
+    and ``fc.bias``; ``F.conv2d`` with a given stride and padding) and serves
+    every later call alike, in every micro-batch. Subclasses exist per
+    operation family (linear, matmul, convolution, ...).
 
     Args:
-        index: the layer's position in its store (the key of its stashes).
-        name: the module's qualified name in the patched model.
-        module: the module instance.
+        index: the op's position in its store (the key of its stashes).
+        operands: the parameter operands, weight and bias (None where the call
+            has none).
+        options: the call's static options (a convolution's stride and
+            padding), hashable; part of the op's identity.
         sink: where the input pass hands the stashed tensors.
     """
 
-    layer_types: ClassVar[tuple[type[nn.Module], ...]]
-    """The module classes this subclass covers (exact classes or subclasses
-    that keep the class's ``forward``)."""
+    autocast_rule: ClassVar[AutocastRule] = AutocastRule.LOWER
+    """Which dtype the operation runs in under ``torch.autocast``."""
 
-    parameter_names: ClassVar[tuple[str, ...]] = ("weight", "bias")
-    """The module's parameters whose gradient W computes, in the order the
-    Function takes them."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, sink: StashSink) -> None:
+    def __init__(
+        self,
+        index: int,
+        operands: tuple[Operand | None, Operand | None],
+        options: Any,
+        sink: StashSink,
+    ) -> None:
         self.index = index
-        self.name = name
-        self.module = module
+        self.operands = operands
+        self.options = options
         self.sink = sink
+        self.name = ""
+        """Names the op in errors: the operation and its parameters (set by the capture)."""
         # What the Function's backward returns after the input gradient: no
         # gradient for the parameters (W adds it later). Built once: the
         # backward runs for every call.
-        self.no_parameter_grads: tuple[None, ...] = (None,) * len(self.parameter_names)
+        self.no_parameter_grads = (None, None)
+        self.plain = all(o is None or not o.steps for o in operands)
+        """Every operand is a parameter read as it is (no view or cast): the common, fast case."""
 
-    @classmethod
-    def unsupported_reason(cls, module: nn.Module) -> str | None:
-        """Why this module instance must stay on plain autograd, or None if it can be covered."""
-        return None
+    @staticmethod
+    def probe(device: torch.device, dtype: torch.dtype) -> Tensor:
+        """A tiny call of the operation on ``dtype`` inputs (for :attr:`AutocastRule.PROBED`)."""
+        raise NotImplementedError
 
-    def weight_parameters(self) -> tuple[nn.Parameter | None, ...]:
-        """The parameters named by :attr:`parameter_names`, None where the module has none."""
-        # Straight from the registry: nn.Module.__getattr__ costs microseconds per
-        # call, and this runs for every layer call in F, I and W.
-        return tuple(map(self.module._parameters.get, self.parameter_names))
+    def weights(
+        self, params: Sequence[Tensor | None], dtype: torch.dtype | None
+    ) -> tuple[Tensor | None, ...]:
+        """The tensors the operation reads: each parameter through its views, cast to ``dtype``.
 
-    def run(self, mb: int, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
-        """The module's forward for micro-batch ``mb``, with its W deferred.
+        Args:
+            params: the parameters passed to the Function, in operand order.
+            dtype: the dtype autocast would cast the operands to, or None.
+        """
+        if self.plain and dtype is None:
+            return tuple(params)
+        return tuple(
+            None if o is None or p is None else o.read(p, dtype)
+            for o, p in zip(self.operands, params, strict=True)
+        )
 
-        Subclasses override this to do what the module's own forward does
-        around the core operation (padding, statistics bookkeeping).
+    def apply(self, mb: int, call: Any, x: Tensor, params: Sequence[Tensor | None]) -> Tensor:
+        """Run the operation on ``x`` through :class:`DeferredWeightFunction`.
 
         Args:
             mb: the micro-batch.
-            x: the layer input.
-            params: :meth:`weight_parameters`, read by the caller for this call.
+            call: per-call state for :meth:`forward` (the autocast dtype, ...).
+            x: the operand that is not a parameter (input, indices).
+            params: the parameters, in operand order (None where absent).
         """
-        return self.apply(mb, None, x, params)
-
-    def apply(self, mb: int, options: Any, x: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
-        """Run the core operation on ``x`` through :class:`DeferredWeightFunction`."""
-        out: Tensor = _apply_function(self, mb, options, x, *params)
+        out: Tensor = apply_function(self, mb, call, x, *params)
         return out
 
     @abstractmethod
     def forward(
-        self, x: Tensor, params: Sequence[Tensor | None], options: Any
+        self, x: Tensor, params: Sequence[Tensor | None], call: Any
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
-        """The core operation, run without autograd.
+        """The operation, run without autograd.
 
         Args:
-            x: the layer input.
-            params: :meth:`weight_parameters`, in order.
-            options: what :meth:`run` passed along (layer-specific).
+            x: the operand that is not a parameter.
+            params: the parameters, in operand order.
+            call: what :meth:`apply` passed along.
 
         Returns:
             The output, the tensors the input pass needs (saved for backward)
@@ -112,10 +127,11 @@ class DeferredLayer(ABC):
             grad_out: gradient of the loss with respect to the output.
             saved: the tensors :meth:`forward` saved.
             state: the state :meth:`forward` returned.
-            needs_input_grad: whether the input requires a gradient.
+            needs_input_grad: whether ``x`` requires a gradient.
 
         Returns:
-            The input gradient (None when not needed) and the tensors to stash.
+            The gradient of ``x`` (None when not needed), in ``x``'s dtype,
+            and the tensors to stash.
         """
 
     @abstractmethod
@@ -124,51 +140,52 @@ class DeferredLayer(ABC):
     ) -> None:
         """The weight pass over stashes of any number of calls and micro-batches.
 
-        Computes the weight gradients with as few operations as pay off (a
+        Computes the parameter gradients with as few operations as pay off (a
         matrix product concatenates stashes up to
         :data:`~twobp.engine.stash.CONCAT_ROWS` rows) and adds them into
-        ``.grad`` of every parameter that requires a gradient.
+        ``.grad`` of every parameter operand that requires a gradient.
 
         Args:
             stashes: what :meth:`input_grad` stashed, one tuple per call.
-            shared: concatenations of inputs, shared with the previous layer.
+            shared: concatenations of inputs, shared with the previous op.
         """
 
 
 class DeferredWeightFunction(torch.autograd.Function):
-    """Forward of a covered layer whose backward computes only the input gradient."""
+    """Forward of a deferred op whose backward computes only the input gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, layer: DeferredLayer, mb: int, options: Any, x: Tensor, *params: Tensor | None
+        ctx: Any, op: DeferredOp, mb: int, call: Any, x: Tensor, *params: Tensor | None
     ) -> Tensor:
-        out, saved, state = layer.forward(x, params, options)
-        ctx.layer = layer
-        ctx.mb = mb
-        ctx.state = state
+        out, saved, state = op.forward(x, params, call)
+        ctx.op, ctx.mb, ctx.state = op, mb, state
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        layer: DeferredLayer = ctx.layer
+        op: DeferredOp = ctx.op
         if torch.is_grad_enabled():
             # A checked, cheaper stand-in for @once_differentiable.
             raise RuntimeError(
-                f"layer '{layer.name}': double backward (create_graph=True) through a layer "
-                f"with a deferred weight gradient is not supported"
+                f"{op.name}: double backward (create_graph=True) through an operation with a "
+                f"deferred weight gradient is not supported"
             )
-        grad_in, stash = layer.input_grad(
-            grad_out, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[3]
-        )
-        layer.sink(ctx.mb, layer.index, stash)
-        return (None, None, None, grad_in, *layer.no_parameter_grads)
+        # Unpacked first: under activation checkpointing this recomputes the
+        # forward, which must go through the store's capture like the first
+        # one. The input pass's own operations skip the capture.
+        saved = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():
+            grad_in, stash = op.input_grad(grad_out, saved, ctx.state, ctx.needs_input_grad[3])
+            op.sink(ctx.mb, op.index, stash)
+        return (None, None, None, grad_in, *op.no_parameter_grads)
 
 
 def _direct_apply() -> Callable[..., Any] | None:
     """``DeferredWeightFunction``'s apply without the Python wrapper of ``Function.apply``.
 
-    That wrapper costs ~20 us per call (a third of a covered layer's overhead
+    That wrapper costs ~20 us per call (a third of a deferred op's overhead
     in F); outside functorch transforms it only unwraps dead functorch
     wrappers and calls the C++ ``apply``. None where this torch has no such
     ``apply`` (the wrapper is used then).
@@ -180,13 +197,13 @@ def _direct_apply() -> Callable[..., Any] | None:
     return bound
 
 
-_DIRECT_APPLY = _direct_apply()
+DIRECT_APPLY = _direct_apply()
 
 
-def _apply_function(layer: DeferredLayer, mb: int, options: Any, x: Tensor, *params: Any) -> Any:
-    """``DeferredWeightFunction.apply(layer, mb, options, x, *params)``, directly where it can."""
-    if _DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
-        return DeferredWeightFunction.apply(layer, mb, options, x, *params)  # type: ignore[no-untyped-call]
+def apply_function(op: DeferredOp, mb: int, call: Any, x: Tensor, *params: Any) -> Any:
+    """``DeferredWeightFunction.apply(op, mb, call, x, *params)``, directly where it can."""
+    if DIRECT_APPLY is None or torch._C._are_functorch_transforms_active():
+        return DeferredWeightFunction.apply(op, mb, call, x, *params)  # type: ignore[no-untyped-call]
     # What Function.apply does outside transforms: a dead functorch wrapper
-    # (only the layer input can be one; parameters are plain) is unwrapped first.
-    return _DIRECT_APPLY(layer, mb, options, torch._C._functorch.unwrap_if_dead(x), *params)
+    # (only the operand x can be one; parameters are plain) is unwrapped first.
+    return DIRECT_APPLY(op, mb, call, torch._C._functorch.unwrap_if_dead(x), *params)

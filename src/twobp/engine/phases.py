@@ -27,7 +27,7 @@ class TwoStageBackwardError(RuntimeError):
 
     Raised for a weight pass (W) before the input pass (I), an I or a W run
     twice, a W for a micro-batch the store does not know, a step finished with
-    work pending, or a covered layer whose backward ran outside
+    work pending, or a deferred operation whose backward ran outside
     ``backward_input``.
     """
 

@@ -1,6 +1,6 @@
 """What the input pass leaves behind for the weight pass, and helpers to read it.
 
-The input pass (I) of a covered layer stashes the tensors its weight gradient
+The input pass (I) of a deferred op stashes the tensors its weight gradient
 needs (for a linear layer: its input ``X`` and output gradient ``dY``). The
 weight pass (W) later concatenates the stashes of several micro-batches along
 the batch dimension and runs one large operation over them.
@@ -17,10 +17,10 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class StashEntry:
-    """The tensors one call of a covered layer stashed during I.
+    """The tensors one call of a deferred op stashed during I.
 
     Args:
-        tensors: what the layer's weight gradient needs, layer-specific.
+        tensors: what the op's weight gradient needs, op-specific.
         versions: the version counter of each tensor when it was stashed; an
             in-place change before W would silently corrupt the gradient, so
             W compares them.
@@ -125,7 +125,7 @@ class SharedRows:
 
 
 def group_by_shape(stashes: Iterable[tuple[Tensor, ...]]) -> list[list[tuple[Tensor, ...]]]:
-    """Split stashes into groups whose tensors agree in every dim but the first.
+    """Split stashes into groups whose tensors agree in dtype and in every dim but the first.
 
     Only such stashes can be concatenated along the batch dimension (e.g.
     convolutions over images of different sizes land in different groups).
@@ -133,7 +133,7 @@ def group_by_shape(stashes: Iterable[tuple[Tensor, ...]]) -> list[list[tuple[Ten
     """
     groups: dict[Hashable, list[tuple[Tensor, ...]]] = {}
     for stash in stashes:
-        key = tuple(tuple(t.shape[1:]) for t in stash)
+        key = tuple((tuple(t.shape[1:]), t.dtype) for t in stash)
         groups.setdefault(key, []).append(stash)
     return list(groups.values())
 

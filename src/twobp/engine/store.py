@@ -1,10 +1,12 @@
 """The per-stage store of the 2-stage backward: F, I, W and B of micro-batches.
 
-One :class:`WeightGradStore` serves one pipeline stage (one module). It
-patches the module's covered layers, records which micro-batch each forward
-belongs to, runs the input pass (I) as one plain autograd backward, keeps what
-the covered layers stash for their weight gradients, and runs the weight pass
-(W) for any group of micro-batches as one concatenated operation per layer.
+One :class:`WeightGradStore` serves one pipeline stage (one module). Each
+forward of a micro-batch runs under its :class:`~twobp.engine.capture.Capture`,
+which sends every covered operation reading a stage parameter through a
+deferred op. The store records which micro-batch each forward belongs to,
+runs the input pass (I) as one plain autograd backward, keeps what the
+deferred ops stash for their weight gradients, and runs the weight pass (W)
+for any group of micro-batches as one concatenated operation per op.
 
 A typical step of a stage::
 
@@ -20,60 +22,87 @@ A typical step of a stage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.variable import Variable
 
-from twobp.engine.coverage import CoveragePlan, Route, plan_coverage
-from twobp.engine.deferred import DeferredLayer
-from twobp.engine.patch import install_forward, patched_by
+from twobp.engine.capture import Capture
+from twobp.engine.coverage import (
+    ParameterRoute,
+    Route,
+    format_report,
+    observed_routes,
+    predicted_routes,
+)
+from twobp.engine.deferred import DeferredOp
+from twobp.engine.ops import HANDLERS
 from twobp.engine.phases import MicrobatchPhases, TwoStageBackwardError
 from twobp.engine.stash import SharedRows, StashEntry, held_bytes
+
+_OWNER = "_twobp_weight_grad_store"
+"""The attribute by which a module names the store that defers its parameters."""
 
 
 class WeightGradStore:
     """Deferred weight gradients of one stage, kept per micro-batch.
 
-    Build it with :func:`defer_weight_grads`, which patches the module.
+    Build it with :func:`defer_weight_grads`.
 
     Args:
-        module: the stage module; its covered submodules are patched in place.
+        module: the stage module; the forwards run in :meth:`forward` defer
+            the weight gradients of its parameters.
         label: names the stage in error messages and the report (e.g.
             ``"rank 1 stage 3"``).
 
     Raises:
-        TwoStageBackwardError: if a submodule is already patched by another store.
+        TwoStageBackwardError: if a submodule is already deferred by another store.
     """
 
     def __init__(self, module: nn.Module, label: str = "") -> None:
         self._label = label
-        self._plan: CoveragePlan = plan_coverage(module)
+        self._module = module
         self._phases = MicrobatchPhases(label)
         self._stash: dict[int, dict[int, list[StashEntry]]] = {}
         # The stash of the micro-batch whose I runs now, filled by _put_stash.
         self._collecting: dict[int, list[StashEntry]] | None = None
         # Bytes of each micro-batch's stash, counted once after its I.
         self._held: dict[int, int] = {}
-        # True during B: covered layers add their weight gradients at once.
+        # True during B: deferred ops add their weight gradients at once.
         self._weights_now = False
         # The order in which micro-batches finished their I in this step.
         self._input_rank: dict[int, int] = {}
         self._input_pass_mb: int | None = None
         self.active_microbatch: int | None = None
         """The micro-batch whose forward (or recomputation during its I) runs now."""
-        self._layers: list[DeferredLayer] = [
-            c.layer_class(i, c.name, c.module, self._put_stash)
-            for i, c in enumerate(self._plan.covered)
-        ]
-        for layer in self._layers:
-            if patched_by(layer.module) is not None:
+        self._capture: Capture | None = Capture(
+            module.named_parameters(), self, self._put_stash, HANDLERS, label
+        )
+        self._seen_forward = False
+        self._marked = self._mark(module)
+
+    def _mark(self, module: nn.Module) -> set[int]:
+        """Name this store on every submodule with parameters; refuse one another live
+        store defers (modules without parameters, such as a shared rotary embedding,
+        may serve several stages)."""
+        holders = [(n, m) for n, m in module.named_modules() if m._parameters]
+        for name, m in holders:
+            owner = m.__dict__.get(_OWNER)
+            other = owner() if owner is not None else None
+            if other is not None and other is not self and other._defers(m):
                 raise TwoStageBackwardError(
-                    f"{self._where()}module '{layer.name}' is already patched by another "
-                    f"WeightGradStore; call its restore() first"
+                    f"{self._where()}module '{name or type(m).__name__}' is already deferred by "
+                    f"another WeightGradStore; call its restore() first"
                 )
-        self._undo: list[Callable[[], None]] = [install_forward(x, self) for x in self._layers]
+        for _, m in holders:
+            m.__dict__[_OWNER] = weakref.ref(self)
+        return {id(m) for _, m in holders}
+
+    def _defers(self, module: nn.Module) -> bool:
+        return self._capture is not None and id(module) in self._marked
 
     def _where(self) -> str:
         return f"{self._label}: " if self._label else ""
@@ -84,12 +113,13 @@ class WeightGradStore:
     def forward(self, mb: int) -> Iterator[None]:
         """Run the forward of micro-batch ``mb`` inside this context.
 
-        Covered layers called inside record their work for ``mb``. Under
-        ``torch.no_grad`` nothing is recorded and the module runs as unpatched.
+        Covered operations that read the module's parameters record their
+        work for ``mb``, whoever calls them, under ``torch.autocast`` too.
+        Under ``torch.no_grad`` nothing is recorded and the module runs as it is.
 
         Raises:
-            TwoStageBackwardError: if another forward is active, or ``mb``
-                already ran in this step.
+            TwoStageBackwardError: if another forward (of this store or
+                another) is active, or ``mb`` already ran in this step.
         """
         if not torch.is_grad_enabled():
             yield
@@ -99,42 +129,55 @@ class WeightGradStore:
                 f"{self._where()}forward of micro-batch {mb} started inside the forward of "
                 f"micro-batch {self.active_microbatch}; run forwards one after another"
             )
+        _check_no_other_capture(self._where(), mb)
         self._phases.start_forward(mb)
         self.active_microbatch = mb
+        capture = self._capture
         try:
-            yield
+            if capture is None:
+                yield
+            else:
+                with capture:
+                    yield
         except BaseException:
             self._phases.cancel_forward(mb)
             raise
         finally:
             self.active_microbatch = None
+            if capture is not None:
+                capture.finish()
+        if capture is not None:
+            self._seen_forward = True
 
     # -- I -------------------------------------------------------------------
 
-    def _put_stash(self, mb: int, layer_index: int, tensors: tuple[Tensor, ...]) -> None:
-        """Called by covered layers during I: keep what their W needs."""
+    def _ops(self) -> list[DeferredOp]:
+        return [] if self._capture is None else self._capture.ops
+
+    def _put_stash(self, mb: int, op_index: int, tensors: tuple[Tensor, ...]) -> None:
+        """Called by deferred ops during I: keep what their W needs."""
         collecting = self._collecting
         if collecting is None or self._input_pass_mb != mb:
-            name = self._layers[layer_index].name
+            name = self._ops()[op_index].name
             during = (
                 "outside backward_input"
                 if self._input_pass_mb is None
                 else f"during backward_input of micro-batch {self._input_pass_mb}"
             )
             raise TwoStageBackwardError(
-                f"{self._where()}covered layer '{name}' of micro-batch {mb} ran its backward "
+                f"{self._where()}{name} of micro-batch {mb} ran its backward "
                 f"{during}; its weight gradient would be lost. Run the backward of a forward "
                 f"made in store.forward({mb}) with store.backward_input({mb}, ...) or "
                 f"store.backward_full({mb}, ...)"
             )
         if self._weights_now:
-            # B: the weight gradient now, while the layer's operands are in cache.
-            self._layers[layer_index].accumulate_weight_grads((tensors,), SharedRows())
+            # B: the weight gradient now, while the op's operands are in cache.
+            self._ops()[op_index].accumulate_weight_grads((tensors,), SharedRows())
             return
         entry = StashEntry.of(tensors)
-        entries = collecting.get(layer_index)
+        entries = collecting.get(op_index)
         if entries is None:
-            collecting[layer_index] = [entry]
+            collecting[op_index] = [entry]
         else:
             entries.append(entry)
 
@@ -147,7 +190,7 @@ class WeightGradStore:
     ) -> tuple[Tensor | None, ...]:
         """I: gradients with respect to the stage inputs of micro-batch ``mb``.
 
-        Runs one plain autograd backward from ``outputs``. Covered layers
+        Runs one plain autograd backward from ``outputs``. Deferred ops
         compute only their input gradient and stash what their weight
         gradient needs; every other parameter gets its exact gradient added to
         ``.grad`` now.
@@ -203,18 +246,25 @@ class WeightGradStore:
         previous = [x.grad for x in inputs]
         for x in inputs:
             x.grad = None
-        # Active during I too: activation checkpointing re-runs the forward of
-        # covered layers here, and the recomputation must take the same path.
+        # Active during I too: activation checkpointing re-runs the forward
+        # here, and the recomputation must take the same path.
         self._input_pass_mb = self.active_microbatch = mb
         self._weights_now = weights_now
         self._collecting = {} if weights_now else self._stash.setdefault(mb, {})
+        capture = self._capture
         try:
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if capture is None:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                else:
+                    with capture:
+                        _run_backward(pairs)
             grads = tuple(_input_grad(x) for x in inputs)
         finally:
             self._input_pass_mb = self.active_microbatch = self._collecting = None
             self._weights_now = False
+            if capture is not None:
+                capture.finish()
             self._held.pop(mb, None)
             for x, g in zip(inputs, previous, strict=True):
                 x.grad = g
@@ -229,7 +279,7 @@ class WeightGradStore:
     def backward_weight(self, mbs: Iterable[int], group_size: int | None = None) -> None:
         """W: add the weight gradients of micro-batches ``mbs`` to ``.grad``.
 
-        Each covered layer runs one concatenated operation per group (and per
+        Each deferred op runs one concatenated operation per group (and per
         distinct input shape) instead of one per micro-batch.
 
         Args:
@@ -246,11 +296,12 @@ class WeightGradStore:
         group = self._phases.check_weight(mbs)
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be None or >= 1, got {group_size}")
+        ops = self._ops()
         for mb in group:
-            for layer_index, entries in self._stash.get(mb, {}).items():
+            for op_index, entries in self._stash.get(mb, {}).items():
                 if any(e.changed() for e in entries):
                     raise TwoStageBackwardError(
-                        f"{self._where()}a tensor that layer '{self._layers[layer_index].name}' "
+                        f"{self._where()}a tensor that {ops[op_index].name} "
                         f"stashed for the W of micro-batch {mb} was modified in place after "
                         f"its backward_input; keep inputs and output gradients unchanged until W"
                     )
@@ -266,11 +317,11 @@ class WeightGradStore:
                 for mb in chunk:
                     self._held.pop(mb, None)
                 shared = SharedRows()
-                for layer in self._layers:
-                    tensors = [e.tensors for s in stashes for e in s.pop(layer.index, ())]
+                for op in ops:
+                    tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
                     if tensors:
                         shared.next_layer()
-                        layer.accumulate_weight_grads(tensors, shared)
+                        op.accumulate_weight_grads(tensors, shared)
                 for mb in chunk:
                     self._phases.finish_weight(mb)
 
@@ -285,7 +336,7 @@ class WeightGradStore:
     ) -> tuple[Tensor | None, ...]:
         """B: I and W of micro-batch ``mb`` in one pass (arguments as :meth:`backward_input`).
 
-        Each covered layer adds its weight gradient right after computing its
+        Each deferred op adds its weight gradient right after computing its
         input gradient, while the operands are still in cache, and stashes
         nothing. Also valid when the forward of ``mb`` ran outside
         :meth:`forward` (plain autograd): then every gradient comes from the
@@ -326,28 +377,78 @@ class WeightGradStore:
 
     # -- coverage ------------------------------------------------------------
 
+    def routes(self) -> tuple[ParameterRoute, ...]:
+        """Every parameter's route and why: as the forwards seen read it, else predicted."""
+        if self._seen_forward and self._capture is not None:
+            return observed_routes(self._module, self._capture.usage)
+        return predicted_routes(self._module)
+
     def deferred_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every parameter whose gradient W adds."""
-        return self._plan.parameters(Route.DEFERRED)
+        """``(name, parameter)`` of every parameter whose gradient W adds (in full or in part)."""
+        return [(r.name, r.parameter) for r in self.routes() if r.route is Route.DEFERRED]
 
     def immediate_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of every parameter that autograd accumulates during I."""
-        return self._plan.parameters(Route.IMMEDIATE)
+        return [(r.name, r.parameter) for r in self.routes() if r.route is Route.IMMEDIATE]
 
     def report(self) -> str:
-        """Which parameters are deferred, which immediate, which frozen, and why."""
-        return self._plan.report(self._label)
+        """Which parameters are deferred, which immediate, which frozen, and why.
+
+        Before any forward the routes are predicted from the module types;
+        after one, they say which operations read each parameter.
+        """
+        observed = self._seen_forward and self._capture is not None
+        return format_report(self.routes(), self._label, observed)
 
     def restore(self) -> None:
-        """Put back every patched ``forward``; the modules behave as before patching.
+        """Stop deferring: later forwards run as plain autograd, and the module may get a new store.
 
         Stashed work is dropped; call it between steps.
         """
-        for undo in self._undo:
-            undo()
-        self._undo = []
+        for m in self._module.modules():
+            owner = m.__dict__.get(_OWNER)
+            if owner is not None and owner() is self:
+                del m.__dict__[_OWNER]
+        self._capture = None
+        self._seen_forward = False
         self._stash.clear()
         self._held.clear()
+
+
+def _check_no_other_capture(where: str, mb: int) -> None:
+    """Refuse a forward inside the forward of another store."""
+    for i in range(torch._C._len_torch_function_stack()):
+        if isinstance(torch._C._get_function_stack_at(i), Capture):
+            raise TwoStageBackwardError(
+                f"{where}forward of micro-batch {mb} started inside the forward of another "
+                f"stage's WeightGradStore; run the stages' forwards one after another"
+            )
+
+
+def _run_backward(pairs: Sequence[tuple[Tensor, Tensor | None]]) -> None:
+    """``torch.autograd.backward`` of ``(output, grad)`` pairs, keeping the torch function mode.
+
+    ``torch.autograd.backward`` goes through the active torch function mode,
+    which runs it with the mode set aside, and then a forward recomputed by
+    activation checkpointing would miss the store's capture. The autograd
+    engine, called directly, keeps the mode for the whole pass.
+    """
+    outputs, grads = [], []
+    for out, grad in pairs:
+        if grad is None:
+            if out.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            grad = torch.ones_like(out)
+        elif grad.shape != out.shape:
+            raise RuntimeError(
+                f"Mismatch in shape: grad_output has a shape of {tuple(grad.shape)} and output "
+                f"has a shape of {tuple(out.shape)}"
+            )
+        outputs.append(out)
+        grads.append(grad)
+    Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def _input_grad(x: Tensor) -> Tensor | None:
@@ -358,12 +459,15 @@ def _input_grad(x: Tensor) -> Tensor | None:
 
 
 def defer_weight_grads(module: nn.Module, *, label: str = "") -> WeightGradStore:
-    """Patch the covered layers of ``module`` in place and return its store.
+    """The store that defers the weight gradients of ``module``'s parameters.
 
-    Covered: ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding``,
-    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.BatchNorm1d/2d/3d``. Every other
-    parameter keeps the plain autograd path; ``store.report()`` says which is
-    which and why.
+    In the forwards run in ``store.forward(mb)``, every covered operation
+    whose weight operand is one of the module's parameters defers its weight
+    gradient, whoever calls it: ``F.linear``, ``torch.addmm``, ``matmul`` /
+    ``@`` / ``mm`` / ``bmm``, ``F.conv1d/2d/3d``, ``F.embedding``,
+    ``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``, ``F.batch_norm``, under
+    ``torch.autocast`` too. Every other use of a parameter keeps the plain
+    autograd path; ``store.report()`` says which is which and why.
 
     Args:
         module: the stage module.
@@ -373,6 +477,6 @@ def defer_weight_grads(module: nn.Module, *, label: str = "") -> WeightGradStore
         The store that runs I, W and B of this stage.
 
     Raises:
-        TwoStageBackwardError: if a submodule is already patched by another store.
+        TwoStageBackwardError: if a submodule is already deferred by another store.
     """
     return WeightGradStore(module, label=label)

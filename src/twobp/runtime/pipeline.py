@@ -32,9 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twobp.engine.autocast import check_autocast_dtype
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
-from twobp.runtime.errors import PeerError, PeerStepFailedError, nonfinite_error
+from twobp.runtime.errors import (
+    PeerError,
+    PeerStepFailedError,
+    PipelineConfigError,
+    nonfinite_error,
+)
 from twobp.runtime.execution.backward import stage_gradients
 from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import (
@@ -110,6 +116,10 @@ class Pipeline(PipelineState):
             infinite: ``"raise"`` :class:`NonFiniteLossError`, or ``"skip"``
             the step (see :attr:`last_step_skipped`). Either way the step's
             gradients are dropped on every rank.
+        autocast: run every stage's forward (and loss) under
+            ``torch.autocast(device type, autocast)``, e.g. ``torch.bfloat16``:
+            float32 master weights, the 2BP engine's I and W in autocast's dtypes.
+            None: no autocast.
         costs: the cost model by which the ``paper`` and ``fill`` policies place
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
@@ -122,7 +132,7 @@ class Pipeline(PipelineState):
 
     Raises:
         PipelineConfigError: on every rank, if the schedule, partition, options
-            or model do not fit on any rank.
+            or model do not fit on any rank, or the device cannot run ``autocast``.
         ModelMismatchError: if the ranks were given other options or built
             other models (it names the ranks and the first differing block).
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
@@ -147,6 +157,7 @@ class Pipeline(PipelineState):
         example_input: Batch | None = None,
         nonfinite: str = "raise",
         costs: CostsArgument = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self._closed = False
         self.timeout = float(timeout)
@@ -161,7 +172,16 @@ class Pipeline(PipelineState):
             torch.cuda.set_device(self.device)
         self.rank = members.rank
         """This process's rank in the process group."""
+        if autocast is not None:
+            try:
+                check_autocast_dtype(self.device, autocast)
+            except ValueError as error:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: autocast={autocast}: {error}"
+                ) from None
         set_threads_per_rank(members.local_size, num_threads)
+        self.autocast = autocast
+        """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
         all_blocks = list(blocks)
         plan = plan_pipeline(
             all_blocks,
@@ -241,6 +261,7 @@ class Pipeline(PipelineState):
                 stage_gradients(module, split=s in split, label=f"rank {self.rank} stage {s}"),
                 loss_fn,
                 self.n_microbatches,
+                autocast=None if self.autocast is None else (self.device.type, self.autocast),
             )
 
     # -- end of life -----------------------------------------------------------------

@@ -39,6 +39,9 @@ class Stage:
         gradients: the stage's backward machinery.
         loss_fn: the loss, used by the last stage.
         n_microbatches: micro-batches per step; each loss is scaled by its inverse.
+        autocast: ``(device type, dtype)`` to run the forward (and loss) under
+            ``torch.autocast``, or None. The backward needs none: autograd and
+            the 2BP engine run each operation's backward in its forward's dtypes.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class Stage:
         gradients: StageGradients,
         loss_fn: LossFn,
         n_microbatches: int,
+        autocast: tuple[str, torch.dtype] | None = None,
     ) -> None:
         self.index = index
         self.module = module
@@ -58,6 +62,7 @@ class Stage:
         self._loss_fn = loss_fn
         self._scale = 1.0 / n_microbatches
         self._stash: dict[int, _Stash] = {}
+        self._autocast = autocast
 
     def forward(
         self, mb: int, inputs: Sequence[Tensor], is_tuple: bool, target: Batch | None
@@ -79,7 +84,10 @@ class Stage:
         batch = unflatten(inputs, is_tuple)
         training = torch.is_grad_enabled()
         context = self.gradients.forward(mb) if training else torch.no_grad()
-        with context:
+        cast = (
+            contextlib.nullcontext() if self._autocast is None else torch.autocast(*self._autocast)
+        )
+        with context, cast:
             output = self.module(batch)
             if self.is_last and target is not None:
                 output = self._loss_fn(output, target)

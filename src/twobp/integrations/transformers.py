@@ -1,0 +1,416 @@
+"""Hugging Face ``transformers`` models as pipeline blocks.
+
+:func:`blocks` cuts a model into an ``nn.Sequential`` of blocks: the embedding
+(with positions where the model adds them), one block per decoder or encoder
+layer, and the final norm with the head. Each layer block builds what its
+model would pass the layer: rotary position embeddings, the causal or padding
+mask in the form the model's attention implementation takes. The blocks share
+the model's modules and parameters: nothing is copied.
+
+A block takes and returns either the hidden states alone or a tuple
+``(hidden_states, attention_mask)``: give the first block ``input_ids``, or
+``(input_ids, attention_mask)`` with a padding mask (1 for tokens, 0 for
+padding), and the mask travels with the hidden states to every layer. The
+last block returns the logits; :func:`loss_function` gives the model's own
+loss on them.
+
+Covered layouts: LLaMA-family causal LMs (``LlamaForCausalLM`` and the models
+laid out like it: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
+``lm_head``), GPT-2 (``GPT2LMHeadModel``), BERT as a masked LM
+(``BertForMaskedLM``) and Mamba (``MambaForCausalLM``).
+
+Tied weights stay tied: GPT-2, BERT and Mamba read the input embedding's
+weight again in their head, so the first and the last block share that
+parameter. On one process that is exact; a pipeline that puts the two blocks
+on different ranks would hold two copies whose gradients are never summed,
+so keep them on one stage or untie them before training.
+
+``transformers`` is an optional dependency (``pip install twobp[transformers]``);
+it is imported by the functions here, not by ``twobp``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Hidden = Tensor | tuple[Tensor, Tensor]
+"""What blocks pass on: the hidden states, or ``(hidden_states, attention_mask)``."""
+
+
+def _split(x: Hidden) -> tuple[Tensor, Tensor | None]:
+    if isinstance(x, (tuple, list)):
+        hidden, mask = x
+        return hidden, mask
+    return x, None
+
+
+def _join(hidden: Tensor, mask: Tensor | None) -> Hidden:
+    return hidden if mask is None else (hidden, mask)
+
+
+def _positions(hidden: Tensor) -> Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _mask_function(name: str) -> Callable[..., Any]:
+    from transformers import masking_utils
+
+    function: Callable[..., Any] = getattr(masking_utils, name)
+    return function
+
+
+def _without_cache(function: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call a mask builder of ``transformers.masking_utils`` with no cache, in any version."""
+    parameters = inspect.signature(function).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            kwargs[name] = None
+    return function(**kwargs)
+
+
+class CausalMask(nn.Module):
+    """The causal (and padding) mask a decoder model gives its layers, built from the hidden states.
+
+    Args:
+        config: the model's configuration (its attention implementation decides the form).
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, hidden: Tensor, mask: Tensor | None, positions: Tensor) -> Any:
+        return _without_cache(
+            _mask_function("create_causal_mask"),
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            position_ids=positions,
+        )
+
+
+class TokenEmbedding(nn.Module):
+    """``embedding(input_ids)`` (LLaMA family, Mamba)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: Hidden) -> Hidden:
+        ids, mask = _split(x)
+        return _join(self.embedding(ids), mask)
+
+
+class DecoderLayer(nn.Module):
+    """A LLaMA-family decoder layer with its rotary embedding and causal mask."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.mask = CausalMask(config)
+
+    def forward(self, x: Hidden) -> Hidden:
+        hidden, mask = _split(x)
+        positions = _positions(hidden)
+        rotary = self.rotary(hidden, positions)
+        out = self.layer(
+            hidden,
+            attention_mask=self.mask(hidden, mask, positions),
+            position_ids=positions,
+            position_embeddings=rotary,
+        )
+        return _join(out[0] if isinstance(out, tuple) else out, mask)
+
+
+class NormHead(nn.Module):
+    """The final norm and the language-model head; returns the logits."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module, float_logits: bool = False) -> None:
+        super().__init__()
+        self.norm = norm
+        self.head = head
+        self.float_logits = float_logits
+
+    def forward(self, x: Hidden) -> Tensor:
+        hidden, _ = _split(x)
+        hidden = self.norm(hidden)
+        if self.float_logits:  # Mamba: the head in its weight's dtype, the logits in float32
+            head: Any = self.head
+            logits: Tensor = head(hidden.to(head.weight.dtype)).float()
+            return logits
+        out: Tensor = self.head(hidden)
+        return out
+
+
+class GPT2Embedding(nn.Module):
+    """GPT-2's token plus position embeddings (and dropout)."""
+
+    def __init__(self, transformer: Any) -> None:
+        super().__init__()
+        self.wte = transformer.wte
+        self.wpe = transformer.wpe
+        self.drop = transformer.drop
+
+    def forward(self, x: Hidden) -> Hidden:
+        ids, mask = _split(x)
+        tokens = self.wte(ids)
+        hidden = tokens + self.wpe(_positions(tokens))
+        return _join(self.drop(hidden), mask)
+
+
+class GPT2Layer(nn.Module):
+    """A GPT-2 block with its causal mask."""
+
+    def __init__(self, block: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.mask = CausalMask(config)
+
+    def forward(self, x: Hidden) -> Hidden:
+        hidden, mask = _split(x)
+        out = self.block(hidden, attention_mask=self.mask(hidden, mask, _positions(hidden)))
+        return _join(out[0] if isinstance(out, tuple) else out, mask)
+
+
+class BertEmbedding(nn.Module):
+    """BERT's embeddings: words, positions, token types, LayerNorm and dropout."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, x: Hidden) -> Hidden:
+        ids, mask = _split(x)
+        return _join(self.embeddings(input_ids=ids), mask)
+
+
+class BertLayer(nn.Module):
+    """A BERT encoder layer with its (bidirectional) padding mask."""
+
+    def __init__(self, layer: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+
+    def forward(self, x: Hidden) -> Hidden:
+        hidden, mask = _split(x)
+        extended = _without_cache(
+            _mask_function("create_bidirectional_mask"),
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+        )
+        out = self.layer(hidden, attention_mask=extended)
+        return _join(out[0] if isinstance(out, tuple) else out, mask)
+
+
+class BertHead(nn.Module):
+    """BERT's masked-LM head (transform, then the decoder tied to the word embeddings)."""
+
+    def __init__(self, cls: nn.Module) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def forward(self, x: Hidden) -> Tensor:
+        hidden, _ = _split(x)
+        out: Tensor = self.cls(hidden)
+        return out
+
+
+class MambaLayer(nn.Module):
+    """A Mamba block; the padding mask (if any) zeroes padded positions as the model does."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Hidden) -> Hidden:
+        hidden, mask = _split(x)
+        return _join(self.block(hidden, attention_mask=mask), mask)
+
+
+def _get(model: nn.Module, path: str) -> Any:
+    value: Any = model
+    for name in path.split("."):
+        value = getattr(value, name, None)
+        if value is None:
+            return None
+    return value
+
+
+def _has(model: nn.Module, *paths: str) -> bool:
+    return all(_get(model, p) is not None for p in paths)
+
+
+def family(model: nn.Module) -> str:
+    """Which covered layout ``model`` has: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
+
+    Raises:
+        ValueError: if the model is laid out otherwise.
+    """
+    if _has(model, "model.embed_tokens", "model.layers", "model.norm", "lm_head"):
+        return "llama"
+    if _has(model, "transformer.wte", "transformer.wpe", "transformer.h", "lm_head"):
+        return "gpt2"
+    if _has(model, "bert.embeddings", "bert.encoder.layer", "cls.predictions"):
+        return "bert"
+    if _has(model, "backbone.embeddings", "backbone.layers", "backbone.norm_f", "lm_head"):
+        return "mamba"
+    raise ValueError(
+        f"twobp.integrations.transformers does not know how to cut a {type(model).__name__}: "
+        f"it covers LLaMA-family causal LMs (model.embed_tokens, model.layers, model.norm, "
+        f"lm_head), GPT2LMHeadModel, BertForMaskedLM and MambaForCausalLM"
+    )
+
+
+def blocks(model: nn.Module) -> nn.Sequential:
+    """Cut a ``transformers`` model into pipeline blocks.
+
+    Args:
+        model: a LLaMA-family causal LM, ``GPT2LMHeadModel``,
+            ``BertForMaskedLM`` or ``MambaForCausalLM``.
+
+    Returns:
+        The embedding block, one block per layer, and the norm-and-head
+        block, sharing the model's modules. The first takes ``input_ids`` or
+        ``(input_ids, attention_mask)``; the last returns the logits.
+
+    Raises:
+        ValueError: if the model is laid out otherwise.
+    """
+    kind = family(model)
+    hf: Any = model
+    config: Any = hf.config
+    parts: list[nn.Module]
+    if kind == "llama":
+        inner = hf.model
+        parts = [TokenEmbedding(inner.embed_tokens)]
+        parts += [DecoderLayer(layer, inner.rotary_emb, config) for layer in inner.layers]
+        parts.append(NormHead(inner.norm, hf.lm_head))
+    elif kind == "gpt2":
+        transformer = hf.transformer
+        parts = [GPT2Embedding(transformer)]
+        parts += [GPT2Layer(block, config) for block in transformer.h]
+        parts.append(NormHead(transformer.ln_f, hf.lm_head))
+    elif kind == "bert":
+        bert = hf.bert
+        parts = [BertEmbedding(bert.embeddings)]
+        parts += [BertLayer(layer, config) for layer in bert.encoder.layer]
+        parts.append(BertHead(hf.cls))
+    else:
+        backbone = hf.backbone
+        parts = [TokenEmbedding(backbone.embeddings)]
+        parts += [MambaLayer(block) for block in backbone.layers]
+        parts.append(NormHead(backbone.norm_f, hf.lm_head, float_logits=True))
+    return nn.Sequential(*parts)
+
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128},
+    "small": {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "intermediate_size": 688,
+    },
+}
+"""Model sizes that :func:`build_model` knows (4 attention heads, 64 positions)."""
+
+FAMILIES = ("llama", "gpt2", "bert", "mamba")
+"""The layouts :func:`blocks` covers, by the name :func:`family` gives them."""
+
+
+def build_model(kind: str, size: str = "tiny") -> nn.Module:
+    """A freshly initialised model of a covered family, from a small configuration (no download).
+
+    Dropout is off, so that a pipeline and the model compute the same.
+
+    Args:
+        kind: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
+        size: a key of :data:`SIZES`.
+
+    Raises:
+        ValueError: for an unknown family or size.
+    """
+    import transformers
+
+    if kind not in FAMILIES or size not in SIZES:
+        raise ValueError(f"build_model takes a family of {FAMILIES} and a size of {list(SIZES)}")
+    dims = SIZES[size]
+    vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+    }
+    model: nn.Module
+    if kind == "llama":
+        llama = transformers.LlamaConfig(
+            intermediate_size=dims["intermediate_size"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(llama)
+    elif kind == "gpt2":
+        gpt2 = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = transformers.GPT2LMHeadModel(gpt2)
+    elif kind == "bert":
+        bert = transformers.BertConfig(
+            intermediate_size=dims["intermediate_size"],
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
+        model = transformers.BertForMaskedLM(bert)
+    else:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(state_size=16, **common))
+    return model
+
+
+def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    """``loss(logits, labels)``: the loss the model computes itself when given ``labels``.
+
+    Causal LMs shift the labels (token ``t`` predicts ``t + 1``); BERT's masked
+    LM does not. Labels of ``-100`` are ignored.
+
+    Args:
+        model: a model :func:`blocks` covers.
+    """
+    kind = family(model)
+    hf: Any = model
+    vocab_size: int = hf.config.vocab_size
+    if kind == "bert":
+        cross_entropy = nn.CrossEntropyLoss()
+
+        def masked_lm(logits: Tensor, labels: Tensor) -> Tensor:
+            loss: Tensor = cross_entropy(logits.view(-1, vocab_size), labels.view(-1))
+            return loss
+
+        return masked_lm
+    causal: Callable[..., Tensor] = hf.loss_function
+
+    def causal_lm(logits: Tensor, labels: Tensor) -> Tensor:
+        return causal(logits=logits, labels=labels, vocab_size=vocab_size)
+
+    return causal_lm
