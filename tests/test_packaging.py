@@ -10,6 +10,7 @@ Skipped where the tools or a torch 2.13.0 that pip can install are missing.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -75,8 +76,10 @@ def test_pip_install_in_a_fresh_venv_gives_a_working_twobp(wheel, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     done = _pip(*target, str(wheel))
     assert done.returncode == 0, done.stderr[-3000:]
+    # Only what the wheel installed: no PYTHONPATH of the process running the tests.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     version = subprocess.run(
-        [venv / "bin" / "twobp", "--version"], capture_output=True, text=True, check=True
+        [venv / "bin" / "twobp", "--version"], capture_output=True, text=True, check=True, env=env
     )
     assert version.stdout.strip() == f"twobp {twobp.__version__}"
     code = (
@@ -84,7 +87,7 @@ def test_pip_install_in_a_fresh_venv_gives_a_working_twobp(wheel, tmp_path):
         "print(twobp.__file__, torch.__version__, importlib.util.find_spec('twobp_bench.cli'))"
     )
     done = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+        [python, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True, env=env
     )
     where, torch_version, bench = done.stdout.split(maxsplit=2)
     assert Path(where).is_relative_to(venv) and torch_version.startswith("2.13.0")
