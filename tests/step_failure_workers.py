@@ -60,7 +60,9 @@ def _outcome(call: Any) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
-def failing_steps(cases: list[tuple[str, int, bool]], timeout: float) -> dict[str, Any]:
+def failing_steps(
+    cases: list[tuple[str, int, bool]], timeout: float, schedule: str = "1f1b"
+) -> dict[str, Any]:
     """For each (how, block index, fail on the first step): a failed step, then a good one.
 
     ``how`` is ``block`` (a block raises), ``shape`` (a block changes its
@@ -76,7 +78,7 @@ def failing_steps(cases: list[tuple[str, int, bool]], timeout: float) -> dict[st
         trap = Trap(blocks[index], how)
         blocks[index] = trap
         loss = TrapLoss()
-        pipe = Pipeline(blocks, loss, "1f1b", N_MB, device="cpu", timeout=timeout)
+        pipe = Pipeline(blocks, loss, schedule, N_MB, device="cpu", timeout=timeout)
         if not first_step:
             pipe.step(*_needed(pipe, x, y))
             pipe.zero_grad()

@@ -79,6 +79,17 @@ def test_failures_on_four_ranks(reference):
     _check(results, "loss 9 later", 3, "ValueError", "it must return a scalar", reference)
 
 
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_failures_with_two_stages_per_rank(schedule, reference):
+    # Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zb-v); 0, 2 | 1, 3 (interleaved).
+    cases = [("block", 0, True), ("block", 4, False), ("loss", 9, False)]
+    results = launch(failing_steps, 2, cases, TIMEOUT, schedule, threads_per_rank=1, timeout=300)
+    _check(results, "block 0 first", 0, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "block 4 later", 1, "RuntimeError", "block failed on purpose", reference)
+    last = 0 if schedule == "zb-v" else 1
+    _check(results, "loss 9 later", last, "ValueError", "it must return a scalar", reference)
+
+
 def test_the_failing_rank_goes_on_to_save_and_another_pipeline(tmp_path):
     results = launch(
         failure_then_other_work, 2, str(tmp_path), TIMEOUT, threads_per_rank=1, timeout=300
