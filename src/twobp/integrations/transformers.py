@@ -21,9 +21,9 @@ laid out like it: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
 
 Tied weights stay tied: GPT-2, BERT and Mamba read the input embedding's
 weight again in their head, so the first and the last block share that
-parameter. On one process that is exact; a pipeline that puts the two blocks
-on different ranks would hold two copies whose gradients are never summed,
-so keep them on one stage or untie them before training.
+parameter. On one process that is exact; a ``Pipeline`` that puts the two
+blocks on different ranks refuses to start (weights tied across ranks are
+not supported yet): build the model with ``build_model(..., tied=False)``.
 
 ``transformers`` is an optional dependency (``pip install twobp[transformers]``);
 it is imported by the functions here, not by ``twobp``.
