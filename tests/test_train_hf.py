@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import twobp.train.preflight
 from twobp.cli.main import main
@@ -39,3 +40,21 @@ def test_hf_config_without_transformers_is_one_line_and_exit_2(monkeypatch, caps
         "twobp train: error: --hf-config needs the transformers extra "
         "(pip install twobp[transformers])\n"
     )
+
+
+def test_hf_tasks_take_the_bytes_as_labels_and_bert_masks_some():
+    from twobp.train.config import TrainConfig
+    from twobp.train.task import HF_MASK_TOKEN, build_task
+
+    def task(kind):
+        return build_task(TrainConfig(hf_config=kind, batch_size=4, seq_len=20))
+
+    llama = task("llama")
+    ids, labels = llama.batch_at(0, "train")
+    assert ids.shape == (4, 20) and torch.equal(ids, labels)  # the model's loss shifts them
+    assert llama.spec.n_blocks == 4 and llama.spec.blocks[0].embedding.num_embeddings == 256
+    masked, targets = task("bert").batch_at(0, "train")
+    chosen = targets != -100
+    assert chosen.sum(dim=1).tolist() == [3] * 4  # 15% of 20 positions per sequence
+    assert bool((masked[chosen] == HF_MASK_TOKEN).all()) and bool((masked[~chosen] < 256).all())
+    torch.testing.assert_close(targets[chosen], ids[chosen])  # the same text, step and seed
