@@ -21,7 +21,16 @@ ALLOWED = {
     "models": set(),
     "integrations": set(),
     "runtime": {"engine", "partition", "models", "sim", "schedule"},
-    "train": {"runtime", "engine", "partition", "models", "sim", "schedule", "config"},
+    "train": {
+        "runtime",
+        "engine",
+        "partition",
+        "models",
+        "integrations",
+        "sim",
+        "schedule",
+        "config",
+    },
     "cli": {"train", "runtime", "engine", "partition", "models", "sim", "schedule", "config"},
 }
 ANYWHERE = {"viz", "timeline"}

@@ -110,12 +110,24 @@ def two_bp_step(
 def reference_step(
     model: nn.Module, batches: list[tuple[Tensor, Tensor | None, Tensor]], dtype: torch.dtype | None
 ) -> None:
-    """The same step on the whole model with its own loss and plain autograd."""
+    """The same step on the whole model and plain autograd (its loss kept in float64)."""
     cast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    loss_fn = loss_function(model)
     for ids, mask, labels in batches:
         with cast:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = loss_fn(model_logits(model, ids, mask), labels)
         (loss / len(batches)).backward()
+
+
+def model_logits(model: nn.Module, ids: Tensor, mask: Tensor | None) -> Tensor:
+    """The model's logits; Mamba's in float64 too (its own forward rounds them to float32)."""
+    hf: Any = model
+    if family(model) == "mamba":
+        hidden = hf.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits: Tensor = hf.lm_head(hidden.to(hf.lm_head.weight.dtype))
+        return logits if logits.dtype == torch.float64 else logits.float()
+    out: Tensor = model(input_ids=ids, attention_mask=mask).logits
+    return out
 
 
 def relative_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
@@ -150,8 +162,13 @@ def test_blocks_compute_the_model_s_logits_and_loss(kind, padded):
         logits = parts(ids if mask is None else (ids, mask))
         own = model(input_ids=ids, attention_mask=mask, labels=labels)
         keep = slice(None) if mask is None else mask.bool()  # padded positions are not compared
-        torch.testing.assert_close(logits[keep], own.logits[keep], rtol=0, atol=1e-10)
-        torch.testing.assert_close(loss_fn(logits, labels), own.loss, rtol=0, atol=1e-10)
+        exact = model_logits(model, ids, mask)
+        torch.testing.assert_close(logits[keep], exact[keep], rtol=0, atol=1e-10)
+        torch.testing.assert_close(logits.to(own.logits.dtype), own.logits, rtol=1e-6, atol=1e-6)
+        loss = loss_fn(logits, labels)
+        # The model's own causal loss rounds the logits to float32; this one keeps float64.
+        torch.testing.assert_close(loss, own.loss.to(loss.dtype), rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss, loss_fn(exact, labels), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

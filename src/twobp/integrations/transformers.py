@@ -21,9 +21,9 @@ laid out like it: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
 
 Tied weights stay tied: GPT-2, BERT and Mamba read the input embedding's
 weight again in their head, so the first and the last block share that
-parameter. On one process that is exact; a pipeline that puts the two blocks
-on different ranks would hold two copies whose gradients are never summed,
-so keep them on one stage or untie them before training.
+parameter. On one process that is exact; a ``Pipeline`` that puts the two
+blocks on different ranks refuses to start (weights tied across ranks are
+not supported yet): build the model with ``build_model(..., tied=False)``.
 
 ``transformers`` is an optional dependency (``pip install twobp[transformers]``);
 it is imported by the functions here, not by ``twobp``.
@@ -140,10 +140,12 @@ class NormHead(nn.Module):
     def forward(self, x: Hidden) -> Tensor:
         hidden, _ = _split(x)
         hidden = self.norm(hidden)
-        if self.float_logits:  # Mamba: the head in its weight's dtype, the logits in float32
+        if self.float_logits:
+            # Mamba: the head in its weight's dtype, the logits in float32 as the model
+            # gives them, but float64 kept (the model's own rounds it to float32).
             head: Any = self.head
-            logits: Tensor = head(hidden.to(head.weight.dtype)).float()
-            return logits
+            logits: Tensor = head(hidden.to(head.weight.dtype))
+            return logits if logits.dtype == torch.float64 else logits.float()
         out: Tensor = self.head(hidden)
         return out
 
@@ -326,7 +328,14 @@ FAMILIES = ("llama", "gpt2", "bert", "mamba")
 """The layouts :func:`blocks` covers, by the name :func:`family` gives them."""
 
 
-def build_model(kind: str, size: str = "tiny") -> nn.Module:
+def build_model(
+    kind: str,
+    size: str = "tiny",
+    *,
+    tied: bool = True,
+    vocab_size: int | None = None,
+    max_positions: int = 64,
+) -> nn.Module:
     """A freshly initialised model of a covered family, from a small configuration (no download).
 
     Dropout is off, so that a pipeline and the model compute the same.
@@ -334,6 +343,13 @@ def build_model(kind: str, size: str = "tiny") -> nn.Module:
     Args:
         kind: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
         size: a key of :data:`SIZES`.
+        tied: tie the output layer to the input embedding where the family does
+            by default (GPT-2, BERT, Mamba; LLaMA never ties). A pipeline on
+            several ranks needs ``tied=False``: the first and the last block
+            then hold parameters of their own.
+        vocab_size: the vocabulary (default: the size's).
+        max_positions: the longest sequence (GPT-2 and BERT learn a position
+            embedding of this many rows; LLaMA's rotary embedding takes it as a hint).
 
     Raises:
         ValueError: for an unknown family or size.
@@ -343,11 +359,13 @@ def build_model(kind: str, size: str = "tiny") -> nn.Module:
     if kind not in FAMILIES or size not in SIZES:
         raise ValueError(f"build_model takes a family of {FAMILIES} and a size of {list(SIZES)}")
     dims = SIZES[size]
-    vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
+    vocab = dims["vocab_size"] if vocab_size is None else vocab_size
+    hidden, layers = dims["hidden_size"], dims["num_hidden_layers"]
     common: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
+        "tie_word_embeddings": tied and kind != "llama",
     }
     model: nn.Module
     if kind == "llama":
@@ -355,7 +373,7 @@ def build_model(kind: str, size: str = "tiny") -> nn.Module:
             intermediate_size=dims["intermediate_size"],
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             **common,
         )
         model = transformers.LlamaForCausalLM(llama)
@@ -365,19 +383,20 @@ def build_model(kind: str, size: str = "tiny") -> nn.Module:
             n_embd=hidden,
             n_layer=layers,
             n_head=4,
-            n_positions=64,
+            n_positions=max_positions,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=0,
+            tie_word_embeddings=common["tie_word_embeddings"],
         )
         model = transformers.GPT2LMHeadModel(gpt2)
     elif kind == "bert":
         bert = transformers.BertConfig(
             intermediate_size=dims["intermediate_size"],
             num_attention_heads=4,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
             **common,
@@ -392,7 +411,9 @@ def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """``loss(logits, labels)``: the loss the model computes itself when given ``labels``.
 
     Causal LMs shift the labels (token ``t`` predicts ``t + 1``); BERT's masked
-    LM does not. Labels of ``-100`` are ignored.
+    LM does not. Labels of ``-100`` are ignored. Like the model's own loss, it
+    takes logits of lower precision up to float32; float64 logits stay float64
+    (the model's own loss would round them to float32).
 
     Args:
         model: a model :func:`blocks` covers.
@@ -400,17 +421,16 @@ def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     kind = family(model)
     hf: Any = model
     vocab_size: int = hf.config.vocab_size
-    if kind == "bert":
-        cross_entropy = nn.CrossEntropyLoss()
+    shift = kind != "bert"
 
-        def masked_lm(logits: Tensor, labels: Tensor) -> Tensor:
-            loss: Tensor = cross_entropy(logits.view(-1, vocab_size), labels.view(-1))
-            return loss
+    def loss(logits: Tensor, labels: Tensor) -> Tensor:
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        if shift:
+            labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        out: Tensor = nn.functional.cross_entropy(
+            logits.reshape(-1, vocab_size), labels.reshape(-1).to(logits.device)
+        )
+        return out
 
-        return masked_lm
-    causal: Callable[..., Tensor] = hf.loss_function
-
-    def causal_lm(logits: Tensor, labels: Tensor) -> Tensor:
-        return causal(logits=logits, labels=labels, vocab_size=vocab_size)
-
-    return causal_lm
+    return loss

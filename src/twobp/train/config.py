@@ -8,6 +8,7 @@ from twobp.config import doc
 from twobp.schedule import TWO_BP_POLICIES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
+HF_FAMILIES = ("llama", "gpt2", "bert", "mamba")
 
 
 @dataclass
@@ -19,6 +20,13 @@ class TrainConfig:
         "streams), resnet (synthetic images)",
         "llama",
         choices=MODEL_FAMILIES,
+    )
+    hf_config: str | None = doc(
+        "train a Hugging Face transformers model of this family instead of --model, built "
+        "from the --size tiny|small configuration with its head untied (needs the "
+        "transformers extra): llama, gpt2, mamba (next byte), bert (masked bytes)",
+        None,
+        choices=HF_FAMILIES,
     )
     size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
     schedule: str = doc("pipeline schedule name (see `twobp simulate --help`)", "1f1b")
@@ -85,6 +93,12 @@ class TrainConfig:
         "rate schedule still spans --steps (for jobs with a time limit: continue with --resume)",
         None,
     )
+
+
+def run_name(cfg: TrainConfig) -> str:
+    """The model of a run as the report names it: ``llama-tiny``, ``hf-gpt2-tiny``."""
+    model = cfg.model if cfg.hf_config is None else f"hf-{cfg.hf_config}"
+    return f"{model}-{cfg.size}"
 
 
 def parse_partition(text: str) -> list[int] | str:

@@ -13,6 +13,7 @@ not the same failure on every rank.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from twobp.config import check_writable
@@ -88,8 +89,24 @@ def _check_numbers(cfg: TrainConfig) -> None:
         )
 
 
+HF_EXTRA = "--hf-config needs the transformers extra (pip install twobp[transformers])"
+
+
+def transformers_importable() -> bool:
+    """True if ``transformers`` can be imported here."""
+    return importlib.util.find_spec("transformers") is not None
+
+
 def _model_blocks(cfg: TrainConfig) -> int:
     """The number of blocks of the run's model (built on the meta device)."""
+    if cfg.hf_config is not None:
+        if not transformers_importable():
+            raise OptionError(HF_EXTRA)
+        from twobp.integrations.transformers import SIZES
+
+        if cfg.size not in SIZES:
+            raise OptionError(f"--size {cfg.size}: --hf-config takes {' or '.join(SIZES)}")
+        return SIZES[cfg.size]["num_hidden_layers"] + 2
     try:
         spec = build_model(cfg.model, cfg.size, device="meta", seed=None, **model_overrides(cfg))
     except ValueError as exc:

@@ -24,7 +24,7 @@ from typing import Any
 
 from twobp.config import to_toml
 from twobp.timeline import bubble_ratio, makespan
-from twobp.train.config import TrainConfig
+from twobp.train.config import TrainConfig, run_name
 from twobp.train.loop import WARMUP_STEPS, RankResult
 from twobp.viz import render_ascii, render_png, write_trace
 
@@ -96,7 +96,7 @@ def write_report(cfg: TrainConfig, results: Sequence[RankResult], out: Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, results)
     lead = results[0]
-    title = f"{cfg.model}-{cfg.size} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
+    title = f"{run_name(cfg)} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
     (out / "metrics.json").write_text(json.dumps(summary, indent=2, default=str))
     _loss_png(summary["losses"], out / "loss.png", title)
     if lead.spans:

@@ -1,6 +1,7 @@
 """What a family trains on: the model spec plus a batch source indexed by step.
 
-Language models (llama, mamba: next byte; bert: masked bytes) read real text:
+Language models (llama, mamba: next byte; bert: masked bytes), and the
+Hugging Face models of ``--hf-config`` (the same tasks), read real text:
 Python's own sources or ``--data FILE``. ResNet has no offline image set, so it
 learns labelled synthetic images (see :class:`twobp.train.data.SyntheticData`);
 the report says so.
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from twobp.models import ModelSpec, build_model, mask_tokens
+from twobp.models.spec import stacked_kinds
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData, SyntheticData, file_corpus, stdlib_corpus
 
@@ -58,6 +60,8 @@ def build_task(cfg: TrainConfig) -> Task:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
+    if cfg.hf_config is not None:
+        return _hf_task(cfg, dtype)
     if cfg.model == "resnet":
         spec = build_model("resnet", cfg.size, dtype=dtype, seed=cfg.seed, **model_overrides(cfg))
         size = spec.meta.get("image_size", 32)
@@ -92,3 +96,51 @@ def build_task(cfg: TrainConfig) -> Task:
         return mask_tokens(ids, bert.n_masked, bert.mask_token_id, gen)
 
     return Task(spec, masked_batch, f"{source} (byte-level, masked bytes)", cfg.seq_len)
+
+
+HF_MASK_TOKEN = 256
+"""The ``[MASK]`` id of a Hugging Face BERT on bytes (its vocabulary: the 256 bytes and it)."""
+
+
+def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
+    """A ``transformers`` model of ``cfg.hf_config`` (untied) on byte-level text.
+
+    Causal LMs take the bytes as labels (the model's loss shifts them); BERT
+    masks 15% of the positions of every sequence, deterministically per step.
+    """
+    from twobp.integrations import transformers as hf
+
+    kind = cfg.hf_config
+    assert kind is not None
+    masked = kind == "bert"
+    torch.manual_seed(cfg.seed)
+    model = hf.build_model(
+        kind,
+        cfg.size,
+        tied=False,
+        vocab_size=HF_MASK_TOKEN + 1 if masked else 256,
+        max_positions=cfg.seq_len,
+    ).to(dtype)
+    parts = list(hf.blocks(model))
+    raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
+    text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
+    n_masked = max(1, cfg.seq_len * 15 // 100)
+
+    def batch_at(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split)
+        if not masked:
+            return ids, ids
+        gen = torch.Generator().manual_seed(cfg.seed * 31 + step * 2 + (split != "train"))
+        return mask_tokens(ids, n_masked, HF_MASK_TOKEN, gen)
+
+    spec = ModelSpec(
+        family=f"hf-{kind}",
+        size=cfg.size,
+        config=model.config,
+        blocks=parts,
+        block_kinds=stacked_kinds(len(parts) - 2),
+        loss_fn=hf.loss_function(model),
+        make_batch=lambda batch_size, seed: batch_at(seed, "train"),
+    )
+    task = "masked bytes" if masked else "next byte"
+    return Task(spec, batch_at, f"{source} (byte-level, {task})", cfg.seq_len)
