@@ -37,7 +37,6 @@ from twobp.runtime.communication import collective
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
 from twobp.runtime.errors import (
     PeerError,
-    PeerStepFailedError,
     PipelineConfigError,
     nonfinite_error,
 )
@@ -49,6 +48,7 @@ from twobp.runtime.execution.microbatch import (
     unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
+from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
 from twobp.runtime.execution.step_run import StepResult, StepRun
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
@@ -63,24 +63,6 @@ from twobp.schedule.lowering import add_communication, forward_only, split_stage
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.timeline import Span
-
-_PEER_FAILED = 2
-"""Status of a rank whose step failed because a peer's did (1: its own error)."""
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """True if ``exc`` says a peer is gone or stuck (no rank left to settle the step with)."""
-    return isinstance(exc, PeerError) and not isinstance(exc, PeerStepFailedError)
-
-
-def _describe_failure(exc: BaseException, action: Action | None) -> str:
-    """Where and how this rank's step failed, for its peers' errors."""
-    where = ""
-    if action is not None:
-        mbs = ", ".join(map(str, action.microbatches))
-        where = f" at {action} (stage {action.stage}, micro-batch(es) {mbs})"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"failed{where}: {type(exc).__name__}: {text}"
 
 
 class Pipeline(PipelineState):
@@ -228,8 +210,7 @@ class Pipeline(PipelineState):
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
-        self._failed_at: Action | None = None
-        self._failed_when = 0.0
+        self._failure: Failure | None = None
         self._peak_stashed_bytes = 0
         self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
@@ -420,8 +401,7 @@ class Pipeline(PipelineState):
         try:
             result = run.run(schedule.actions[self.pp_rank])
         except Exception as exc:
-            self._failed_at = run.current
-            self._failed_when = time.time()
+            self._failure = Failure(exc, run.current, time.time())
             if channel is not None:
                 if lost_peer(exc):
                     channel.abandon()
@@ -479,71 +459,25 @@ class Pipeline(PipelineState):
             if training:
                 for stage in self.stages.values():
                     stage.finish_step()
-        loss, first_bad, failed = self._exchange_status(result, failure)
-        if failure is not None or failed is not None:
+        last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
+        losses = None
+        if failure is None and self.rank == last_rank and result.losses:
+            losses = [result.losses[m] for m in range(self.n_microbatches)]
+        mine = None
+        if failure is not None:
+            recorded = self._failure
+            known = recorded is not None and recorded.error is failure
+            mine = recorded if known else Failure(failure, None, time.time())
+        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
+        if failure is not None or end.error is not None:
             if training:
                 self.zero_grad(set_to_none=True)
-            if failed is not None:
-                raise failed
+            if end.error is not None:
+                raise end.error
             assert failure is not None
             raise failure
+        loss, first_bad = end.loss, end.first_bad
         return result, loss, first_bad
-
-    def _exchange_status(
-        self, result: StepResult, failure: Exception | None
-    ) -> tuple[float | None, int, PeerStepFailedError | None]:
-        """Every rank's end of the step, on every rank: one small all-reduce.
-
-        It carries the mean loss from the last stage's rank (None: no targets),
-        the first micro-batch whose loss is not finite (-1 if none), and for
-        each rank whether its step failed (by its own error, or because a peer
-        failed). Only when one did, the ranks exchange what went wrong.
-
-        Returns:
-            The loss, the first bad micro-batch, and the error for this rank
-            when the step failed on some rank (else None).
-        """
-        members = self.topology.members
-        status = torch.zeros(3 + members.size, dtype=torch.float64, device=self.device)
-        last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
-        if failure is None and self.rank == last_rank and result.losses:
-            losses = torch.stack([result.losses[m].double() for m in range(self.n_microbatches)])
-            bad = (~torch.isfinite(losses)).nonzero()
-            status[0] = 1.0
-            status[1] = losses.sum() / self.n_microbatches
-            status[2] = float(bad[0, 0]) + 1 if len(bad) else 0.0
-        if failure is not None:
-            status[3 + self.rank] = _PEER_FAILED if isinstance(failure, PeerStepFailedError) else 1
-        collective.all_reduce(
-            members, status, dist.ReduceOp.SUM, self.timeout, "the end of the step"
-        )
-        values = status.tolist()
-        loss = values[1] if values[0] else None
-        codes = [int(v) for v in values[3:]]
-        if not any(codes):
-            return loss, int(values[2]) - 1, None
-        mine = None
-        if failure is not None and codes[self.rank] == 1:
-            mine = (self._failed_when, _describe_failure(failure, self._failed_at))
-        reports = collective.all_gather_objects(members, mine)
-        # The cause is the earliest failure: a peer may fail in turn on the zeros a
-        # failed rank sent in place of its tensors.
-        when = {r: rep[0] for r, rep in enumerate(reports) if rep is not None}
-        first = min(when, key=lambda r: (when[r], r)) if when else codes.index(_PEER_FAILED)
-        if first == self.rank:
-            return loss, -1, None
-        report = reports[first][1] if reports[first] is not None else "failed"
-        after = ""
-        if mine is not None:
-            after = f" (then this rank {mine[1]})"
-        error = PeerStepFailedError(
-            f"rank {self.rank}: rank {first} {report}{after}. The step was dropped on every "
-            "rank (no gradients were kept); the pipeline can run the next step",
-            self.rank,
-            first,
-        )
-        return loss, -1, error
-
 
     # -- timing ------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""The end of a step, the same on every rank: the loss, or who failed, where and why.
+
+Every step ends with one small all-reduce (it replaces the broadcast of the
+loss): the mean loss from the last stage's rank, the first micro-batch whose
+loss is not finite, and each rank's status (0 fine, 1 failed by its own
+error, 2 failed because a peer did). Only when some rank failed do the ranks
+also exchange what went wrong; the earliest failure is the cause, since a
+peer may fail in turn on the zeros a failed rank sent in place of its tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from twobp.runtime.communication import collective
+from twobp.runtime.errors import PeerError, PeerStepFailedError
+from twobp.runtime.setup.group import Membership
+from twobp.schedule.action import Action
+
+OWN_ERROR = 1
+"""Status of a rank whose step failed by its own error."""
+PEER_FAILED = 2
+"""Status of a rank whose step failed because a peer's did."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """True if ``exc`` says a peer is gone or stuck (no rank left to settle the step with)."""
+    return isinstance(exc, PeerError) and not isinstance(exc, PeerStepFailedError)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """This rank's failed step.
+
+    Args:
+        error: what it raised.
+        action: the compute action it was at (or that the transfer it was at served).
+        when: the wall-clock time of the failure (seconds since the epoch).
+    """
+
+    error: Exception
+    action: Action | None
+    when: float
+
+    def describe(self) -> str:
+        """Where and how the step failed, for the peers' errors."""
+        where = ""
+        if self.action is not None:
+            mbs = ", ".join(map(str, self.action.microbatches))
+            where = f" at {self.action} (stage {self.action.stage}, micro-batch(es) {mbs})"
+        text = str(self.error).splitlines()[0] if str(self.error) else ""
+        return f"failed{where}: {type(self.error).__name__}: {text}"
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What every rank learnt at the end of a step.
+
+    Args:
+        loss: the mean loss over the micro-batches (None: no targets).
+        first_bad: the first micro-batch whose loss is not finite (-1: none).
+        error: for this rank, the error that says another rank failed the
+            step; None if the step went through or this rank's own error is
+            the cause.
+    """
+
+    loss: float | None
+    first_bad: int
+    error: PeerStepFailedError | None
+
+
+def end_step(
+    members: Membership,
+    device: torch.device,
+    timeout: float,
+    losses: list[Tensor] | None,
+    failure: Failure | None,
+) -> StepEnd:
+    """Settle a step with every rank. Collective: every rank calls it, failed or not.
+
+    Args:
+        members: the group.
+        device: where the all-reduce runs.
+        timeout: seconds to wait for the other ranks.
+        losses: the micro-batch losses, on the rank of the last stage when the
+            step went through; None elsewhere.
+        failure: this rank's failure, or None.
+
+    Returns:
+        The loss and, when some rank failed, this rank's error.
+    """
+    status = torch.zeros(3 + members.size, dtype=torch.float64, device=device)
+    if failure is None and losses:
+        stacked = torch.stack([loss.double() for loss in losses])
+        bad = (~torch.isfinite(stacked)).nonzero()
+        status[0] = 1.0
+        status[1] = stacked.sum() / len(losses)
+        status[2] = float(bad[0, 0]) + 1 if len(bad) else 0.0
+    if failure is not None:
+        own = not isinstance(failure.error, PeerStepFailedError)
+        status[3 + members.rank] = OWN_ERROR if own else PEER_FAILED
+    collective.all_reduce(members, status, dist.ReduceOp.SUM, timeout, "the end of the step")
+    values = status.tolist()
+    loss = values[1] if values[0] else None
+    codes = [int(v) for v in values[3:]]
+    if not any(codes):
+        return StepEnd(loss, int(values[2]) - 1, None)
+    mine = None
+    if failure is not None and codes[members.rank] == OWN_ERROR:
+        mine = (failure.when, failure.describe())
+    reports = collective.all_gather_objects(members, mine)
+    when = {r: report[0] for r, report in enumerate(reports) if report is not None}
+    first = min(when, key=lambda r: (when[r], r)) if when else codes.index(PEER_FAILED)
+    if first == members.rank:
+        return StepEnd(loss, -1, None)
+    report = reports[first][1] if reports[first] is not None else "failed"
+    after = f" (then this rank {mine[1]})" if mine is not None else ""
+    error = PeerStepFailedError(
+        f"rank {members.rank}: rank {first} {report}{after}. The step was dropped on every "
+        "rank (no gradients were kept); the pipeline can run the next step",
+        members.rank,
+        first,
+    )
+    return StepEnd(loss, -1, error)
