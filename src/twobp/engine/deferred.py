@@ -27,6 +27,14 @@ from twobp.engine.stash import SharedRows
 StashSink = Callable[[int, int, tuple[Tensor, ...]], None]
 
 
+def in_input_dtype(grad: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``grad`` in the dtype of the input it is the gradient of (None: as it is).
+
+    Under ``torch.autocast`` the operation ran in another dtype than its input's.
+    """
+    return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
+
+
 class DeferredOp(ABC):
     """One use of stage parameters by one kind of operation: how it runs F, I and W.
 
@@ -67,6 +75,15 @@ class DeferredOp(ABC):
         self.no_parameter_grads = (None, None)
         self.plain = all(o is None or not o.steps for o in operands)
         """Every operand is a parameter read as it is (no view or cast): the common, fast case."""
+
+    def weight_grad_mask(self) -> list[bool]:
+        """An aten backward's output mask for W: no input gradient; weight and bias if wanted."""
+        weight, bias = self.operands
+        return [
+            False,
+            weight is not None and weight.param.requires_grad,
+            bias is not None and bias.param.requires_grad,
+        ]
 
     @staticmethod
     def probe(device: torch.device, dtype: torch.dtype) -> Tensor:

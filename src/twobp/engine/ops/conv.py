@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp
+from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows, cat_rows, group_by_shape
 
@@ -54,8 +54,7 @@ class DeferredConv(DeferredOp):
         grad_in = None
         if needs_input_grad:
             grad_in = self._backward(grad_out, x, weight, None, [True, False, False])[0]
-            if grad_in.dtype != state:
-                grad_in = grad_in.to(state)
+            grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, grad_out)
 
     def accumulate_weight_grads(
@@ -64,7 +63,7 @@ class DeferredConv(DeferredOp):
         weight, bias = self.operands
         assert weight is not None
         bias_sizes = None if bias is None else [stashes[0][1].shape[1]]
-        mask = [False, weight.param.requires_grad, bias is not None and bias.param.requires_grad]
+        mask = self.weight_grad_mask()
         for group in group_by_shape(stashes):
             x = cat_rows([s[0] for s in group], group[0][0].shape[1:])
             dy = cat_rows([s[1] for s in group], group[0][1].shape[1:])

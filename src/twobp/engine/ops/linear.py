@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp
+from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
 
@@ -45,8 +45,7 @@ class DeferredLinear(DeferredOp):
         grad_in = None
         if needs_input_grad:
             grad_in = grad_out.matmul(weight)
-            if state is not None and grad_in.dtype != state:  # autocast cast the input
-                grad_in = grad_in.to(state)
+            grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, grad_out)
 
     def accumulate_weight_grads(

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp
+from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import Operand, cast
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
 
@@ -55,8 +55,7 @@ class DeferredMatmul(DeferredOp):
                 grad_in = torch.matmul(weight.mT, grad_out)
             else:
                 grad_in = torch.matmul(grad_out, weight.mT)
-            if grad_in.dtype != state:
-                grad_in = grad_in.to(state)
+            grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, grad_out)
 
     def accumulate_weight_grads(

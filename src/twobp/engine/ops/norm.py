@@ -23,7 +23,7 @@ from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp
+from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import Operand, cast
 from twobp.engine.ops.batchnorm import check_values_per_channel
 from twobp.engine.stash import SharedRows
@@ -73,16 +73,14 @@ class DeferredLayerNorm(DeferredOp):
             grad_in = _layer_norm_backward(
                 grad_out, x, list(self.options[0]), mean, rstd, weight, bias, [True, False, False]
             )[0]
-            if grad_in.dtype != state:
-                grad_in = grad_in.to(state)
+            grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, mean, rstd, grad_out)
 
     def accumulate_weight_grads(
         self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
     ) -> None:
         weight, bias = self.operands
-        mask = [False, weight is not None and weight.param.requires_grad]
-        mask.append(bias is not None and bias.param.requires_grad)
+        mask = self.weight_grad_mask()
         shape = list(self.options[0])
         # Reductions over rows: one call per stash, concatenating would only copy.
         for x, mean, rstd, dy in stashes:
@@ -132,16 +130,14 @@ class DeferredGroupNorm(DeferredOp):
         grad_in = None
         if needs_input_grad:
             grad_in = self._backward(grad_out, x, mean, rstd, weight, [True, False, False])[0]
-            if grad_in.dtype != state:
-                grad_in = grad_in.to(state)
+            grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, mean, rstd, grad_out)
 
     def accumulate_weight_grads(
         self, stashes: Sequence[tuple[Tensor, ...]], shared: SharedRows
     ) -> None:
         weight, bias = self.operands
-        mask = [False, weight is not None and weight.param.requires_grad]
-        mask.append(bias is not None and bias.param.requires_grad)
+        mask = self.weight_grad_mask()
         for x, mean, rstd, dy in stashes:
             w = _affine_as_in_forward(weight, x)
             _, grad_weight, grad_bias = self._backward(dy, x, mean, rstd, w, mask)
