@@ -124,14 +124,7 @@ class StepChannel:
         self._advance(peer, block=True, until=transfer)
         layout = self._check_layout(transfer, tensors, is_tuple)
         for index, tensor in enumerate(tensors):
-            payload = tensor.detach().contiguous()
-            work = dist.isend(
-                payload,
-                dst=self._global(transfer.dst),
-                group=self._members.group,
-                tag=self._tag(transfer, index),
-            )
-            peer.sends.append((work, payload, transfer))
+            self._post_send(transfer, tensor.detach().contiguous(), self._tag(transfer, index))
         assert len(tensors) == len(layout)
         peer.cursor += 1
         self._advance(peer, block=False, until=None)
@@ -236,7 +229,6 @@ class StepChannel:
             peer.cursor += 1
 
     def _send_placeholder(self, transfer: Transfer) -> None:
-        peer = self._peers[transfer.dst]
         known = self._layouts.get(transfer.boundary)
         if transfer.direction is Direction.GRADIENT:
             if known is None:
@@ -244,25 +236,13 @@ class StepChannel:
             layout = known.gradient
         elif known is None:
             message = failure_message().to(self._device)
-            work = dist.isend(
-                message,
-                dst=self._global(transfer.dst),
-                group=self._members.group,
-                tag=self._meta_tag(transfer.boundary),
-            )
-            peer.sends.append((work, message, transfer))
+            self._post_send(transfer, message, self._meta_tag(transfer.boundary))
             return
         else:
             layout = known.tensors
         for index, meta in enumerate(layout):
             payload = torch.zeros(meta.shape, dtype=meta.dtype, device=self._device)
-            work = dist.isend(
-                payload,
-                dst=self._global(transfer.dst),
-                group=self._members.group,
-                tag=self._tag(transfer, index),
-            )
-            peer.sends.append((work, payload, transfer))
+            self._post_send(transfer, payload, self._tag(transfer, index))
 
     def abandon(self) -> None:
         """Give up the step's transfers after a failure: drop every posted operation.
@@ -394,15 +374,15 @@ class StepChannel:
         return expected
 
     def _send_layout(self, transfer: Transfer, meta: BoundaryMeta) -> None:
-        message = meta.encode().to(self._device)
-        work = dist.isend(
-            message,
-            dst=self._global(transfer.dst),
-            group=self._members.group,
-            tag=self._meta_tag(transfer.boundary),
-        )
-        self._peers[transfer.dst].sends.append((work, message, transfer))
+        self._post_send(transfer, meta.encode().to(self._device), self._meta_tag(transfer.boundary))
         self._layouts[transfer.boundary] = meta
+
+    def _post_send(self, transfer: Transfer, payload: Tensor, tag: int) -> None:
+        """Post one send of ``transfer``'s; :meth:`finish` completes it."""
+        work = dist.isend(
+            payload, dst=self._global(transfer.dst), group=self._members.group, tag=tag
+        )
+        self._peers[transfer.dst].sends.append((work, payload, transfer))
 
     def _tag(self, transfer: Transfer, index: int) -> int:
         code = _TAG_CODE[transfer.direction]
