@@ -28,7 +28,7 @@ from twobp.viz.png import render_png
 # A recomputation of a stage's forward output: after its own F, and after
 # that of the stage before it (on another rank: a transfer away).
 RECOMPUTE = KindSpec(
-    "R", "recompute", needs=(Need("F"), Need("R", -1)), makes=("R",), cost="forward"
+    "X", "recompute", needs=(Need("F"), Need("X", -1)), makes=("X",), cost="forward"
 )
 
 
@@ -45,13 +45,14 @@ def make(rows: list[str], n_microbatches: int = 1, name: str = "hand") -> Schedu
 
 
 def test_every_built_in_kind_has_one_entry():
-    assert list(KINDS) == ["F", "I", "W", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert list(KINDS) == ["F", "I", "W", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
     assert {Kind(code) for code in KINDS} == set(Kind)
     cost_fields = {f.name for f in dataclasses.fields(CostModel)}
     made = {tag for spec in KINDS.values() for tag in spec.makes}
     for code, spec in KINDS.items():
         assert spec.code == code
         assert spec.is_compute == (spec.cost is not None) == (spec.link is None), code
+        assert spec.background == (code == "R"), code
         assert spec.cost is None or spec.cost in cost_fields, code
         assert all(need.tag in made for need in spec.needs), code
         assert all(need.via is None or need.via in KINDS for need in spec.needs), code
@@ -70,47 +71,47 @@ def test_rules_read_from_the_table():
 
 
 def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(recompute, tmp_path):
-    assert Kind("R") is recompute and recompute.is_compute
-    assert str(Action.parse("1R0")) == "1R0" and kind_label(recompute) == "recompute"
-    s = make(["0F0 0R0 0B0", "1F0 1R0 1B0"])
+    assert Kind("X") is recompute and recompute.is_compute
+    assert str(Action.parse("1X0")) == "1X0" and kind_label(recompute) == "recompute"
+    s = make(["0F0 0X0 0B0", "1F0 1X0 1B0"])
 
     validate(s)
     assert [[str(a) if a else "." for a in row] for row in dry_run(s)] == [
         ["0F0", "."],
-        ["0R0", "1F0"],
-        [".", "1R0"],
+        ["0X0", "1F0"],
+        [".", "1X0"],
         [".", "1B0"],
         ["0B0", "."],
     ]
-    with pytest.raises(ScheduleError, match=r"rank 1 lists 1R0 \(its action #0\) before 1F0"):
-        validate(make(["0F0 0R0 0B0", "1R0 1F0 1B0"]))
+    with pytest.raises(ScheduleError, match=r"rank 1 lists 1X0 \(its action #0\) before 1F0"):
+        validate(make(["0F0 0X0 0B0", "1X0 1F0 1B0"]))
 
-    # R costs a forward (1); a transfer takes 0.5, also for 0R0 -> 1R0.
+    # R costs a forward (1); a transfer takes 0.5, also for 0X0 -> 1X0.
     costs = CostModel.uniform(2, send_latency=0.5)
     result = simulate(s, costs)
     assert [(str(x.action), x.start, x.end) for x in result.spans] == [
         ("0F0", 0.0, 1.0),
-        ("0R0", 1.0, 2.0),
+        ("0X0", 1.0, 2.0),
         ("0B0", 6.0, 8.0),
         ("1F0", 1.5, 2.5),
-        ("1R0", 2.5, 3.5),
+        ("1X0", 2.5, 3.5),
         ("1B0", 3.5, 5.5),
     ]
     shared = simulate(s, dataclasses.replace(costs, contention=1.5))
-    assert {str(x.action) for x in shared.spans} == {"0F0", "0R0", "0B0", "1F0", "1R0", "1B0"}
+    assert {str(x.action) for x in shared.spans} == {"0F0", "0X0", "0B0", "1F0", "1X0", "1B0"}
     assert shared.makespan > result.makespan
 
     grid = render_ascii(result.spans, title="recompute")
-    assert grid.splitlines()[1].split("|")[1].split() == ["F0", "R0", ".", ".", ".", ".", "B0~~~"]
+    assert grid.splitlines()[1].split("|")[1].split() == ["F0", "X0", ".", ".", ".", ".", "B0~~~"]
     assert render_png(result.spans, tmp_path / "r.png").stat().st_size > 0
 
 
 def test_a_declared_kind_takes_part_in_deadlocks(recompute):
-    # 1R0 needs 0R0, listed after 0B0, which needs 1B0, listed after 1R0.
-    s = make(["0F0 0B0 0R0", "1F0 1R0 1B0"])
-    with pytest.raises(DeadlockError, match=r"rank 1 is stuck at 1R0 .* waits for 0R0 \(rank 0"):
+    # 1X0 needs 0X0, listed after 0B0, which needs 1B0, listed after 1X0.
+    s = make(["0F0 0B0 0X0", "1F0 1X0 1B0"])
+    with pytest.raises(DeadlockError, match=r"rank 1 is stuck at 1X0 .* waits for 0X0 \(rank 0"):
         dry_run(s)
-    with pytest.raises(DeadlockError, match=r"waits for 0R0 \(rank 0, its action #2"):
+    with pytest.raises(DeadlockError, match=r"waits for 0X0 \(rank 0, its action #2"):
         simulate(s, CostModel.uniform(2))
 
 
@@ -119,14 +120,14 @@ def test_registering_checks_the_entry_and_unregistering_forgets_it():
         register_kind(dataclasses.replace(RECOMPUTE, code="F"))
     with pytest.raises(ValueError, match="upper-case"):
         register_kind(dataclasses.replace(RECOMPUTE, code="r"))
-    with pytest.raises(ValueError, match="cost of kind R"):
+    with pytest.raises(ValueError, match="cost of kind X"):
         register_kind(dataclasses.replace(RECOMPUTE, cost="recompute"))
     with pytest.raises(ValueError, match="built in"):
         unregister_kind(Kind.FORWARD)
     kind = register_kind(RECOMPUTE)
     unregister_kind(kind)
-    assert "R" not in KINDS
+    assert "X" not in KINDS
     with pytest.raises(ValueError):
-        Action.parse("0R0")
+        Action.parse("0X0")
     with pytest.raises(ValueError):
-        Kind("R")
+        Kind("X")

@@ -50,6 +50,8 @@ def all_schedules():
     for name in sorted(SCHEDULES):
         for p in range(1, 5):
             for m in (p, 2 * p):
+                if name == "chimera" and (p % 2 or m % 2):
+                    continue  # two pipelines: p and m even
                 for policy in (None, "eager", "paper"):
                     yield apply_two_bp(generate(name, p, m), policy)
 
@@ -71,7 +73,7 @@ def test_without_contention_the_fluid_run_matches_the_fixed_one():
         assert_same_timeline(fluid, fixed)
         assert fluid.peak_memory == fixed.peak_memory
         count += 1
-    assert count == len(SCHEDULES) * 4 * 2 * 3
+    assert count == (len(SCHEDULES) - 1) * 4 * 2 * 3 + 2 * 2 * 3  # chimera: p = 2, 4
 
 
 def test_zero_time_actions_end_at_once():
@@ -171,7 +173,7 @@ def test_deadlock_and_repeated_work_are_reported_as_without_contention():
     assert str(shared.value) == str(fixed.value)
     with pytest.raises(ValueError, match="repeats work"):
         simulate(make([0], 2, {0: "0F0 0F1 0F1"}), CostModel.uniform(1, contention=2.0))
-    with pytest.raises(ValueError, match=r"for_stages\(3\)"):
+    with pytest.raises(ValueError, match=r"for_schedule\(3, 1\)"):
         simulate(generate("gpipe", 3, 3), costs)
 
 

@@ -147,7 +147,7 @@ def test_repeated_work_is_an_error():
 
 
 def test_cost_model_must_match_stage_count():
-    with pytest.raises(ValueError, match=r"for_stages\(2\)"):
+    with pytest.raises(ValueError, match=r"for_schedule\(2, 1\)"):
         simulate(gpipe(2, 1), CostModel.uniform(3))
 
 

@@ -38,7 +38,11 @@ class Span:
 
 def busy_time(spans: Iterable[Span], rank: int) -> float:
     """Total compute time (F, B, I, W) of ``rank``; communication does not count."""
-    return sum(s.duration for s in spans if s.rank == rank and s.action.kind.is_compute)
+    return sum(
+        s.duration
+        for s in spans
+        if s.rank == rank and s.action.kind.is_compute and not kind_spec(s.action.kind).background
+    )
 
 
 def makespan(spans: Sequence[Span]) -> float:

@@ -6,8 +6,9 @@ order, an empty cell for nothing (torch writes its idle steps that way)::
     0F0,0F1,0B0,0B1
     1F0,1B0,1F1,1B1
 
-No header: the placement (stage ``s`` lives on the rank whose row lists it)
-and the number of micro-batches (one more than the largest index) follow
+No header: the placement (stage ``s`` lives on the rank whose row lists it),
+the number of micro-batches (one more than the largest index) and of
+pipelines (the micro-batches over those stage 0 runs: 2 for Chimera) follow
 from the actions. This reads torch's compute-only CSVs, with looped or
 V-shaped placements alike, and writes files torch reads back, as long as the
 schedule has no concatenated ``W`` (``0W0-3`` is this project's extension).
@@ -86,7 +87,11 @@ def from_rows(
     if placement is None:
         placement = _infer_placement(actions, name)
     n_microbatches = 1 + max(m for acts in actions.values() for a in acts for m in a.microbatches)
-    return Schedule(tuple(placement), n_microbatches, actions, name)
+    first = {m for acts in actions.values() for a in acts if a.stage == 0 for m in a.microbatches}
+    pipelines = n_microbatches // len(first) if first and not n_microbatches % len(first) else 1
+    if len(placement) % pipelines:
+        pipelines = 1
+    return Schedule(tuple(placement), n_microbatches, actions, name, pipelines)
 
 
 def save_csv(schedule: Schedule, path: str | Path, *, aligned: bool = False) -> None:

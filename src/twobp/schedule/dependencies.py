@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from twobp.schedule.action import Action
 from twobp.schedule.errors import ScheduleError
 from twobp.schedule.kinds import KINDS, kind_spec
-from twobp.schedule.schedule import Schedule
+from twobp.schedule.schedule import Schedule, neighbour
 
 Key = tuple[int, str, int]
 """A result of an action: ``(stage, tag, micro-batch)``."""
@@ -35,7 +35,9 @@ def produces(action: Action) -> tuple[Key, ...]:
     )
 
 
-def requires(action: Action, placement: Sequence[int], lowered: bool) -> tuple[Key, ...]:
+def requires(
+    action: Action, placement: Sequence[int], lowered: bool, n_pipelines: int = 1
+) -> tuple[Key, ...]:
     """The results that must exist before ``action`` can run.
 
     Args:
@@ -43,6 +45,8 @@ def requires(action: Action, placement: Sequence[int], lowered: bool) -> tuple[K
         placement: the rank of each stage.
         lowered: whether transfers between ranks go through transfer
             actions (then the consumer waits for its receive).
+        n_pipelines: the pipelines the stages form; a need on a stage of
+            another pipeline (past an end of the action's own) is no need.
 
     Returns:
         The keys of the required results, in the order of the table's needs.
@@ -50,8 +54,8 @@ def requires(action: Action, placement: Sequence[int], lowered: bool) -> tuple[K
     s = action.stage
     out: list[Key] = []
     for need in kind_spec(action.kind).needs:
-        other = s + need.offset
-        if not 0 <= other < len(placement):
+        other = neighbour(s, need.offset, len(placement), n_pipelines)
+        if other is None:
             continue
         via = need.via if lowered and placement[other] != placement[s] else None
         for m in action.microbatches:

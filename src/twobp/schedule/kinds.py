@@ -28,6 +28,13 @@ The table, with ``S`` stages, ``s`` a stage, ``m`` a micro-batch::
     RECV_F  SEND_F(s-1, m)                     RECV_F     -   (link s-1)
     SEND_B  BI(s, m)                           SEND_B     -   (link s-1)
     RECV_B  SEND_B(s+1, m)                     RECV_B     -   (link s+1)
+    R       W(s, m) for each m covered         R          reduce  (in the background)
+
+``R`` reduces a stage's weight gradients over the ranks that hold a replica
+of it (data parallel, Chimera's two pipelines, weights tied across stages):
+it covers every micro-batch of the stage, so it starts once the stage's last
+``W`` (or ``B``) is done, and runs *in the background*: its rank goes on at
+once while the all-reduce proceeds.
 
 ``BI`` is the gradient with respect to a stage's input. A new kind is one
 entry: :func:`register_kind` adds it, after which actions of that kind parse,
@@ -62,6 +69,8 @@ class Kind(str, Enum):
     """Send an input gradient to the previous stage."""
     RECV_B = "RECV_B"
     """Receive an output gradient from the next stage."""
+    REDUCE = "R"
+    """Reduce a stage's weight gradients over its replicas, in the background."""
 
     @property
     def is_compute(self) -> bool:
@@ -72,7 +81,7 @@ class Kind(str, Enum):
         return self.value
 
 
-COST_FIELDS = ("forward", "backward_input", "backward_weight", "backward_full")
+COST_FIELDS = ("forward", "backward_input", "backward_weight", "backward_full", "reduce")
 """The times per stage of ``twobp.sim.CostModel`` that a kind may take."""
 
 
@@ -108,6 +117,9 @@ class KindSpec:
             end; ``None`` for compute.
         several: whether one action may cover several micro-batches.
         colour: its colour in pictures, or ``None`` for a neutral one.
+        background: the kind runs beside its rank's compute (an asynchronous
+            collective): the rank goes on at once, and its result is there
+            ``cost`` later.
     """
 
     code: str
@@ -118,6 +130,7 @@ class KindSpec:
     link: int | None = None
     several: bool = False
     colour: str | None = None
+    background: bool = False
 
     @property
     def is_compute(self) -> bool:
@@ -147,6 +160,16 @@ _TABLE: dict[str, KindSpec] = {
             colour="#009E73",
         ),
         KindSpec("B", "backward", _BACKWARD_NEEDS, ("BI", "W"), "backward_full", colour="#CC79A7"),
+        KindSpec(
+            "R",
+            "gradient reduction (R)",
+            (Need("W"),),
+            ("R",),
+            "reduce",
+            several=True,
+            colour="#D55E00",
+            background=True,
+        ),
         KindSpec("SEND_F", "send_f", (Need("F"),), ("SEND_F",), link=+1),
         KindSpec("RECV_F", "recv_f", (Need("SEND_F", -1),), ("RECV_F",), link=-1),
         KindSpec("SEND_B", "send_b", (Need("BI"),), ("SEND_B",), link=-1),

@@ -21,6 +21,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import needed_by, produced_by
@@ -39,7 +41,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     Returns:
         The lowered schedule, with the same name.
     """
-    placement = schedule.placement
+    placement, pipelines = schedule.placement, schedule.n_pipelines
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
         out: list[Action] = []
@@ -47,12 +49,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             if not a.kind.is_compute:
                 continue
             # A receive before the action for each need that crosses ranks ...
-            for kind, transfer in needed_by(a, placement):
+            for kind, transfer in needed_by(a, placement, pipelines):
                 if not transfer.is_local:
                     out.append(Action(a.stage, kind, a.microbatches))
             out.append(a)
             # ... and a send after it for each result another rank needs.
-            for kind, transfer in produced_by(a, placement):
+            for kind, transfer in produced_by(a, placement, pipelines):
                 if not transfer.is_local:
                     out.append(Action(a.stage, kind, a.microbatches))
         actions[rank] = out
@@ -167,3 +169,46 @@ def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
         for r, acts in schedule.actions.items()
     }
     return schedule.with_actions(actions)
+
+
+def add_reductions(schedule: Schedule, stages: Iterable[int] | None = None) -> Schedule:
+    """Put a gradient reduction ``R`` right after each stage's last weight gradient.
+
+    ``R`` of stage ``s`` covers every micro-batch of its pipeline; it
+    starts, in the background, once the stage's last ``W`` (or ``B``) is
+    done. Reductions already present are replaced.
+
+    Args:
+        schedule: a compute schedule (fused or split), lowered or not.
+        stages: the stages that reduce (those held by several ranks); None: every stage.
+
+    Returns:
+        The schedule with its reductions, under the same name.
+    """
+    wanted = set(range(schedule.n_stages) if stages is None else stages)
+    makes_w = {Kind.FULL_BACKWARD, Kind.BACKWARD_WEIGHT}
+    actions: dict[int, list[Action]] = {}
+    for rank, acts in schedule.actions.items():
+        kept = [a for a in acts if a.kind is not Kind.REDUCE]
+        last = {a.stage: i for i, a in enumerate(kept) if a.kind in makes_w}
+        out: list[Action] = []
+        for i, a in enumerate(kept):
+            out.append(a)
+            if a.stage in wanted and last.get(a.stage) == i:
+                out.append(Action(a.stage, Kind.REDUCE, tuple(schedule.microbatches_of(a.stage))))
+        actions[rank] = out
+    return schedule.with_actions(actions)
+
+
+def without_reductions(schedule: Schedule) -> Schedule:
+    """The schedule without gradient reductions (the same object if it has none)."""
+    if not has_reductions(schedule):
+        return schedule
+    return schedule.with_actions(
+        {r: [a for a in acts if a.kind is not Kind.REDUCE] for r, acts in schedule.actions.items()}
+    )
+
+
+def has_reductions(schedule: Schedule) -> bool:
+    """True if the schedule lists gradient reductions (``R``)."""
+    return any(a.kind is Kind.REDUCE for acts in schedule.actions.values() for a in acts)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from twobp.schedule import generators, zero_bubble
+from twobp.schedule import chimera, generators, zero_bubble
 from twobp.schedule.schedule import Schedule
 
 
@@ -76,6 +76,15 @@ SCHEDULES: Mapping[str, ScheduleInfo] = MappingProxyType(
                 2,
                 None,
                 generators.interleaved_1f1b,
+            ),
+            ScheduleInfo(
+                "chimera",
+                "Chimera: two 1F1B pipelines in opposite directions, each rank holds a stage "
+                "of both; p and m even",
+                False,
+                1,
+                (1,),
+                _single(chimera.chimera),
             ),
             ScheduleInfo(
                 "zb-h1",

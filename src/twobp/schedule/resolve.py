@@ -18,7 +18,14 @@ from pathlib import Path
 
 from twobp.schedule._timing import Costs
 from twobp.schedule.csv_io import load_csv
-from twobp.schedule.lowering import compute_only, is_split, merge_backward
+from twobp.schedule.lowering import (
+    add_reductions,
+    compute_only,
+    has_reductions,
+    is_split,
+    merge_backward,
+    without_reductions,
+)
 from twobp.schedule.registry import SCHEDULES, generate
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
@@ -108,6 +115,9 @@ def resolve_schedule(
         )
     resolved = compute_only(resolved)
     validate(resolved)
+    # Reductions follow the last W of their stage: placed again once W is.
+    reduces = resolved.n_pipelines > 1 or has_reductions(resolved)
+    resolved = without_reductions(resolved)
     if two_bp and not is_split(resolved):
         resolved = apply_two_bp(resolved, policy, costs=costs)
     elif not two_bp and is_split(resolved):
@@ -118,5 +128,7 @@ def resolve_schedule(
                 f"two_bp=False, but {resolved.name or 'the schedule'} is split into I and W "
                 f"and cannot be merged back into B: {exc}"
             ) from exc
+    if reduces:
+        resolved = add_reductions(resolved)
     validate(resolved)
     return resolved

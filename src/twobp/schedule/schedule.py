@@ -21,16 +21,26 @@ class Schedule:
         n_microbatches: how many micro-batches one step covers.
         actions: for each rank, its actions in execution order.
         name: a label for pictures and reports (e.g. ``"1f1b+2bp:paper"``).
+        n_pipelines: how many pipelines the stages form (2 for Chimera). The
+            stages are numbered pipeline after pipeline: with ``S`` stages per
+            pipeline, stage ``s`` is stage ``s % S`` of the model in pipeline
+            ``s // S``, and the stages ``k``, ``S + k``, ... are replicas of
+            one another (one set of weights, their gradients reduced). Each
+            pipeline runs its own share of the micro-batches: pipeline ``k``
+            the ``k``-th of ``n_pipelines`` equal, consecutive parts.
 
     Raises:
-        ValueError: if a rank has no entry, or an action names a stage that
-            the rank does not own or a micro-batch out of range.
+        ValueError: if a rank has no entry, an action names a stage that the
+            rank does not own or a micro-batch out of range (or of another
+            pipeline), or the stages or micro-batches do not divide among
+            the pipelines.
     """
 
     placement: tuple[int, ...]
     n_microbatches: int
     actions: Mapping[int, tuple[Action, ...]] = field(hash=False)
     name: str = ""
+    n_pipelines: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", tuple(self.placement))
@@ -43,6 +53,16 @@ class Schedule:
         ranks = sorted(set(self.placement))
         if ranks != list(range(len(ranks))):
             raise ValueError(f"placement {self.placement} must use ranks 0..n-1 without gaps")
+        if self.n_pipelines < 1 or len(self.placement) % self.n_pipelines:
+            raise ValueError(
+                f"{len(self.placement)} stages do not form {self.n_pipelines} pipelines of equal "
+                "length"
+            )
+        if self.n_microbatches % self.n_pipelines:
+            raise ValueError(
+                f"{self.n_microbatches} micro-batches do not divide among {self.n_pipelines} "
+                "pipelines: use a multiple of the number of pipelines"
+            )
         missing = [r for r in ranks if r not in frozen]
         if missing:
             raise ValueError(f"schedule has no action list for rank(s) {missing}")
@@ -58,6 +78,13 @@ class Schedule:
                         f"rank {rank} lists {a}, but the schedule has only "
                         f"{self.n_microbatches} micro-batches"
                     )
+                own = self.microbatches_of(a.stage)
+                if a.microbatches[0] < own.start or a.microbatches[-1] >= own.stop:
+                    raise ValueError(
+                        f"rank {rank} lists {a}, but stage {a.stage} is in pipeline "
+                        f"{self.pipeline_of(a.stage)}, which runs micro-batches "
+                        f"{own.start}..{own.stop - 1}"
+                    )
 
     @property
     def n_stages(self) -> int:
@@ -68,6 +95,33 @@ class Schedule:
     def n_ranks(self) -> int:
         """Number of ranks."""
         return max(self.placement) + 1
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of one pipeline: the number of stages the model is cut into."""
+        return len(self.placement) // self.n_pipelines
+
+    def model_stage(self, stage: int) -> int:
+        """Which stage of the model ``stage`` runs (itself, with one pipeline)."""
+        return stage % self.pipeline_stages
+
+    def pipeline_of(self, stage: int) -> int:
+        """The pipeline ``stage`` belongs to."""
+        return stage // self.pipeline_stages
+
+    def neighbour(self, stage: int, offset: int) -> int | None:
+        """The stage ``offset`` places after ``stage`` in its pipeline, or None past its ends."""
+        return neighbour(stage, offset, len(self.placement), self.n_pipelines)
+
+    def microbatches_of(self, stage: int) -> range:
+        """The micro-batches that ``stage``'s pipeline runs."""
+        share = self.n_microbatches // self.n_pipelines
+        first = self.pipeline_of(stage) * share
+        return range(first, first + share)
+
+    def replicas_of(self, model_stage: int) -> tuple[int, ...]:
+        """The stages that run ``model_stage`` of the model, one per pipeline."""
+        return tuple(k * self.pipeline_stages + model_stage for k in range(self.n_pipelines))
 
     def rank_of(self, stage: int) -> int:
         """The rank that owns ``stage``."""
@@ -86,13 +140,31 @@ class Schedule:
             self.n_microbatches,
             {r: tuple(a) for r, a in actions.items()},
             self.name if name is None else name,
+            self.n_pipelines,
         )
 
     def __str__(self) -> str:
         lines = [
             f"{self.name or 'schedule'}: {self.n_ranks} ranks, {self.n_stages} stages, "
             f"{self.n_microbatches} micro-batches"
+            + (f", {self.n_pipelines} pipelines" if self.n_pipelines > 1 else "")
         ]
         for rank, acts in self.actions.items():
             lines.append(f"  rank {rank}: " + " ".join(str(a) for a in acts))
         return "\n".join(lines)
+
+
+def neighbour(stage: int, offset: int, n_stages: int, n_pipelines: int = 1) -> int | None:
+    """The stage ``offset`` after ``stage`` in the same pipeline, or None past its ends.
+
+    Args:
+        stage: a stage.
+        offset: how many stages later (negative: earlier).
+        n_stages: stages of the whole schedule.
+        n_pipelines: pipelines they form (see :class:`Schedule`).
+    """
+    length = n_stages // n_pipelines
+    other = stage + offset
+    if not 0 <= other < n_stages or other // length != stage // length:
+        return None
+    return other

@@ -28,7 +28,7 @@ from enum import Enum
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import KINDS, kind_spec
-from twobp.schedule.schedule import Schedule
+from twobp.schedule.schedule import Schedule, neighbour
 from twobp.schedule.validate import dry_run
 
 
@@ -104,17 +104,22 @@ class CommPlan:
     peers: Mapping[int, tuple[PairOp, ...]]
 
 
-def needed_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | None:
+def needed_transfer(
+    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
+) -> Transfer | None:
     """The transfer ``action`` consumes (local or remote), or None.
 
     ``F`` of stage ``s > 0`` consumes the activation from ``s-1``; ``B``/``I``
-    of a stage before the last consume the gradient from ``s+1``.
+    of a stage before the last consume the gradient from ``s+1`` (stages of
+    the same pipeline, when the schedule has several).
     """
-    found = needed_by(action, placement)
+    found = needed_by(action, placement, n_pipelines)
     return found[0][1] if found else None
 
 
-def needed_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, Transfer]]:
+def needed_by(
+    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
+) -> list[tuple[Kind, Transfer]]:
     """Each transfer ``action`` consumes, with the receive kind that carries it across ranks.
 
     Read from the table of kinds: the needs that a receive carries (``via``)
@@ -123,23 +128,27 @@ def needed_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, Tr
     s = action.stage
     out = []
     for need in kind_spec(action.kind).needs:
-        other = s + need.offset
-        if need.via is not None and need.offset != 0 and 0 <= other < len(placement):
+        other = neighbour(s, need.offset, len(placement), n_pipelines)
+        if need.via is not None and need.offset != 0 and other is not None:
             out.append((Kind(need.via), _between(s, other, action.microbatch, placement, into=s)))
     return out
 
 
-def produced_transfer(action: Action, placement: tuple[int, ...]) -> Transfer | None:
+def produced_transfer(
+    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
+) -> Transfer | None:
     """The transfer ``action`` produces (local or remote), or None.
 
     Read from the table: a result of ``action`` that a send kind carries to
     a stage that exists.
     """
-    found = produced_by(action, placement)
+    found = produced_by(action, placement, n_pipelines)
     return found[0][1] if found else None
 
 
-def produced_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, Transfer]]:
+def produced_by(
+    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
+) -> list[tuple[Kind, Transfer]]:
     """Each transfer ``action`` produces, with the send kind that carries it across ranks."""
     s = action.stage
     spec = kind_spec(action.kind)
@@ -148,13 +157,13 @@ def produced_by(action: Action, placement: tuple[int, ...]) -> list[tuple[Kind, 
         link = sender.link
         if link is None or not sender.needs or sender.needs[0].offset != 0:
             continue  # not a send
-        other = s + link
-        if sender.needs[0].tag in spec.makes and 0 <= other < len(placement):
+        other = neighbour(s, link, len(placement), n_pipelines)
+        if sender.needs[0].tag in spec.makes and other is not None:
             out.append((Kind(code), _between(s, other, action.microbatch, placement, into=other)))
     return out
 
 
-def transfer_of(action: Action, placement: tuple[int, ...]) -> Transfer:
+def transfer_of(action: Action, placement: tuple[int, ...], n_pipelines: int = 1) -> Transfer:
     """The transfer a communication action (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) moves.
 
     Raises:
@@ -165,8 +174,8 @@ def transfer_of(action: Action, placement: tuple[int, ...]) -> Transfer:
     s = action.stage
     if spec.link is None:
         raise ValueError(f"{action} is not a transfer")
-    other = s + spec.link
-    if not 0 <= other < len(placement):
+    other = neighbour(s, spec.link, len(placement), n_pipelines)
+    if other is None:
         raise ValueError(f"{action} moves nothing: stage {action.stage} has no such neighbour")
     sends = bool(spec.needs) and spec.needs[0].offset == 0
     return _between(s, other, action.microbatch, placement, into=other if sends else s)
@@ -181,9 +190,7 @@ def _between(
     """
     source = other if into == stage else stage
     direction = Direction.ACTIVATION if into > source else Direction.GRADIENT
-    return Transfer(
-        direction, min(stage, other), microbatch, placement[source], placement[into]
-    )
+    return Transfer(direction, min(stage, other), microbatch, placement[source], placement[into])
 
 
 def plan_communication(schedule: Schedule, rank: int) -> CommPlan:
@@ -204,7 +211,7 @@ def plan_communication(schedule: Schedule, rank: int) -> CommPlan:
         for col, action in enumerate(row):
             if action is None or not action.kind.is_compute:
                 continue
-            transfer = produced_transfer(action, schedule.placement)
+            transfer = produced_transfer(action, schedule.placement, schedule.n_pipelines)
             if transfer is not None and not transfer.is_local:
                 produced.append((step, col, transfer))
     produced.sort(key=lambda item: (item[0], item[1]))

@@ -103,7 +103,7 @@ def _check_coverage(schedule: Schedule) -> None:
     placement, n_stages = schedule.placement, schedule.n_stages
     for s in range(n_stages):
         rank = placement[s]
-        for m in range(schedule.n_microbatches):
+        for m in schedule.microbatches_of(s):
             f, b = count(s, Kind.FORWARD, m), count(s, Kind.FULL_BACKWARD, m)
             i, w = count(s, Kind.BACKWARD_INPUT, m), count(s, Kind.BACKWARD_WEIGHT, m)
             if f != 1:
@@ -131,6 +131,7 @@ def _check_coverage(schedule: Schedule) -> None:
                         f"stage {s} micro-batch {m} on rank {rank}: expected one {s}I{m} and one "
                         f"W covering micro-batch {m}, found {i} I and {w} W"
                     )
+    problems.extend(_reduction_problems(schedule, seen))
     if is_lowered(schedule):
         problems.extend(_communication_problems(schedule, seen))
     if problems:
@@ -142,13 +143,33 @@ def _check_coverage(schedule: Schedule) -> None:
         )
 
 
+def _reduction_problems(
+    schedule: Schedule, seen: Mapping[tuple[int, Kind, int], list[tuple[int, int]]]
+) -> list[str]:
+    """A stage's gradient reduction, where listed, covers its micro-batches once."""
+    problems: list[str] = []
+    reduce = Kind.REDUCE
+    for s in range(schedule.n_stages):
+        own = schedule.microbatches_of(s)
+        counts = [len(seen.get((s, reduce, m), ())) for m in own]
+        if not any(counts):
+            continue
+        if set(counts) != {1}:
+            problems.append(
+                f"stage {s}: its gradient reduction must be one {s}R{own.start}-{own.stop - 1} "
+                f"covering every micro-batch of its pipeline ({own.start}..{own.stop - 1}); "
+                f"found {sum(counts)} R entries"
+            )
+    return problems
+
+
 def _communication_problems(
     schedule: Schedule, seen: Mapping[tuple[int, Kind, int], list[tuple[int, int]]]
 ) -> list[str]:
     placement, n_stages = schedule.placement, schedule.n_stages
 
     def crosses(a: int, b: int) -> bool:
-        return 0 <= a < n_stages and 0 <= b < n_stages and placement[a] != placement[b]
+        return schedule.neighbour(a, b - a) is not None and placement[a] != placement[b]
 
     problems: list[str] = []
     for (stage, kind, m), spots in seen.items():
@@ -158,7 +179,7 @@ def _communication_problems(
         if not crosses(stage, stage + link):
             problems.append(
                 f"{stage}{kind.value}{m} on rank {spots[0][0]} is not a transfer between two "
-                f"ranks (stage {stage + link} does not exist or is on the same rank): "
+                f"ranks (stage {stage + link} is not its neighbour or is on the same rank): "
                 "remove it"
             )
         elif len(spots) > 1:
@@ -169,7 +190,7 @@ def _communication_problems(
     for s in range(n_stages - 1):
         if not crosses(s, s + 1):
             continue
-        for m in range(schedule.n_microbatches):
+        for m in schedule.microbatches_of(s):
             for kind, link in transfers:
                 stage = s if link > 0 else s + 1
                 if (stage, kind, m) not in seen:
@@ -186,7 +207,7 @@ def _check_rank_order(schedule: Schedule) -> None:
     producer = index_producers(schedule, lowered)
     for rank, acts in schedule.actions.items():
         for i, a in enumerate(acts):
-            for k in requires(a, schedule.placement, lowered):
+            for k in requires(a, schedule.placement, lowered, schedule.n_pipelines):
                 made_by = producer.get(k)
                 if made_by is not None and made_by[0] == rank and made_by[1] > i:
                     j = made_by[1]

@@ -16,6 +16,9 @@ and both simulators are this walk with other durations:
 * ``twobp.sim.contention``: the same with a ``slowdown`` that depends on how
   many ranks compute at once.
 
+An action of a *background* kind (``R``, an asynchronous all-reduce) takes
+its time beside its rank's compute: the rank goes on at once.
+
 Two clocks. With fixed durations an action ends ``duration(action)`` after
 it starts, and actions run in order of start time (ties: lower rank first).
 With a ``slowdown``, ``k`` ranks computing at once each progress at
@@ -39,6 +42,7 @@ from twobp.schedule.dependencies import (
     requires,
 )
 from twobp.schedule.errors import DeadlockError, format_grid
+from twobp.schedule.kinds import kind_spec
 from twobp.schedule.schedule import Schedule
 
 # An action whose work left is below this fraction of its work is done: float
@@ -109,7 +113,7 @@ class Walker:
         # Per rank, what it walks: (index in its list, action, what it requires).
         self._lists = {
             r: [
-                (i, a, requires(a, schedule.placement, lowered))
+                (i, a, requires(a, schedule.placement, lowered, schedule.n_pipelines))
                 for i, a in enumerate(schedule.actions[r])
                 if lowered or a.kind.is_compute
             ]
@@ -181,7 +185,8 @@ class Walker:
         last = self._runs[rank][-1].step if self._runs[rank] else -1
         step = max([last, *steps]) + 1
         self._runs[rank].append(Run(action, start, end, step))
-        self._free[rank] = end
+        # A background action (a gradient reduction) leaves its rank free at once.
+        self._free[rank] = start if kind_spec(action.kind).background else end
         for key in produces(action):
             self._made[key] = (end, step)
 
@@ -213,7 +218,8 @@ class Walker:
         return Walk(self.ranks, {r: tuple(runs) for r, runs in self._runs.items()})
 
     def _requires(self, action: Action) -> tuple[Key, ...]:
-        return requires(action, self._schedule.placement, self._lowered)
+        schedule = self._schedule
+        return requires(action, schedule.placement, self._lowered, schedule.n_pipelines)
 
     def _index(self, rank: int) -> int:
         """The index in its list of the next action of ``rank`` (its length when done)."""
@@ -234,7 +240,8 @@ class Walker:
             for rank in self.ranks:
                 total = [0.0]
                 for a in self._schedule.actions[rank]:
-                    total.append(total[-1] + self._duration(a))
+                    busy = not kind_spec(a.kind).background
+                    total.append(total[-1] + (self._duration(a) if busy else 0.0))
                 self._prefix[rank] = total
         return self._prefix
 
@@ -348,7 +355,9 @@ def _walk_shared(
                     continue
                 action = walker.take(rank)
                 work = duration(action)
-                if work > 0:
+                if kind_spec(action.kind).background:
+                    walker.finish(rank, action, now, now + work)
+                elif work > 0:
                     running[rank] = _Running(action, now, work, work)
                 else:
                     walker.finish(rank, action, now, now)

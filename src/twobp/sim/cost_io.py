@@ -72,6 +72,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "activation_bytes": list(costs.activation_bytes or ()),
         "weight_grad_bytes": list(costs.weight_grad_bytes or ()),
         "parameter_bytes": list(costs.parameter_bytes or ()),
+        "reduce": list(costs.reduce or ()),
         "contention": costs.contention,
         "meta": dict(costs.meta),
     }
@@ -118,6 +119,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         activation_bytes=_opt(doc.get("activation_bytes")),
         weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
         parameter_bytes=_opt(doc.get("parameter_bytes")),
+        reduce=_opt(doc.get("reduce")),
         contention=1.0 if contention is None else float(contention),
         meta=dict(doc.get("meta") or {}),
     )

@@ -22,6 +22,11 @@ per micro-batch, forward (activations) and backward (their gradients) alike;
 a transfer between different ranks takes ``send_latency + bytes / bandwidth``,
 one on the same rank takes no time.
 
+Reduction: a stage held by several ranks (data parallel, Chimera's two
+pipelines) reduces its weight gradients over them once per step, in the
+background (the ``R`` action); ``reduce[s]`` is the time of that all-reduce.
+:func:`allreduce_time` gives it for a ring over ``n`` ranks.
+
 Contention: ranks that compute at the same time may slow each other (on a
 CPU they share cores, caches and memory bandwidth). ``contention`` is how many
 times longer a compute action takes while every rank of the pipeline computes
@@ -84,6 +89,8 @@ class CostModel:
         activation_bytes: bytes per micro-batch held from ``F`` until ``I``/``B``.
         weight_grad_bytes: bytes per micro-batch held from ``I`` until ``W``.
         parameter_bytes: bytes held all the time, per stage.
+        reduce: time of the all-reduce of a stage's weight gradients over its
+            replicas (the ``R`` action, in the background); default 0.
         contention: how many times longer a compute action takes while every
             rank of the pipeline computes at once than while its rank
             computes alone; with ``k`` of ``n`` ranks computing, each runs
@@ -109,6 +116,7 @@ class CostModel:
     activation_bytes: PerStage | None = None
     weight_grad_bytes: PerStage | None = None
     parameter_bytes: PerStage | None = None
+    reduce: PerStage | None = None
     contention: float = 1.0
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -132,6 +140,7 @@ class CostModel:
             ("activation_bytes", (1.0,) * n),
             ("weight_grad_bytes", (1.0,) * n),
             ("parameter_bytes", zeros),
+            ("reduce", zeros),
         ):
             value = getattr(self, name)
             set_(self, name, _per_stage(name, default if value is None else value, n))
@@ -280,7 +289,68 @@ class CostModel:
             activation_bytes=cut(self.activation_bytes),
             weight_grad_bytes=cut(self.weight_grad_bytes),
             parameter_bytes=cut(self.parameter_bytes),
+            reduce=cut(self.reduce),
         )
+
+    def tile(self, copies: int) -> CostModel:
+        """The stages repeated ``copies`` times: the costs of a schedule of
+        ``copies`` pipelines whose stages are numbered pipeline after pipeline.
+
+        Raises:
+            ValueError: if ``copies < 1``.
+        """
+        if copies < 1:
+            raise ValueError(f"cannot tile a cost model {copies} times; use >= 1")
+        if copies == 1:
+            return self
+
+        def rep(values: PerStage | None) -> PerStage:
+            assert values is not None
+            return tuple(values) * copies
+
+        concat = None if self.weight_concat is None else tuple(self.weight_concat) * copies
+        return replace(
+            self,
+            forward=rep(self.forward),
+            backward_input=rep(self.backward_input),
+            backward_weight=rep(self.backward_weight),
+            backward_full=rep(self.backward_full),
+            weight_concat=concat,
+            send_bytes=rep(self.send_bytes),
+            activation_bytes=rep(self.activation_bytes),
+            weight_grad_bytes=rep(self.weight_grad_bytes),
+            parameter_bytes=rep(self.parameter_bytes),
+            reduce=rep(self.reduce),
+        )
+
+    def with_reduction(self, replicas: int, gradient_bytes: Sequence[float]) -> CostModel:
+        """This model with the time of each stage's gradient all-reduce over ``replicas`` ranks.
+
+        Args:
+            replicas: ranks that hold each stage (data parallel degree, times
+                2 under Chimera).
+            gradient_bytes: bytes of each stage's weight gradients.
+
+        Raises:
+            ValueError: if ``gradient_bytes`` has not one entry per stage.
+        """
+        sizes = _per_stage("gradient_bytes", gradient_bytes, self.n_stages)
+        return replace(
+            self,
+            reduce=tuple(
+                allreduce_time(b, replicas, self.bandwidth, self.send_latency) for b in sizes
+            ),
+        )
+
+    def for_schedule(self, n_stages: int, n_pipelines: int = 1) -> CostModel:
+        """This model fitted to a schedule of ``n_stages`` stages in ``n_pipelines`` pipelines.
+
+        Each pipeline gets the model's stages (see :meth:`for_stages`).
+
+        Raises:
+            ValueError: if a pipeline's stage count is not a multiple of the model's stages.
+        """
+        return self.for_stages(n_stages // n_pipelines).tile(n_pipelines)
 
     def for_stages(self, n_stages: int) -> CostModel:
         """This model fitted to a schedule of ``n_stages`` stages.
@@ -334,3 +404,14 @@ def _interpolate(table: Mapping[int, float], n: int) -> float:
             return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
     (n0, t0), (n1, t1) = points[-2], points[-1]
     return max(0.0, t1 + (t1 - t0) * (n - n1) / (n1 - n0))
+
+
+def allreduce_time(nbytes: float, n_ranks: int, bandwidth: float, latency: float) -> float:
+    """Time of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks.
+
+    ``2 (n - 1)`` steps, each moving ``nbytes / n`` per rank and paying the
+    latency once: ``2 (n - 1) (latency + nbytes / (n * bandwidth))``; 0 for one rank.
+    """
+    if n_ranks <= 1:
+        return 0.0
+    return 2 * (n_ranks - 1) * (latency + nbytes / (n_ranks * bandwidth))

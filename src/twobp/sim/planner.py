@@ -40,7 +40,7 @@ def build_schedule(
         ValueError: if the schedule, the policy or the costs do not fit together.
     """
     schedule = generate(name, n_ranks, n_microbatches, stages_per_rank=stages_per_rank)
-    fitted = costs.for_stages(schedule.n_stages)
+    fitted = costs.for_schedule(schedule.n_stages, schedule.n_pipelines)
     if two_bp != NO_TWO_BP:
         schedule = apply_two_bp(schedule, two_bp, costs=fitted)
     return schedule, fitted

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from twobp.schedule.kinds import Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
@@ -101,8 +102,31 @@ def simulated(
         raise ValueError(
             f"the cost model has {costs.n_stages} stages but schedule "
             f"{schedule.name or ''!r} has {schedule.n_stages}; fit it with "
-            f"costs.for_stages({schedule.n_stages})"
+            f"costs.for_schedule({schedule.n_stages}, {schedule.n_pipelines})"
         )
     walked = walk(schedule, costs.duration, transfer=costs.transfer_time, slowdown=slowdown)
     spans = [Span(r, x.action, x.start, x.end) for r, runs in walked.runs.items() for x in runs]
-    return summarise(schedule, costs, spans)
+    return summarise(schedule, costs, reductions_met(schedule, costs, spans))
+
+
+def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> list[Span]:
+    """The spans with each gradient reduction ending when its all-reduce can.
+
+    The replicas of a stage in the schedule (Chimera's two pipelines) reduce
+    together: the all-reduce starts once the last of them has issued its ``R``
+    and takes ``costs.reduce`` from then. (Replicas in other copies of the
+    pipeline, under data parallelism, run the same schedule: they issue theirs
+    at the same time.)
+    """
+    issued: dict[int, float] = {}
+    for span in spans:
+        if span.action.kind is Kind.REDUCE:
+            model = schedule.model_stage(span.action.stage)
+            issued[model] = max(issued.get(model, span.start), span.start)
+    out = []
+    for span in spans:
+        if span.action.kind is Kind.REDUCE:
+            start = issued[schedule.model_stage(span.action.stage)]
+            span = Span(span.rank, span.action, span.start, start + costs.duration(span.action))
+        out.append(span)
+    return out
