@@ -43,8 +43,10 @@ class Case:
 
 def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
     """Pass a batch only to the rank that needs it, as a user may."""
-    first, last = 0, pipe.schedule.n_stages - 1
-    return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
+    schedule = pipe.schedule
+    held = {schedule.model_stage(s) for s in pipe.stages}
+    first, last = 0, schedule.pipeline_stages - 1
+    return (inputs if first in held else None, targets if last in held else None)
 
 
 def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline:

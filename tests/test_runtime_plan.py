@@ -100,8 +100,7 @@ def test_pair_orders_agree_and_follow_each_rank(name, p, m, policy):
             assert sends == sorted(sends), "sends must follow the rank's own action order"
             remote += len(ops)
     crossings = sum(
-        schedule.neighbour(s, 1) is not None
-        and schedule.placement[s] != schedule.placement[s + 1]
+        schedule.neighbour(s, 1) is not None and schedule.placement[s] != schedule.placement[s + 1]
         for s in range(schedule.n_stages - 1)
     )
     per_pipeline = m // schedule.n_pipelines

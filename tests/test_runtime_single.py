@@ -20,7 +20,7 @@ from runtime_models import (
 )
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline, PipelineConfigError
-from twobp.runtime.setup.stage_blocks import check_no_shared_parameters
+from twobp.runtime.setup.replicas import shared_parameters
 from twobp.schedule import SCHEDULES
 
 N_MB = 4
@@ -205,13 +205,18 @@ def test_the_example_trains_in_a_world_of_one():
     assert math.isfinite(example.train(steps=2))
 
 
-def test_weights_tied_across_ranks_are_refused():
+def test_parameters_shared_by_stages_are_found_with_every_name():
     shared = nn.Linear(2, 2)
     blocks = [nn.Sequential(shared), nn.Linear(2, 2), nn.Sequential(nn.ReLU(), shared)]
     ranges = (range(0, 1), range(1, 2), range(2, 3))
-    check_no_shared_parameters(blocks, ranges, (0, 0, 0))  # one rank: fine
-    with pytest.raises(PipelineConfigError, match=r"0\.0\.weight \(stage 0, rank 0\) is shared"):
-        check_no_shared_parameters(blocks, ranges, (0, 1, 1))
+    found = shared_parameters(blocks, ranges)
+    assert sorted(t.names for t in found.values()) == [
+        ("0.0.bias", "2.1.bias"),
+        ("0.0.weight", "2.1.weight"),
+    ]
+    assert {t.model_stages for t in found.values()} == {(0, 2)}
+    # Within one stage, sharing is no tie across stages.
+    assert shared_parameters(blocks, (range(0, 3),)) == {}
 
 
 def test_a_failed_step_leaves_the_pipeline_usable():

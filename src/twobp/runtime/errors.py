@@ -176,6 +176,8 @@ class LaunchError(PipelineError):
         elif first is not None and first.stack:
             lines += [f"stack of rank {first.rank} when it was terminated:", first.stack.rstrip()]
         super().__init__("\n".join(lines))
+
+
 def nonfinite_error(
     world_rank: int, step: int, loss: float, microbatch: int, rank: int
 ) -> NonFiniteLossError:
@@ -197,5 +199,3 @@ def nonfinite_error(
         step,
         loss,
     )
-
-

@@ -53,13 +53,21 @@ from twobp.runtime.execution.step_run import StepResult, StepRun
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.setup.agreement import agree, small_buffer
+from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
 from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
+from twobp.runtime.setup.replicas import local_aliases, shared_parameters
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action
-from twobp.schedule.lowering import add_communication, forward_only, split_stages
+from twobp.schedule.lowering import (
+    add_communication,
+    add_reductions,
+    forward_only,
+    has_reductions,
+    split_stages,
+)
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.timeline import Span
@@ -102,6 +110,14 @@ class Pipeline(PipelineState):
             ``torch.autocast(device type, autocast)``, e.g. ``torch.bfloat16``:
             float32 master weights, the 2BP engine's I and W in autocast's dtypes.
             None: no autocast.
+        data_parallel: run ``D`` copies of the pipeline on ``D x P`` ranks
+            (copy ``d`` on ranks ``d * P .. d * P + P - 1``); each copy passes
+            its own part of the global batch, ``n_microbatches`` counts the
+            micro-batches of that part, and each stage's gradients are
+            all-reduced over its copies by the schedule's ``R`` action, as
+            soon as the stage's last ``W`` is done. None: 1, or the mesh's.
+        mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` with dims
+            ``("dp", "pp")`` that lays out the copies instead.
         costs: the cost model by which the ``paper`` and ``fill`` policies place
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
@@ -140,6 +156,8 @@ class Pipeline(PipelineState):
         nonfinite: str = "raise",
         costs: CostsArgument = None,
         autocast: torch.dtype | None = None,
+        data_parallel: int | None = None,
+        mesh: Any = None,
     ) -> None:
         self._closed = False
         self.timeout = float(timeout)
@@ -162,6 +180,7 @@ class Pipeline(PipelineState):
                     f"rank {self.rank}: autocast={autocast}: {error}"
                 ) from None
         set_threads_per_rank(members.local_size, num_threads)
+        grid = data_parallel_grid(members, data_parallel, mesh)
         self.autocast = autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
         all_blocks = list(blocks)
@@ -179,13 +198,18 @@ class Pipeline(PipelineState):
             example_input=example_input,
             nonfinite=nonfinite,
             costs=costs,
+            n_ranks=len(grid[0]),
         )
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
-        self.topology = Topology.one_pipeline(members, self.schedule.placement)
-        """Which process runs each stage."""
+        self.topology = Topology.replicated(members, self.schedule, grid)
+        """Which process runs each stage, and which hold its replicas."""
         self.pp_rank = self.topology.pp_rank
         """This process's pipeline rank: its row of the schedule."""
+        self.dp_rank = self.topology.dp_rank
+        """Which copy of the pipeline this process belongs to (0 without data parallel)."""
+        self.dp_size = self.topology.dp_size
+        """How many copies of the pipeline run side by side."""
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = nonfinite
         self._weight_group_size = weight_group_size
@@ -195,6 +219,8 @@ class Pipeline(PipelineState):
         self.module = nn.Sequential()
         """This rank's blocks, named by their index in the whole model."""
         self.stages: dict[int, Stage] = {}
+        shared = shared_parameters(all_blocks, ranges)
+        self._aliases = local_aliases(shared, self._local_blocks(), all_blocks)
         problem: Exception | None = None
         try:
             self._build_stages(all_blocks, loss_fn)
@@ -203,6 +229,20 @@ class Pipeline(PipelineState):
         del all_blocks, blocks
         # A rank that fails here tells the others, instead of leaving them at the first step.
         agree(members, self.device, self.timeout, problem, "building the stages")
+        self._reducer = make_reducer(
+            members,
+            self.topology,
+            self.schedule,
+            {s: stage.module for s, stage in self.stages.items()},
+            shared,
+            self.timeout,
+        )
+        if self._reducer is not None and not has_reductions(self.schedule):
+            self.schedule = add_reductions(self.schedule)
+        self.written_blocks = frozenset(
+            i for s in self.topology.written_stages for i in ranges[self.schedule.model_stage(s)]
+        )
+        """The blocks whose entries this process writes to a checkpoint (one copy each)."""
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
         self._plan = plan_communication(self.schedule, self.pp_rank)
@@ -223,26 +263,33 @@ class Pipeline(PipelineState):
         """True if the last step's loss was not finite and its gradients were dropped."""
         close_at_exit(self)
 
+    def _local_blocks(self) -> list[int]:
+        """The indices of this rank's blocks, in model order."""
+        schedule, ranges = self.schedule, self.stage_blocks
+        mine = schedule.stages_of(self.pp_rank)
+        return sorted({i for s in mine for i in ranges[schedule.model_stage(s)]})
+
     def _build_stages(self, all_blocks: list[nn.Module], loss_fn: LossFn) -> None:
         """Keep this rank's blocks, on its device, as its stages."""
-        ranges = self.stage_blocks
-        mine = self.schedule.stages_of(self.pp_rank)
+        schedule, ranges = self.schedule, self.stage_blocks
         self.module = nn.Sequential(
-            OrderedDict((str(i), all_blocks[i]) for s in mine for i in ranges[s])
+            OrderedDict((str(i), all_blocks[i]) for i in self._local_blocks())
         ).to(self.device)
-        split = split_stages(self.schedule)
-        for s in mine:
+        split = split_stages(schedule)
+        for s in schedule.stages_of(self.pp_rank):
+            model_stage = schedule.model_stage(s)
             module = nn.Sequential(
-                OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[s])
+                OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[model_stage])
             )
             self.stages[s] = Stage(
                 s,
-                self.schedule.n_stages,
+                schedule.pipeline_stages,
                 module,
                 stage_gradients(module, split=s in split, label=f"rank {self.rank} stage {s}"),
                 loss_fn,
                 self.n_microbatches,
                 autocast=None if self.autocast is None else (self.device.type, self.autocast),
+                model_stage=model_stage,
             )
 
     # -- end of life -----------------------------------------------------------------
@@ -265,6 +312,8 @@ class Pipeline(PipelineState):
         forget(self)
         for stage in self.stages.values():
             stage.abandon_step()
+        if self._reducer is not None:
+            self._reducer.abandon()
         self._layouts = {}
         self._forward_plan = None
 
@@ -359,6 +408,8 @@ class Pipeline(PipelineState):
     def _prepare(
         self, inputs: Batch | None, targets: Batch | None, training: bool
     ) -> tuple[list[Batch] | None, list[Batch] | None]:
+        schedule = self.schedule
+        last = schedule.pipeline_stages - 1
         return start_step(
             self.topology,
             self.device,
@@ -366,6 +417,7 @@ class Pipeline(PipelineState):
             StepInputs(inputs, targets, training, self.step_count),
             self.n_microbatches,
             self._start_buffer,
+            (schedule.replicas_of(0), schedule.replicas_of(last)),
         )
 
     def _run(
@@ -397,26 +449,41 @@ class Pipeline(PipelineState):
             mb_targets,
             clock,
             self._weight_group_size,
+            reducer=self._reducer,
+            n_pipelines=schedule.n_pipelines,
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])
         except Exception as exc:
             self._failure = Failure(exc, run.current, time.time())
-            if channel is not None:
-                if lost_peer(exc):
+            if lost_peer(exc):
+                if channel is not None:
                     channel.abandon()
-                else:
-                    # Complete the step's transfers so that no peer waits on this rank.
-                    try:
-                        channel.drain()
-                    except PeerError as lost:
-                        channel.abandon()
-                        raise lost from exc
+                if self._reducer is not None:
+                    self._reducer.abandon()
+                raise
+            # Complete the step's transfers and reductions so that no peer waits on this rank.
+            try:
+                if channel is not None:
+                    channel.drain()
+                if self._reducer is not None:
+                    self._reducer.drain()
+                    self._reducer.finish(keep=False)
+            except PeerError as lost:
+                if channel is not None:
+                    channel.abandon()
+                if self._reducer is not None:
+                    self._reducer.abandon()
+                raise lost from exc
             raise
         except BaseException:
             if channel is not None:
                 channel.abandon()
+            if self._reducer is not None:
+                self._reducer.abandon()
             raise
+        if self._reducer is not None:
+            self._reducer.finish()
         self._spans = result.spans
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
@@ -459,10 +526,7 @@ class Pipeline(PipelineState):
             if training:
                 for stage in self.stages.values():
                     stage.finish_step()
-        last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
-        losses = None
-        if failure is None and self.rank == last_rank and result.losses:
-            losses = [result.losses[m] for m in range(self.n_microbatches)]
+        losses = result.losses if failure is None else None
         mine = None
         if failure is not None:
             recorded = self._failure

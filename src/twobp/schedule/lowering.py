@@ -90,7 +90,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
-    """Run the first stage's ``I`` directly followed by its own ``W`` as one ``B``.
+    """Run a first stage's ``I`` directly followed by its own ``W`` as one ``B``.
 
     Nobody waits for the first stage's input gradient (there is no stage
     before it). Where the schedule puts ``Wk`` right after ``Ik`` of stage 0,
@@ -113,13 +113,13 @@ def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
                 continue
             if (
                 after is not None
-                and here.stage == 0
+                and schedule.model_stage(here.stage) == 0
                 and here.kind is Kind.BACKWARD_INPUT
                 and after.kind is Kind.BACKWARD_WEIGHT
-                and after.stage == 0
+                and after.stage == here.stage
                 and after.microbatches == here.microbatches
             ):
-                out.append(Action(0, Kind.FULL_BACKWARD, here.microbatches))
+                out.append(Action(here.stage, Kind.FULL_BACKWARD, here.microbatches))
                 skip = True
             else:
                 out.append(here)

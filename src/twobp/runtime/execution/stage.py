@@ -39,6 +39,8 @@ class Stage:
         gradients: the stage's backward machinery.
         loss_fn: the loss, used by the last stage.
         n_microbatches: micro-batches per step; each loss is scaled by its inverse.
+        model_stage: which stage of the model it runs, when the schedule has
+            several pipelines (``n_stages`` is then the stages of one); None: ``index``.
         autocast: ``(device type, dtype)`` to run the forward (and loss) under
             ``torch.autocast``, or None. The backward needs none: autograd and
             the 2BP engine run each operation's backward in its forward's dtypes.
@@ -53,12 +55,14 @@ class Stage:
         loss_fn: LossFn,
         n_microbatches: int,
         autocast: tuple[str, torch.dtype] | None = None,
+        model_stage: int | None = None,
     ) -> None:
         self.index = index
         self.module = module
         self.gradients = gradients
-        self.is_first = index == 0
-        self.is_last = index == n_stages - 1
+        position = index if model_stage is None else model_stage
+        self.is_first = position == 0
+        self.is_last = position == n_stages - 1
         self._loss_fn = loss_fn
         self._scale = 1.0 / n_microbatches
         self._stash: dict[int, _Stash] = {}

@@ -1,8 +1,10 @@
 """The end of a step, the same on every rank: the loss, or who failed, where and why.
 
 Every step ends with one small all-reduce (it replaces the broadcast of the
-loss): the mean loss from the last stage's rank, the first micro-batch whose
-loss is not finite, and each rank's status (0 fine, 1 failed by its own
+loss): the sum and count of the micro-batch losses from the ranks of the last
+stages (one per pipeline and per data-parallel copy), so that every rank gets
+the mean over the global batch, the first micro-batch whose loss is not
+finite, and each rank's status (0 fine, 1 failed by its own
 error, 2 failed because a peer did). Only when some rank failed do the ranks
 also exchange what went wrong; the earliest failure is the cause, since a
 peer may fail in turn on the zeros a failed rank sent in place of its tensors.
@@ -10,6 +12,7 @@ peer may fail in turn on the zeros a failed rank sent in place of its tensors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +80,7 @@ def end_step(
     members: Membership,
     device: torch.device,
     timeout: float,
-    losses: list[Tensor] | None,
+    losses: Mapping[int, Tensor] | None,
     failure: Failure | None,
 ) -> StepEnd:
     """Settle a step with every rank. Collective: every rank calls it, failed or not.
@@ -86,29 +89,33 @@ def end_step(
         members: the group.
         device: where the all-reduce runs.
         timeout: seconds to wait for the other ranks.
-        losses: the micro-batch losses, on the rank of the last stage when the
-            step went through; None elsewhere.
+        losses: the losses of the micro-batches whose last stage ran here,
+            by micro-batch, when the step went through; None or empty elsewhere.
         failure: this rank's failure, or None.
 
     Returns:
         The loss and, when some rank failed, this rank's error.
     """
-    status = torch.zeros(3 + members.size, dtype=torch.float64, device=device)
+    n = members.size
+    # [count, sum, first bad + 1 of each rank, status of each rank]
+    status = torch.zeros(2 + 2 * n, dtype=torch.float64, device=device)
     if failure is None and losses:
-        stacked = torch.stack([loss.double() for loss in losses])
+        order = sorted(losses)
+        stacked = torch.stack([losses[m].double() for m in order])
         bad = (~torch.isfinite(stacked)).nonzero()
-        status[0] = 1.0
-        status[1] = stacked.sum() / len(losses)
-        status[2] = float(bad[0, 0]) + 1 if len(bad) else 0.0
+        status[0] = float(len(order))
+        status[1] = stacked.sum()
+        status[2 + members.rank] = float(order[int(bad[0, 0])]) + 1 if len(bad) else 0.0
     if failure is not None:
         own = not isinstance(failure.error, PeerStepFailedError)
-        status[3 + members.rank] = OWN_ERROR if own else PEER_FAILED
+        status[2 + n + members.rank] = OWN_ERROR if own else PEER_FAILED
     collective.all_reduce(members, status, dist.ReduceOp.SUM, timeout, "the end of the step")
     values = status.tolist()
-    loss = values[1] if values[0] else None
-    codes = [int(v) for v in values[3:]]
+    loss = values[1] / values[0] if values[0] else None
+    codes = [int(v) for v in values[2 + n :]]
     if not any(codes):
-        return StepEnd(loss, int(values[2]) - 1, None)
+        first_bad = min((int(v) - 1 for v in values[2 : 2 + n] if v), default=-1)
+        return StepEnd(loss, first_bad, None)
     mine = None
     if failure is not None and codes[members.rank] == OWN_ERROR:
         mine = (failure.when, failure.describe())

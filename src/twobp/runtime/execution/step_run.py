@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from twobp.runtime.communication.channel import StepChannel
+from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.stage import Stage
@@ -58,6 +59,8 @@ class StepRun:
             for evaluation without targets).
         clock: the step's clock, started at the step start.
         weight_group_size: passed to every ``W``.
+        reducer: starts the gradient reductions of ``R``; None: ``R`` does nothing.
+        n_pipelines: the pipelines of the schedule's stages (2 for Chimera).
     """
 
     def __init__(
@@ -70,6 +73,9 @@ class StepRun:
         targets: Sequence[Batch] | None,
         clock: StepClock,
         weight_group_size: int | None = None,
+        *,
+        reducer: GradientReducer | None = None,
+        n_pipelines: int = 1,
     ) -> None:
         self._rank = rank
         self._placement = placement
@@ -80,6 +86,8 @@ class StepRun:
         self._clock = clock
         self._marks: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
+        self._reducer = reducer
+        self._pipelines = n_pipelines
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
         self.current: Action | None = None
@@ -104,6 +112,7 @@ class StepRun:
             Kind.RECV_F: self._receive,
             Kind.SEND_B: self._send,
             Kind.RECV_B: self._receive,
+            Kind.REDUCE: self._reduce,
         }
         if self._channel is not None:
             self._channel.post_ahead()
@@ -169,21 +178,28 @@ class StepRun:
         self._stages[action.stage].weight(action.microbatches, self._group_size)
         self._record(action, start)
 
+    def _reduce(self, action: Action) -> None:
+        # Started here, in the background; the step waits for it at its end.
+        start = self._clock.mark()
+        if self._reducer is not None:
+            self._reducer.start(action.stage)
+        self._record(action, start)
+
     def _send(self, action: Action) -> None:
-        transfer = transfer_of(action, self._placement)
+        transfer = transfer_of(action, self._placement, self._pipelines)
         assert self._channel is not None, "a send in a world of one"
         tensors, is_tuple = self._handed.pop(transfer.key)
         self._channel.send(transfer, tensors, is_tuple)
 
     def _receive(self, action: Action) -> None:
-        transfer = transfer_of(action, self._placement)
+        transfer = transfer_of(action, self._placement, self._pipelines)
         assert self._channel is not None, "a receive in a world of one"
         self._handed[transfer.key] = self._channel.recv(transfer)
 
     # -- hand-over between actions --------------------------------------------------
 
     def _take(self, action: Action) -> tuple[tuple[Tensor, ...], bool]:
-        transfer = needed_transfer(action, self._placement)
+        transfer = needed_transfer(action, self._placement, self._pipelines)
         assert transfer is not None
         tensors, is_tuple = self._handed.pop(transfer.key)
         if transfer.is_local and transfer.direction is Direction.ACTIVATION:
@@ -192,7 +208,7 @@ class StepRun:
         return tensors, is_tuple
 
     def _give(self, action: Action, tensors: tuple[Tensor, ...], is_tuple: bool) -> None:
-        transfer = produced_transfer(action, self._placement)
+        transfer = produced_transfer(action, self._placement, self._pipelines)
         assert transfer is not None
         self._handed[transfer.key] = (tensors, is_tuple)
 

@@ -83,6 +83,7 @@ def start_step(
     given: StepInputs,
     n_microbatches: int,
     buffer: Tensor | None = None,
+    ends: tuple[Sequence[int], Sequence[int]] = ((0,), (-1,)),
 ) -> tuple[list[Batch] | None, list[Batch] | None]:
     """This rank's micro-batches of inputs and targets, once every rank's are known to fit.
 
@@ -96,6 +97,9 @@ def start_step(
         given: this rank's batches and call.
         n_microbatches: micro-batches per step.
         buffer: the all-reduce buffer to reuse (see :func:`agree_small`).
+        ends: the first stages and the last stages of the schedule (one of
+            each per pipeline; -1: the last stage). Their ranks, in this
+            process's copy of the pipeline, need the inputs and the targets.
 
     Returns:
         The micro-batches of inputs (rank of stage 0, else None) and of targets
@@ -108,49 +112,54 @@ def start_step(
     """
     world = topology.members
     rank = world.rank
-    last_stage = len(topology.placement) - 1
-    first, last = topology.rank_of_stage(0), topology.rank_of_stage(last_stage)
+    n_stages = len(topology.placement)
+    first_stages = [s % n_stages for s in ends[0]]
+    last_stages = [s % n_stages for s in ends[1]]
+    firsts = {topology.rank_of_stage(s): s for s in first_stages}
+    lasts = {topology.rank_of_stage(s): s for s in last_stages}
     mb_inputs = mb_targets = None
     size = 0
     problem = None
     try:
-        if rank == first:
+        if rank in firsts:
             if given.inputs is None:
                 raise PipelineConfigError(
-                    f"rank {rank} holds stage 0 and needs the inputs, but got None; "
+                    f"rank {rank} holds stage {firsts[rank]} and needs the inputs, but got None; "
                     "pass the batch of inputs on this rank"
                 )
             mb_inputs = split_batch(to_device(given.inputs, device), n_microbatches)
             size = flatten(given.inputs)[0][0].shape[0]
-        if rank == last and (given.training or given.targets is not None):
+        if rank in lasts and (given.training or given.targets is not None):
             if given.targets is None:
                 raise PipelineConfigError(
-                    f"rank {rank} holds the last stage ({last_stage}) and needs the "
+                    f"rank {rank} holds the last stage ({lasts[rank]}) and needs the "
                     "targets to compute the loss, but got None; pass the batch of targets on "
                     "this rank (eval_step(inputs) without targets returns the outputs)"
                 )
             mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
             n_targets = flatten(given.targets)[0][0].shape[0]
-            if rank == first:
+            if rank in firsts:
                 check_sizes(rank, size, rank, n_targets)
-            size = n_targets if rank != first else size
+            size = n_targets if rank not in firsts else size
     except PipelineConfigError as exc:
         problem = exc
     call = _CALLS[int(given.training)]
     mine = CallInfo(given.training, given.step_count, size)
     where = f"at the start of {call} {given.step_count}"
     values = agree_small(world, device, timeout, problem, where, mine.pack(), buffer)
-    check_same_call([CallInfo.unpack(v) for v in values], first, last)
+    check_same_call([CallInfo.unpack(v) for v in values])
     return mb_inputs, mb_targets
 
 
-def check_same_call(calls: Sequence[CallInfo], first: int, last: int) -> None:
+def check_same_call(calls: Sequence[CallInfo]) -> None:
     """Raise if the ranks are in different calls or steps, or disagree on the batch size.
+
+    Every rank that holds a batch (inputs or targets, in any copy of the
+    pipeline) must hold as many samples as the others: each data-parallel
+    copy passes its own part of the global batch, all parts of one size.
 
     Args:
         calls: what each rank reported, by rank.
-        first: the rank of the first stage (it reported the inputs' size).
-        last: the rank of the last stage (it reported the targets' size).
 
     Raises:
         PipelineConfigError: saying which ranks differ and how.
@@ -169,14 +178,16 @@ def check_same_call(calls: Sequence[CallInfo], first: int, last: int) -> None:
                 f"{call.step_count}; every rank must call step() the same number of times "
                 "(a rank skipped or repeated one)"
             )
-    if first != last and calls[first].size and calls[last].size:
-        check_sizes(first, calls[first].size, last, calls[last].size)
+    holders = [r for r, call in enumerate(calls) if call.size]
+    for rank in holders[1:]:
+        check_sizes(holders[0], calls[holders[0]].size, rank, calls[rank].size)
 
 
 def check_sizes(input_rank: int, n_inputs: int, target_rank: int, n_targets: int) -> None:
     """Raise if the inputs and the targets hold different numbers of samples."""
     if n_inputs != n_targets:
         raise PipelineConfigError(
-            f"the inputs on rank {input_rank} hold {n_inputs} samples but the targets on rank "
-            f"{target_rank} hold {n_targets}; pass the same batch on every rank"
+            f"the batch on rank {input_rank} holds {n_inputs} samples but the one on rank "
+            f"{target_rank} holds {n_targets}; pass the same batch on every rank of a pipeline "
+            "(with data_parallel, each copy's own part of the global batch, all of one size)"
         )

@@ -41,6 +41,7 @@ _SHARED_CLASSES: dict[str, type[Exception]] = {
 }
 """Error classes a peer's problem is raised as, by name (others become PeerFailedError)."""
 
+
 def agree(
     world: Membership,
     device: torch.device,

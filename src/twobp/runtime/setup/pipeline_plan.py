@@ -24,7 +24,6 @@ from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
 from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import (
     balanced_counts,
-    check_no_shared_parameters,
     example_input_needed,
     stage_counts,
 )
@@ -52,7 +51,8 @@ class PipelinePlan:
     Args:
         schedule: the resolved, validated compute schedule, first-stage
             backwards fused (:func:`twobp.schedule.fuse_first_stage_backward`).
-        ranges: the block indices of every stage.
+        ranges: the block indices of every stage of the model (a schedule
+            of several pipelines runs each model stage once per pipeline).
     """
 
     schedule: Schedule
@@ -74,11 +74,13 @@ def plan_pipeline(
     example_input: Batch | None,
     nonfinite: str,
     costs: CostsArgument = None,
+    n_ranks: int | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
     Collective: every rank calls it. The arguments are those of
-    :class:`twobp.runtime.Pipeline`.
+    :class:`twobp.runtime.Pipeline`; ``n_ranks`` is the number of ranks of
+    one copy of the pipeline (None: the whole group).
 
     Returns:
         The layout, the same on every rank.
@@ -102,7 +104,7 @@ def plan_pipeline(
         resolved = fuse_first_stage_backward(
             resolve_schedule(
                 schedule,
-                n_ranks=world.size,
+                n_ranks=world.size if n_ranks is None else n_ranks,
                 n_microbatches=n_microbatches,
                 two_bp=two_bp,
                 policy=policy,
@@ -110,11 +112,9 @@ def plan_pipeline(
                 costs=cost_model(costs),
             )
         )
-        counts = stage_counts(len(blocks), resolved.n_stages, partition)
+        counts = stage_counts(len(blocks), resolved.pipeline_stages, partition)
         if counts is None:
             example_input_needed(example_input)
-        else:
-            check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
     except ScheduleConfigError as exc:
         problem = PipelineConfigError(str(exc))
     except (PipelineConfigError, ScheduleError) as exc:
@@ -123,8 +123,7 @@ def plan_pipeline(
     check_same_pipeline(world, device, timeout, problem, options, blocks)
     assert resolved is not None
     if counts is None:
-        counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
-        check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
+        counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)))
 
 
@@ -154,7 +153,8 @@ def _options(
     """What must be the same on every rank, by name, short enough to show in an error."""
     return {
         "schedule": f"{schedule.name or 'custom'} (text #{stable_hash(str(schedule)) % 16**8:08x})",
-        "stages": f"{schedule.n_stages} on ranks {list(schedule.placement)}",
+        "stages": f"{schedule.n_stages} on ranks {list(schedule.placement)}"
+        + (f" in {schedule.n_pipelines} pipelines" if schedule.n_pipelines > 1 else ""),
         "micro-batches": str(schedule.n_microbatches),
         "blocks per stage": str(list(counts) if counts is not None else partition),
         "nonfinite": nonfinite,

@@ -116,25 +116,3 @@ def _device_of(block: nn.Module) -> torch.device:
     for tensor in block.parameters():
         return tensor.device
     return torch.device("cpu")
-
-
-def check_no_shared_parameters(
-    blocks: Sequence[nn.Module], ranges: Sequence[range], placement: Sequence[int]
-) -> None:
-    """Refuse parameters shared by stages on different ranks (their gradients would split).
-
-    Raises:
-        PipelineConfigError: naming both uses of the shared parameter.
-    """
-    owner: dict[int, tuple[int, str]] = {}
-    for stage, blocks_of_stage in enumerate(ranges):
-        for i in blocks_of_stage:
-            for name, p in blocks[i].named_parameters():
-                seen = owner.setdefault(id(p), (stage, f"{i}.{name}"))
-                if placement[seen[0]] != placement[stage]:
-                    raise PipelineConfigError(
-                        f"parameter {seen[1]} (stage {seen[0]}, rank {placement[seen[0]]}) is "
-                        f"shared with {i}.{name} (stage {stage}, rank {placement[stage]}); tied "
-                        "weights across ranks are not supported: untie them or choose a "
-                        "partition that keeps both blocks on one rank"
-                    )

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from twobp.runtime.setup.group import Membership
+from twobp.schedule.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Topology:
         placement: the pipeline rank of each stage (the schedule's placement).
         pipeline_ranks: for each pipeline rank, the group rank that runs it
             in this process's pipeline.
+        dp_rank: which copy of the pipeline this process belongs to.
+        dp_size: how many copies of the pipeline run side by side (data parallel).
 
     Raises:
         ValueError: if the maps disagree with each other or with the group.
@@ -37,6 +40,8 @@ class Topology:
     placement: tuple[int, ...]
     pipeline_ranks: tuple[int, ...]
     stage_ranks: tuple[tuple[int, ...], ...]
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if len(self.stage_ranks) != len(self.placement):
@@ -66,6 +71,44 @@ class Topology:
                 f"the schedule places its stages on {n} ranks but the group has {members.size}"
             )
         return cls(members, placement, tuple(range(n)), tuple((r,) for r in placement))
+
+    @classmethod
+    def replicated(
+        cls, members: Membership, schedule: Schedule, grid: Sequence[Sequence[int]]
+    ) -> Topology:
+        """``len(grid)`` copies of the pipeline: copy ``d`` runs pipeline rank ``r`` on ``grid[d][r]``.
+
+        A stage's replicas are the ranks that run its model stage in any copy
+        and in any of the schedule's pipelines (Chimera has two), copy 0's
+        first pipeline first.
+
+        Raises:
+            ValueError: if the grid does not cover the group once, or its rows
+                do not have one rank per pipeline rank of the schedule.
+        """
+        rows = tuple(tuple(int(r) for r in row) for row in grid)
+        flat = sorted(r for row in rows for r in row)
+        if flat != list(range(members.size)):
+            raise ValueError(
+                f"the data-parallel grid {[list(r) for r in rows]} must hold every rank of the "
+                f"group of {members.size} exactly once"
+            )
+        if any(len(row) != schedule.n_ranks for row in rows):
+            raise ValueError(
+                f"each copy of the pipeline needs {schedule.n_ranks} ranks, got rows of "
+                f"{sorted({len(row) for row in rows})}"
+            )
+        dp_rank = next(d for d, row in enumerate(rows) if members.rank in row)
+        placement = schedule.placement
+        stage_ranks = tuple(
+            tuple(
+                row[placement[replica]]
+                for row in rows
+                for replica in schedule.replicas_of(schedule.model_stage(s))
+            )
+            for s in range(schedule.n_stages)
+        )
+        return cls(members, placement, rows[dp_rank], stage_ranks, dp_rank, len(rows))
 
     @property
     def rank(self) -> int:
@@ -105,8 +148,17 @@ class Topology:
 
     @property
     def writes_stage_files(self) -> bool:
-        """True if this process writes its stages' checkpoint files (one replica per stage)."""
-        return all(self.replicas(s)[0] == self.rank for s in self.stages_here)
+        """True if this process writes checkpoint files: those of :attr:`written_stages`."""
+        return bool(self.written_stages)
+
+    @property
+    def written_stages(self) -> tuple[int, ...]:
+        """The stages this process writes to a checkpoint: those it holds the first replica of."""
+        return tuple(s for s in self.stages_here if self.replicas(s)[0] == self.rank)
+
+    def input_ranks(self, first_stages: Sequence[int]) -> tuple[int, ...]:
+        """The group ranks of this process's pipeline that run one of ``first_stages``."""
+        return tuple(sorted({self.rank_of_stage(s) for s in first_stages}))
 
     @property
     def stages_here(self) -> tuple[int, ...]:

@@ -107,7 +107,11 @@ class Checkpointable(Protocol):
     module: nn.Sequential
     background_saves: BackgroundSaves
 
+    written_blocks: frozenset[int]
+
     def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]: ...
 
@@ -187,7 +191,10 @@ def _entries(
     pipe: Checkpointable, optimizer: torch.optim.Optimizer | None, extra: Any
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's tensors, and its JSON part of the manifest."""
-    state = pipe.state_dict()
+    # One copy of each tensor in the whole checkpoint: the blocks this rank writes.
+    state = {
+        n: t for n, t in pipe.state_dict().items() if int(n.split(".", 1)[0]) in pipe.written_blocks
+    }
     tensors = model_entries(state)
     rng_tensors, rng_rest = rng_entries(pipe.pp_rank, rng_state(pipe.device))
     tensors.update(rng_tensors)
@@ -202,6 +209,7 @@ def _entries(
     }
     if optimizer is not None:
         by_name = optimizer_state_by_name(optimizer, parameter_names(pipe.named_parameters()))
+        by_name["state"] = {n: v for n, v in by_name["state"].items() if n in state}
         optimizer_tensors, part["optimizer"] = optimizer_entries(by_name)
         tensors.update(optimizer_tensors)
     return tensors, part
@@ -323,7 +331,7 @@ def load(
     except storage.FAILURES as exc:
         problem = storage.own_error(exc, pipe.rank, f"cannot load {plan.folder}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
-    pipe.module.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
+    pipe.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
     if optimizer is not None and plan.optimizer is not None:
         names = parameter_names(pipe.named_parameters())
         saved = optimizer_state(plan.optimizer, plan.tensors, list(names.values()))

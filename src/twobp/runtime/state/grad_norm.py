@@ -20,6 +20,7 @@ def clip_grad_norm_(
     world: Membership,
     device: torch.device,
     timeout: float,
+    counted: Iterable[nn.Parameter] | None = None,
 ) -> Tensor:
     """Scale this rank's gradients so that the global norm is at most ``max_norm``.
 
@@ -36,19 +37,23 @@ def clip_grad_norm_(
         world: the group over which the model is spread.
         device: where the reduction runs (the backend's device).
         timeout: seconds to wait for the other ranks.
+        counted: the parameters whose gradients count in the norm here (one
+            holder of each replicated parameter); None: all of ``parameters``.
 
     Returns:
         The global norm before clipping, a 0-dim tensor.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    mine = grads if counted is None else [p.grad for p in counted if p.grad is not None]
     norm_type = float(norm_type)
     if math.isinf(norm_type):
-        local = max((float(g.detach().abs().max()) for g in grads), default=0.0)
+        local = max((float(g.detach().abs().max()) for g in mine), default=0.0)
         total = collective.scalar(local, device)
         collective.all_reduce(world, total, dist.ReduceOp.MAX, timeout, "the gradient norm")
     else:
         powers = [
-            torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type for g in grads
+            torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type for g in mine
         ]
         total = collective.scalar(float(torch.stack(powers).sum()) if powers else 0.0, device)
         collective.all_reduce(world, total, dist.ReduceOp.SUM, timeout, "the gradient norm")

@@ -39,6 +39,8 @@ class PipelineState:
     n_microbatches: int
     stage_blocks: tuple[range, ...]
     background_saves: checkpoint.BackgroundSaves
+    written_blocks: frozenset[int]
+    _aliases: dict[str, tuple[str, ...]]
     _closed: bool
 
     def _check_open(self) -> None:
@@ -53,16 +55,31 @@ class PipelineState:
         return self.module.parameters(recurse)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, named as in ``nn.Sequential(*blocks)`` (``3.attn.q.weight``)."""
-        return self.module.named_parameters(prefix)
+        """This rank's parameters, named as in ``nn.Sequential(*blocks)`` (``3.attn.q.weight``).
+
+        A weight tied across stages is listed once, under its first name in
+        the whole model (the embedding's, on a rank that holds only the head).
+        """
+        first = {names[0]: name for name, names in self._aliases.items()}
+        for name, p in self.module.named_parameters():
+            yield prefix + first.get(name, name), p
 
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
         """This rank's buffers, named like :meth:`named_parameters`."""
         return self.module.named_buffers(prefix)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers, named as in ``nn.Sequential(*blocks)``."""
-        return dict(self.module.state_dict())
+        """This rank's parameters and buffers, named as in ``nn.Sequential(*blocks)``.
+
+        A weight tied across stages appears once, under its first name.
+        """
+        state = dict(self.module.state_dict())
+        for name, local in self._aliases.items():
+            value = state[local[0]]
+            for other in local:
+                del state[other]
+            state[name] = value
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load this rank's entries of a state dict of the whole model (or of this rank).
@@ -81,6 +98,11 @@ class PipelineState:
             RuntimeError: with ``strict``, on missing or unexpected local keys.
         """
         local_blocks = {name for name, _ in self.module.named_children()}
+        state_dict = dict(state_dict)
+        for name, local in self._aliases.items():
+            if name in state_dict:
+                value = state_dict.pop(name)
+                state_dict.update(dict.fromkeys(local, value))
         own = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in local_blocks}
         unknown = [k for k in state_dict if not k.split(".", 1)[0].isdigit()]
         result = self.module.load_state_dict(own, strict=False)
@@ -205,5 +227,16 @@ class PipelineState:
         """
         self._check_open()
         return clip_grad_norm_(
-            self.parameters(), max_norm, norm_type, self.topology.members, self.device, self.timeout
+            self.parameters(),
+            max_norm,
+            norm_type,
+            self.topology.members,
+            self.device,
+            self.timeout,
+            counted=[p for name, p in self.named_parameters() if self._writes(name)],
         )
+
+    def _writes(self, name: str) -> bool:
+        """True if this rank holds the copy of parameter or buffer ``name`` that counts
+        once in the whole model (the one it writes to a checkpoint)."""
+        return int(name.split(".", 1)[0]) in self.written_blocks

@@ -1,0 +1,154 @@
+"""The gradient reduction of replicated stages: the ``R`` action of the schedule.
+
+At its stage's ``R`` (right after the stage's last ``W`` or ``B``), this rank
+starts an asynchronous all-reduce of that stage's weight gradients over the
+ranks that hold the same parameters, one flat bucket of at most
+:data:`BUCKET_BYTES` at a time, and goes on with its other stages' work. At
+the end of the step it waits for every bucket and writes the sums back,
+divided by the number of data-parallel replicas: each replica's loss is the
+mean over its own micro-batches, and the global loss is their mean.
+
+A parameter used by several stages of this rank (a tied embedding and head)
+is reduced once, at the ``R`` of the last of them in this rank's order. When
+a step fails part-way, :meth:`GradientReducer.drain` starts the reductions
+not started yet, so that no peer waits for this rank in an all-reduce.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from twobp.runtime.communication.collective import wait_work
+from twobp.runtime.errors import PipelineClosedError
+
+BUCKET_BYTES = 25 * 2**20
+"""The largest flat bucket of gradients one all-reduce carries (as DDP's default)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradients reduced by one all-reduce.
+
+    Args:
+        key: the reduction group's key (for messages).
+        group: the process group, held weakly (its owner destroys it).
+        parameters: the parameters whose gradients it carries, in order.
+    """
+
+    key: str
+    group: weakref.ref[dist.ProcessGroup]
+    parameters: tuple[nn.Parameter, ...]
+
+
+def buckets(key: str, group: dist.ProcessGroup, parameters: Sequence[nn.Parameter]) -> list[Bucket]:
+    """``parameters`` cut into buckets of at most :data:`BUCKET_BYTES` (one at least)."""
+    out: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in parameters:
+        nbytes = p.numel() * p.element_size()
+        if out[-1] and size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    ref = weakref.ref(group)
+    return [Bucket(key, ref, tuple(chunk)) for chunk in out if chunk]
+
+
+class GradientReducer:
+    """This rank's gradient reductions of one pipeline, step after step.
+
+    Args:
+        rank: this rank (for messages).
+        by_stage: the buckets to start at each stage's ``R``.
+        divisor: what the sums are divided by (the data-parallel degree).
+        timeout: seconds to wait for the other ranks.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        by_stage: Mapping[int, Sequence[Bucket]],
+        divisor: int,
+        timeout: float,
+    ) -> None:
+        self._rank = rank
+        self._by_stage = {s: tuple(b) for s, b in by_stage.items()}
+        self._divisor = divisor
+        self._timeout = timeout
+        self._started: set[int] = set()
+        self._running: list[tuple[Bucket, Tensor, Any]] = []
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages that reduce something on this rank."""
+        return tuple(s for s, b in self._by_stage.items() if b)
+
+    def start(self, stage: int) -> None:
+        """Start the all-reduces of ``stage``'s buckets (the ``R`` action)."""
+        if stage in self._started:
+            raise RuntimeError(f"rank {self._rank}: R of stage {stage} ran twice in one step")
+        self._started.add(stage)
+        for bucket in self._by_stage.get(stage, ()):
+            group = bucket.group()
+            if group is None:
+                raise PipelineClosedError(
+                    f"rank {self._rank}: the process group of {bucket.key} was destroyed; "
+                    "build a new Pipeline to go on"
+                )
+            flat = torch.cat([_grad(p).reshape(-1) for p in bucket.parameters])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            self._running.append((bucket, flat, work))
+
+    def drain(self) -> None:
+        """Start every reduction not started in this step (after a failure)."""
+        for stage in self._by_stage:
+            if stage not in self._started:
+                self.start(stage)
+
+    def finish(self, keep: bool = True) -> None:
+        """Wait for every reduction of the step; with ``keep``, write the results back.
+
+        Raises:
+            PeerError: if a peer does not take part in time.
+        """
+        running, self._running = self._running, []
+        self._started.clear()
+        for bucket, flat, work in running:
+            wait_work(
+                work,
+                rank=self._rank,
+                peer=None,
+                where="at the end of the step",
+                what=f"the gradient reduction of {bucket.key}",
+                timeout=self._timeout,
+            )
+            if not keep:
+                continue
+            if self._divisor != 1:
+                flat.div_(self._divisor)
+            offset = 0
+            for p in bucket.parameters:
+                n = p.numel()
+                part = flat[offset : offset + n].view_as(p)
+                offset += n
+                if p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
+
+    def abandon(self) -> None:
+        """Forget the step's reductions without waiting (a peer is gone)."""
+        self._running = []
+        self._started.clear()
+
+
+def _grad(p: nn.Parameter) -> Tensor:
+    return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
