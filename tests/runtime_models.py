@@ -93,8 +93,10 @@ def build_blocks(name: str) -> list[nn.Module]:
         blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(N_BLOCKS - 1)]
         blocks[3] = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Tanh())
         blocks.append(nn.Linear(WIDTH, 4))
-    elif name == "transformer":
+    elif name in ("transformer", "tied"):
         blocks = [Embed(), *(Layer() for _ in range(N_BLOCKS - 2)), Head()]
+        if name == "tied":  # the output head reads the token embedding, as GPT-2 does
+            blocks[-1].out.weight = blocks[0].tokens.weight
     elif name == "conv":
         blocks = [_conv_block(3), *(_conv_block(4) for _ in range(N_BLOCKS - 3))]
         blocks += [nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()), nn.Linear(4, 5)]
@@ -109,7 +111,8 @@ def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 def loss_fn(name: str) -> Callable[[Any, Any], Tensor]:
     """The loss of model ``name`` (mean over a micro-batch)."""
-    return {"mlp": F.mse_loss, "transformer": _lm_loss, "conv": F.cross_entropy}[name]
+    losses = {"mlp": F.mse_loss, "transformer": _lm_loss, "tied": _lm_loss, "conv": F.cross_entropy}
+    return losses[name]
 
 
 def make_batch(name: str, step: int, batch_size: int) -> tuple[Any, Tensor]:
@@ -118,7 +121,7 @@ def make_batch(name: str, step: int, batch_size: int) -> tuple[Any, Tensor]:
     if name == "mlp":
         x = torch.randn(batch_size, WIDTH, generator=gen, dtype=torch.float64)
         return x, torch.randn(batch_size, 4, generator=gen, dtype=torch.float64)
-    if name == "transformer":
+    if name in ("transformer", "tied"):
         ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=gen)
         keep = torch.rand(batch_size, SEQ, generator=gen) > 0.3
         keep[:, 0] = True  # every query sees at least one key

@@ -76,7 +76,7 @@ class Topology:
     def replicated(
         cls, members: Membership, schedule: Schedule, grid: Sequence[Sequence[int]]
     ) -> Topology:
-        """``len(grid)`` copies of the pipeline: copy ``d`` runs pipeline rank ``r`` on ``grid[d][r]``.
+        """``len(grid)`` copies of the pipeline; copy ``d`` runs rank ``r`` on ``grid[d][r]``.
 
         A stage's replicas are the ranks that run its model stage in any copy
         and in any of the schedule's pipelines (Chimera has two), copy 0's

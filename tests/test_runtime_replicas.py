@@ -1,0 +1,175 @@
+"""Replicated stages on real gloo ranks, float64, against one process on the global batch.
+
+Data-parallel copies of every schedule (2 x 2 ranks), Chimera (its two
+pipelines hold a replica of every stage), and a weight tied across ranks (a
+token embedding read again by the output head); each trains 3 AdamW steps and
+must match, loss, every gradient and every parameter, one process running the
+whole global batch. Then the mistakes: a world that is not D x P, Chimera with
+an odd P or m, a mesh with other dim names, copies with batches of other sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replica_workers import N_MB, PART, errors, load_tied, save_and_load, train_many, unequal_parts
+from runtime_models import train_reference
+from twobp.runtime import launch
+from twobp.schedule import SCHEDULES
+
+TOL = 1e-10
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+FOUR = [
+    *[
+        ("mlp", name, two_bp, {"data_parallel": 2})
+        for name in SCHEDULES
+        for two_bp in (False, True)
+    ],
+    ("tied", "1f1b", True, {"data_parallel": 2}),
+    ("tied", "chimera", True, {"data_parallel": 2}),
+    ("mlp", "zb-h1", True, {"mesh_shape": (2, 2)}),
+]
+TWO = [
+    ("tied", "1f1b", True, {}),
+    ("tied", "zb-h1", True, {}),
+    ("tied", "1f1b", False, {}),
+    ("tied", "chimera", True, {}),
+    ("mlp", "chimera", True, {"n_microbatches": 8}),
+]
+BAD = [
+    {"data_parallel": 3},
+    {"schedule": "chimera", "n_microbatches": 3},
+    {"schedule": "chimera", "data_parallel": 2},
+    {"mesh_names": ("a", "b")},
+]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[Any]:
+    folder = str(tmp_path_factory.mktemp("tied"))
+    return launch(_four, 4, folder, timeout=600)
+
+
+def _four(folder: str) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any]]:
+    saved = save_and_load(folder)
+    return train_many(FOUR), unequal_parts(), saved, load_tied(folder)
+
+
+@pytest.fixture(scope="module")
+def two() -> list[Any]:
+    return launch(_two, 2, timeout=600)
+
+
+def _two() -> tuple[dict[str, Any], list[str]]:
+    return train_many(TWO), errors(BAD)
+
+
+_REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _reference(model: str, copies: int, n_mb: int) -> dict[str, Any]:
+    key = (model, copies, n_mb)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_reference(model, n_mb * copies, PART * copies)
+    return _REFERENCES[key]
+
+
+def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    model, _, _, options = case
+    copies = options.get("data_parallel", options.get("mesh_shape", (1,))[0])
+    reference = _reference(model, copies, options.get("n_microbatches", N_MB))
+    grads: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(
+                grad, reference["grads"][name], rtol=0, atol=TOL, msg=f"{case} rank {rank} {name}"
+            )
+            grads[name] = grad
+        for name, value in r["state"].items():
+            torch.testing.assert_close(
+                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name} after AdamW"
+            )
+    assert set(grads) == set(reference["grads"]), case
+    norm = torch.stack([g.norm() ** 2 for g in reference["grads"].values()]).sum().sqrt()
+    for r in results:
+        assert math.isclose(r["norm"], float(norm), rel_tol=1e-12), case
+
+
+@pytest.mark.parametrize("case", FOUR, ids=repr)
+def test_two_copies_of_two_ranks_match_one_process_on_the_global_batch(case, four):
+    _check(case, [r[0][repr(case)] for r in four])
+
+
+def test_each_rank_knows_its_copy_and_reduces_after_its_last_weight_gradient(four):
+    results = [r[0][repr(FOUR[1])] for r in four]  # naive with 2BP
+    assert [r["dp"] for r in results] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    for r in results:
+        rows = [line.split(": ", 1)[1].split() for line in r["schedule"].splitlines()[1:]]
+        for row in rows:
+            for stage in {a[0] for a in row}:
+                own = [a for a in row if a[0] == stage and a[1] in "WBR"]
+                assert own[-1].startswith(f"{stage}R"), row
+
+
+def test_copies_passing_batches_of_other_sizes_fail_on_every_rank(four):
+    for r in four:
+        assert r[1].startswith("PipelineConfigError"), r[1]
+        assert "holds 8 samples" in r[1] and "holds 16" in r[1], r[1]
+
+
+@pytest.mark.parametrize("case", TWO, ids=repr)
+def test_two_ranks_with_tied_weights_and_chimera_match_one_process(case, two):
+    _check(case, [r[0][repr(case)] for r in two])
+
+
+def test_a_tied_weight_is_listed_and_stored_once_under_its_first_name(two):
+    results = [r[0][repr(TWO[0])] for r in two]  # 1f1b: embedding on rank 0, head on rank 1
+    assert "0.tokens.weight" in results[1]["names"]
+    assert "9.out.weight" not in results[1]["names"]
+    assert "9.out.weight" not in results[1]["state"]
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (0, r"group of 2 ranks does not form 3 copies"),
+        (1, r"chimera needs an even number of micro-batches.*got 3"),
+        (2, r"chimera needs an even number of ranks.*got 1"),
+        (3, r"mesh= must be a 2-D DeviceMesh with dims \('dp', 'pp'\).*got dims \('a', 'b'\)"),
+    ],
+)
+def test_bad_replica_options_fail_clearly_on_every_rank(two, index, message):
+    import re
+
+    for r in two:
+        assert re.search(message, r[1][index]), r[1][index]
+
+
+def test_a_checkpoint_stores_each_replica_once_and_loads_onto_other_copies(four):
+    saved: dict[str, torch.Tensor] = {}
+    for r in four:
+        for name, value in r[2]["state"].items():
+            if name in saved:  # the copies agree
+                torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+            saved[name] = value
+    manifest = json.loads((Path(four[0][2]["path"]) / "manifest.json").read_text())
+    assert (
+        "model.9.out.weight" not in manifest["tensors"]
+        and "9.out.weight" not in manifest["tensors"]
+    )
+    assert "0.tokens.weight" in manifest["tensors"]
+    loaded: dict[str, torch.Tensor] = {}
+    for r in four:  # one pipeline over the 4 ranks, no copies
+        loaded.update(r[3]["state"])
+    assert set(loaded) == set(saved)
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
