@@ -39,10 +39,7 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     for step in range(N_STEPS):
         inputs, targets = make_batch(model, step, PART * pipe.dp_size)
         part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
-        if isinstance(inputs, tuple):
-            inputs = tuple(t[part] for t in inputs)
-        else:
-            inputs = inputs[part]
+        inputs = tuple(t[part] for t in inputs) if isinstance(inputs, tuple) else inputs[part]
         losses.append(pipe.step(inputs, targets[part]))
         if step == 0:
             grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}

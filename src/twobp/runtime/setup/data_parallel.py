@@ -133,10 +133,10 @@ def make_reducer(
                 chosen[id(p)] = (stage, key, p)
     by_stage: dict[int, list[Bucket]] = {s: [] for s in stage_modules}
     for stage in stage_modules:
-        for key, group in made.items():
+        for key, process_group in made.items():
             params = [p for s, k, p in chosen.values() if s == stage and k == key]
             if params:
-                by_stage[stage] += buckets(key, group, params)
+                by_stage[stage] += buckets(key, process_group, params)
     return GradientReducer(members.rank, by_stage, topology.dp_size, timeout)
 
 
