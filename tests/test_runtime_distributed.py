@@ -148,6 +148,11 @@ def _check_case(case: Case, per_rank: list[dict[str, Any]], reference: dict[str,
     for name, want in reference["grads"].items():
         torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
     for name, want in reference["state"].items():
+        if case.schedule == "chimera" and name not in reference["grads"]:
+            # Each replica updates running statistics on its own micro-batches,
+            # then they average: the same on both (checked above), not the
+            # sequential update of one process.
+            continue
         torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=f"{name} after AdamW")
 
 

@@ -6,7 +6,11 @@ ranks that hold the same parameters, one flat bucket of at most
 :data:`BUCKET_BYTES` at a time, and goes on with its other stages' work. At
 the end of the step it waits for every bucket and writes the sums back,
 divided by the number of data-parallel replicas: each replica's loss is the
-mean over its own micro-batches, and the global loss is their mean.
+mean over its own micro-batches, and the global loss is their mean. The
+floating-point buffers of a replicated stage (BatchNorm's running
+statistics, which each replica updates on its own micro-batches) are
+averaged over its replicas at the same time, so that the replicas stay one
+model.
 
 A parameter used by several stages of this rank (a tied embedding and head)
 is reduced once, at the ``R`` of the last of them in this rank's order. When
@@ -40,15 +44,23 @@ class Bucket:
         key: the reduction group's key (for messages).
         group: the process group, held weakly (its owner destroys it).
         parameters: the parameters whose gradients it carries, in order.
+        buffers: floating-point buffers (BatchNorm's running statistics) it
+            averages over the group's ranks instead, after the gradients.
     """
 
     key: str
     group: weakref.ref[dist.ProcessGroup]
     parameters: tuple[nn.Parameter, ...]
+    buffers: tuple[Tensor, ...] = ()
 
 
-def buckets(key: str, group: dist.ProcessGroup, parameters: Sequence[nn.Parameter]) -> list[Bucket]:
-    """``parameters`` cut into buckets of at most :data:`BUCKET_BYTES` (one at least)."""
+def buckets(
+    key: str,
+    group: dist.ProcessGroup,
+    parameters: Sequence[nn.Parameter],
+    buffers: Sequence[Tensor] = (),
+) -> list[Bucket]:
+    """``parameters`` cut into buckets of at most :data:`BUCKET_BYTES`, and one of ``buffers``."""
     out: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in parameters:
@@ -59,7 +71,10 @@ def buckets(key: str, group: dist.ProcessGroup, parameters: Sequence[nn.Paramete
         out[-1].append(p)
         size += nbytes
     ref = weakref.ref(group)
-    return [Bucket(key, ref, tuple(chunk)) for chunk in out if chunk]
+    made = [Bucket(key, ref, tuple(chunk)) for chunk in out if chunk]
+    if buffers:
+        made.append(Bucket(key, ref, (), tuple(buffers)))
+    return made
 
 
 class GradientReducer:
@@ -103,7 +118,8 @@ class GradientReducer:
                     f"rank {self._rank}: the process group of {bucket.key} was destroyed; "
                     "build a new Pipeline to go on"
                 )
-            flat = torch.cat([_grad(p).reshape(-1) for p in bucket.parameters])
+            tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             work = dist.all_reduce(flat, group=group, async_op=True)
             self._running.append((bucket, flat, work))
 
@@ -131,6 +147,13 @@ class GradientReducer:
                 timeout=self._timeout,
             )
             if not keep:
+                continue
+            if bucket.buffers:
+                flat.div_(dist.get_world_size(bucket.group()))
+                offset = 0
+                for b in bucket.buffers:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
                 continue
             if self._divisor != 1:
                 flat.div_(self._divisor)

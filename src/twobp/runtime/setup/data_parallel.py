@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from twobp.runtime.communication.reduction import Bucket, GradientReducer, buckets
 from twobp.runtime.errors import PipelineConfigError
@@ -135,8 +135,11 @@ def make_reducer(
     for stage in stage_modules:
         for key, process_group in made.items():
             params = [p for s, k, p in chosen.values() if s == stage and k == key]
-            if params:
-                by_stage[stage] += buckets(key, process_group, params)
+            floats: list[Tensor] = []
+            if key == f"stage {schedule.model_stage(stage)}":
+                floats = [b for b in stage_modules[stage].buffers() if b.is_floating_point()]
+            if params or floats:
+                by_stage[stage] += buckets(key, process_group, params, floats)
     return GradientReducer(members.rank, by_stage, topology.dp_size, timeout)
 
 
