@@ -51,6 +51,12 @@ class PlanConfig:
     policies: list[str] = doc(  # noqa: RUF009
         "2BP policies to compare (off: as generated)", [*ALL_POLICIES], choices=ALL_POLICIES
     )
+    data_parallel: int = doc(
+        "copies of the pipeline D (D x stages ranks); each stage's gradients are all-reduced "
+        "over its copies in the background after its last W, at the cost model's bandwidth, "
+        "taking its parameter bytes as the gradient size",
+        1,
+    )
     markdown: bool = doc("print the table as markdown", False)
 
 
@@ -107,6 +113,7 @@ def run(config: PlanConfig) -> int:
         stages=(config.stages, 1),
         microbatches=(config.microbatches, 1),
         stages_per_rank=(config.stages_per_rank, 1),
+        data_parallel=(config.data_parallel, 1),
     )
     try:
         limit = parse_amount(config.memory_limit) if config.memory_limit else None
@@ -123,12 +130,14 @@ def run(config: PlanConfig) -> int:
         config.policies,
         config.stages_per_rank,
         limit,
+        config.data_parallel,
     )
     limit_text = (
         "no memory limit" if limit is None else f"memory limit {format_amount(limit)} per rank"
     )
+    copies = f" x {config.data_parallel} copies" if config.data_parallel > 1 else ""
     print(
-        f"{config.stages} ranks, {config.microbatches} micro-batches, {limit_text}; "
+        f"{config.stages} ranks{copies}, {config.microbatches} micro-batches, {limit_text}; "
         "throughput relative to the fastest"
     )
     print(format_table(candidates, limit, markdown=config.markdown))

@@ -19,6 +19,7 @@ from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, g
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import least_fill_memory, microbatch_limit
+from twobp.sim.reduction import with_reductions
 from twobp.sim.simulate import DeadlockError, simulate
 
 NO_TWO_BP = "off"
@@ -88,6 +89,7 @@ def evaluate(
     policies: Sequence[str],
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
+    data_parallel: int = 1,
 ) -> list[Candidate]:
     """Simulate every schedule with every policy, fastest first.
 
@@ -102,6 +104,9 @@ def evaluate(
         memory_limit: memory per rank (cost-model unit); ``fill`` then keeps
             each rank to the micro-batches of :func:`twobp.sim.memory.microbatch_limit`, or
             reports why it cannot.
+        data_parallel: copies of the pipeline; each stage's gradients are
+            all-reduced over its replicas by an ``R`` action (see
+            :func:`twobp.sim.reduction.with_reductions`).
 
     Returns:
         The candidates ordered by makespan, then peak memory; those that could
@@ -146,6 +151,7 @@ def evaluate(
                             f"{format_amount(memory_limit)}"
                         )
                     schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
+                schedule, fitted = with_reductions(schedule, fitted, data_parallel)
                 result = simulate(schedule, fitted)
             except (ValueError, DeadlockError) as exc:
                 out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))

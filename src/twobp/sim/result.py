@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from twobp.schedule.kinds import Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import peak_memory
+from twobp.sim.reduction import reduction_ends
 from twobp.timeline import Span, bubble_ratio, busy_time, makespan
 
 
@@ -112,21 +112,10 @@ def simulated(
 def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> list[Span]:
     """The spans with each gradient reduction ending when its all-reduce can.
 
-    The replicas of a stage in the schedule (Chimera's two pipelines) reduce
-    together: the all-reduce starts once the last of them has issued its ``R``
-    and takes ``costs.reduce`` from then. (Replicas in other copies of the
-    pipeline, under data parallelism, run the same schedule: they issue theirs
-    at the same time.)
+    See :func:`twobp.sim.reduction.reduction_ends`. A span of ``R`` lasts
+    from its issue to the end of its all-reduce.
     """
-    issued: dict[int, float] = {}
-    for span in spans:
-        if span.action.kind is Kind.REDUCE:
-            model = schedule.model_stage(span.action.stage)
-            issued[model] = max(issued.get(model, span.start), span.start)
-    out = []
-    for span in spans:
-        if span.action.kind is Kind.REDUCE:
-            start = issued[schedule.model_stage(span.action.stage)]
-            span = Span(span.rank, span.action, span.start, start + costs.duration(span.action))
-        out.append(span)
-    return out
+    ends = reduction_ends(schedule, costs, spans)
+    return [
+        Span(s.rank, s.action, s.start, ends[i]) if i in ends else s for i, s in enumerate(spans)
+    ]

@@ -48,7 +48,8 @@ def repeat_steps(schedule: Schedule, n_steps: int) -> Schedule:
 
     Returns:
         A schedule of ``n_steps * m`` micro-batches where step ``k`` is the
-        original with micro-batch ``j`` renamed ``k * m + j``.
+        original with micro-batch ``j`` renamed ``k * m + j`` (with several
+        pipelines, each keeps its consecutive share of the micro-batches).
 
     Raises:
         ValueError: if ``n_steps < 1``.
@@ -56,15 +57,22 @@ def repeat_steps(schedule: Schedule, n_steps: int) -> Schedule:
     if n_steps < 1:
         raise ValueError(f"n_steps must be >= 1, got {n_steps}")
     m = schedule.n_microbatches
+    share = m // schedule.n_pipelines
+
+    def rename(j: int, k: int) -> int:
+        # Each pipeline keeps a consecutive share: its own micro-batches of every step.
+        pipeline, index = divmod(j, share)
+        return pipeline * share * n_steps + k * share + index
+
     actions = {
         rank: tuple(
-            Action(a.stage, a.kind, tuple(k * m + j for j in a.microbatches))
+            Action(a.stage, a.kind, tuple(rename(j, k) for j in a.microbatches))
             for k in range(n_steps)
             for a in acts
         )
         for rank, acts in schedule.actions.items()
     }
-    return Schedule(schedule.placement, m * n_steps, actions, schedule.name)
+    return Schedule(schedule.placement, m * n_steps, actions, schedule.name, schedule.n_pipelines)
 
 
 def steady_state(schedule: Schedule, costs: CostModel, *, n_steps: int = 4) -> SteadyState:

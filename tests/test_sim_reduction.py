@@ -1,0 +1,75 @@
+"""The gradient reduction in the simulator: in the background, together, on a shared link."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from twobp.schedule import generate
+from twobp.schedule.action import Kind
+from twobp.schedule.lowering import add_reductions
+from twobp.schedule.two_bp import apply_two_bp
+from twobp.sim import simulate
+from twobp.sim.costs import CostModel, allreduce_time
+from twobp.sim.reduction import reductions_at_end, with_reductions
+
+
+def test_ring_allreduce_time():
+    assert allreduce_time(8.0, 1, 1.0, 0.5) == 0.0
+    # 2 (n - 1) steps of latency + bytes / (n * bandwidth): 2 * 3 * (0.5 + 8 / 4)
+    assert allreduce_time(8.0, 4, 1.0, 0.5) == pytest.approx(15.0)
+
+
+def test_a_reduction_runs_beside_the_ranks_work():
+    s = add_reductions(generate("1f1b", 2, 2))
+    costs = CostModel(
+        forward=(1.0, 1.0),
+        backward_input=(1.0, 1.0),
+        backward_weight=(1.0, 1.0),
+        reduce=(5.0, 5.0),
+    )
+    result = simulate(s, costs)
+    spans = {str(x.action): x for x in result.spans}
+    # Rank 1 ends its work at 7 and reduces from its last B on, rank 0 at 8: the step ends at 13.
+    assert spans["1R0-1"].start == spans["1B1"].end
+    assert spans["0R0-1"].end == pytest.approx(spans["0B1"].end + 5.0)
+    assert result.makespan == pytest.approx(spans["0B1"].end + 5.0)
+    # Busy time counts compute only: the reduction is idle time of the rank.
+    assert result.busy == (6.0, 6.0)
+
+
+def test_replicas_in_the_schedule_reduce_together_and_share_a_link():
+    s = apply_two_bp(generate("chimera", 2, 4), "paper")
+    fitted = CostModel.uniform(2).for_schedule(s.n_stages, s.n_pipelines)
+    replicated, timed = with_reductions(s, fitted, data_parallel=1)
+    assert timed.reduce == (0.0,) * 4  # no parameter bytes: free
+    timed = CostModel(
+        forward=fitted.forward,
+        backward_input=fitted.backward_input,
+        backward_weight=fitted.backward_weight,
+        reduce=(4.0,) * 4,
+    )
+    result = simulate(replicated, timed)
+    r = {x.action.stage: x for x in result.spans if x.action.kind is Kind.REDUCE}
+    # Stage 0 and its replica stage 2 end together, as do 1 and 3.
+    assert r[0].end == r[2].end and r[1].end == r[3].end
+    assert min(r[0].end, r[1].end) >= max(r[0].start, r[2].start) + 4.0
+    at_end = simulate(reductions_at_end(replicated), timed)
+    # At the end both all-reduces of a rank share its link: 8 after the last W.
+    last = max(x.end for x in at_end.spans if x.action.kind is not Kind.REDUCE)
+    assert at_end.makespan == pytest.approx(last + 8.0)
+    assert result.makespan <= at_end.makespan
+
+
+def test_with_reductions_over_copies_times_the_gradient_bytes():
+    s = generate("1f1b", 2, 4)
+    costs = CostModel.uniform(2, parameter_bytes=8.0, bandwidth=1.0)
+    same, untouched = with_reductions(s, costs, data_parallel=1)
+    assert same is s and untouched is costs
+    replicated, timed = with_reductions(s, costs, data_parallel=4)
+    assert timed.reduce == (pytest.approx(allreduce_time(8.0, 4, 1.0, 0.0)),) * 2
+    assert sum(a.kind is Kind.REDUCE for acts in replicated.actions.values() for a in acts) == 2
+    assert math.isfinite(simulate(replicated, timed).makespan)
+    with pytest.raises(ValueError, match="data_parallel must be >= 1"):
+        with_reductions(s, costs, data_parallel=0)
