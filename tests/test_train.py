@@ -38,6 +38,21 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
 
 
+def test_train_two_copies_of_a_chimera_pipeline(tmp_path):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--ranks", "4", "--data-parallel", "2", "--schedule", "chimera",
+            "--steps", "3", "--batch-size", "16", "--microbatches", "4", "--seq-len", "16",
+            "--threads", "1", "--timeout", "60", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_run"] == 3
+    assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1", "2", "3"}
+
+
 def test_a_rank_that_fails_makes_twobp_train_exit_1(tmp_path, monkeypatch):
     # Rank 1 is killed (SIGKILL) before its first step; rank 0 then fails on its peer.
     monkeypatch.setenv("KILL_AT", "0")

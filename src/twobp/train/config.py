@@ -35,14 +35,23 @@ class TrainConfig:
         "2BP placement policy of W: eager, paper or fill", "paper", choices=tuple(TWO_BP_POLICIES)
     )
     ranks: int = doc("local ranks to start (ignored under torchrun, which sets them)", 2)
+    data_parallel: int = doc(
+        "copies of the pipeline D: the ranks form D pipelines of ranks/D, each on its own "
+        "part of --batch-size; each stage's gradients are all-reduced over its copies",
+        1,
+    )
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
     )
     partition: str = doc(
         "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled)", "uniform"
     )
-    microbatches: int = doc("micro-batches per step", 4)
-    batch_size: int = doc("sequences (or images) per step; must divide by --microbatches", 16)
+    microbatches: int = doc("micro-batches per step (of each data-parallel copy)", 4)
+    batch_size: int = doc(
+        "sequences (or images) per step, all copies together; must divide by "
+        "--microbatches x --data-parallel",
+        16,
+    )
     seq_len: int = doc("tokens per sequence (language models)", 64)
     steps: int = doc("optimizer steps", 300)
     lr: float = doc("peak learning rate of AdamW (linear warm-up, cosine decay)", 3e-3)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -106,10 +106,11 @@ def train_rank(
         num_threads=cfg.threads,
         nonfinite=cfg.nonfinite,
         example_input=(
-            task.batch_at(0, "train")[0][: cfg.batch_size // cfg.microbatches]
+            task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
             if cfg.partition == "balanced"
             else None
         ),
+        data_parallel=cfg.data_parallel,
     )
     result = RankResult(
         rank=pipe.rank,
@@ -136,7 +137,7 @@ def train_rank(
     spans = pipe.timeline()
     if pipe.rank == 0:
         result.spans = spans
-    eval_inputs, eval_targets = task.batch_at(0, "eval")
+    eval_inputs, eval_targets = own_part(pipe, task.batch_at(0, "eval"))
     result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
     result.peak_rss_bytes = _peak_rss_bytes()
     return result
@@ -179,7 +180,7 @@ def _train_steps(
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = task.batch_at(step, "train")
+        inputs, targets = own_part(pipe, task.batch_at(step, "train"))
         log_due = (step + 1) % cfg.log_every == 0 or step + 1 == end
         grad_norm: float | None = None
         start = time.perf_counter()
@@ -277,3 +278,17 @@ def _check_skipped_in_a_row(skipped: list[int], rank: int) -> None:
             recent[-1],
             math.nan,
         )
+
+
+def own_part(pipe: Pipeline, batch: tuple[Any, Any]) -> tuple[Any, Any]:
+    """This data-parallel copy's part of a global batch (the whole of it without copies)."""
+    if pipe.dp_size == 1:
+        return batch
+
+    def part(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return tuple(part(t) for t in x)
+        size = x.shape[0] // pipe.dp_size
+        return x[pipe.dp_rank * size : (pipe.dp_rank + 1) * size]
+
+    return part(batch[0]), part(batch[1])

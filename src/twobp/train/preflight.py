@@ -44,7 +44,12 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
     ranks = cfg.ranks if n_ranks is None else n_ranks
     _check_numbers(cfg)
     n_blocks = _model_blocks(cfg)
-    schedule = _schedule(cfg, ranks)
+    if ranks % cfg.data_parallel:
+        raise OptionError(
+            f"--data-parallel {cfg.data_parallel}: {ranks} ranks do not form "
+            f"{cfg.data_parallel} copies of a pipeline; start data-parallel x pipeline ranks"
+        )
+    schedule = _schedule(cfg, ranks // cfg.data_parallel)
     _check_partition(cfg, n_blocks, schedule)
     if cfg.data is not None and cfg.model != "resnet":
         try:
@@ -61,6 +66,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
 def _check_numbers(cfg: TrainConfig) -> None:
     at_least: dict[str, tuple[float | None, float]] = {
         "ranks": (cfg.ranks, 1),
+        "data_parallel": (cfg.data_parallel, 1),
         "steps": (cfg.steps, 1),
         "microbatches": (cfg.microbatches, 1),
         "batch_size": (cfg.batch_size, 1),
@@ -82,10 +88,12 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if not (cfg.timeout > 0 and math.isfinite(cfg.timeout)):
         raise OptionError(f"--timeout must be a number of seconds > 0, got {cfg.timeout}")
-    if cfg.batch_size % cfg.microbatches:
+    if cfg.batch_size % (cfg.microbatches * cfg.data_parallel):
+        copies = f" x {cfg.data_parallel} copies" if cfg.data_parallel > 1 else ""
         raise OptionError(
             f"--batch-size {cfg.batch_size} does not divide into {cfg.microbatches} "
-            f"micro-batches; pick a batch size that is a multiple of --microbatches"
+            f"micro-batches{copies}; pick a batch size that is a multiple of --microbatches"
+            + (" x --data-parallel" if cfg.data_parallel > 1 else "")
         )
 
 
@@ -131,8 +139,8 @@ def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
 
 def _check_partition(cfg: TrainConfig, n_blocks: int, schedule: Schedule) -> None:
     try:
-        stage_counts(n_blocks, schedule.n_stages, parse_partition(cfg.partition))
+        stage_counts(n_blocks, schedule.pipeline_stages, parse_partition(cfg.partition))
     except ValueError as exc:
-        where = f"{schedule.n_stages} stages, {cfg.model}-{cfg.size} has {n_blocks} blocks"
+        where = f"{schedule.pipeline_stages} stages, {cfg.model}-{cfg.size} has {n_blocks} blocks"
         message = str(exc).removeprefix(f"--partition {cfg.partition!r}: ")
         raise OptionError(f"--partition {cfg.partition} ({where}): {message}") from None
