@@ -93,3 +93,19 @@ def test_overhead_mode_against_a_baseline_revision(tmp_path):
     assert "## twobp against its baseline (git revision `HEAD`)" in (out / "report.md").read_text()
     profiles = sorted(p.name for p in (out / "cprofile").iterdir())
     assert profiles == ["quick-m2-rank0.prof", "quick-m2-rank1.prof"]
+
+
+def test_quick_bench_of_chimera_over_two_data_parallel_copies(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "1f1b,chimera", "--torch-schedules", "1F1B",
+            "--data-parallel", "2", "--no-simulate", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    for label in ("twobp 1f1b", "twobp chimera", "twobp chimera+2bp"):
+        assert variants[label]["skipped"] is None, label
+        assert variants[label]["step_s"]["median"] > 0
+    for label in ("torch 1F1B", "reference whole-batch"):
+        assert "runs twobp's own pipelines only" in variants[label]["skipped"]
+    assert "Data parallel: 2 copies" in (out / "report.md").read_text()

@@ -250,6 +250,7 @@ def _variant(
             lead.action_seconds,
             link,
             send_bytes,
+            lead.schedule.n_pipelines if lead.schedule is not None else 1,
         )
         entry["action_s"] = {
             key: statistics.median(times) for key, times in sorted(lead.action_seconds.items())

@@ -32,7 +32,7 @@ from twobp_bench.matrix import (
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
-DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "chimera"]
 DEFAULT_TORCH_SCHEDULES = [
     "GPipe",
     "1F1B",
@@ -137,6 +137,12 @@ class BenchConfig:
         "samples per micro-batch (default: the regime's; 2 for models without regimes)", None
     )
     ranks: int = doc("local ranks (pipeline ranks p)", 2)
+    data_parallel: int = doc(
+        "copies D of every twobp pipeline, on D x --ranks processes, each on a batch of its "
+        "own; figures are those of copy 0 (the global throughput is D times); torch and "
+        "reference variants need D = 1 and give way",
+        1,
+    )
     threads: int = doc("torch threads per rank, for every variant and reference", 1)
     microbatches: list[int] | None = doc(  # noqa: RUF009
         "micro-batch counts m (default: p, 2p and 8)", None
@@ -192,6 +198,7 @@ class BenchPlan:
         regimes: the regimes, each with its overrides merged with the user's.
         n_ranks: pipeline ranks.
         threads: torch threads per rank.
+        data_parallel: copies of every twobp pipeline (on ``D x n_ranks`` processes).
         microbatch_counts: the micro-batch counts m.
         schedules: twobp schedule names.
         torch_schedules: torch schedule names (without ``Schedule``).
@@ -231,6 +238,7 @@ class BenchPlan:
     baseline_path: str | None = None
     cprofile: str | None = None
     cprofile_dir: str = "runs/bench/cprofile"
+    data_parallel: int = 1
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -318,6 +326,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         baseline=cfg.baseline or None,
         cprofile=cfg.cprofile or None,
         cprofile_dir=f"{cfg.out}/cprofile",
+        data_parallel=cfg.data_parallel,
     )
 
 
@@ -362,8 +371,11 @@ def _check(cfg: BenchConfig) -> None:
             if unknown
             else f"--model: give at least one family ({', '.join(MODEL_FAMILIES)})"
         )
-    if cfg.ranks < 1 or cfg.threads < 1:
-        raise ValueError(f"--ranks and --threads must be >= 1, got {cfg.ranks}, {cfg.threads}")
+    if cfg.ranks < 1 or cfg.threads < 1 or cfg.data_parallel < 1:
+        raise ValueError(
+            f"--ranks, --threads and --data-parallel must be >= 1, got {cfg.ranks}, "
+            f"{cfg.threads}, {cfg.data_parallel}"
+        )
     if cfg.rounds < 1 or cfg.warmup < 1:
         raise ValueError(
             f"--rounds and --warmup must be >= 1 (the last warm-up round probes memory), "

@@ -191,7 +191,8 @@ def _variants(plan: BenchPlan, regime: Regime) -> list[matrix.Variant]:
 def _run_group(
     plan: BenchPlan, spec: ModelSpec, regime: Regime, m: int, rank: int, device: torch.device
 ) -> tuple[list[VariantRecord], BlockProfiler | None]:
-    inputs, targets = _batch(spec, regime, m, plan.seed)
+    # Each data-parallel copy (ranks d * p .. d * p + p - 1) has a batch of its own.
+    inputs, targets = _batch(spec, regime, m, plan.seed + 7919 * (rank // plan.n_ranks))
     inputs = _to(inputs, device)
     targets = _to(targets, device)
     kinds = [k.value for k in spec.block_kinds]
@@ -199,10 +200,12 @@ def _run_group(
     runners: list[tuple[VariantRecord, StepRunner]] = []
     for variant in _variants(plan, regime):
         stage_ranks = matrix.placement(variant, plan.n_ranks)
-        partition = matrix.stage_partition(kinds, len(stage_ranks))
+        partition = matrix.stage_partition(kinds, matrix.model_stages(variant, plan.n_ranks))
         record = VariantRecord(variant, m, partition, stage_ranks)
         runner: StepRunner | None = None
         reason = matrix.twobp_refusal(variant, plan.n_ranks, m)
+        if reason is None and plan.data_parallel > 1 and variant.framework != matrix.TWOBP:
+            reason = f"--data-parallel {plan.data_parallel} runs twobp's own pipelines only"
         if reason is None:
             try:
                 runner = _build(plan, variant, spec, m, partition, inputs, targets, rank, device)
@@ -306,6 +309,7 @@ def _build(
             threads=plan.threads,
             timeout=plan.timeout,
             pipeline_class=pipeline_class,
+            data_parallel=plan.data_parallel,
         )
     if variant.framework == matrix.TORCH:
         return TorchRunner(

@@ -199,7 +199,7 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
         ValueError: if the twobp schedule does not exist for ``n_ranks``.
     """
     if variant.framework in PIPELINES_OF_TWOBP:
-        return generate(variant.schedule, n_ranks, n_ranks).placement
+        return generate(variant.schedule, n_ranks, 2 * n_ranks).placement
     if variant.framework == REFERENCE:
         return (0,)
     info = TORCH_SCHEDULES[variant.schedule]
@@ -207,6 +207,13 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
     if info.placement == "v":
         return tuple(s if s < n_ranks else n_stages - 1 - s for s in range(n_stages))
     return tuple(s % n_ranks for s in range(n_stages))
+
+
+def model_stages(variant: Variant, n_ranks: int) -> int:
+    """Stages the model is cut into: those of one pipeline (Chimera runs two over them)."""
+    if variant.framework in PIPELINES_OF_TWOBP:
+        return generate(variant.schedule, n_ranks, 2 * n_ranks).pipeline_stages
+    return len(placement(variant, n_ranks))
 
 
 def stages_of_rank(stage_ranks: Sequence[int], rank: int) -> list[int]:

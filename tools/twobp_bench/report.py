@@ -44,6 +44,19 @@ def _header(results: Mapping[str, Any]) -> list[str]:
         f"{results['rounds']} timed rounds after {results['warmup']} warm-up rounds; "
         f"wall time {results['wall_s']:.0f} s.",
         "",
+        *_copies(results),
+    ]
+
+
+def _copies(results: Mapping[str, Any]) -> list[str]:
+    copies = results.get("data_parallel", 1)
+    if copies == 1:
+        return []
+    return [
+        f"Data parallel: {copies} copies of every twobp pipeline ({copies} x {results['n_ranks']} "
+        "processes), each on a batch of its own; the figures are those of copy 0, the global "
+        f"throughput is {copies} times its samples/s. torch and reference variants do not run.",
+        "",
     ]
 
 

@@ -67,13 +67,14 @@ def run_bench(
             t0 = time.perf_counter()
             reports = launch(
                 run_regime,
-                plan.n_ranks,
+                plan.n_ranks * plan.data_parallel,
                 plan,
                 regime,
                 threads_per_rank=plan.threads,
                 group_timeout=plan.timeout,
             )
-            regimes.append(analyse_regime(reports, plan.n_ranks))
+            # Copy 0 (the first n_ranks processes) speaks for the copies.
+            regimes.append(analyse_regime(reports[: plan.n_ranks], plan.n_ranks))
             say(f"regime {regime.name}: done in {time.perf_counter() - t0:.0f} s")
     finally:
         if folder is not None:
@@ -84,6 +85,7 @@ def run_bench(
         "wall_s": time.time() - started,
         "machine": _machine(load_before),
         "n_ranks": plan.n_ranks,
+        "data_parallel": plan.data_parallel,
         "threads": plan.threads,
         "rounds": plan.rounds,
         "warmup": plan.warmup,

@@ -58,9 +58,18 @@ def stage_costs(
         with W tables, the link of rank 0's profile, the ranks' mean contention,
         and times divided by it (alone times).
 
+    With several pipelines over the same stages of the model (Chimera: the
+    placement lists ``k`` times as many stages as the partition), each
+    stage of the model is costed by its rank in the first pipeline, and the
+    model is repeated for the others.
+
     Raises:
         ValueError: if the partition and the placement disagree on the stage count.
     """
+    copies = len(stage_ranks) // len(partition) if len(partition) else 0
+    if copies > 1 and len(stage_ranks) == copies * len(partition):
+        first = stage_costs(profiles, partition, stage_ranks[: len(partition)])
+        return first.tile(copies)
     if len(partition) != len(stage_ranks):
         raise ValueError(
             f"partition has {len(partition)} stages but the placement {tuple(stage_ranks)} "
@@ -99,6 +108,7 @@ def replayed_step(
     action_seconds: Mapping[str, Sequence[float]],
     link: tuple[float, float],
     send_bytes: Sequence[float] | None = None,
+    n_pipelines: int = 1,
 ) -> SimResult:
     """The simulation of the actions as they ran, with their measured median times.
 
@@ -109,6 +119,7 @@ def replayed_step(
         action_seconds: measured durations by ``"stage:kind:micro-batches"``.
         link: ``(latency, bandwidth)`` of a transfer between ranks.
         send_bytes: bytes crossing each stage boundary (None: latency only).
+        n_pipelines: the pipelines the stages form (2 for Chimera).
 
     Returns:
         The simulation.
@@ -140,5 +151,6 @@ def replayed_step(
         n_microbatches,
         {rank: tuple(Action.parse(a) for a in acts) for rank, acts in run_actions.items()},
         name="as run",
+        n_pipelines=n_pipelines,
     )
     return simulate(schedule, model)

@@ -31,6 +31,7 @@ class TwobpRunner:
         timeout: seconds to wait on a peer.
         pipeline_class: the ``Pipeline`` to build: this twobp's, or the
             baseline revision's (which takes the same arguments).
+        data_parallel: copies of the pipeline (each rank passes its own copy's batch).
 
     Raises:
         twobp.runtime.PipelineConfigError: if the schedule does not fit.
@@ -52,7 +53,9 @@ class TwobpRunner:
         threads: int,
         timeout: float,
         pipeline_class: Callable[..., Pipeline] = Pipeline,
+        data_parallel: int = 1,
     ) -> None:
+        copies = {} if data_parallel == 1 else {"data_parallel": data_parallel}
         self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
@@ -64,13 +67,15 @@ class TwobpRunner:
             device=device,
             timeout=timeout,
             num_threads=threads,
+            **copies,
         )
         self.last_spans: list[Span] = []
         """The compute spans of every rank in the last step (after :meth:`after_step`)."""
-        last = self.pipe.schedule.n_stages - 1
+        schedule = self.pipe.schedule
+        held = {schedule.model_stage(s) for s in self.pipe.stages}
         # Only the ranks of the first and last stage need the batch, as a user would pass it.
-        self._inputs = inputs if 0 in self.pipe.stages else None
-        self._targets = targets if last in self.pipe.stages else None
+        self._inputs = inputs if 0 in held else None
+        self._targets = targets if schedule.pipeline_stages - 1 in held else None
 
     @property
     def schedule(self) -> Schedule:
@@ -91,7 +96,13 @@ class TwobpRunner:
 
     def after_step(self) -> dict[str, float]:
         """Bubble ratio and compute time (means over ranks), bytes held for W. Collective."""
-        spans = self.pipe.timeline()
+        # This copy's ranks, numbered as the schedule's ranks (the same with one copy).
+        rows = self.pipe.topology.pipeline_ranks
+        spans = [
+            Span(rows.index(s.rank), s.action, s.start, s.end)
+            for s in self.pipe.timeline()
+            if s.rank in rows
+        ]
         self.last_spans = spans
         ranks = sorted({s.rank for s in spans})
         busy = sum(busy_time(spans, r) for r in ranks) / max(1, len(ranks))
