@@ -21,9 +21,9 @@ laid out like it: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
 
 Tied weights stay tied: GPT-2, BERT and Mamba read the input embedding's
 weight again in their head, so the first and the last block share that
-parameter. On one process that is exact; a ``Pipeline`` that puts the two
-blocks on different ranks refuses to start (weights tied across ranks are
-not supported yet): build the model with ``build_model(..., tied=False)``.
+parameter. A ``Pipeline`` that puts the two blocks on different ranks keeps
+it one weight: each holder gets the sum of both uses' gradients (the ``R``
+action of the schedule), so the values stay identical after every step.
 
 ``transformers`` is an optional dependency (``pip install twobp[transformers]``);
 it is imported by the functions here, not by ``twobp``.
@@ -344,9 +344,8 @@ def build_model(
         kind: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
         size: a key of :data:`SIZES`.
         tied: tie the output layer to the input embedding where the family does
-            by default (GPT-2, BERT, Mamba; LLaMA never ties). A pipeline on
-            several ranks needs ``tied=False``: the first and the last block
-            then hold parameters of their own.
+            by default (GPT-2, BERT, Mamba; LLaMA never ties). False gives the
+            first and the last block parameters of their own.
         vocab_size: the vocabulary (default: the size's).
         max_positions: the longest sequence (GPT-2 and BERT learn a position
             embedding of this many rows; LLaMA's rotary embedding takes it as a hint).

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twobp.models.common import Device, build_blocks, home_device, upcast
+from twobp.models.common import Device, build_blocks, home_device, tie_head, upcast
 from twobp.models.spec import ModelSpec, stacked_kinds
 
 IGNORE_INDEX = -100
@@ -138,8 +138,8 @@ class EncoderBlock(nn.Module):
 class MLMHead(nn.Module):
     """Last block: dense + GELU + LayerNorm transform, then the vocabulary projection.
 
-    BERT ties the projection to the word embedding; here it is its own weight,
-    because the embedding lives on the first pipeline stage and the head on the last.
+    BERT ties the projection's weight to the word embedding, and so does
+    :func:`bert_blocks`: a pipeline keeps the two uses in step across ranks.
     """
 
     def __init__(self, config: BertConfig) -> None:
@@ -204,14 +204,17 @@ def bert_blocks(
         seed: initialisation seed (``None``: global random state).
 
     Returns:
-        ``[Embeddings, EncoderBlock * n_layers, MLMHead]``.
+        ``[Embeddings, EncoderBlock * n_layers, MLMHead]``; the head's
+        decoder weight is the word embedding's (tied, as in the published model).
     """
     factories = [
         lambda: Embeddings(config),
         *([lambda: EncoderBlock(config)] * config.n_layers),
         lambda: MLMHead(config),
     ]
-    return build_blocks(factories, device=device, dtype=dtype, seed=seed)
+    blocks = build_blocks(factories, device=device, dtype=dtype, seed=seed)
+    tie_head(blocks[0].word, blocks[-1].decoder)  # as published
+    return blocks
 
 
 def build_bert(

@@ -67,9 +67,9 @@ class TokenEmbedding(nn.Module):
 class LMHead(nn.Module):
     """Last block of a language model: final RMSNorm, then the projection to logits.
 
-    LLaMA has its own output weight; Mamba ties it to the embedding, which a
-    pipeline cannot (the embedding lives on the first stage, the head on the
-    last), so here it is always a separate weight.
+    LLaMA has its own output weight; Mamba ties it to the embedding (see
+    :func:`tie_head`): the first and the last block then share one parameter,
+    which a pipeline keeps in step across the ranks that hold them.
     """
 
     def __init__(self, dim: int, vocab_size: int, eps: float) -> None:
@@ -111,3 +111,14 @@ def random_token_batch(
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
     tokens = tokens.to(device)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def tie_head(embedding: nn.Embedding, projection: nn.Linear) -> None:
+    """Make ``projection`` read the embedding's weight, as models with tied embeddings do.
+
+    The embedding's N(0, 1) initialisation is scaled to the N(0, 0.02) of
+    the published models: it now also makes the logits.
+    """
+    with torch.no_grad():
+        embedding.weight.mul_(0.02)
+    projection.weight = embedding.weight

@@ -26,6 +26,7 @@ from twobp.models.common import (
     Device,
     LMHead,
     TokenEmbedding,
+    tie_head,
     build_blocks,
     home_device,
     lm_loss,
@@ -174,14 +175,17 @@ def mamba_blocks(
         seed: initialisation seed (``None``: global random state).
 
     Returns:
-        ``[TokenEmbedding, MambaBlock * n_layers, LMHead]``.
+        ``[TokenEmbedding, MambaBlock * n_layers, LMHead]``; the head's
+        projection is the embedding's weight (tied, as in the published model).
     """
     factories = [
         lambda: TokenEmbedding(config.vocab_size, config.d_model),
         *([lambda: MambaBlock(config)] * config.n_layers),
         lambda: LMHead(config.d_model, config.vocab_size, config.norm_eps),
     ]
-    return build_blocks(factories, device=device, dtype=dtype, seed=seed)
+    blocks = build_blocks(factories, device=device, dtype=dtype, seed=seed)
+    tie_head(blocks[0].embed, blocks[-1].output)  # as published
+    return blocks
 
 
 def build_mamba(

@@ -51,11 +51,10 @@ class ModelSpec:
         loss_fn: ``loss_fn(logits, target)``, a mean over the batch.
         make_batch: ``make_batch(batch_size, seed) -> (input, target)``, synthetic
             but well-formed data on the model's device.
-        head_tied_in_reference: True where the published model ties the output
-            projection to the word embedding (BERT, Mamba). Here the two are separate
-            parameters, because the first and last blocks live on different pipeline
-            stages; :meth:`num_parameters` can count them once to compare with the
-            published size.
+        head_tied_in_reference: True where the model ties the output
+            projection to the word embedding, as published (BERT, Mamba): the
+            first and the last block share that parameter, and a pipeline keeps
+            the two uses in step across ranks (see :meth:`num_parameters`).
         meta: extra facts (``vocab_size``, ``seq_len``, ``num_classes``, ...).
     """
 
@@ -100,14 +99,16 @@ class ModelSpec:
         """Number of parameter elements over all blocks.
 
         Args:
-            tied_once: count the output projection's weight only once with the
-                word embedding, as the published sizes of models with tied
-                embeddings do (no effect where ``head_tied_in_reference`` is False).
+            tied_once: count the tied output projection's weight once, with the
+                word embedding, as the model holds it and the published sizes
+                count it; False counts it as the untied model's separate weight
+                (no effect where ``head_tied_in_reference`` is False).
 
         Returns:
             The parameter count.
         """
-        total = sum(p.numel() for block in self.blocks for p in block.parameters())
-        if tied_once and self.head_tied_in_reference:
-            total -= self.meta["tied_head_numel"]
+        unique = {id(p): p for block in self.blocks for p in block.parameters()}
+        total = sum(p.numel() for p in unique.values())
+        if not tied_once and self.head_tied_in_reference:
+            total += self.meta["tied_head_numel"]
         return total

@@ -23,7 +23,7 @@ class TrainConfig:
     )
     hf_config: str | None = doc(
         "train a Hugging Face transformers model of this family instead of --model, built "
-        "from the --size tiny|small configuration with its head untied (needs the "
+        "from the --size tiny|small configuration, its head tied as published (needs the "
         "transformers extra): llama, gpt2, mamba (next byte), bert (masked bytes)",
         None,
         choices=HF_FAMILIES,

@@ -103,7 +103,7 @@ HF_MASK_TOKEN = 256
 
 
 def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
-    """A ``transformers`` model of ``cfg.hf_config`` (untied) on byte-level text.
+    """A ``transformers`` model of ``cfg.hf_config`` (tied as published) on byte-level text.
 
     Causal LMs take the bytes as labels (the model's loss shifts them); BERT
     masks 15% of the positions of every sequence, deterministically per step.
@@ -117,7 +117,7 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     model = hf.build_model(
         kind,
         cfg.size,
-        tied=False,
+        tied=True,
         vocab_size=HF_MASK_TOKEN + 1 if masked else 256,
         max_positions=cfg.seq_len,
     ).to(dtype)
