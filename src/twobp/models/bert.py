@@ -213,7 +213,9 @@ def bert_blocks(
         lambda: MLMHead(config),
     ]
     blocks = build_blocks(factories, device=device, dtype=dtype, seed=seed)
-    tie_head(blocks[0].word, blocks[-1].decoder)  # as published
+    embeddings, head = blocks[0], blocks[-1]
+    assert isinstance(embeddings, Embeddings) and isinstance(head, MLMHead)
+    tie_head(embeddings.word, head.decoder)  # as published
     return blocks
 
 

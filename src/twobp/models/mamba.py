@@ -26,10 +26,10 @@ from twobp.models.common import (
     Device,
     LMHead,
     TokenEmbedding,
-    tie_head,
     build_blocks,
     home_device,
     lm_loss,
+    tie_head,
     token_batches,
 )
 from twobp.models.spec import ModelSpec, stacked_kinds
@@ -184,7 +184,9 @@ def mamba_blocks(
         lambda: LMHead(config.d_model, config.vocab_size, config.norm_eps),
     ]
     blocks = build_blocks(factories, device=device, dtype=dtype, seed=seed)
-    tie_head(blocks[0].embed, blocks[-1].output)  # as published
+    embedding, head = blocks[0], blocks[-1]
+    assert isinstance(embedding, TokenEmbedding) and isinstance(head, LMHead)
+    tie_head(embedding.embed, head.output)  # as published
     return blocks
 
 
