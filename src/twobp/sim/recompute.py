@@ -21,7 +21,7 @@ planner read like any other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from twobp.sim.costs import CostModel, PerStage
@@ -80,6 +80,22 @@ def parse_recompute(value: object, n_stages: int) -> tuple[Mode, ...]:
             )
         return tuple(_one(v, f" (stage {s})") for s, v in enumerate(value))
     return (_one(value, ""),) * n_stages
+
+
+def effective_modes(modes: Sequence[Mode], split: Iterable[int]) -> tuple[Mode, ...]:
+    """What each stage actually recomputes: derivatives only on stages that run ``I`` and ``W``.
+
+    Args:
+        modes: the mode of every stage.
+        split: the stages that run ``I`` and ``W`` (the others run ``B``).
+    """
+    splits = set(split)
+    out: list[Mode] = []
+    for s, mode in enumerate(modes):
+        if s not in splits and recomputes_derivatives(mode):
+            mode = "activations" if recomputes_activations(mode) else None
+        out.append(mode)
+    return tuple(out)
 
 
 def input_bytes(costs: CostModel, stage: int) -> float:
