@@ -41,7 +41,7 @@ from twobp.engine.coverage import (
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.ops import HANDLERS
 from twobp.engine.phases import MicrobatchPhases, TwoStageBackwardError
-from twobp.engine.stash import SharedRows, StashEntry, held_bytes
+from twobp.engine.stash import CONCAT_ROWS, SharedRows, StashEntry, held_bytes
 
 _OWNER = "_twobp_weight_grad_store"
 """The attribute by which a module names the store that defers its parameters."""
@@ -309,7 +309,10 @@ class WeightGradStore:
             rebuild: re-runs the forward of a micro-batch whose I ran with
                 ``keep_stash=False``. Its stash is rebuilt by that forward and
                 an input pass that adds no gradient anywhere, one group at a
-                time, so that only one group's stash is held at once.
+                time, so that only one group's stash is held at once. Without
+                ``group_size`` a group closes once its stashes reach
+                :data:`~twobp.engine.stash.CONCAT_ROWS` rows (where a larger
+                concatenation stops paying).
 
         Raises:
             ValueError: if ``mbs`` is empty or repeats, or ``group_size < 1``.
@@ -335,6 +338,9 @@ class WeightGradStore:
                         f"stashed for the W of micro-batch {mb} was modified in place after "
                         f"its backward_input; keep inputs and output gradients unchanged until W"
                     )
+        if rebuild is not None and group_size is None:
+            self._rebuild_and_weigh(group, rebuild)
+            return
         size = len(group) if group_size is None else group_size
         for start in range(0, len(group), size):
             chunk = group[start : start + size]
@@ -342,22 +348,47 @@ class WeightGradStore:
                 for mb in chunk:
                     if mb in self._dropped:
                         self._rebuild_stash(mb, rebuild)
-            with torch.no_grad():
-                # Newest stash first: the last I left part of it in cache.
-                newest_first = sorted(
-                    chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True
-                )
-                stashes = [self._stash.pop(mb, {}) for mb in newest_first]
-                for mb in chunk:
-                    self._held.pop(mb, None)
-                shared = SharedRows()
-                for op in self._ops():
-                    tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
-                    if tensors:
-                        shared.next_layer()
-                        op.accumulate_weight_grads(tensors, shared)
-                for mb in chunk:
-                    self._phases.finish_weight(mb)
+            self._weight_pass(chunk)
+
+    def _rebuild_and_weigh(self, group: Sequence[int], rebuild: Rebuild) -> None:
+        """W of ``group`` without a cap: rebuild stashes until they reach
+        :data:`~twobp.engine.stash.CONCAT_ROWS` rows, where concatenating more
+        stops paying, and run W of those before rebuilding the next."""
+        chunk: list[int] = []
+        rows = 0
+        for mb in group:
+            if mb in self._dropped:
+                self._rebuild_stash(mb, rebuild)
+            chunk.append(mb)
+            rows += self._stash_rows(mb)
+            if rows >= CONCAT_ROWS:
+                self._weight_pass(chunk)
+                chunk, rows = [], 0
+        if chunk:
+            self._weight_pass(chunk)
+
+    def _stash_rows(self, mb: int) -> int:
+        """Rows of the first stashed operand of ``mb`` (all dims but the last)."""
+        for entries in self._stash.get(mb, {}).values():
+            return sum(e.tensors[0].numel() // max(1, e.tensors[0].shape[-1]) for e in entries)
+        return 0
+
+    def _weight_pass(self, chunk: Sequence[int]) -> None:
+        """W of ``chunk``, whose stashes are all there: one concatenated pass per op."""
+        with torch.no_grad():
+            # Newest stash first: the last I left part of it in cache.
+            newest_first = sorted(chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True)
+            stashes = [self._stash.pop(mb, {}) for mb in newest_first]
+            for mb in chunk:
+                self._held.pop(mb, None)
+            shared = SharedRows()
+            for op in self._ops():
+                tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
+                if tensors:
+                    shared.next_layer()
+                    op.accumulate_weight_grads(tensors, shared)
+            for mb in chunk:
+                self._phases.finish_weight(mb)
 
     def _rebuild_stash(self, mb: int, rebuild: Rebuild) -> None:
         """Re-run the forward and input pass of ``mb`` to fill its stash, adding no gradient.

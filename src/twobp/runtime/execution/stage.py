@@ -43,6 +43,8 @@ class _Kept:
     target: Batch | None
     rng: RngState | None
     """The generator states of the first forward (None without recomputation)."""
+    flags: tuple[bool, ...]
+    """Which outputs were sent as needing a gradient: those a recomputation returns."""
     outputs: tuple[Tensor, ...] = ()
     """The outputs that require grad, until I; none when I recomputes them."""
     grad_outputs: tuple[Tensor, ...] = ()
@@ -149,7 +151,17 @@ class Stage:
                 "a scalar, the mean loss over the micro-batch (use reduction='mean')"
             )
         if training:
-            kept = _Kept(inputs, is_tuple, target, rng)
+            if recomputes_activations(self.recompute):
+                # Flagged as the forward with autograd would have (the next stage
+                # sends gradients for them); I keeps those its recomputation flags.
+                wanted = any(x.requires_grad for x in inputs) or any(
+                    p.requires_grad for p in self.module.parameters()
+                )
+                tensors = tuple(
+                    t.detach().requires_grad_() if wanted and t.is_floating_point() else t
+                    for t in tensors
+                )
+            kept = _Kept(inputs, is_tuple, target, rng, tuple(t.requires_grad for t in tensors))
             if not recomputes_activations(self.recompute):
                 kept.outputs = tuple(t for t in tensors if t.requires_grad)
             self._kept[mb] = kept
@@ -169,7 +181,7 @@ class Stage:
             output = self._run(kept.inputs, kept.is_tuple, kept.target)
         check.verify(f"{self._where()}micro-batch {mb}", str(self.recompute))
         tensors, _ = flatten(output, f"the output of stage {self.index}")
-        return tuple(t for t in tensors if t.requires_grad)
+        return tuple(t for t, flag in zip(tensors, kept.flags, strict=True) if flag)
 
     def _where(self) -> str:
         return f"{self._label}, "
@@ -201,6 +213,11 @@ class Stage:
             self.memory.sample(saved)
         if self.is_last:
             grad_outputs = [torch.full_like(t, self._scale) for t in outputs]
+        # A recomputed output sent as needing a gradient may not depend on anything
+        # that needs one: it takes no part in the backward.
+        used = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+        outputs = tuple(o for o, _ in used)
+        grad_outputs = [g for _, g in used]
         inputs = kept.grad_inputs
         derivatives = split and recomputes_derivatives(self.recompute)
         if not split:
@@ -230,7 +247,7 @@ class Stage:
         """The forward of ``mb`` again, for the engine to rebuild the stash of its W."""
         kept = self._pending[mb]
         saved: dict[Any, int] = {}
-        outputs = self._forward_again(mb, kept, saved)
+        outputs = [o for o in self._forward_again(mb, kept, saved) if o.requires_grad]
         # The stashes this W rebuilt so far are held too, until its group is done.
         rebuilt = storages(t for m in self._pending for t in self.gradients.stashed_tensors(m))
         self.memory.sample({**saved, **rebuilt})
