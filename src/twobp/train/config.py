@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from twobp.config import doc
 from twobp.schedule import TWO_BP_POLICIES
+from twobp.sim.recompute import RECOMPUTE_MODES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 HF_FAMILIES = ("llama", "gpt2", "bert", "mamba")
@@ -40,6 +41,17 @@ class TrainConfig:
     )
     partition: str = doc(
         "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled)", "uniform"
+    )
+    recompute: str | None = doc(
+        "trade compute for memory on every stage: activations (F again in I), derivatives "
+        "(F and I again in W: the 2BP stash is rebuilt), all; default: none",
+        None,
+        choices=RECOMPUTE_MODES,
+    )
+    weight_group_size: int | None = doc(
+        "the most micro-batches one concatenated W covers (and, with recompute derivatives, "
+        "rebuilds) at once; default: no cap",
+        None,
     )
     microbatches: int = doc("micro-batches per step", 4)
     batch_size: int = doc("sequences (or images) per step; must divide by --microbatches", 16)
