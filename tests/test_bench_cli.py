@@ -93,3 +93,28 @@ def test_overhead_mode_against_a_baseline_revision(tmp_path):
     assert "## twobp against its baseline (git revision `HEAD`)" in (out / "report.md").read_text()
     profiles = sorted(p.name for p in (out / "cprofile").iterdir())
     assert profiles == ["quick-m2-rank0.prof", "quick-m2-rank1.prof"]
+
+
+def test_recompute_variants_fill_the_memory_table(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "1f1b", "--torch-schedules", "", "--no-references",
+            "--no-simulate", "--recompute", "off,derivatives", "--weight-group-size", "1",
+            "--microbatches", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert list(variants) == [
+        "twobp 1f1b",
+        "twobp 1f1b+2bp",
+        "twobp 1f1b+rc:derivatives",
+        "twobp 1f1b+2bp+rc:derivatives",
+    ]
+    for v in variants.values():
+        assert v["grad_rel_error"] < 1e-4, v["label"]
+    plain, rebuilt = variants["twobp 1f1b+2bp"], variants["twobp 1f1b+2bp+rc:derivatives"]
+    for rank in range(2):
+        assert rebuilt["memory"][rank]["stash"] < plain["memory"][rank]["stash"]
+    report = (out / "report.md").read_text()
+    assert "## Memory: schedule x 2BP x recompute (twobp)" in report
+    assert "| 1f1b | 4 | on | derivatives |" in report

@@ -31,6 +31,7 @@ class TwobpRunner:
         timeout: seconds to wait on a peer.
         pipeline_class: the ``Pipeline`` to build: this twobp's, or the
             baseline revision's (which takes the same arguments).
+        weight_group_size: the cap on the micro-batches of one W (None: none).
 
     Raises:
         twobp.runtime.PipelineConfigError: if the schedule does not fit.
@@ -52,7 +53,14 @@ class TwobpRunner:
         threads: int,
         timeout: float,
         pipeline_class: Callable[..., Pipeline] = Pipeline,
+        weight_group_size: int | None = None,
     ) -> None:
+        # Only when set: a baseline revision may not know the option.
+        options: dict[str, object] = {}
+        if variant.recompute is not None:
+            options["recompute"] = variant.recompute
+        if weight_group_size is not None and variant.two_bp:
+            options["weight_group_size"] = weight_group_size
         self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
@@ -64,6 +72,7 @@ class TwobpRunner:
             device=device,
             timeout=timeout,
             num_threads=threads,
+            **options,
         )
         self.last_spans: list[Span] = []
         """The compute spans of every rank in the last step (after :meth:`after_step`)."""
