@@ -32,7 +32,9 @@ class RecomputeCase:
 
     def __str__(self) -> str:
         group = f" group={self.weight_group_size}" if self.weight_group_size else ""
-        return f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}{group}"
+        return (
+            f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}{group}"
+        )
 
 
 WIDTH = 32

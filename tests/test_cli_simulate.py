@@ -161,7 +161,8 @@ def test_plan_unknown_policy(capsys):
 def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
     argv = ["plan", "--stages", "2", "--microbatches", "8", "--schedules", "1f1b",
             "--policies", "paper", "--costs", "F=1,I=1,W=1,act=4,grad=4,send=1",
-            "--recompute", "off,derivatives", "--weight-group-sizes", "1", "--memory-limit", "24"]  # fmt: skip
+            "--recompute", "off,derivatives", "--weight-group-sizes", "1",
+            "--memory-limit", "24"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
@@ -171,8 +172,12 @@ def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
     # (4), and W rebuilds one micro-batch's stash at a time: F and I again inside W.
     assert float(rows[("derivatives", "1")][3]) > float(rows[("off", "-")][3])
     assert "over" in rows[("off", "-")] and "over" not in rows[("derivatives", "1")]
-    assert out.strip().splitlines()[-1].startswith(
-        "Recommended: 1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1"
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith(
+            "Recommended: 1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1"
+        )
     )
     assert main(["plan", "--recompute", "some"]) == 2
     assert "argument --recompute: invalid choice: 'some'" in capsys.readouterr().err

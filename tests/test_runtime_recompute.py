@@ -93,7 +93,7 @@ def _memory(
 
 def test_memory_figures_of_each_mode(results):
     plain = _memory(results, None)
-    for rank, figures in enumerate(plain):
+    for figures in plain:
         assert set(figures) == {"activations", "stash", "parameters", "optimizer", "peak"}
         assert figures["activations"] > 0 and figures["parameters"] > 0
         assert figures["optimizer"] == 0  # SGD without momentum keeps no state
@@ -131,8 +131,11 @@ def _mlp_pipeline(**options: Any) -> Pipeline:
 
 @needs_no_process_group
 def test_an_unknown_mode_names_the_option_and_the_choices():
-    with pytest.raises(PipelineConfigError, match=r"recompute='activation': unknown mode; "
-                       r"choose one of None, 'activations', 'derivatives', 'all'"):
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"recompute='activation': unknown mode; "
+        r"choose one of None, 'activations', 'derivatives', 'all'",
+    ):
         _mlp_pipeline(recompute="activation")
     with pytest.raises(PipelineConfigError, match=r"recompute=.* \(stage 1\): unknown mode"):
         _mlp_pipeline(recompute=[None, "everything"])

@@ -114,7 +114,7 @@ def test_the_planner_ranks_recompute_modes_and_names_them():
     assert derivatives.peak_memory < plain.peak_memory
     assert derivatives.makespan > plain.makespan  # F and I again in W
     limit = derivatives.peak_memory
-    best = [c for c in candidates if c.peak_memory <= limit][0]
+    best = next(c for c in candidates if c.peak_memory <= limit)
     assert recommend(candidates, limit).startswith(f"Recommended: {_label(best)}")
     assert "recompute='activations'" in recommend(candidates, 3.0)
 

@@ -54,9 +54,10 @@ def test_train_with_recompute_reports_memory(tmp_path, capsys):
     for figures in memory.values():
         assert set(figures) == {"activations", "stash", "parameters", "optimizer", "peak"}
         assert figures["optimizer"] > 0 and figures["peak"] > figures["parameters"]
-    assert "| rank | activations | stash | parameters | optimizer | peak |" in (
-        out / "report.md"
-    ).read_text()
+    assert (
+        "| rank | activations | stash | parameters | optimizer | peak |"
+        in (out / "report.md").read_text()
+    )
 
 
 def test_a_rank_that_fails_makes_twobp_train_exit_1(tmp_path, monkeypatch):

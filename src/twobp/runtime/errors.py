@@ -199,8 +199,6 @@ def nonfinite_error(
     )
 
 
-
-
 class NonRepeatableForwardError(PipelineConfigError):
     """A stage's forward, run again for recomputation, changed the block's buffers.
 

@@ -65,9 +65,7 @@ class MemoryMeter:
 
     def start_step(self, modules: Iterable[nn.Module]) -> None:
         """Forget the last step; parameters and buffers of ``modules`` are not counted."""
-        self._excluded = set(
-            storages(t for m in modules for t in (*m.parameters(), *m.buffers()))
-        )
+        self._excluded = set(storages(t for m in modules for t in (*m.parameters(), *m.buffers())))
         self._held.clear()
         for heading in self._refs:
             self._refs[heading].clear()
@@ -124,7 +122,9 @@ class MemoryMeter:
         extra = 0
         if transient:
             refs = self._refs[""]
-            extra = sum(v for k, v in transient.items() if k not in refs and k not in self._excluded)
+            extra = sum(
+                v for k, v in transient.items() if k not in refs and k not in self._excluded
+            )
         for name in (ACTIVATIONS, STASH):
             self.peaks[name] = max(self.peaks[name], self._bytes[name])
         self.peaks[""] = max(self.peaks[""], self._bytes[""] + extra)

@@ -44,17 +44,18 @@ class RngState:
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the block inside from these states; the generators come back as they were."""
+        device = self.device
         cpu = torch.get_rng_state()
-        cuda = None if self.device is None else torch.cuda.get_rng_state(self.device)
+        cuda = None if device is None else torch.cuda.get_rng_state(device)
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.cuda is not None and device is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
         try:
             yield
         finally:
             torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
+            if cuda is not None and device is not None:
+                torch.cuda.set_rng_state(cuda, device)
 
 
 class BufferCheck:
