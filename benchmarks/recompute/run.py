@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -96,7 +97,7 @@ def large_regime() -> dict[str, Any]:
     inputs, targets = spec.make_batch(regime.microbatch_size * N_MB, 0)
     pipes = {
         name: Pipeline(
-            [b for b in _copies(spec.blocks)],
+            copy.deepcopy(spec.blocks),
             spec.loss_fn,
             "1f1b",
             N_MB,
@@ -135,12 +136,6 @@ def large_regime() -> dict[str, Any]:
         "local_bubble": bubbles,
         "partition": partition,
     }
-
-
-def _copies(blocks: list[nn.Module]) -> list[nn.Module]:
-    import copy
-
-    return copy.deepcopy(blocks)
 
 
 def _mib(n: float) -> str:
