@@ -31,6 +31,8 @@ TRAINED = [
     *(RecomputeCase("transformer", "1f1b", m) for m in MODES),
     RecomputeCase("transformer", "interleaved-1f1b", "all"),
     RecomputeCase("mlp", "1f1b", "activations", two_bp=False),
+    # Without 2BP no stage keeps a stash: "all" recomputes the activations only.
+    RecomputeCase("mlp", "1f1b", "all", two_bp=False),
     RecomputeCase("mlp", "1f1b", "derivatives", weight_group_size=1),
     RecomputeCase("mlp", "1f1b", ["all", "derivatives"]),
 ]
