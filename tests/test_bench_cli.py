@@ -109,3 +109,28 @@ def test_quick_bench_of_chimera_over_two_data_parallel_copies(tmp_path):
     for label in ("torch 1F1B", "reference whole-batch"):
         assert "runs twobp's own pipelines only" in variants[label]["skipped"]
     assert "Data parallel: 2 copies" in (out / "report.md").read_text()
+
+
+def test_recompute_variants_fill_the_memory_table(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "1f1b", "--torch-schedules", "", "--no-references",
+            "--no-simulate", "--recompute", "off,derivatives", "--weight-group-size", "1",
+            "--microbatches", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert list(variants) == [
+        "twobp 1f1b",
+        "twobp 1f1b+2bp",
+        "twobp 1f1b+rc:derivatives",
+        "twobp 1f1b+2bp+rc:derivatives",
+    ]
+    for v in variants.values():
+        assert v["grad_rel_error"] < 1e-4, v["label"]
+    plain, rebuilt = variants["twobp 1f1b+2bp"], variants["twobp 1f1b+2bp+rc:derivatives"]
+    for rank in range(2):
+        assert rebuilt["memory"][rank]["stash"] < plain["memory"][rank]["stash"]
+    report = (out / "report.md").read_text()
+    assert "## Memory: schedule x 2BP x recompute (twobp)" in report
+    assert "| 1f1b | 4 | on | derivatives |" in report

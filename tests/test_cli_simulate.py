@@ -156,3 +156,28 @@ def test_plan_markdown(capsys):
 def test_plan_unknown_policy(capsys):
     assert main(["plan", "--policies", "off,lazy"]) == 2
     assert "argument --policies: invalid choice: 'lazy'" in capsys.readouterr().err
+
+
+def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
+    argv = ["plan", "--stages", "2", "--microbatches", "8", "--schedules", "1f1b",
+            "--policies", "paper", "--costs", "F=1,I=1,W=1,act=4,grad=4,send=1",
+            "--recompute", "off,derivatives", "--weight-group-sizes", "1",
+            "--memory-limit", "24"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    rows = {(r[7], r[8]): r for r in table}
+    assert set(rows) == {("off", "-"), ("off", "1"), ("derivatives", "-"), ("derivatives", "1")}
+    # Derivatives hold input and output gradient (2) per micro-batch instead of the stash
+    # (4), and W rebuilds one micro-batch's stash at a time: F and I again inside W.
+    assert float(rows[("derivatives", "1")][3]) > float(rows[("off", "-")][3])
+    assert "over" in rows[("off", "-")] and "over" not in rows[("derivatives", "1")]
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith(
+            "Recommended: 1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1"
+        )
+    )
+    assert main(["plan", "--recompute", "some"]) == 2
+    assert "argument --recompute: invalid choice: 'some'" in capsys.readouterr().err

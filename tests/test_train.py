@@ -53,6 +53,28 @@ def test_train_two_copies_of_a_chimera_pipeline(tmp_path):
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1", "2", "3"}
 
 
+def test_train_with_recompute_reports_memory(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--steps", "3", "--batch-size", "8", "--microbatches", "4",
+            "--seq-len", "16", "--threads", "1", "--timeout", "60", "--out", str(out),
+            "--recompute", "all", "--weight-group-size", "2", "--no-save",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "memory (MiB; activations, stash, parameters, optimizer, peak): rank 0 " in printed
+    memory = json.loads((out / "metrics.json").read_text())["memory_per_rank"]
+    for figures in memory.values():
+        assert set(figures) == {"activations", "stash", "parameters", "optimizer", "peak"}
+        assert figures["optimizer"] > 0 and figures["peak"] > figures["parameters"]
+    assert (
+        "| rank | activations | stash | parameters | optimizer | peak |"
+        in (out / "report.md").read_text()
+    )
+
+
 def test_a_rank_that_fails_makes_twobp_train_exit_1(tmp_path, monkeypatch):
     # Rank 1 is killed (SIGKILL) before its first step; rank 0 then fails on its peer.
     monkeypatch.setenv("KILL_AT", "0")

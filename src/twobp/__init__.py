@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         LaunchError,
         ModelMismatchError,
         NonFiniteLossError,
+        NonRepeatableForwardError,
         PeerError,
         PeerFailedError,
         PeerStepFailedError,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "LaunchError": "twobp.runtime",
     "NonFiniteLossError": "twobp.runtime",
+    "NonRepeatableForwardError": "twobp.runtime",
     "ModelMismatchError": "twobp.runtime",
     "CheckpointError": "twobp.runtime",
     "PeerError": "twobp.runtime",
@@ -65,6 +67,7 @@ __all__ = [
     "LaunchError",
     "ModelMismatchError",
     "NonFiniteLossError",
+    "NonRepeatableForwardError",
     "PeerError",
     "PeerFailedError",
     "PeerStepFailedError",

@@ -220,6 +220,9 @@ def _variant(
     entry["peak_step_bytes"] = [r.peak_step_bytes for r in records]
     entry["stashed_bytes"] = [r.stashed_bytes for r in records] if v.two_bp else None
     entry["parameter_bytes"] = [r.parameter_bytes for r in records]
+    entry["recompute"] = v.recompute
+    if any(r.memory for r in records):
+        entry["memory"] = [r.memory for r in records]
     grads = _variant_grads(records)
     entry["grad_norm"] = (
         math.sqrt(sum(s[0] ** 2 for s in grads.values())) if grads is not None else None
@@ -290,6 +293,7 @@ def _two_bp_speedups(
             {
                 "schedule": v.schedule,
                 "policy": v.policy,
+                "recompute": v.recompute,
                 "without": off_label,
                 "with": label,
                 "speedup": speedup(times[off_label], times[label]).as_dict(),

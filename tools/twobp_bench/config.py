@@ -158,6 +158,16 @@ class BenchConfig:
         "2BP placement policies of W to run (paper, eager, fill)", DEFAULT_POLICIES
     )
     without_2bp: bool = doc("also run every fused twobp schedule without 2BP", True)
+    recompute: list[str] = doc(  # noqa: RUF009
+        "recompute modes of the twobp variants (off, activations, derivatives, all); each "
+        "mode besides off runs every twobp variant again with it (the report's memory table)",
+        ["off"],
+    )
+    weight_group_size: int | None = doc(
+        "the most micro-batches one W of a twobp variant concatenates (and, with recompute "
+        "derivatives, rebuilds) at once; default: no cap",
+        None,
+    )
     rounds: int = doc("timed rounds; each round runs every variant once, in turn", 5)
     warmup: int = doc("untimed rounds first (the last one also probes memory)", 1)
     references: bool = doc("measure the single-process references (efficiency)", True)
@@ -216,6 +226,8 @@ class BenchPlan:
             ``twobp_baseline`` (set once it is exported).
         cprofile: the label of the variant to run under cProfile (None: none).
         cprofile_dir: where the ranks write the cProfile statistics.
+        recomputes: the recompute modes of the twobp variants (None: none).
+        weight_group_size: the cap on the micro-batches of one W (None: none).
     """
 
     size: str
@@ -239,6 +251,8 @@ class BenchPlan:
     cprofile: str | None = None
     cprofile_dir: str = "runs/bench/cprofile"
     data_parallel: int = 1
+    recomputes: tuple[str | None, ...] = (None,)
+    weight_group_size: int | None = None
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -327,7 +341,14 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         cprofile=cfg.cprofile or None,
         cprofile_dir=f"{cfg.out}/cprofile",
         data_parallel=cfg.data_parallel,
+        recomputes=_recomputes(cfg),
+        weight_group_size=cfg.weight_group_size,
     )
+
+
+def _recomputes(cfg: BenchConfig) -> tuple[str | None, ...]:
+    """``--recompute`` as modes, ``off`` as None, each once."""
+    return tuple(dict.fromkeys(None if m == "off" else m for m in cfg.recompute))
 
 
 def _unless_chosen(given: list[str], default: list[str], quick: list[str]) -> list[str]:
@@ -398,6 +419,18 @@ def _check(cfg: BenchConfig) -> None:
             raise ValueError(
                 f"--policies: unknown {name!r}; choose from {', '.join(TWO_BP_POLICIES)}"
             )
+    from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES
+
+    for name in cfg.recompute:
+        if name not in (NO_RECOMPUTE, *RECOMPUTE_MODES):
+            raise ValueError(
+                f"--recompute: unknown {name!r}; choose from "
+                f"{', '.join((NO_RECOMPUTE, *RECOMPUTE_MODES))}"
+            )
+    if not cfg.recompute:
+        raise ValueError("--recompute: give at least one mode (off: none)")
+    if cfg.weight_group_size is not None and cfg.weight_group_size < 1:
+        raise ValueError(f"--weight-group-size must be >= 1, got {cfg.weight_group_size}")
     if not (cfg.schedules or cfg.torch_schedules):
         raise ValueError("nothing to measure: give --schedules or --torch-schedules")
     if cfg.cprofile:
@@ -417,4 +450,5 @@ def _every_variant(cfg: BenchConfig) -> list[Variant]:
         without_2bp=cfg.without_2bp,
         references=REFERENCES if cfg.references else (),
         baseline=bool(cfg.baseline),
+        recomputes=_recomputes(cfg),
     )

@@ -80,6 +80,8 @@ class VariantRecord:
         run_actions: the actions of each rank in the order the last step ran
             them (twobp and baseline only; the runtime may fuse an ``I`` and
             ``W`` into ``B``).
+        memory: ``Pipeline.memory_stats`` of this rank after the probed step
+            (twobp only): activations, stash, parameters, optimizer, peak.
     """
 
     variant: matrix.Variant
@@ -99,6 +101,7 @@ class VariantRecord:
     schedule: Schedule | None = None
     action_seconds: dict[str, list[float]] = field(default_factory=dict)
     run_actions: dict[int, list[str]] = field(default_factory=dict)
+    memory: dict[str, int] | None = None
 
 
 @dataclass
@@ -185,6 +188,7 @@ def _variants(plan: BenchPlan, regime: Regime) -> list[matrix.Variant]:
         without_2bp=plan.without_2bp,
         references=regime.references if plan.references else (),
         baseline=plan.baseline is not None,
+        recomputes=plan.recomputes,
     )
 
 
@@ -278,6 +282,8 @@ def _probe(record: VariantRecord, runner: StepRunner, device: torch.device) -> N
     figures = runner.after_step()
     if "stashed_bytes" in figures:
         record.stashed_bytes = int(figures["stashed_bytes"])
+    if isinstance(runner, TwobpRunner) and record.variant.framework == matrix.TWOBP:
+        record.memory = runner.pipe.memory_stats()
     runner.zero_grad()
 
 
@@ -310,6 +316,7 @@ def _build(
             timeout=plan.timeout,
             pipeline_class=pipeline_class,
             data_parallel=plan.data_parallel,
+            weight_group_size=plan.weight_group_size,
         )
     if variant.framework == matrix.TORCH:
         return TorchRunner(

@@ -98,12 +98,14 @@ class Variant:
         schedule: the twobp or torch schedule name, or the reference name.
         two_bp: whether the backward is split into I and W.
         policy: the 2BP policy of a fused twobp schedule run with 2BP (else None).
+        recompute: the twobp recompute mode of every stage (None: none).
     """
 
     framework: str
     schedule: str
     two_bp: bool = False
     policy: str | None = None
+    recompute: str | None = None
 
     @property
     def label(self) -> str:
@@ -111,6 +113,8 @@ class Variant:
         suffix = ""
         if self.policy is not None:
             suffix = "+2bp" if self.policy == "paper" else f"+2bp:{self.policy}"
+        if self.recompute is not None:
+            suffix += f"+rc:{self.recompute}"
         return f"{self.framework} {self.schedule}{suffix}"
 
     @property
@@ -120,26 +124,34 @@ class Variant:
 
     @property
     def fused(self) -> Variant:
-        """The same schedule of the same framework with the fused backward (without 2BP)."""
-        return Variant(self.framework, self.schedule)
+        """The same schedule of the same framework and recompute mode with the fused
+        backward (without 2BP)."""
+        return Variant(self.framework, self.schedule, recompute=self.recompute)
 
 
 def twobp_variants(
-    schedules: Sequence[str], policies: Sequence[str], without_2bp: bool
+    schedules: Sequence[str],
+    policies: Sequence[str],
+    without_2bp: bool,
+    recomputes: Sequence[str | None] = (None,),
 ) -> list[Variant]:
-    """The twobp variants: each fused schedule without 2BP and with each policy.
+    """The twobp variants: each fused schedule without 2BP and with each policy,
+    each with every recompute mode.
 
     Natively split schedules (``zb-*``) run only as they are: their ``I`` and
     ``W`` are the schedule; merged into ``B`` they would be another schedule.
     """
     out: list[Variant] = []
     for name in schedules:
-        if SCHEDULES[name].natively_split:
-            out.append(Variant(TWOBP, name, two_bp=True))
-            continue
-        if without_2bp:
-            out.append(Variant(TWOBP, name, two_bp=False))
-        out.extend(Variant(TWOBP, name, two_bp=True, policy=p) for p in policies)
+        for mode in recomputes:
+            if SCHEDULES[name].natively_split:
+                out.append(Variant(TWOBP, name, two_bp=True, recompute=mode))
+                continue
+            if without_2bp:
+                out.append(Variant(TWOBP, name, two_bp=False, recompute=mode))
+            out.extend(
+                Variant(TWOBP, name, two_bp=True, policy=p, recompute=mode) for p in policies
+            )
     return out
 
 
@@ -151,6 +163,7 @@ def build_variants(
     without_2bp: bool = True,
     references: Sequence[str] = REFERENCES,
     baseline: bool = False,
+    recomputes: Sequence[str | None] = (None,),
 ) -> list[Variant]:
     """Every variant of one group, in run order.
 
@@ -164,7 +177,7 @@ def build_variants(
     unknown = [r for r in references if r not in REFERENCES]
     if unknown:
         raise ValueError(f"unknown reference(s) {unknown}; choose from {', '.join(REFERENCES)}")
-    ours = twobp_variants(schedules, policies, without_2bp)
+    ours = twobp_variants(schedules, policies, without_2bp, recomputes)
     theirs = [Variant(TORCH, name, two_bp="ZeroBubble" in name) for name in torch_schedules]
     # Variants compared with each other run next to each other: a burst of load
     # from another process then touches both sides of a comparison alike.
@@ -172,7 +185,11 @@ def build_variants(
     for name in dict.fromkeys(v.schedule for v in ours):
         out.extend(v for v in ours if v.schedule == name)
         if baseline:
-            out.extend(replace(v, framework=BASELINE) for v in ours if v.schedule == name)
+            out.extend(
+                replace(v, framework=BASELINE)
+                for v in ours
+                if v.schedule == name and v.recompute is None
+            )
         out.extend(v for v in theirs if v.schedule == SAME_SCHEDULE.get(name))
     out.extend(v for v in theirs if v not in out)
     out.extend(

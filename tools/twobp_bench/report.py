@@ -23,6 +23,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     lines = ["# twobp bench", ""]
     lines += _header(results)
     lines += _paper_table(results["regimes"])
+    lines += _memory_table(results["regimes"])
     if results.get("baseline"):
         lines += _versus_baseline(results["regimes"], results["baseline"])
     lines += _versus_torch(results["regimes"])
@@ -127,6 +128,63 @@ def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
         "memory increase",
     ]
     return ["## 2BP against no 2BP (twobp)", "", *_table(head, rows)]
+
+
+def _memory_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Throughput and memory of every twobp variant: per schedule, 2BP and recompute mode."""
+    rows = []
+    for regime in regimes:
+        for group in regime["groups"]:
+            variants = _by_label(group)
+            for v in group["variants"]:
+                if not v.get("memory") or "samples_per_s" not in v:
+                    continue
+                plain = variants.get(f"twobp {v['schedule']}", {})
+                peak = _most(v.get("peak_step_bytes"))
+                plain_peak = _most(plain.get("peak_step_bytes"))
+                rows.append(
+                    [
+                        _model_name(regime),
+                        v["schedule"],
+                        str(group["n_microbatches"]),
+                        "on" if v["two_bp"] else "off",
+                        v.get("recompute") or "-",
+                        f"{v['samples_per_s']['median']:.1f}",
+                        _mib(peak),
+                        _x(peak / plain_peak) if peak and plain_peak else "n/a",
+                        _mib(_most([m.get("activations") for m in v["memory"] if m])),
+                        _mib(_most([m.get("stash") for m in v["memory"] if m])),
+                    ]
+                )
+    if not rows:
+        return []
+    head = [
+        "model",
+        "schedule",
+        "m",
+        "2BP",
+        "recompute",
+        "samples/s",
+        "step peak MiB",
+        "peak vs no 2BP",
+        "activations MiB",
+        "stash MiB",
+    ]
+    return [
+        "## Memory: schedule x 2BP x recompute (twobp)",
+        "",
+        "Step peak: the most any rank allocated in one step beyond what it held before; "
+        "against the same schedule without 2BP and without recomputation. Activations "
+        "(held from F until I) and stash (from I until W): `Pipeline.memory_stats`, the "
+        "largest rank.",
+        "",
+        *_table(head, rows),
+    ]
+
+
+def _most(values: Sequence[float | None] | None) -> float | None:
+    known = [v for v in values or () if v is not None]
+    return max(known) if known else None
 
 
 def _versus_baseline(regimes: Sequence[Mapping[str, Any]], revision: str) -> list[str]:

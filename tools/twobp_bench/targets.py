@@ -112,7 +112,9 @@ def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
 
 def _two_bp_at_p(regime: str, group: Mapping[str, Any], n_ranks: int) -> dict[str, Any]:
     pairs = [
-        p for p in group["two_bp_speedups"] if p["schedule"] == "1f1b" and p["policy"] == "paper"
+        p
+        for p in group["two_bp_speedups"]
+        if p["schedule"] == "1f1b" and p["policy"] == "paper" and p.get("recompute") is None
     ]
     value = pairs[0]["speedup"]["median"] if pairs else None
     threshold = TWO_BP_SPEEDUP_AT_P if regime in SPEEDUP_OVER_TORCH else None

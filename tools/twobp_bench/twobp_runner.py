@@ -32,6 +32,7 @@ class TwobpRunner:
         pipeline_class: the ``Pipeline`` to build: this twobp's, or the
             baseline revision's (which takes the same arguments).
         data_parallel: copies of the pipeline (each rank passes its own copy's batch).
+        weight_group_size: the cap on the micro-batches of one W (None: none).
 
     Raises:
         twobp.runtime.PipelineConfigError: if the schedule does not fit.
@@ -54,8 +55,16 @@ class TwobpRunner:
         timeout: float,
         pipeline_class: Callable[..., Pipeline] = Pipeline,
         data_parallel: int = 1,
+        weight_group_size: int | None = None,
     ) -> None:
-        copies = {} if data_parallel == 1 else {"data_parallel": data_parallel}
+        # Only when set: a baseline revision may not know the option.
+        options: dict[str, object] = {}
+        if data_parallel != 1:
+            options["data_parallel"] = data_parallel
+        if variant.recompute is not None:
+            options["recompute"] = variant.recompute
+        if weight_group_size is not None and variant.two_bp:
+            options["weight_group_size"] = weight_group_size
         self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
@@ -67,7 +76,7 @@ class TwobpRunner:
             device=device,
             timeout=timeout,
             num_threads=threads,
-            **copies,
+            **options,
         )
         self.last_spans: list[Span] = []
         """The compute spans of every rank in the last step (after :meth:`after_step`)."""

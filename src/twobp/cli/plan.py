@@ -3,6 +3,7 @@
 Example::
 
     twobp plan --stages 4 --microbatches 8 --costs F=1,I=1,W=1 --memory-limit 6
+    twobp plan --memory-limit 6 --recompute off,derivatives,all --weight-group-sizes 1,2
 
 lists the candidates of :func:`twobp.sim.planner.evaluate` from the shortest
 step to the longest with their bubble ratio and peak memory, marks those over
@@ -24,6 +25,9 @@ from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES
+
+RECOMPUTE_CHOICES = (NO_RECOMPUTE, *RECOMPUTE_MODES)
 
 
 @dataclass
@@ -57,6 +61,17 @@ class PlanConfig:
         "taking its parameter bytes as the gradient size",
         1,
     )
+    recompute: list[str] = doc(  # noqa: RUF009
+        "recompute modes to compare, on every stage (off: none; activations: F again in I; "
+        "derivatives: F and I again in W; all: both)",
+        [NO_RECOMPUTE],
+        choices=RECOMPUTE_CHOICES,
+    )
+    weight_group_sizes: list[int] = doc(  # noqa: RUF009
+        "caps on the micro-batches one W concatenates (and rebuilds) at once to compare, "
+        "besides no cap",
+        [],
+    )
     markdown: bool = doc("print the table as markdown", False)
 
 
@@ -66,11 +81,17 @@ def format_table(
     """The ranking as an aligned text table, or as markdown."""
     ran = [c for c in candidates if c.ok]
     best = min((c.makespan for c in ran), default=math.nan)
-    header = ["#", "schedule", "2BP", "makespan", "throughput", "bubble", "peak memory", ""]
+    # The recompute columns only where a candidate recomputes or caps its W groups.
+    extra = any(c.recompute != NO_RECOMPUTE or c.weight_group_size for c in candidates)
+    header = ["#", "schedule", "2BP", "makespan", "throughput", "bubble", "peak memory"]
+    header += ["recompute", "W group", ""] if extra else [""]
     rows = []
     for i, c in enumerate(candidates, 1):
+        options = [c.recompute, str(c.weight_group_size or "-")] if extra else []
         if not c.ok:
-            rows.append([str(i), c.schedule, c.policy, "-", "-", "-", "-", f"n/a: {c.error}"])
+            rows.append(
+                [str(i), c.schedule, c.policy, "-", "-", "-", "-", *options, f"n/a: {c.error}"]
+            )
             continue
         over = memory_limit is not None and c.peak_memory > memory_limit
         rows.append(
@@ -82,6 +103,7 @@ def format_table(
                 f"{best / c.makespan:.2f}x" if c.makespan > 0 else "-",
                 f"{c.bubble_ratio:.1%}",
                 format_amount(c.peak_memory),
+                *options,
                 "over memory limit" if over else "",
             ]
         )
@@ -115,6 +137,8 @@ def run(config: PlanConfig) -> int:
         stages_per_rank=(config.stages_per_rank, 1),
         data_parallel=(config.data_parallel, 1),
     )
+    for size in config.weight_group_sizes:
+        check_at_least(weight_group_sizes=(size, 1))
     try:
         limit = parse_amount(config.memory_limit) if config.memory_limit else None
     except ValueError as exc:
@@ -131,6 +155,8 @@ def run(config: PlanConfig) -> int:
         config.stages_per_rank,
         limit,
         config.data_parallel,
+        recomputes=config.recompute,
+        weight_group_sizes=[None, *config.weight_group_sizes],
     )
     limit_text = (
         "no memory limit" if limit is None else f"memory limit {format_amount(limit)} per rank"
@@ -159,8 +185,8 @@ def register(subparsers: Any) -> None:
         "plan",
         help="rank schedules and 2BP policies by simulated throughput and memory",
         description=(
-            "Rank every schedule and 2BP policy by simulated step time, mark those over "
-            "the memory limit and recommend one."
+            "Rank every schedule and 2BP policy (and recompute mode and W group cap) by "
+            "simulated step time, mark those over the memory limit and recommend one."
         ),
     )
     add_arguments(parser, PlanConfig)

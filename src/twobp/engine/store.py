@@ -23,7 +23,7 @@ A typical step of a stage::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -41,10 +41,15 @@ from twobp.engine.coverage import (
 from twobp.engine.deferred import DeferredOp
 from twobp.engine.ops import HANDLERS
 from twobp.engine.phases import MicrobatchPhases, TwoStageBackwardError
-from twobp.engine.stash import SharedRows, StashEntry, held_bytes
+from twobp.engine.stash import CONCAT_ROWS, SharedRows, StashEntry, held_bytes
 
 _OWNER = "_twobp_weight_grad_store"
 """The attribute by which a module names the store that defers its parameters."""
+
+Rebuild = Callable[[int], tuple[Sequence[Tensor], Sequence[Tensor | None]]]
+"""``rebuild(mb) -> (outputs, grad_outputs)``: re-runs the forward of micro-batch
+``mb`` (as it first ran: same inputs, same random numbers) and returns its
+outputs with their gradients, for :meth:`WeightGradStore.backward_weight`."""
 
 
 class WeightGradStore:
@@ -71,6 +76,8 @@ class WeightGradStore:
         self._collecting: dict[int, list[StashEntry]] | None = None
         # Bytes of each micro-batch's stash, counted once after its I.
         self._held: dict[int, int] = {}
+        # Micro-batches whose I kept no stash: their W rebuilds it first.
+        self._dropped: set[int] = set()
         # True during B: deferred ops add their weight gradients at once.
         self._weights_now = False
         # The order in which micro-batches finished their I in this step.
@@ -187,6 +194,7 @@ class WeightGradStore:
         outputs: Sequence[Tensor],
         grad_outputs: Sequence[Tensor | None],
         inputs: Sequence[Tensor],
+        keep_stash: bool = True,
     ) -> tuple[Tensor | None, ...]:
         """I: gradients with respect to the stage inputs of micro-batch ``mb``.
 
@@ -203,6 +211,10 @@ class WeightGradStore:
                 (None for a scalar loss).
             inputs: the stage inputs of ``mb``: leaf tensors, e.g. received
                 activations made with ``.detach().requires_grad_()``.
+            keep_stash: False drops what the deferred ops stash (derivative
+                checkpointing): the caller keeps the inputs and output
+                gradients instead, and :meth:`backward_weight` rebuilds the
+                stash with its ``rebuild`` function.
 
         Returns:
             For each input, its gradient: None if it does not require one,
@@ -213,7 +225,12 @@ class WeightGradStore:
                 input that requires a gradient is not a leaf.
             TwoStageBackwardError: if I of ``mb`` already ran in this step.
         """
-        return self._backward(mb, outputs, grad_outputs, inputs, weights_now=False)
+        grads = self._backward(
+            mb, outputs, grad_outputs, inputs, weights_now=False, keep_stash=keep_stash
+        )
+        if not keep_stash:
+            self._dropped.add(mb)
+        return grads
 
     def _backward(
         self,
@@ -222,6 +239,7 @@ class WeightGradStore:
         grad_outputs: Sequence[Tensor | None],
         inputs: Sequence[Tensor],
         weights_now: bool,
+        keep_stash: bool = True,
     ) -> tuple[Tensor | None, ...]:
         """The autograd pass of I (``weights_now=False``) or B (``True``)."""
         if len(outputs) != len(grad_outputs):
@@ -250,7 +268,7 @@ class WeightGradStore:
         # here, and the recomputation must take the same path.
         self._input_pass_mb = self.active_microbatch = mb
         self._weights_now = weights_now
-        self._collecting = {} if weights_now else self._stash.setdefault(mb, {})
+        self._collecting = {} if weights_now or not keep_stash else self._stash.setdefault(mb, {})
         capture = self._capture
         try:
             if pairs:
@@ -276,7 +294,9 @@ class WeightGradStore:
 
     # -- W -------------------------------------------------------------------
 
-    def backward_weight(self, mbs: Iterable[int], group_size: int | None = None) -> None:
+    def backward_weight(
+        self, mbs: Iterable[int], group_size: int | None = None, rebuild: Rebuild | None = None
+    ) -> None:
         """W: add the weight gradients of micro-batches ``mbs`` to ``.grad``.
 
         Each deferred op runs one concatenated operation per group (and per
@@ -286,18 +306,31 @@ class WeightGradStore:
             mbs: micro-batches whose I is done and W is not, in any order.
             group_size: None runs all of ``mbs`` as one group; ``k`` splits
                 ``mbs`` into consecutive groups of ``k``.
+            rebuild: re-runs the forward of a micro-batch whose I ran with
+                ``keep_stash=False``. Its stash is rebuilt by that forward and
+                an input pass that adds no gradient anywhere, one group at a
+                time, so that only one group's stash is held at once. Without
+                ``group_size`` a group closes once its stashes reach
+                :data:`~twobp.engine.stash.CONCAT_ROWS` rows (where a larger
+                concatenation stops paying).
 
         Raises:
             ValueError: if ``mbs`` is empty or repeats, or ``group_size < 1``.
             TwoStageBackwardError: if a micro-batch is unknown, its I has not
-                run, its W already ran, or a stashed tensor was modified in
-                place since its I. Nothing is computed then.
+                run, its W already ran, a stashed tensor was modified in
+                place since its I, or its stash was dropped and no
+                ``rebuild`` is given. Nothing is computed then.
         """
         group = self._phases.check_weight(mbs)
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be None or >= 1, got {group_size}")
         ops = self._ops()
         for mb in group:
+            if mb in self._dropped and rebuild is None:
+                raise TwoStageBackwardError(
+                    f"{self._where()}backward_weight W{mb}: the backward_input of micro-batch "
+                    f"{mb} ran with keep_stash=False; pass rebuild= to re-run its forward"
+                )
             for op_index, entries in self._stash.get(mb, {}).items():
                 if any(e.changed() for e in entries):
                     raise TwoStageBackwardError(
@@ -305,25 +338,92 @@ class WeightGradStore:
                         f"stashed for the W of micro-batch {mb} was modified in place after "
                         f"its backward_input; keep inputs and output gradients unchanged until W"
                     )
+        if rebuild is not None and group_size is None:
+            self._rebuild_and_weigh(group, rebuild)
+            return
         size = len(group) if group_size is None else group_size
+        for start in range(0, len(group), size):
+            chunk = group[start : start + size]
+            if rebuild is not None:
+                for mb in chunk:
+                    if mb in self._dropped:
+                        self._rebuild_stash(mb, rebuild)
+            self._weight_pass(chunk)
+
+    def _rebuild_and_weigh(self, group: Sequence[int], rebuild: Rebuild) -> None:
+        """W of ``group`` without a cap: rebuild stashes until they reach
+        :data:`~twobp.engine.stash.CONCAT_ROWS` rows, where concatenating more
+        stops paying, and run W of those before rebuilding the next."""
+        chunk: list[int] = []
+        rows = 0
+        for mb in group:
+            if mb in self._dropped:
+                self._rebuild_stash(mb, rebuild)
+            chunk.append(mb)
+            rows += self._stash_rows(mb)
+            if rows >= CONCAT_ROWS:
+                self._weight_pass(chunk)
+                chunk, rows = [], 0
+        if chunk:
+            self._weight_pass(chunk)
+
+    def _stash_rows(self, mb: int) -> int:
+        """Rows of the first stashed operand of ``mb`` (all dims but the last)."""
+        for entries in self._stash.get(mb, {}).values():
+            return sum(e.tensors[0].numel() // max(1, e.tensors[0].shape[-1]) for e in entries)
+        return 0
+
+    def _weight_pass(self, chunk: Sequence[int]) -> None:
+        """W of ``chunk``, whose stashes are all there: one concatenated pass per op."""
         with torch.no_grad():
-            for start in range(0, len(group), size):
-                chunk = group[start : start + size]
-                # Newest stash first: the last I left part of it in cache.
-                newest_first = sorted(
-                    chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True
-                )
-                stashes = [self._stash.pop(mb, {}) for mb in newest_first]
-                for mb in chunk:
-                    self._held.pop(mb, None)
-                shared = SharedRows()
-                for op in ops:
-                    tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
-                    if tensors:
-                        shared.next_layer()
-                        op.accumulate_weight_grads(tensors, shared)
-                for mb in chunk:
-                    self._phases.finish_weight(mb)
+            # Newest stash first: the last I left part of it in cache.
+            newest_first = sorted(chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True)
+            stashes = [self._stash.pop(mb, {}) for mb in newest_first]
+            for mb in chunk:
+                self._held.pop(mb, None)
+            shared = SharedRows()
+            for op in self._ops():
+                tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
+                if tensors:
+                    shared.next_layer()
+                    op.accumulate_weight_grads(tensors, shared)
+            for mb in chunk:
+                self._phases.finish_weight(mb)
+
+    def _rebuild_stash(self, mb: int, rebuild: Rebuild) -> None:
+        """Re-run the forward and input pass of ``mb`` to fill its stash, adding no gradient.
+
+        The input pass runs towards the deferred parameters only and returns
+        its gradients instead of accumulating them: the stage inputs and the
+        parameters that autograd serves got theirs in the I of ``mb``.
+        """
+        capture = self._capture
+        if capture is None:
+            self._dropped.discard(mb)
+            return
+        self.active_microbatch = mb
+        try:
+            with torch.enable_grad(), capture:
+                outputs, grad_outputs = rebuild(mb)
+        finally:
+            self.active_microbatch = None
+            capture.finish()
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+        targets = _deferred_parameters(self._ops())
+        self._input_pass_mb = self.active_microbatch = mb
+        self._collecting = self._stash.setdefault(mb, {})
+        try:
+            if pairs and targets:
+                with capture:
+                    _run_backward(pairs, targets)
+        finally:
+            self._input_pass_mb = self.active_microbatch = self._collecting = None
+            capture.finish()
+        self._dropped.discard(mb)
+
+    def stashed_tensors(self, mb: int) -> list[Tensor]:
+        """The tensors kept for the W of ``mb`` now (empty once its W ran or if dropped)."""
+        return [t for es in self._stash.get(mb, {}).values() for e in es for t in e.tensors]
 
     # -- B and the step ------------------------------------------------------
 
@@ -356,6 +456,7 @@ class WeightGradStore:
         """
         self._stash.clear()
         self._held.clear()
+        self._dropped.clear()
         self._input_rank.clear()
         self._phases.end_step()
 
@@ -413,6 +514,7 @@ class WeightGradStore:
         self._seen_forward = False
         self._stash.clear()
         self._held.clear()
+        self._dropped.clear()
 
 
 def _check_no_other_capture(where: str, mb: int) -> None:
@@ -425,13 +527,20 @@ def _check_no_other_capture(where: str, mb: int) -> None:
             )
 
 
-def _run_backward(pairs: Sequence[tuple[Tensor, Tensor | None]]) -> None:
+def _run_backward(
+    pairs: Sequence[tuple[Tensor, Tensor | None]], towards: Sequence[Tensor] = ()
+) -> None:
     """``torch.autograd.backward`` of ``(output, grad)`` pairs, keeping the torch function mode.
 
     ``torch.autograd.backward`` goes through the active torch function mode,
     which runs it with the mode set aside, and then a forward recomputed by
     activation checkpointing would miss the store's capture. The autograd
     engine, called directly, keeps the mode for the whole pass.
+
+    Args:
+        pairs: the outputs and their gradients.
+        towards: if given, run only the part of the graph that leads to these
+            tensors and accumulate nothing (their gradients are dropped).
     """
     outputs, grads = [], []
     for out, grad in pairs:
@@ -447,8 +556,24 @@ def _run_backward(pairs: Sequence[tuple[Tensor, Tensor | None]]) -> None:
         outputs.append(out)
         grads.append(grad)
     Variable._execution_engine.run_backward(
-        tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+        tuple(outputs),
+        tuple(grads),
+        False,
+        False,
+        tuple(towards),
+        allow_unreachable=True,
+        accumulate_grad=not towards,
     )
+
+
+def _deferred_parameters(ops: Sequence[DeferredOp]) -> list[Tensor]:
+    """Every parameter a deferred op reads that requires a gradient, each once."""
+    seen: dict[int, Tensor] = {}
+    for op in ops:
+        for operand in op.operands:
+            if operand is not None and operand.param.requires_grad:
+                seen.setdefault(id(operand.param), operand.param)
+    return list(seen.values())
 
 
 def _input_grad(x: Tensor) -> Tensor | None:

@@ -199,3 +199,14 @@ def nonfinite_error(
         step,
         loss,
     )
+
+
+class NonRepeatableForwardError(PipelineConfigError):
+    """A stage's forward, run again for recomputation, changed the block's buffers.
+
+    Recomputation (``Pipeline(recompute=...)``) needs a forward that gives the
+    same result when run twice on the same input: one that updates buffers
+    (BatchNorm's running statistics in training mode) or reads a changing
+    global is not. The message names the rank, stage, micro-batch, block and
+    buffers; run that stage without recomputation.
+    """

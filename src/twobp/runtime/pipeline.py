@@ -42,6 +42,7 @@ from twobp.runtime.errors import (
 )
 from twobp.runtime.execution.backward import stage_gradients
 from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.memory import MemoryMeter, memory_stats
 from twobp.runtime.execution.microbatch import (
     Batch,
     concat_microbatches,
@@ -70,6 +71,7 @@ from twobp.schedule.lowering import (
 )
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
+from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.timeline import Span
 
 
@@ -123,6 +125,14 @@ class Pipeline(PipelineState):
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
             it); with the same costs the placement is the one ``twobp plan``
             simulates. None: unit times.
+        recompute: trade compute for memory (see :mod:`twobp.sim.recompute`):
+            ``"activations"`` keeps only each stage's inputs from ``F`` until
+            ``I`` (or ``B``) and runs the forward again there; ``"derivatives"``
+            keeps only the inputs and output gradients from ``I`` until ``W``,
+            whose stash ``W`` rebuilds by running the forward and input pass
+            again; ``"all"`` both; or a list with one mode (or None) per
+            stage. Random states are replayed, so gradients are unchanged.
+            None: keep everything.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -158,8 +168,10 @@ class Pipeline(PipelineState):
         autocast: torch.dtype | None = None,
         data_parallel: int | None = None,
         mesh: Any = None,
+        recompute: str | Sequence[str | None] | None = None,
     ) -> None:
         self._closed = False
+        _check_recompute(recompute)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
@@ -213,6 +225,14 @@ class Pipeline(PipelineState):
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = nonfinite
         self._weight_group_size = weight_group_size
+        try:
+            per_model_stage = parse_recompute(recompute, self.schedule.pipeline_stages)
+            self.recompute = tuple(
+                per_model_stage[self.schedule.model_stage(s)] for s in range(self.schedule.n_stages)
+            )
+            """The recompute mode of every stage (None: none); a list names one per model stage."""
+        except ValueError as error:
+            raise PipelineConfigError(f"rank {self.rank}: {error}") from None
         ranges = plan.ranges
         self.stage_blocks = ranges
         """The block indices of every stage (all stages, not only this rank's)."""
@@ -276,6 +296,8 @@ class Pipeline(PipelineState):
             OrderedDict((str(i), all_blocks[i]) for i in self._local_blocks())
         ).to(self.device)
         split = split_stages(schedule)
+        self._memory = MemoryMeter(self.device)
+        modes = effective_modes(self.recompute, split)
         for s in schedule.stages_of(self.pp_rank):
             model_stage = schedule.model_stage(s)
             module = nn.Sequential(
@@ -290,6 +312,9 @@ class Pipeline(PipelineState):
                 self.n_microbatches,
                 autocast=None if self.autocast is None else (self.device.type, self.autocast),
                 model_stage=model_stage,
+                recompute=modes[s],
+                memory=self._memory,
+                label=f"rank {self.rank} stage {s}",
             )
 
     # -- end of life -----------------------------------------------------------------
@@ -552,6 +577,25 @@ class Pipeline(PipelineState):
         """
         return self._peak_stashed_bytes
 
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """What this rank held in the last training step, in bytes, measured.
+
+        Args:
+            optimizer: the optimizer of this rank's parameters, whose state
+                is counted under ``"optimizer"``; None counts 0 (the pipeline
+                does not know the optimizer otherwise).
+
+        Returns:
+            ``activations``: the most held at once from ``F`` until ``I`` (or
+            ``B``); ``stash``: the most held at once from ``I`` until ``W``;
+            ``parameters``: parameters, gradients and buffers; ``optimizer``;
+            ``peak``: on CUDA ``torch.cuda.max_memory_allocated`` since the
+            step started, elsewhere ``parameters + optimizer`` plus the most
+            held at once between passes. Tensors are counted by storage, each
+            once (see :mod:`twobp.runtime.execution.memory`).
+        """
+        return memory_stats(self._memory, self.module, optimizer)
+
     @property
     def local_spans(self) -> list[Span]:
         """The compute spans of this rank in the last step (seconds from its start)."""
@@ -571,3 +615,12 @@ class Pipeline(PipelineState):
             for r, a, start, end in spans
         ]
         return sorted(merged, key=lambda s: (s.rank, s.start))
+
+
+def _check_recompute(recompute: object) -> None:
+    """Refuse an unknown recompute mode at once, before any collective work."""
+    count = len(recompute) if isinstance(recompute, (list, tuple)) else 1
+    try:
+        parse_recompute(recompute, count)
+    except ValueError as error:
+        raise PipelineConfigError(str(error)) from None

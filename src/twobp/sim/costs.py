@@ -15,7 +15,11 @@ Memory (bytes, or any unit) follows a deliberately small model:
   the weight pass still needs) are held from the end of ``I`` until the end of
   the ``W`` that covers the micro-batch;
 * ``parameter_bytes[s]`` are held all the time (weights, gradients, optimiser
-  state of the stage).
+  state of the stage);
+* ``weight_rebuild_bytes[s]`` per micro-batch are held while a ``W`` runs, for
+  each micro-batch of the group it works on (``weight_group_size`` at most):
+  the stash that derivative checkpointing rebuilds (see
+  :mod:`twobp.sim.recompute`). Zero by default.
 
 Communication: a stage boundary ``s -> s + 1`` carries ``send_bytes[s]``
 per micro-batch, forward (activations) and backward (their gradients) alike;
@@ -98,6 +102,12 @@ class CostModel:
             ranks of the simulated schedule; ``n = 1`` or ``k = 1``: no
             slowdown). The times above are the alone times. ``1.0``: none.
         meta: free-form description (model, device, ...) kept with the file.
+        weight_rebuild_bytes: bytes per micro-batch that a ``W`` holds while it
+            runs, for each micro-batch of one group (``None``: zeros).
+        weight_group_size: the most micro-batches one ``W`` concatenates at
+            once: a ``W`` of more runs as consecutive groups, its time the
+            sum of theirs (``None``: no cap). Set with
+            :func:`twobp.sim.recompute.with_recompute`; not saved in cost files.
 
     Raises:
         ValueError: if a list does not have one finite, non-negative entry per
@@ -119,6 +129,8 @@ class CostModel:
     reduce: PerStage | None = None
     contention: float = 1.0
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    weight_rebuild_bytes: PerStage | None = None
+    weight_group_size: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -141,6 +153,7 @@ class CostModel:
             ("weight_grad_bytes", (1.0,) * n),
             ("parameter_bytes", zeros),
             ("reduce", zeros),
+            ("weight_rebuild_bytes", zeros),
         ):
             value = getattr(self, name)
             set_(self, name, _per_stage(name, default if value is None else value, n))
@@ -158,6 +171,10 @@ class CostModel:
                 "all ranks computing at once over one rank alone (e.g. 1.6)"
             )
         set_(self, "contention", float(self.contention))
+        if self.weight_group_size is not None and self.weight_group_size < 1:
+            raise ValueError(
+                f"cost model: weight_group_size must be None or >= 1, got {self.weight_group_size}"
+            )
         set_(self, "meta", dict(self.meta))
 
     @property
@@ -224,11 +241,28 @@ class CostModel:
         )
 
     def w_time(self, stage: int, n_microbatches: int) -> float:
-        """Time of one ``W`` that concatenates ``n_microbatches`` on ``stage``."""
+        """Time of one ``W`` of ``n_microbatches`` on ``stage``, in groups of
+        ``weight_group_size`` at most."""
+        group = self.weight_group_size
+        if group is not None and n_microbatches > group:
+            full, rest = divmod(n_microbatches, group)
+            return full * self._w_group(stage, group) + self._w_group(stage, rest)
+        return self._w_group(stage, n_microbatches)
+
+    def _w_group(self, stage: int, n_microbatches: int) -> float:
+        if n_microbatches == 0:
+            return 0.0
         table = self.weight_concat[stage] if self.weight_concat is not None else None
         if table is None:
             return n_microbatches * self.backward_weight[stage]
         return _interpolate(table, n_microbatches)
+
+    def weight_rebuild_peak(self, stage: int, n_microbatches: int) -> float:
+        """Bytes a ``W`` of ``n_microbatches`` on ``stage`` holds while it runs."""
+        assert self.weight_rebuild_bytes is not None
+        group = self.weight_group_size
+        held = n_microbatches if group is None else min(group, n_microbatches)
+        return held * self.weight_rebuild_bytes[stage]
 
     def duration(self, action: Action) -> float:
         """Compute time of ``action``: the field its kind names in the kind
@@ -290,6 +324,7 @@ class CostModel:
             weight_grad_bytes=cut(self.weight_grad_bytes),
             parameter_bytes=cut(self.parameter_bytes),
             reduce=cut(self.reduce),
+            weight_rebuild_bytes=cut(self.weight_rebuild_bytes),
         )
 
     def tile(self, copies: int) -> CostModel:
@@ -321,6 +356,7 @@ class CostModel:
             weight_grad_bytes=rep(self.weight_grad_bytes),
             parameter_bytes=rep(self.parameter_bytes),
             reduce=rep(self.reduce),
+            weight_rebuild_bytes=rep(self.weight_rebuild_bytes),
         )
 
     def with_reduction(self, replicas: int, gradient_bytes: Sequence[float]) -> CostModel:

@@ -65,6 +65,10 @@ def memory_timeline(
         elif a.kind is Kind.FULL_BACKWARD:
             changes[span.rank].append((span.end, -act))
         elif a.kind is Kind.BACKWARD_WEIGHT:
+            rebuilt = costs.weight_rebuild_peak(a.stage, len(a.microbatches))
+            if rebuilt:
+                changes[span.rank].append((span.start, rebuilt))
+                changes[span.rank].append((span.end, -rebuilt))
             changes[span.rank].append((span.end, -grad * len(a.microbatches)))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}

@@ -1,8 +1,9 @@
 """Rank schedules and 2BP policies by simulated step time, and recommend one (no torch).
 
 :func:`evaluate` simulates each schedule with each 2BP policy (``off``,
-``eager``, ``paper``, ``fill``) on the same cost model and orders them from the
-shortest step to the longest; :func:`recommend` names the fastest whose peak
+``eager``, ``paper``, ``fill``), and optionally each recompute mode and cap on
+``W`` groups (:mod:`twobp.sim.recompute`), on the same cost model and orders
+them from the shortest step to the longest; :func:`recommend` names the fastest whose peak
 memory fits a per-rank limit. With a memory limit, the ``fill`` policy is told
 how many micro-batches each rank may hold between their ``F`` and their ``W``
 (see :func:`twobp.sim.memory.microbatch_limit`), so that it runs a stored
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import least_fill_memory, microbatch_limit
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES, with_recompute
 from twobp.sim.reduction import with_reductions
 from twobp.sim.simulate import DeadlockError, simulate
 
@@ -58,6 +60,8 @@ class Candidate:
         bubble_ratio: mean idle fraction of the ranks.
         peak_memory: the largest peak over the ranks.
         error: why the combination could not be simulated, or ``""``.
+        recompute: the recompute mode of every stage (``off`` for none).
+        weight_group_size: the cap on micro-batches per ``W`` group (None: none).
     """
 
     schedule: str
@@ -66,6 +70,8 @@ class Candidate:
     bubble_ratio: float = math.nan
     peak_memory: float = math.nan
     error: str = ""
+    recompute: str = NO_RECOMPUTE
+    weight_group_size: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -90,8 +96,10 @@ def evaluate(
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
     data_parallel: int = 1,
+    recomputes: Sequence[str] = (NO_RECOMPUTE,),
+    weight_group_sizes: Sequence[int | None] = (None,),
 ) -> list[Candidate]:
-    """Simulate every schedule with every policy, fastest first.
+    """Simulate every schedule with every policy (and recompute mode and W cap), fastest first.
 
     Args:
         costs: the cost model of one rank's share per stage (split for
@@ -107,6 +115,10 @@ def evaluate(
         data_parallel: copies of the pipeline; each stage's gradients are
             all-reduced over its replicas by an ``R`` action (see
             :func:`twobp.sim.reduction.with_reductions`).
+        recomputes: ``off`` and/or modes of :data:`twobp.sim.recompute.RECOMPUTE_MODES`,
+            applied to every stage (:func:`twobp.sim.recompute.with_recompute`).
+        weight_group_sizes: caps on the micro-batches of one ``W`` group
+            (None: no cap); each is a candidate of its own.
 
     Returns:
         The candidates ordered by makespan, then peak memory; those that could
@@ -123,6 +135,45 @@ def evaluate(
             f"unknown schedule or policy {', '.join(map(repr, unknown))}; schedules: "
             f"{', '.join(SCHEDULES)}; policies: {', '.join(ALL_POLICIES)}"
         )
+    modes = (NO_RECOMPUTE, *RECOMPUTE_MODES)
+    unknown = [r for r in recomputes if r not in modes]
+    if unknown:
+        raise ValueError(
+            f"unknown recompute mode {', '.join(map(repr, unknown))}; choose from "
+            f"{', '.join(modes)}"
+        )
+    bad_groups = [g for g in weight_group_sizes if g is not None and g < 1]
+    if bad_groups:
+        raise ValueError(f"weight group sizes must be None or >= 1, got {bad_groups[0]}")
+    out = []
+    for recompute in recomputes:
+        for group in weight_group_sizes:
+            variant = with_recompute(costs, recompute, group)
+            for c in _evaluate_variant(
+                variant,
+                n_ranks,
+                n_microbatches,
+                schedules,
+                policies,
+                stages_per_rank,
+                memory_limit,
+                data_parallel,
+            ):
+                out.append(replace(c, recompute=recompute, weight_group_size=group))
+    return sorted(out, key=lambda c: (not c.ok, c.makespan, c.peak_memory))
+
+
+def _evaluate_variant(
+    costs: CostModel,
+    n_ranks: int,
+    n_microbatches: int,
+    schedules: Sequence[str],
+    policies: Sequence[str],
+    stages_per_rank: int | None,
+    memory_limit: float | None,
+    data_parallel: int = 1,
+) -> list[Candidate]:
+    """The candidates of one cost model (one recompute mode and W cap)."""
     out = []
     for name in schedules:
         for policy in policies:
@@ -165,7 +216,7 @@ def evaluate(
                     max(result.peak_memory),
                 )
             )
-    return sorted(out, key=lambda c: (not c.ok, c.makespan, c.peak_memory))
+    return out
 
 
 def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> str:
@@ -186,7 +237,17 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
             "more ranks or a higher limit."
         )
     best = fits[0]
-    baseline = next((c for c in ran if c.schedule == best.schedule and c.policy == NO_TWO_BP), None)
+    baseline = next(
+        (
+            c
+            for c in ran
+            if c.schedule == best.schedule
+            and c.policy == NO_TWO_BP
+            and c.recompute == NO_RECOMPUTE
+            and c.weight_group_size is None
+        ),
+        None,
+    )
     gain = (
         f", {baseline.makespan / best.makespan:.2f}x the throughput of {best.schedule} without 2BP"
         if baseline is not None and best.policy != NO_TWO_BP and best.makespan > 0
@@ -204,4 +265,9 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
 
 
 def _label(c: Candidate) -> str:
-    return c.schedule if c.policy == NO_TWO_BP else f"{c.schedule} with 2BP ({c.policy})"
+    label = c.schedule if c.policy == NO_TWO_BP else f"{c.schedule} with 2BP ({c.policy})"
+    if c.recompute != NO_RECOMPUTE:
+        label += f", recompute={c.recompute!r}"
+    if c.weight_group_size is not None:
+        label += f", weight_group_size={c.weight_group_size}"
+    return label

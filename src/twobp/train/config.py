@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from twobp.config import doc
 from twobp.schedule import TWO_BP_POLICIES
+from twobp.sim.recompute import RECOMPUTE_MODES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 HF_FAMILIES = ("llama", "gpt2", "bert", "mamba")
@@ -51,6 +52,17 @@ class TrainConfig:
         "sequences (or images) per step, all copies together; must divide by "
         "--microbatches x --data-parallel",
         16,
+    )
+    recompute: str | None = doc(
+        "trade compute for memory on every stage: activations (F again in I), derivatives "
+        "(F and I again in W: the 2BP stash is rebuilt), all; default: none",
+        None,
+        choices=RECOMPUTE_MODES,
+    )
+    weight_group_size: int | None = doc(
+        "the most micro-batches one concatenated W covers (and, with recompute derivatives, "
+        "rebuilds) at once; default: no cap",
+        None,
     )
     seq_len: int = doc("tokens per sequence (language models)", 64)
     steps: int = doc("optimizer steps", 300)

@@ -45,6 +45,8 @@ class RankResult:
     """Peak resident memory of this rank's process."""
     peak_stashed_bytes: int = 0
     """Peak bytes the 2BP engine held for deferred weight gradients on this rank."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """The largest of each ``Pipeline.memory_stats`` figure over the steps of this run."""
     spans: list[Span] = field(default_factory=list)
     """Timeline of the last step, all ranks merged (filled on rank 0)."""
     stage_blocks: list[list[int]] = field(default_factory=list)
@@ -105,6 +107,8 @@ def train_rank(
         timeout=cfg.timeout,
         num_threads=cfg.threads,
         nonfinite=cfg.nonfinite,
+        recompute=cfg.recompute,
+        weight_group_size=cfg.weight_group_size,
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
             if cfg.partition == "balanced"
@@ -199,6 +203,8 @@ def _train_steps(
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)
         result.peak_stashed_bytes = max(result.peak_stashed_bytes, pipe.peak_stashed_bytes())
+        for name, value in pipe.memory_stats(optimizer).items():
+            result.memory[name] = max(result.memory.get(name, 0), value)
         history.step = step + 1
         samples = _samples_per_s(result.step_seconds, logged, cfg.batch_size)
         tokens = None if task.tokens_per_sample is None else samples * task.tokens_per_sample

@@ -72,6 +72,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         "batch_size": (cfg.batch_size, 1),
         "seq_len": (cfg.seq_len, 1),
         "stages_per_rank": (cfg.stages_per_rank, 1),
+        "weight_group_size": (cfg.weight_group_size, 1),
         "threads": (cfg.threads, 1),
         "log_every": (cfg.log_every, 1),
         "save_every": (cfg.save_every, 0),

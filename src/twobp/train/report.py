@@ -70,6 +70,7 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         },
         "peak_rss_bytes_per_rank": {r.rank: r.peak_rss_bytes for r in results},
         "peak_stashed_bytes_per_rank": {r.rank: r.peak_stashed_bytes for r in results},
+        "memory_per_rank": {r.rank: dict(r.memory) for r in results},
         "parameters_per_rank": {r.rank: r.n_parameters for r in results},
         "stage_blocks": lead.stage_blocks,
         "losses": losses,
@@ -143,9 +144,31 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
             f"{summary['bubble_ratio_per_rank'].get(rank, float('nan')):.3f} | {rss / mib:.0f} | "
             f"{summary['peak_stashed_bytes_per_rank'][rank] / mib:.2f} |"
         )
+    lines += _memory_lines(summary.get("memory_per_rank", {}))
     if lead.spans:
         lines += ["", "Last step:", "", "```", render_ascii(lead.spans, width=100), "```"]
     return "\n".join(lines) + "\n"
+
+
+MEMORY_FIGURES = ("activations", "stash", "parameters", "optimizer", "peak")
+
+
+def _memory_lines(memory: dict[int, dict[str, int]]) -> list[str]:
+    """The table of ``Pipeline.memory_stats`` per rank, the largest over the steps (pure)."""
+    if not any(memory.values()):
+        return []
+    mib = 1024 * 1024
+    lines = [
+        "",
+        "Memory (MiB, the most over the steps; `Pipeline.memory_stats`):",
+        "",
+        "| rank | " + " | ".join(MEMORY_FIGURES) + " |",
+        "|---:|" + "---:|" * len(MEMORY_FIGURES),
+    ]
+    for rank, figures in memory.items():
+        cells = " | ".join(f"{figures.get(name, 0) / mib:.2f}" for name in MEMORY_FIGURES)
+        lines.append(f"| {rank} | {cells} |")
+    return lines
 
 
 def _reliability_lines(summary: dict[str, Any]) -> list[str]:

@@ -10,7 +10,7 @@ store for stages that run ``I`` and ``W``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -18,6 +18,9 @@ from torch import Tensor, nn
 
 Grads = tuple[Tensor | None, ...]
 """Gradients with respect to the stage inputs (None where an input is unused)."""
+
+Rebuild = Callable[[int], tuple[Sequence[Tensor], Sequence[Tensor | None]]]
+"""Re-runs the forward of a micro-batch: its outputs and their gradients."""
 
 
 class StageGradients(Protocol):
@@ -43,12 +46,21 @@ class StageGradients(Protocol):
         outputs: Sequence[Tensor],
         grad_outputs: Sequence[Tensor],
         inputs: Sequence[Tensor],
+        keep_stash: bool = True,
     ) -> Grads:
-        """I: input gradients of ``mb``; weight gradients wait for :meth:`backward_weight`."""
+        """I: input gradients of ``mb``; weight gradients wait for :meth:`backward_weight`.
+
+        ``keep_stash=False`` keeps nothing for W: its ``rebuild`` recomputes it."""
         ...
 
-    def backward_weight(self, mbs: Sequence[int], group_size: int | None = None) -> None:
+    def backward_weight(
+        self, mbs: Sequence[int], group_size: int | None = None, rebuild: Rebuild | None = None
+    ) -> None:
         """W: accumulate the weight gradients of ``mbs`` into ``.grad``."""
+        ...
+
+    def stashed_tensors(self, mb: int) -> list[Tensor]:
+        """The tensors kept for the W of ``mb`` now."""
         ...
 
     def finish_step(self) -> None:
@@ -98,7 +110,9 @@ class AutogradGradients:
         outputs: Sequence[Tensor],
         grad_outputs: Sequence[Tensor],
         inputs: Sequence[Tensor],
+        keep_stash: bool = True,
     ) -> Grads:
+        # The graph is the stash here: it is kept whatever keep_stash says.
         self._pending[mb] = (outputs, grad_outputs)
         if not inputs or not outputs:
             return tuple(None for _ in inputs)
@@ -106,7 +120,9 @@ class AutogradGradients:
             list(outputs), list(inputs), list(grad_outputs), retain_graph=True, allow_unused=True
         )
 
-    def backward_weight(self, mbs: Sequence[int], group_size: int | None = None) -> None:
+    def backward_weight(
+        self, mbs: Sequence[int], group_size: int | None = None, rebuild: Rebuild | None = None
+    ) -> None:
         for mb in mbs:
             if mb not in self._pending:
                 raise RuntimeError(f"W of micro-batch {mb} before its I")
@@ -117,6 +133,9 @@ class AutogradGradients:
     def stashed_bytes(self) -> dict[int, int]:
         # The retained graphs are not counted: this fallback has no stash of its own.
         return {}
+
+    def stashed_tensors(self, mb: int) -> list[Tensor]:
+        return []
 
     def finish_step(self) -> None:
         if self._pending:

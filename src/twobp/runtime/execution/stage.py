@@ -1,32 +1,58 @@
-"""One stage of the pipeline: its blocks, and the tensors kept between F and B/I.
+"""One stage of the pipeline: its blocks, and the tensors kept between F, I (or B) and W.
 
 A stage runs every micro-batch in its own autograd graph: its inputs are
 detached leaves (received buffers, or the previous local stage's outputs
 detached), so the backward of a stage stops at its inputs and hands their
 gradients to the previous stage, local or remote.
+
+With recomputation (:mod:`twobp.sim.recompute`) a stage keeps less: under
+``"activations"`` its forward runs without autograd and again at the start of
+``I`` (or ``B``); under ``"derivatives"`` its ``I`` keeps no stash, only the
+inputs and output gradients, and its ``W`` runs the forward and input pass
+again to rebuild it. Both replay the random number states of the first
+forward (:mod:`twobp.runtime.execution.recompute`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from twobp.runtime.execution.backward import StageGradients
+from twobp.runtime.execution.memory import ACTIVATIONS, STASH, MemoryMeter, storages
 from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
+from twobp.runtime.execution.recompute import BufferCheck, RngState
+from twobp.sim.recompute import Mode, recomputes_activations, recomputes_derivatives
 
 LossFn = Callable[[Any, Any], Tensor]
 """``loss_fn(output, target) -> scalar``, the mean over one micro-batch."""
 
 
 @dataclass
-class _Stash:
+class _Kept:
+    """What a stage keeps of one micro-batch between its passes."""
+
     inputs: tuple[Tensor, ...]
-    outputs: tuple[Tensor, ...]
+    """Every input tensor of the stage (leaves)."""
+    is_tuple: bool
+    target: Batch | None
+    rng: RngState | None
+    """The generator states of the first forward (None without recomputation)."""
+    flags: tuple[bool, ...]
+    """Which outputs were sent as needing a gradient: those a recomputation returns."""
+    outputs: tuple[Tensor, ...] = ()
+    """The outputs that require grad, until I; none when I recomputes them."""
+    grad_outputs: tuple[Tensor, ...] = ()
+    """Their gradients, from I until W (derivative checkpointing)."""
+
+    @property
+    def grad_inputs(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.inputs if t.requires_grad)
 
 
 class Stage:
@@ -44,6 +70,11 @@ class Stage:
         autocast: ``(device type, dtype)`` to run the forward (and loss) under
             ``torch.autocast``, or None. The backward needs none: autograd and
             the 2BP engine run each operation's backward in its forward's dtypes.
+        recompute: the stage's recompute mode (None, ``"activations"``,
+            ``"derivatives"``, ``"all"``); ``"derivatives"`` only on a stage
+            that runs ``I`` and ``W``.
+        memory: the rank's meter of what its stages hold; None: a meter of its own.
+        label: names the stage in errors (``"rank 1 stage 3"``); None: ``"stage 3"``.
     """
 
     def __init__(
@@ -56,6 +87,9 @@ class Stage:
         n_microbatches: int,
         autocast: tuple[str, torch.dtype] | None = None,
         model_stage: int | None = None,
+        recompute: Mode = None,
+        memory: MemoryMeter | None = None,
+        label: str | None = None,
     ) -> None:
         self.index = index
         self.module = module
@@ -63,10 +97,25 @@ class Stage:
         position = index if model_stage is None else model_stage
         self.is_first = position == 0
         self.is_last = position == n_stages - 1
+        self.recompute = recompute
+        self.memory = memory if memory is not None else MemoryMeter(torch.device("cpu"))
         self._loss_fn = loss_fn
         self._scale = 1.0 / n_microbatches
-        self._stash: dict[int, _Stash] = {}
+        self._kept: dict[int, _Kept] = {}
+        self._pending: dict[int, _Kept] = {}
         self._autocast = autocast
+        self._label = label or f"stage {index}"
+
+    def _cast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(*self._autocast)
+
+    def _run(self, inputs: Sequence[Tensor], is_tuple: bool, target: Batch | None) -> Any:
+        output = self.module(unflatten(inputs, is_tuple))
+        if self.is_last and target is not None:
+            output = self._loss_fn(output, target)
+        return output
 
     def forward(
         self, mb: int, inputs: Sequence[Tensor], is_tuple: bool, target: Batch | None
@@ -85,16 +134,20 @@ class Stage:
             The output tensors and whether they form a tuple; for the last
             stage with a target, the detached loss as a one-tensor output.
         """
-        batch = unflatten(inputs, is_tuple)
+        inputs = tuple(inputs)
         training = torch.is_grad_enabled()
-        context = self.gradients.forward(mb) if training else torch.no_grad()
-        cast = (
-            contextlib.nullcontext() if self._autocast is None else torch.autocast(*self._autocast)
-        )
-        with context, cast:
-            output = self.module(batch)
-            if self.is_last and target is not None:
-                output = self._loss_fn(output, target)
+        rng = None
+        if training and self.recompute is not None and inputs:
+            rng = RngState.capture(inputs[0].device)
+        saved: dict[Any, int] = {}
+        if not training or recomputes_activations(self.recompute):
+            context: contextlib.AbstractContextManager[Any] = torch.no_grad()
+        else:
+            context = contextlib.ExitStack()
+            context.enter_context(self.gradients.forward(mb))
+            context.enter_context(self.memory.saved(saved))
+        with context, self._cast():
+            output = self._run(inputs, is_tuple, target)
         tensors, out_is_tuple = flatten(output, f"the output of stage {self.index}")
         if self.is_last and target is not None and tensors[0].numel() != 1:
             raise ValueError(
@@ -102,13 +155,40 @@ class Stage:
                 "a scalar, the mean loss over the micro-batch (use reduction='mean')"
             )
         if training:
-            self._stash[mb] = _Stash(
-                inputs=tuple(t for t in inputs if t.requires_grad),
-                outputs=tuple(t for t in tensors if t.requires_grad),
+            if recomputes_activations(self.recompute):
+                # Flagged as the forward with autograd would have (the next stage
+                # sends gradients for them); I keeps those its recomputation flags.
+                wanted = any(x.requires_grad for x in inputs) or any(
+                    p.requires_grad for p in self.module.parameters()
+                )
+                tensors = tuple(
+                    t.detach().requires_grad_() if wanted and t.is_floating_point() else t
+                    for t in tensors
+                )
+            kept = _Kept(inputs, is_tuple, target, rng, tuple(t.requires_grad for t in tensors))
+            if not recomputes_activations(self.recompute):
+                kept.outputs = tuple(t for t in tensors if t.requires_grad)
+            self._kept[mb] = kept
+            self.memory.hold(
+                ACTIVATIONS, (self.index, mb), {**saved, **storages((*inputs, *kept.outputs))}
             )
+            self.memory.sample()
         if self.is_last and target is not None:
             return (tensors[0].detach(),), False
         return tensors, out_is_tuple
+
+    def _forward_again(self, mb: int, kept: _Kept, saved: dict[Any, int]) -> tuple[Tensor, ...]:
+        """The forward of ``mb`` run again from its inputs and random states: its outputs."""
+        check = BufferCheck(self.module)
+        rng = kept.rng.replay() if kept.rng is not None else contextlib.nullcontext()
+        with rng, self._cast(), self.memory.saved(saved):
+            output = self._run(kept.inputs, kept.is_tuple, kept.target)
+        check.verify(f"{self._where()}micro-batch {mb}", str(self.recompute))
+        tensors, _ = flatten(output, f"the output of stage {self.index}")
+        return tuple(t for t, flag in zip(tensors, kept.flags, strict=True) if flag)
+
+    def _where(self) -> str:
+        return f"{self._label}, "
 
     def backward(self, mb: int, grad_outputs: Sequence[Tensor], split: bool) -> tuple[Tensor, ...]:
         """B (``split=False``) or I (``split=True``) of ``mb``.
@@ -126,20 +206,66 @@ class Stage:
 
         Raises:
             KeyError: if the forward of ``mb`` did not run in this step.
+            NonRepeatableForwardError: if a recomputed forward changed a buffer.
         """
-        stash = self._stash.pop(mb)
+        kept = self._kept.pop(mb)
+        outputs = kept.outputs
+        if recomputes_activations(self.recompute):
+            saved: dict[Any, int] = {}
+            with self.gradients.forward(mb):
+                outputs = self._forward_again(mb, kept, saved)
+            self.memory.sample(saved)
         if self.is_last:
-            grad_outputs = [torch.full_like(t, self._scale) for t in stash.outputs]
-        run = self.gradients.backward_input if split else self.gradients.backward_full
-        grads = run(mb, stash.outputs, tuple(grad_outputs), stash.inputs)
+            grad_outputs = [torch.full_like(t, self._scale) for t in outputs]
+        # A recomputed output sent as needing a gradient may not depend on anything
+        # that needs one: it takes no part in the backward.
+        used = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+        outputs = tuple(o for o, _ in used)
+        grad_outputs = [g for _, g in used]
+        inputs = kept.grad_inputs
+        derivatives = split and recomputes_derivatives(self.recompute)
+        if not split:
+            grads = self.gradients.backward_full(mb, outputs, tuple(grad_outputs), inputs)
+        elif derivatives:
+            grads = self.gradients.backward_input(
+                mb, outputs, tuple(grad_outputs), inputs, keep_stash=False
+            )
+        else:
+            grads = self.gradients.backward_input(mb, outputs, tuple(grad_outputs), inputs)
+        del outputs
+        self.memory.release(ACTIVATIONS, (self.index, mb))
+        if derivatives:
+            pending = replace(kept, outputs=(), grad_outputs=tuple(grad_outputs))
+            self._pending[mb] = pending
+            held = storages((*pending.inputs, *pending.grad_outputs))
+            self.memory.hold(STASH, (self.index, mb), held)
+        elif split:
+            held = storages(self.gradients.stashed_tensors(mb))
+            self.memory.hold(STASH, (self.index, mb), held)
+        self.memory.sample()
         return tuple(
-            torch.zeros_like(x) if g is None else g
-            for x, g in zip(stash.inputs, grads, strict=True)
+            torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)
         )
+
+    def _rebuild(self, mb: int) -> tuple[Sequence[Tensor], Sequence[Tensor | None]]:
+        """The forward of ``mb`` again, for the engine to rebuild the stash of its W."""
+        kept = self._pending[mb]
+        saved: dict[Any, int] = {}
+        outputs = [o for o in self._forward_again(mb, kept, saved) if o.requires_grad]
+        # The stashes this W rebuilt so far are held too, until its group is done.
+        rebuilt = storages(t for m in self._pending for t in self.gradients.stashed_tensors(m))
+        self.memory.sample({**saved, **rebuilt})
+        return outputs, kept.grad_outputs
 
     def weight(self, mbs: Sequence[int], group_size: int | None) -> None:
         """W of ``mbs``: accumulate their weight gradients."""
-        self.gradients.backward_weight(mbs, group_size=group_size)
+        if recomputes_derivatives(self.recompute):
+            self.gradients.backward_weight(mbs, group_size=group_size, rebuild=self._rebuild)
+        else:
+            self.gradients.backward_weight(mbs, group_size=group_size)
+        for mb in mbs:
+            self._pending.pop(mb, None)
+            self.memory.release(STASH, (self.index, mb))
 
     def finish_step(self) -> None:
         """End the step: nothing may be left half done.
@@ -147,9 +273,10 @@ class Stage:
         Raises:
             RuntimeError: if a forward had no backward, or a W is missing.
         """
-        if self._stash:
-            left = sorted(self._stash)
-            self._stash.clear()
+        self._pending.clear()
+        if self._kept:
+            left = sorted(self._kept)
+            self._kept.clear()
             raise RuntimeError(
                 f"stage {self.index} ended the step with micro-batches {left} run forward "
                 "but never backward; the schedule lacks their B or I"
@@ -158,7 +285,8 @@ class Stage:
 
     def abandon_step(self) -> None:
         """Forget a step that failed part-way, so that the next one starts clean."""
-        self._stash.clear()
+        self._kept.clear()
+        self._pending.clear()
         # The store complains about the unfinished work, and forgets it.
         with contextlib.suppress(RuntimeError):
             self.gradients.finish_step()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from twobp.runtime.communication.channel import StepChannel
@@ -114,6 +115,9 @@ class StepRun:
             Kind.RECV_B: self._receive,
             Kind.REDUCE: self._reduce,
         }
+        if torch.is_grad_enabled():
+            for meter in {id(s.memory): s.memory for s in self._stages.values()}.values():
+                meter.start_step([s.module for s in self._stages.values()])
         if self._channel is not None:
             self._channel.post_ahead()
         for action, served in zip(actions, compute_served(actions), strict=True):

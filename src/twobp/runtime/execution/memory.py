@@ -1,0 +1,173 @@
+"""What a rank holds between its passes, measured: the figures of ``Pipeline.memory_stats``.
+
+A :class:`MemoryMeter` is shared by the stages of one rank. Each stage tells
+it what it holds of a micro-batch and under which heading:
+
+* ``"activations"``, from ``F`` until ``I`` (or ``B``): the tensors autograd
+  saved in the forward (seen by a saved-tensor hook), the stage's inputs and
+  outputs; with activation recomputation, the inputs only;
+* ``"stash"``, from ``I`` until ``W``: what the 2BP engine stashed for ``W``;
+  with derivative checkpointing, the inputs and output gradients instead.
+
+Tensors are counted by their storages, each storage once (a view keeps its
+whole storage alive); the storages of parameters and buffers are not counted
+there. The meter keeps the peak of each heading, and of both together, over
+the step, sampled after each pass and after each recomputed forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+StorageKey = tuple[str, int]
+"""A storage: its device and its address."""
+
+ACTIVATIONS = "activations"
+STASH = "stash"
+
+
+def storages(tensors: Iterable[Any]) -> dict[StorageKey, int]:
+    """The storages that ``tensors`` keep alive and their bytes (non-tensors are skipped)."""
+    found: dict[StorageKey, int] = {}
+    with torch._C.DisableTorchFunction():
+        for t in tensors:
+            if not isinstance(t, Tensor):
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+                continue
+            found[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return found
+
+
+class MemoryMeter:
+    """The bytes one rank's stages hold between passes, and their peaks in the step.
+
+    Args:
+        device: the rank's device; on CUDA the step start resets its peak
+            allocation statistics, which :func:`memory_stats` reads.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._excluded: set[StorageKey] = set()
+        self._held: dict[tuple[str, Any], dict[StorageKey, int]] = {}
+        self._refs: dict[str, dict[StorageKey, int]] = {ACTIVATIONS: {}, STASH: {}, "": {}}
+        self._bytes = {ACTIVATIONS: 0, STASH: 0, "": 0}
+        self.peaks = {ACTIVATIONS: 0, STASH: 0, "": 0}
+        """The most bytes held at once in the last step: per heading, and ``""`` for both."""
+
+    def start_step(self, modules: Iterable[nn.Module]) -> None:
+        """Forget the last step; parameters and buffers of ``modules`` are not counted."""
+        self._excluded = set(storages(t for m in modules for t in (*m.parameters(), *m.buffers())))
+        self._held.clear()
+        for heading in self._refs:
+            self._refs[heading].clear()
+            self._bytes[heading] = self.peaks[heading] = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def saved(self, found: dict[StorageKey, int]) -> Iterator[None]:
+        """Add to ``found`` the storages of the tensors autograd saves inside the block."""
+        excluded = self._excluded
+
+        def pack(t: Tensor) -> Tensor:
+            for key, size in storages((t,)).items():
+                if key not in excluded:
+                    found[key] = size
+            # Detached: a saved output must not hold its own graph node (a cycle).
+            with torch._C.DisableTorchFunction():
+                return t.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+
+    def hold(self, heading: str, key: Any, held: dict[StorageKey, int]) -> None:
+        """Count ``held`` under ``heading`` until :meth:`release` of the same ``key``."""
+        held = {k: v for k, v in held.items() if k not in self._excluded}
+        self.release(heading, key)
+        self._held[(heading, key)] = held
+        for name in (heading, ""):
+            refs = self._refs[name]
+            for k, size in held.items():
+                count = refs.get(k, 0)
+                if count == 0:
+                    self._bytes[name] += size
+                refs[k] = count + 1
+
+    def release(self, heading: str, key: Any) -> None:
+        """Stop counting what :meth:`hold` counted under ``heading`` and ``key``."""
+        held = self._held.pop((heading, key), None)
+        if held is None:
+            return
+        for name in (heading, ""):
+            refs = self._refs[name]
+            for k, size in held.items():
+                count = refs[k] - 1
+                if count == 0:
+                    del refs[k]
+                    self._bytes[name] -= size
+                else:
+                    refs[k] = count
+
+    def sample(self, transient: dict[StorageKey, int] | None = None) -> None:
+        """Update the peaks with what is held now, plus ``transient`` storages held in passing."""
+        extra = 0
+        if transient:
+            refs = self._refs[""]
+            extra = sum(
+                v for k, v in transient.items() if k not in refs and k not in self._excluded
+            )
+        for name in (ACTIVATIONS, STASH):
+            self.peaks[name] = max(self.peaks[name], self._bytes[name])
+        self.peaks[""] = max(self.peaks[""], self._bytes[""] + extra)
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def memory_stats(
+    meter: MemoryMeter, module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    """The memory figures of one rank for its last step, in bytes.
+
+    Args:
+        meter: the rank's meter.
+        module: the rank's blocks.
+        optimizer: its optimizer, whose state is counted; None counts none.
+
+    Returns:
+        ``activations`` and ``stash`` (peaks, see :class:`MemoryMeter`);
+        ``parameters``: parameters, their gradients and buffers;
+        ``optimizer``: the optimizer's state tensors; ``peak``: on CUDA the
+        most memory allocated on the device since the step started
+        (``torch.cuda.max_memory_allocated``), elsewhere ``parameters +
+        optimizer`` plus the most held at once between passes.
+    """
+    tensors: list[Tensor] = [*module.parameters(), *module.buffers()]
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    parameters = sum(storages(tensors).values())
+    state: list[Any] = []
+    if optimizer is not None:
+        for values in optimizer.state.values():
+            state.extend(values.values() if isinstance(values, dict) else ())
+    optimizer_bytes = sum(storages(state).values())
+    if meter.device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(meter.device))
+    else:
+        peak = parameters + optimizer_bytes + meter.peaks[""]
+    return {
+        "activations": meter.peaks[ACTIVATIONS],
+        "stash": meter.peaks[STASH],
+        "parameters": parameters,
+        "optimizer": optimizer_bytes,
+        "peak": peak,
+    }

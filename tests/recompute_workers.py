@@ -1,0 +1,153 @@
+"""Functions the recompute tests run on every rank of a launched group.
+
+One launch trains many configurations and returns what the parent compares:
+with the single-process reference (models without randomness), with the same
+pipeline without recomputation (a model with dropout), and the memory figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline
+
+Mode = Any  # None, a mode name, or a list of them
+
+
+@dataclass(frozen=True)
+class RecomputeCase:
+    """One pipeline configuration with a recompute mode."""
+
+    model: str
+    schedule: str
+    recompute: Mode
+    two_bp: bool = True
+    weight_group_size: int | None = None
+
+    def __str__(self) -> str:
+        group = f" group={self.weight_group_size}" if self.weight_group_size else ""
+        return (
+            f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}{group}"
+        )
+
+
+WIDTH = 32
+MODES = ("activations", "derivatives", "all")
+
+
+def dropout_blocks(n_blocks: int = 6, width: int = WIDTH, hidden: int = 4) -> list[nn.Module]:
+    """MLP blocks with dropout (float64, from a fixed seed), and a linear head."""
+    torch.manual_seed(99)
+    blocks: list[nn.Module] = [
+        nn.Sequential(
+            nn.Linear(width, hidden * width),
+            nn.GELU(),
+            nn.Dropout(0.25),
+            nn.Linear(hidden * width, width),
+            nn.LayerNorm(width),
+        )
+        for _ in range(n_blocks - 1)
+    ]
+    blocks.append(nn.Linear(width, 4))
+    return [b.double() for b in blocks]
+
+
+def dropout_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(batch_size, WIDTH, generator=gen, dtype=torch.float64)
+    return x, torch.randn(batch_size, 4, generator=gen, dtype=torch.float64)
+
+
+def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
+    first, last = 0, pipe.schedule.n_stages - 1
+    return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
+
+
+def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int) -> Pipeline:
+    return Pipeline(
+        blocks,
+        loss,
+        schedule=case.schedule,
+        n_microbatches=n_mb,
+        two_bp=case.two_bp,
+        recompute=case.recompute,
+        weight_group_size=case.weight_group_size,
+        device="cpu",
+        timeout=30.0,
+    )
+
+
+def train(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, Any]:
+    """Train a reference model for a few AdamW steps; losses, first gradients, final state."""
+    pipe = _pipeline(build_blocks(case.model), loss_fn(case.model), case, n_mb)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(N_STEPS):
+        inputs, targets = make_batch(case.model, step, batch_size)
+        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        optimizer.step()
+        pipe.zero_grad()
+    out = {"losses": losses, "grads": grads, "state": pipe.state_dict()}
+    pipe.close()
+    return out
+
+
+def dropout_step(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, Any]:
+    """Two steps of the dropout MLP from a fixed seed: losses, gradients, memory figures."""
+    pipe = _pipeline(dropout_blocks(), F.mse_loss, case, n_mb)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    inputs, targets = dropout_batch(batch_size)
+    torch.manual_seed(1000 + pipe.rank)
+    losses = []
+    for _ in range(2):
+        pipe.zero_grad()
+        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        if len(losses) == 1:
+            optimizer.step()
+    out = {
+        "losses": losses,
+        "grads": grads,
+        "memory": pipe.memory_stats(optimizer),
+        "after": float(torch.rand(()).item()),  # the generator goes on as without recompute
+    }
+    pipe.close()
+    return out
+
+
+def session(
+    trained: list[RecomputeCase], dropout: list[RecomputeCase], n_mb: int, dropout_mb: int
+) -> dict[str, Any]:
+    """Every case of the parent's lists on this rank, keyed by ``str(case)``.
+
+    The trained cases and the non-repeatable forward run ``n_mb`` micro-batches
+    of 2 samples, the dropout cases ``dropout_mb``.
+    """
+    torch.set_num_threads(1)
+    return {
+        "trained": {str(c): train(c, n_mb, 2 * n_mb) for c in trained},
+        "dropout": {str(c): dropout_step(c, dropout_mb, 2 * dropout_mb) for c in dropout},
+        "non-repeatable": {m: non_repeatable(n_mb, 2 * n_mb, m) for m in MODES},
+    }
+
+
+def non_repeatable(n_mb: int, batch_size: int, mode: str) -> tuple[str, str]:
+    """The conv model (BatchNorm in training mode) with recompute: this rank's error."""
+    case = RecomputeCase("conv", "1f1b", mode)
+    pipe = _pipeline(build_blocks("conv"), loss_fn("conv"), case, n_mb)
+    inputs, targets = make_batch("conv", 0, batch_size)
+    try:
+        pipe.step(*_needed(pipe, inputs, targets))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        pipe.close()
+    return "", ""

@@ -1,0 +1,172 @@
+"""Pipeline(recompute=...) on real process groups (gloo, CPU, float64).
+
+One two-rank launch trains reference models with every recompute mode on
+several schedules and compares them with the single-process reference, runs
+an MLP with dropout with and without recomputation from the same random
+states (the gradients must agree: the masks replay), reads the memory figures
+of both, and checks that a forward that is not repeatable is named. Bad
+options are checked in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from recompute_workers import MODES, RecomputeCase, session
+from runtime_models import build_blocks, loss_fn, needs_no_process_group, train_reference
+from twobp.runtime import NonRepeatableForwardError, Pipeline, PipelineConfigError, launch
+
+TOL = 1e-10
+EXACT = 1e-12
+N_MB = 4
+BATCH = 2 * N_MB
+DROPOUT_MB = 8
+
+TRAINED = [
+    *(RecomputeCase("mlp", s, m) for s in ("1f1b", "gpipe", "zb-h1") for m in MODES),
+    *(RecomputeCase("transformer", "1f1b", m) for m in MODES),
+    RecomputeCase("transformer", "interleaved-1f1b", "all"),
+    RecomputeCase("mlp", "1f1b", "activations", two_bp=False),
+    # Without 2BP no stage keeps a stash: "all" recomputes the activations only.
+    RecomputeCase("mlp", "1f1b", "all", two_bp=False),
+    RecomputeCase("mlp", "1f1b", "derivatives", weight_group_size=1),
+    RecomputeCase("mlp", "1f1b", ["all", "derivatives"]),
+]
+DROPOUT = [
+    RecomputeCase("dropout", s, m, weight_group_size=g)
+    for s, g in (("1f1b", None), ("1f1b", 1), ("zb-h1", None), ("interleaved-1f1b", 2))
+    for m in (None, *MODES)
+]
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return launch(session, 2, TRAINED, DROPOUT, N_MB, DROPOUT_MB, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, Any]]:
+    return {m: train_reference(m, N_MB, BATCH) for m in ("mlp", "transformer")}
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=str)
+def test_recompute_matches_single_process(case, results, references):
+    reference = references[case.model]
+    grads: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for rank, per_rank in enumerate(results):
+        r = per_rank["trained"][str(case)]
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, got, want)
+        grads.update(r["grads"])
+        state.update(r["state"])
+    assert set(grads) == set(reference["grads"])
+    for name, want in reference["grads"].items():
+        torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
+    for name, want in reference["state"].items():
+        torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("case", [c for c in DROPOUT if c.recompute is not None], ids=str)
+def test_dropout_replays_exactly(case, results):
+    plain = RecomputeCase(case.model, case.schedule, None, weight_group_size=case.weight_group_size)
+    for per_rank in results:
+        got, want = per_rank["dropout"][str(case)], per_rank["dropout"][str(plain)]
+        assert got["losses"] == pytest.approx(want["losses"], rel=0, abs=EXACT)
+        assert set(got["grads"]) == set(want["grads"])
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=EXACT, msg=name)
+        # The generators went on as if nothing had been recomputed.
+        assert got["after"] == want["after"]
+
+
+def _memory(
+    results: list[dict[str, Any]], mode: Any, group: int | None = None
+) -> list[dict[str, int]]:
+    case = RecomputeCase("dropout", "1f1b", mode, weight_group_size=group)
+    return [r["dropout"][str(case)]["memory"] for r in results]
+
+
+def test_memory_figures_of_each_mode(results):
+    plain = _memory(results, None)
+    for figures in plain:
+        assert set(figures) == {"activations", "stash", "parameters", "optimizer", "peak"}
+        assert figures["activations"] > 0 and figures["parameters"] > 0
+        assert figures["optimizer"] == 0  # SGD without momentum keeps no state
+        assert figures["peak"] >= figures["parameters"] + figures["activations"]
+    assert plain[0]["stash"] > 0 and plain[1]["stash"] > 0
+    activations, derivatives, both = (_memory(results, m) for m in MODES)
+    for rank in range(2):
+        assert activations[rank]["activations"] <= 0.34 * plain[rank]["activations"]
+        assert activations[rank]["stash"] == plain[rank]["stash"]
+        assert derivatives[rank]["activations"] == plain[rank]["activations"]
+        assert both[rank]["activations"] == activations[rank]["activations"]
+        assert derivatives[rank]["stash"] <= 0.34 * plain[rank]["stash"]
+        assert both[rank]["stash"] == derivatives[rank]["stash"]
+    # W rebuilds one group at a time: with a cap, the peak falls too.
+    plain, derivatives = _memory(results, None, 1), _memory(results, "derivatives", 1)
+    for rank in range(2):
+        assert derivatives[rank]["peak"] < plain[rank]["peak"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_that_changes_buffers_is_named(mode, results):
+    errors = [r["non-repeatable"][mode] for r in results]
+    named = [message for kind, message in errors if kind == "NonRepeatableForwardError"]
+    assert named, errors
+    assert f"recompute={mode!r}" in named[0]
+    assert "block " in named[0] and "running_mean" in named[0]
+    assert all(kind in ("NonRepeatableForwardError", "PeerStepFailedError") for kind, _ in errors)
+
+
+def _mlp_pipeline(**options: Any) -> Pipeline:
+    return Pipeline(
+        build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=30.0, **options
+    )
+
+
+@needs_no_process_group
+def test_an_unknown_mode_names_the_option_and_the_choices():
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"recompute='activation': unknown mode; "
+        r"choose one of None, 'activations', 'derivatives', 'all'",
+    ):
+        _mlp_pipeline(recompute="activation")
+    with pytest.raises(PipelineConfigError, match=r"recompute=.* \(stage 1\): unknown mode"):
+        _mlp_pipeline(recompute=[None, "everything"])
+
+
+@needs_no_process_group
+def test_a_list_needs_one_mode_per_stage():
+    with pytest.raises(PipelineConfigError, match=r"2 entries for 1 stages"):
+        _mlp_pipeline(recompute=["all", None])
+    pipe = _mlp_pipeline(recompute=["derivatives"])
+    assert pipe.recompute == ("derivatives",)
+    pipe.close()
+
+
+@needs_no_process_group
+def test_memory_stats_counts_the_optimizer_it_is_given():
+    pipe = _mlp_pipeline(recompute="all")
+    from runtime_models import make_batch
+
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    pipe.step(*make_batch("mlp", 0, BATCH))
+    optimizer.step()
+    with_state = pipe.memory_stats(optimizer)
+    params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    assert with_state["parameters"] == 2 * params  # the parameters and their gradients
+    assert with_state["optimizer"] >= 2 * params  # AdamW's two moments (and its steps)
+    assert pipe.memory_stats()["optimizer"] == 0
+    pipe.close()
+
+
+def test_the_error_type_is_a_config_error():
+    assert issubclass(NonRepeatableForwardError, PipelineConfigError)
