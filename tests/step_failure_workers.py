@@ -149,3 +149,55 @@ def construction_and_save_failures(folder: str, timeout: float) -> dict[str, Any
     out["save"] = _outcome(lambda: pipe.save(folder, extra=unpicklable))
     out["saved after"] = str(pipe.save(folder, extra={"fine": True}))
     return out
+
+
+def failing_replicated_steps(timeout: float) -> dict[str, Any]:
+    """Steps of 2 copies of a Chimera pipeline (4 ranks) that fail on one rank of copy 1.
+
+    Every copy passes the same batch, so a step's loss and gradients are those
+    of one process on that batch. Then the order that once left a rank waiting
+    in a receive: caught configuration errors on one pipeline, then a second
+    pipeline on the same group whose loss raises on the last stage.
+    """
+    rank = dist.get_rank()
+    x, y = make_batch("mlp", 0, BATCH)
+    out: dict[str, Any] = {}
+    for how, index in (("block", 0), ("block", 9), ("loss", 9)):
+        blocks = build_blocks("mlp")
+        trap = Trap(blocks[index], how)
+        blocks[index] = trap
+        loss = TrapLoss()
+        pipe = Pipeline(
+            blocks, loss, "chimera", N_MB, device="cpu", timeout=timeout, data_parallel=2
+        )
+        trap.armed = how == "block" and rank == 3
+        loss.armed = how == "loss" and rank == 3
+        failed = _outcome(lambda p=pipe: p.step(x, y))
+        grads_after_failure = [p.grad for p in pipe.parameters()]
+        trap.armed = loss.armed = False
+        value = pipe.step(x, y)
+        out[f"{how} {index}"] = {
+            "failed": failed,
+            "grads dropped": all(g is None for g in grads_after_failure),
+            "loss": value,
+            "grads": {
+                n.replace(f"{index}.block.", f"{index}.", 1): p.grad.clone()
+                for n, p in pipe.named_parameters()
+            },
+        }
+    first = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, device="cpu",
+                     timeout=timeout, data_parallel=2)  # fmt: skip
+    caught = [
+        _outcome(lambda: first.step(None if rank == 0 else x, y)),
+        _outcome(lambda: first.step(x[:6], y[:6])),
+    ]
+    loss = TrapLoss()
+    second = Pipeline(
+        build_blocks("mlp"), loss, "1f1b", N_MB, device="cpu", timeout=timeout, data_parallel=2
+    )
+    loss.armed = rank == 3
+    out["second pipeline"] = {
+        "caught": [c[0] for c in caught],
+        "failed": _outcome(lambda: second.step(x, y)),
+    }
+    return out

@@ -15,6 +15,7 @@ from runtime_models import build_blocks, loss_fn, make_batch
 from step_failure_workers import (
     BATCH,
     construction_and_save_failures,
+    failing_replicated_steps,
     failing_steps,
     failure_then_other_work,
 )
@@ -117,3 +118,18 @@ def test_a_rank_that_fails_to_build_or_save_tells_the_others(tmp_path):
         assert name == "CheckpointError" and seconds < FAST, message
         assert "extra is a function: a checkpoint keeps JSON data only" in message
         assert result["saved after"].endswith("step-00000001")
+
+
+def test_failures_of_replicated_stages_end_the_step_on_every_rank_at_once(reference):
+    results = launch(failing_replicated_steps, 4, TIMEOUT, threads_per_rank=1, timeout=300)
+    # Rank 3 holds stage 0 of the up pipeline of copy 1 (model blocks 0-4) and stage 1 of its
+    # down pipeline (blocks 5-9): each failure is its own, and every other rank is told at once.
+    _check(results, "block 0", 3, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "block 9", 3, "RuntimeError", "block failed on purpose", reference)
+    _check(results, "loss 9", 3, "ValueError", "it must return a scalar", reference)
+    for rank, result in enumerate(results):
+        second = result["second pipeline"]
+        assert second["caught"] == ["PipelineConfigError", "PipelineConfigError"]
+        name, message, seconds = second["failed"]
+        assert name == ("ValueError" if rank == 3 else "PeerStepFailedError"), message
+        assert seconds < FAST, (rank, seconds)
