@@ -87,7 +87,8 @@ class _ForeignParameter(Exception):
 
 _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_no_subclass_dispatch = torch._C.DisableTorchFunctionSubclass
+# fn(*args) with the torch function dispatch of tensor subclasses off (written in C++).
+_call_without_subclass_dispatch = torch._C._disabled_torch_function_impl
 
 _running: ContextVar[Capture | None] = ContextVar("twobp_running_capture", default=None)
 """The capture whose forward (or input pass) runs in this thread, like torch's grad mode."""
@@ -493,8 +494,7 @@ def _dispatching_classes(
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        with _no_subclass_dispatch():
-            return dispatch(func, args, kwargs)
+        return _call_without_subclass_dispatch(dispatch, types, (func, args, kwargs))
 
     method: Any = classmethod(__torch_function__)
     parameter = type("CapturedParameter", (nn.Parameter,), {"__torch_function__": method})
