@@ -494,7 +494,7 @@ def _dispatching_classes(
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return _call_without_subclass_dispatch(dispatch, types, (func, args, kwargs))
+        return _call_without_subclass_dispatch(dispatch, types, (func, args, kwargs), {})
 
     method: Any = classmethod(__torch_function__)
     parameter = type("CapturedParameter", (nn.Parameter,), {"__torch_function__": method})

@@ -25,7 +25,8 @@ from twobp.train.config import TrainConfig
 
 SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "autocast", "seed", "data")
 """Options a resumed run must share with the run it continues: they define the model and data
-(``--autocast`` the parameters' dtype). A checkpoint that predates an option ran with its default."""
+(``--autocast`` the parameters' dtype). A checkpoint that predates an option ran with its
+default."""
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
