@@ -104,6 +104,11 @@ def test_resume_is_checked_before_any_rank_starts(uninterrupted, tmp_path):
     checkpoint = str(uninterrupted)
     with pytest.raises(ValueError, match=r"trained with --model llama \(this run: bert\)"):
         check_config(TrainConfig(model="bert", resume=checkpoint, steps=9, seq_len=16))
+    # Autocast keeps float32 parameters: another model than the float64 one saved.
+    with pytest.raises(ValueError, match=r"--autocast False \(this run: True\)"):
+        check_config(
+            TrainConfig(resume=checkpoint, steps=9, seq_len=16, dtype="bfloat16", autocast=True)
+        )
     with pytest.raises(ValueError, match="is at step 6 already, and this run would end at step 6"):
         check_config(TrainConfig(resume=checkpoint, steps=6, seq_len=16, dtype="float64"))
     with pytest.raises(ValueError, match="does not exist"):

@@ -7,7 +7,8 @@ kernels cost little: what remains is the per-call overhead of the engine.
 ``--stage linear`` is a stack of ``nn.Linear`` (figures per Linear call);
 ``--stage llama`` a stack of twobp's LLaMA-like decoder blocks (figures per
 block: attention, norms and activations pass through the engine's capture
-too). One thread.
+too). One thread, timed by its CPU time (``time.thread_time``): other
+processes on a shared machine then weigh less on the figures than on wall time.
 
     python benchmarks/engine_overhead/run.py                 # this checkout
     python benchmarks/engine_overhead/run.py --baseline REV  # and git revision REV, alternated
@@ -55,6 +56,7 @@ def measure(kind: str, width: int, layers: int, rows: int, reps: int) -> dict[st
     from twobp.engine import defer_weight_grads
 
     torch.set_num_threads(1)
+    clock = time.thread_time
     plain = _stage(kind, width, layers)
     split = _stage(kind, width, layers)
     store = defer_weight_grads(split)
@@ -63,19 +65,19 @@ def measure(kind: str, width: int, layers: int, rows: int, reps: int) -> dict[st
     dy = torch.randn(*shape)
     times: dict[str, list[float]] = {"plain F": [], "plain B": [], "F": [], "I": [], "W": []}
     for rep in range(reps + reps // 5):
-        t0 = time.perf_counter()
+        t0 = clock()
         y = plain(x.requires_grad_())
-        t1 = time.perf_counter()
+        t1 = clock()
         y.backward(dy)
-        t2 = time.perf_counter()
+        t2 = clock()
         leaf = x.detach().requires_grad_()
         with store.forward(0):
             y = split(leaf)
-        t3 = time.perf_counter()
+        t3 = clock()
         store.backward_input(0, [y], [dy], [leaf])
-        t4 = time.perf_counter()
+        t4 = clock()
         store.backward_weight([0])
-        t5 = time.perf_counter()
+        t5 = clock()
         store.finish_step()
         x.grad = None
         if rep >= reps // 5:  # warm-up done

@@ -307,3 +307,72 @@ def test_subclass_that_overrides_forward_is_not_covered():
     store = defer_weight_grads(Clipped(3, 3))
     assert store.deferred_parameters() == []
     assert [n for n, _ in store.immediate_parameters()] == ["weight", "bias"]
+
+
+class _KeepsTransposedWeight(nn.Module):
+    """Reads its weight through a view, keeps the view, and notes the classes it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.seen: list[tuple[type, type]] = []
+        self.kept: torch.Tensor | None = None
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.lin.weight.t()
+        self.seen.append((type(self.lin.weight), type(w)))
+        self.kept = w
+        if self.fail:
+            raise RuntimeError("the forward failed")
+        return x @ w + self.lin.bias
+
+
+def test_later_forwards_route_by_the_parameters_class_and_restore_it():
+    module = seeded(_KeepsTransposedWeight)()
+    store = defer_weight_grads(module)
+    for mb in range(3):
+        _, y = _forward(store, module, mb)
+        assert type(y.grad_fn).__name__ == "AddBackward0"  # the bias is read elementwise
+        assert type(y.grad_fn.next_functions[0][0]).__name__ == "DeferredWeightFunctionBackward"
+        assert type(module.lin.weight) is nn.Parameter
+        assert type(module.kept) is torch.Tensor
+    # The first forward ran under the mode; later ones saw the classes that route the calls.
+    assert module.seen[0] == (nn.Parameter, torch.Tensor)
+    for weight_class, view_class in module.seen[1:]:
+        assert weight_class is not nn.Parameter and issubclass(weight_class, nn.Parameter)
+        assert view_class is not torch.Tensor and issubclass(view_class, torch.Tensor)
+    module.fail = True
+    with pytest.raises(RuntimeError, match="failed"):
+        _forward(store, module, 3)
+    assert type(module.lin.weight) is nn.Parameter and type(module.lin.bias) is nn.Parameter
+    assert type(module.kept) is torch.Tensor
+    # Another store's forward inside this one is refused on this path too.
+    module.fail = False
+    other = _mlp()
+    other_store = defer_weight_grads(other)
+    with store.forward(4), pytest.raises(TwoStageBackwardError, match="another stage"):  # noqa: SIM117
+        with other_store.forward(0):
+            pass
+
+
+def test_parameters_of_another_class_keep_it_and_are_captured_by_the_mode():
+    class Tagged(nn.Parameter):
+        pass
+
+    module = _mlp()
+    module[0].weight = Tagged(module[0].weight.detach().clone())
+    reference = copy.deepcopy(module)
+    store = defer_weight_grads(module)
+    for mb in range(3):
+        x, y = _forward(store, module, mb)
+        assert type(module[0].weight) is Tagged
+        _input_pass(store, mb, x, y)
+        xr = randn(4, 5, seed=mb)
+        reference(xr).sum().backward()
+    store.backward_weight(range(3))
+    store.finish_step()
+    deferred = [n for n, _ in store.deferred_parameters()]
+    assert deferred == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= TOL

@@ -1,8 +1,8 @@
 """Where a stage's forward reads its parameters: deferred operations, and everything else.
 
-While a micro-batch's forward runs under its store, a :class:`Capture` (a
-``TorchFunctionMode``) sees every torch function call of the stage, whoever
-makes it: a module's ``forward``, a custom module, a tied weight read through
+While a micro-batch's forward runs under its store, a :class:`Capture` sees
+every torch function call that reads a stage parameter, whoever makes it: a
+module's ``forward``, a custom module, a tied weight read through
 ``F.linear``, GPT-2's ``Conv1D`` calling ``torch.addmm``. A call of a covered
 operation (``F.linear``, ``torch.addmm``, ``matmul``, a convolution,
 ``F.embedding``, a norm) whose weight operand is a stage parameter runs through
@@ -13,12 +13,28 @@ capture notes that autograd computes that parameter's gradient during I: the
 store's report says so. Reshapes, transposes and casts of a parameter are
 followed, so that an operation reading ``weight.t()`` or ``weight.to(dtype)``
 is still deferred.
+
+Two ways lead the calls to the capture, both handled by
+:meth:`Capture.dispatch`:
+
+- *the parameters' class*: for the forward, each stage parameter that
+  requires a gradient becomes an instance of a subclass of ``nn.Parameter``
+  whose ``__torch_function__`` is the capture (and the views of parameters it
+  follows become instances of a subclass of ``Tensor``). Only calls that read
+  a parameter pay for the capture; the others run at full speed. Torch's own
+  lazy modules change a parameter's class the same way.
+- *a torch function mode*: every call of the forward goes through it, at a few
+  microseconds each. It runs the first forward of a store, where it also sees
+  a covered operation reading a parameter that is not the stage's (refused by
+  name), and every forward of a store whose parameters are not plain
+  ``nn.Parameter`` (their class is left alone).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -71,6 +87,16 @@ class _ForeignParameter(Exception):
 
 _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# fn(*args) with the torch function dispatch of tensor subclasses off (written in C++).
+_call_without_subclass_dispatch = torch._C._disabled_torch_function_impl
+
+_running: ContextVar[Capture | None] = ContextVar("twobp_running_capture", default=None)
+"""The capture whose forward (or input pass) runs in this thread, like torch's grad mode."""
+
+
+def running_capture() -> Capture | None:
+    """The capture whose forward or input pass runs now in this thread, or None."""
+    return _running.get()
 
 
 def bind(
@@ -95,6 +121,13 @@ def bind(
         if required <= len(args) < n:
             return (*args, *defaults[len(args) - required :])
         return None
+    if len(args) + len(kwargs) == n:
+        # Every argument after the positional ones by keyword: how the Python
+        # wrappers in torch.nn.functional hand a call on (F.rms_norm, F.embedding).
+        try:
+            return (*args, *[kwargs[k] for k in names[len(args) :]])
+        except KeyError:
+            pass
     if len(args) > n or any(k not in names[len(args) :] for k in kwargs):
         return None
     values = list(args)
@@ -132,8 +165,8 @@ def _requires_grad(out: Any) -> bool:
     return False
 
 
-class Capture(TorchFunctionMode):
-    """The torch function mode of one store: routes the calls of its forwards.
+class Capture:
+    """Routes the calls of one store's forwards that read its parameters.
 
     Args:
         params: ``(name, parameter)`` of the store's module, each once.
@@ -151,7 +184,6 @@ class Capture(TorchFunctionMode):
         handlers: Mapping[Callable[..., Any], Handler],
         label: str = "",
     ) -> None:
-        super().__init__()
         self._store = store
         self._sink = sink
         self._handlers = handlers
@@ -174,16 +206,74 @@ class Capture(TorchFunctionMode):
         self.usage: dict[int, Usage] = {}
         """How the forwards seen so far read each parameter, by id."""
         self._autocast = AutocastDtypes()
+        self.checked = False
+        """A forward ran to its end under the torch function mode (which refuses
+        parameters that are not the stage's); later ones change the parameters' class."""
+        self._mode = _CaptureMode(self)
+        self._parameter_class, self._view_class = _dispatching_classes(self.dispatch)
+        # The parameters whose class the capture may change (None: some are not
+        # plain nn.Parameter, so every forward runs under the mode).
+        self._swappable: list[nn.Parameter] | None = [o.param for o in self.parameters.values()]
+        if any(p.__class__ is not nn.Parameter for p in self._swappable):
+            self._swappable = None
+        # The parameters whose class the running forward changed (None: it runs
+        # under the mode).
+        self._swapped: list[nn.Parameter] | None = None
 
-    # -- the mode ------------------------------------------------------------
+    # -- the way in ----------------------------------------------------------
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def begin(self) -> Token[Capture | None]:
+        """Send the calls of the forward (or input pass) that starts now to :meth:`dispatch`.
+
+        The first forward, and every forward where a parameter is not a plain
+        ``nn.Parameter``, runs under the torch function mode; later ones
+        change the class of the parameters that require a gradient.
+
+        Returns:
+            What :meth:`end` needs.
+        """
+        token = _running.set(self)
+        swappable = self._swappable
+        if not self.checked or swappable is None:
+            self._swapped = None
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+            return token
+        cls = self._parameter_class
+        swapped = self._swapped = [p for p in swappable if p.requires_grad]
+        for p in swapped:
+            p.__class__ = cls
+        return token
+
+    def end(self, token: Token[Capture | None]) -> None:
+        """The forward (or input pass) begun with :meth:`begin` ended, or failed."""
+        _running.reset(token)
+        swapped = self._swapped
+        if swapped is None:
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            for p in swapped:
+                p.__class__ = nn.Parameter
+            self._swapped = None
+        if self._views:
+            self.finish()
+
+    def dispatch(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Kwargs = None
     ) -> Any:
+        """Run one torch function call of the forward: deferred, or as it is and noted.
+
+        Args:
+            func: the torch function.
+            args: its positional arguments.
+            kwargs: its keyword arguments (None: none).
+
+        Returns:
+            What the call returns.
+
+        Raises:
+            TwoStageBackwardError: if a covered operation reads a parameter
+                that requires a gradient and is not in the store's module.
+        """
         reason = None
         handler = self._handlers.get(func)
         if handler is not None and torch.is_grad_enabled():
@@ -211,7 +301,11 @@ class Capture(TorchFunctionMode):
         return out
 
     def finish(self) -> None:
-        """Forget the views of the forward that ended (the mode is no longer active)."""
+        """Forget the views of the forward that ended (calls no longer reach the capture)."""
+        for ref, _ in self._views.values():
+            view = ref()
+            if view is not None and view.__class__ is self._view_class:
+                view.__class__ = Tensor
         self._watched.difference_update(self._views)
         self._views.clear()
 
@@ -343,6 +437,9 @@ class Capture(TorchFunctionMode):
                 if step is not None:
                     self._views[id(out)] = (weakref.ref(out), source.then(step))
                     self._watched.add(id(out))
+                    if self._swapped and out.__class__ is Tensor:
+                        # Later calls reading the view reach the capture too.
+                        out.__class__ = self._view_class
                     return
         if not _requires_grad(out):
             return
@@ -365,3 +462,41 @@ class Capture(TorchFunctionMode):
             f"it in this stage's module (every use of a shared weight, such as tied embeddings, "
             f"must be on the stage that holds it), or freeze it with requires_grad_(False)"
         )
+
+
+class _CaptureMode(TorchFunctionMode):
+    """Every torch function call of the forward, to the capture."""
+
+    def __init__(self, capture: Capture) -> None:
+        super().__init__()
+        self._dispatch = capture.dispatch
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self._dispatch(func, args, kwargs)
+
+
+def _dispatching_classes(
+    dispatch: Callable[[Callable[..., Any], tuple[Any, ...], Kwargs], Any],
+) -> tuple[type[nn.Parameter], type[Tensor]]:
+    """A subclass of ``nn.Parameter`` and one of ``Tensor`` whose torch functions go to
+    ``dispatch``, with the classes' own dispatch turned off while it runs."""
+
+    def __torch_function__(
+        cls: type,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _call_without_subclass_dispatch(dispatch, types, (func, args, kwargs), {})
+
+    method: Any = classmethod(__torch_function__)
+    parameter = type("CapturedParameter", (nn.Parameter,), {"__torch_function__": method})
+    view = type("CapturedView", (Tensor,), {"__torch_function__": method})
+    return parameter, view

@@ -134,7 +134,7 @@ VIEW_STEPS: dict[Callable[..., Any], Callable[[Tensor, Tensor, tuple[Any, ...]],
     torch.flatten: _reshape,
     torch.Tensor.t: _matrix_transpose,
     torch.t: _matrix_transpose,
-    # Attribute reads, as the torch function mode sees them.
+    # Attribute reads, as the capture sees them.
     torch._C.TensorBase.__dict__["T"].__get__: _matrix_transpose,
     torch._C.TensorBase.__dict__["mT"].__get__: _transpose_last,
     torch.Tensor.transpose: _transpose,

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
-from twobp.engine.capture import Capture
+from twobp.engine.capture import Capture, running_capture
 from twobp.engine.coverage import (
     ParameterRoute,
     Route,
@@ -144,17 +144,18 @@ class WeightGradStore:
             if capture is None:
                 yield
             else:
-                with capture:
+                token = capture.begin()
+                try:
                     yield
+                finally:
+                    capture.end(token)
         except BaseException:
             self._phases.cancel_forward(mb)
             raise
         finally:
             self.active_microbatch = None
-            if capture is not None:
-                capture.finish()
         if capture is not None:
-            self._seen_forward = True
+            self._seen_forward = capture.checked = True
 
     # -- I -------------------------------------------------------------------
 
@@ -275,14 +276,15 @@ class WeightGradStore:
                 if capture is None:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 else:
-                    with capture:
+                    token = capture.begin()
+                    try:
                         _run_backward(pairs)
+                    finally:
+                        capture.end(token)
             grads = tuple(_input_grad(x) for x in inputs)
         finally:
             self._input_pass_mb = self.active_microbatch = self._collecting = None
             self._weights_now = False
-            if capture is not None:
-                capture.finish()
             self._held.pop(mb, None)
             for x, g in zip(inputs, previous, strict=True):
                 x.grad = g
@@ -402,10 +404,12 @@ class WeightGradStore:
             self._dropped.discard(mb)
             return
         self.active_microbatch = mb
+        token = capture.begin()
         try:
-            with torch.enable_grad(), capture:
+            with torch.enable_grad():
                 outputs, grad_outputs = rebuild(mb)
         finally:
+            capture.end(token)
             self.active_microbatch = None
             capture.finish()
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
@@ -414,8 +418,11 @@ class WeightGradStore:
         self._collecting = self._stash.setdefault(mb, {})
         try:
             if pairs and targets:
-                with capture:
+                token = capture.begin()
+                try:
                     _run_backward(pairs, targets)
+                finally:
+                    capture.end(token)
         finally:
             self._input_pass_mb = self.active_microbatch = self._collecting = None
             capture.finish()
@@ -519,12 +526,11 @@ class WeightGradStore:
 
 def _check_no_other_capture(where: str, mb: int) -> None:
     """Refuse a forward inside the forward of another store."""
-    for i in range(torch._C._len_torch_function_stack()):
-        if isinstance(torch._C._get_function_stack_at(i), Capture):
-            raise TwoStageBackwardError(
-                f"{where}forward of micro-batch {mb} started inside the forward of another "
-                f"stage's WeightGradStore; run the stages' forwards one after another"
-            )
+    if running_capture() is not None:
+        raise TwoStageBackwardError(
+            f"{where}forward of micro-batch {mb} started inside the forward of another "
+            f"stage's WeightGradStore; run the stages' forwards one after another"
+        )
 
 
 def _run_backward(

@@ -23,8 +23,12 @@ from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
 from twobp.train.config import TrainConfig
 
-SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "seed", "data")
-"""Options a resumed run must share with the run it continues: they define the model and data."""
+SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "autocast", "seed", "data")
+"""Options a resumed run must share with the run it continues: they define the model and data
+(``--autocast`` the parameters' dtype). A checkpoint that predates an option ran with its
+default."""
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 @dataclass
@@ -83,9 +87,10 @@ def check_resume(cfg: TrainConfig) -> None:
             "its manifest); load it from Python with Pipeline.load"
         )
     differ = [
-        f"--{name.replace('_', '-')} {saved[name]} (this run: {getattr(cfg, name)})"
+        f"--{name.replace('_', '-')} {saved.get(name, _DEFAULTS[name])} "
+        f"(this run: {getattr(cfg, name)})"
         for name in SAME_MODEL_OPTIONS
-        if saved.get(name) != getattr(cfg, name)
+        if saved.get(name, _DEFAULTS[name]) != getattr(cfg, name)
     ]
     if differ:
         raise ValueError(

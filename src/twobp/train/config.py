@@ -71,7 +71,16 @@ class TrainConfig:
     warmup: int = doc("warm-up steps of the learning rate", 20)
     grad_clip: float = doc("global gradient-norm clipping across all stages (0 = off)", 1.0)
     dtype: str = doc(
-        "parameter and activation dtype", "float32", choices=("float32", "float64", "bfloat16")
+        "compute dtype: that of the parameters and activations, or with --autocast the "
+        "lower precision the forward computes in (the parameters stay float32)",
+        "float32",
+        choices=("float32", "float64", "bfloat16", "float16"),
+    )
+    autocast: bool = doc(
+        "mixed precision: float32 parameters, and every stage's forward and loss under "
+        "torch.autocast with --dtype (bfloat16 or float16; 2BP's I and W run in the dtypes "
+        "autocast uses); without it the whole model is cast to --dtype",
+        False,
     )
     seed: int = doc("random seed for weights and data", 0)
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)

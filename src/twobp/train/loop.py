@@ -20,7 +20,7 @@ from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
-from twobp.train.task import Task, build_task
+from twobp.train.task import Task, autocast_dtype, build_task
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
@@ -60,6 +60,9 @@ class RankResult:
     """Tokens in one sample (None for images)."""
     n_parameters: int = 0
     """Parameters held by this rank."""
+    precision: str = ""
+    """The dtypes the pipeline ran in: ``"float32"``, or ``"bfloat16 autocast, float32
+    parameters"``."""
     resumed_from: int | None = None
     """The step the run continued from (None: a fresh start)."""
     skipped_steps: list[int] = field(default_factory=list)
@@ -109,6 +112,7 @@ def train_rank(
         nonfinite=cfg.nonfinite,
         recompute=cfg.recompute,
         weight_group_size=cfg.weight_group_size,
+        autocast=autocast_dtype(cfg),
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
             if cfg.partition == "balanced"
@@ -124,6 +128,7 @@ def train_rank(
         data_source=task.data_source,
         tokens_per_sample=task.tokens_per_sample,
         n_parameters=sum(p.numel() for p in pipe.parameters()),
+        precision=_precision(pipe),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     history = checkpointing.resume(pipe, optimizer, cfg)
@@ -145,6 +150,15 @@ def train_rank(
     result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
     result.peak_rss_bytes = _peak_rss_bytes()
     return result
+
+
+def _precision(pipe: Pipeline) -> str:
+    """The dtypes the pipeline runs in, as the report says them."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in pipe.parameters()})
+    parameters = ", ".join(dtypes) or "no parameters"
+    if pipe.autocast is None:
+        return parameters
+    return f"{str(pipe.autocast).removeprefix('torch.')} autocast, {parameters} parameters"
 
 
 def _reporters(

@@ -16,14 +16,18 @@ from __future__ import annotations
 import importlib.util
 import math
 
+import torch
+
 from twobp.config import check_writable
+from twobp.engine.autocast import check_autocast_dtype
 from twobp.models import build_model
+from twobp.runtime.setup.group import default_device
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.data import check_text_file
-from twobp.train.task import model_overrides
+from twobp.train.task import AUTOCAST_DTYPES, DTYPES, model_overrides
 
 
 class OptionError(ValueError):
@@ -43,6 +47,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
     """
     ranks = cfg.ranks if n_ranks is None else n_ranks
     _check_numbers(cfg)
+    check_dtype(cfg)
     n_blocks = _model_blocks(cfg)
     if ranks % cfg.data_parallel:
         raise OptionError(
@@ -96,6 +101,46 @@ def _check_numbers(cfg: TrainConfig) -> None:
             f"micro-batches{copies}; pick a batch size that is a multiple of --microbatches"
             + (" x --data-parallel" if cfg.data_parallel > 1 else "")
         )
+
+
+def check_dtype(cfg: TrainConfig, device: torch.device | None = None) -> None:
+    """Check that the ranks' device can compute in ``--dtype`` (under ``--autocast`` if given).
+
+    Args:
+        cfg: the run's options.
+        device: the device to check (default: the one a rank of this machine
+            would pick, its GPU if CUDA is available, else the CPU).
+
+    Raises:
+        OptionError: naming ``--dtype`` or ``--autocast`` and what to change.
+    """
+    if cfg.dtype not in DTYPES:
+        raise OptionError(f"--dtype {cfg.dtype}: choose from {', '.join(DTYPES)}")
+    device = default_device() if device is None else device
+    dtype = DTYPES[cfg.dtype]
+    if cfg.autocast:
+        if cfg.dtype not in AUTOCAST_DTYPES:
+            raise OptionError(
+                f"--autocast computes in a lower precision than the float32 parameters: give "
+                f"--dtype {' or '.join(AUTOCAST_DTYPES)} with it (got --dtype {cfg.dtype}), "
+                f"or leave --autocast out"
+            )
+        try:
+            check_autocast_dtype(device, dtype)
+        except ValueError as exc:
+            raise OptionError(f"--dtype {cfg.dtype} --autocast: {exc}") from None
+        return
+    if dtype in (torch.float32, torch.float64):
+        return
+    try:
+        with torch.no_grad():
+            a = torch.ones(2, 2, dtype=dtype, device=device)
+            a @ a
+    except (RuntimeError, TypeError) as exc:
+        raise OptionError(
+            f"--dtype {cfg.dtype}: {device} cannot compute in {dtype} ({exc}); use --dtype "
+            f"float32, or --dtype {cfg.dtype} --autocast where autocast supports it"
+        ) from None
 
 
 HF_EXTRA = "--hf-config needs the transformers extra (pip install twobp[transformers])"

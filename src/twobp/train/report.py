@@ -45,6 +45,7 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
     return {
         "config": dataclasses.asdict(cfg),
         "data": lead.data_source,
+        "precision": lead.precision,
         "steps_run": len(losses),
         "steps_this_run": len(lead.step_seconds),
         "resumed_from_step": lead.resumed_from,
@@ -122,6 +123,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         f"# twobp train: {title}",
         "",
         f"- data: {summary['data']}",
+        f"- precision: {summary['precision']}",
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
         f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "

@@ -20,7 +20,14 @@ from twobp.models.spec import stacked_kinds
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData, SyntheticData, file_corpus, stdlib_corpus
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+"""The ``--dtype`` values that ``--autocast`` takes."""
 
 BatchAt = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``batch_at(step, split) -> (inputs, targets)`` for the whole batch of one step."""
@@ -50,6 +57,22 @@ def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
     return overrides
 
 
+def parameter_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype of the parameters: float32 under ``--autocast``, else ``--dtype``.
+
+    Raises:
+        ValueError: on an unknown dtype.
+    """
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
+    return torch.float32 if cfg.autocast else DTYPES[cfg.dtype]
+
+
+def autocast_dtype(cfg: TrainConfig) -> torch.dtype | None:
+    """The dtype of ``Pipeline(autocast=...)``: ``--dtype`` under ``--autocast``, else None."""
+    return DTYPES[cfg.dtype] if cfg.autocast else None
+
+
 def build_task(cfg: TrainConfig) -> Task:
     """Build the model (seeded, identical on every rank) and its data for ``cfg``.
 
@@ -57,9 +80,7 @@ def build_task(cfg: TrainConfig) -> Task:
         ValueError: on an unknown family, size or dtype.
         FileNotFoundError: if ``cfg.data`` does not exist.
     """
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
-    dtype = DTYPES[cfg.dtype]
+    dtype = parameter_dtype(cfg)
     if cfg.hf_config is not None:
         return _hf_task(cfg, dtype)
     if cfg.model == "resnet":
