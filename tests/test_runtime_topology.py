@@ -41,3 +41,47 @@ def test_maps_that_disagree_are_refused():
         Topology(_members(0, 2), (0, 1, 1), (0, 1), ((0,), (1,)))
     with pytest.raises(ValueError, match="group rank 5 is not in a group of 2"):
         Topology(_members(0, 2), (0, 1), (0, 5), ((0,), (5,)))
+
+
+def test_copies_of_a_chimera_pipeline_hold_every_stage_four_times():
+    from twobp.schedule import generate
+
+    schedule = generate("chimera", 2, 4)  # stages 0, 1 down on ranks 0, 1; 2, 3 up on 1, 0
+    grid = [[0, 1], [2, 3]]
+    topology = Topology.replicated(_members(3, 4), schedule, grid)
+    assert (topology.dp_rank, topology.dp_size, topology.pp_rank) == (1, 2, 1)
+    assert topology.stages_here == (1, 2)
+    # Model stage 0 (stages 0 and 2): copy 0's ranks first, the down pipeline's first.
+    assert topology.replicas(0) == topology.replicas(2) == (0, 1, 2, 3)
+    assert topology.replicas(1) == (1, 0, 3, 2)
+    assert not topology.writes_stage_files  # copy 1 writes nothing
+    writer = Topology.replicated(_members(1, 4), schedule, grid)
+    assert writer.written_stages == (1,)  # its down stage; rank 0 writes model stage 0
+    with pytest.raises(ValueError, match="must hold every rank of the group of 4 exactly once"):
+        Topology.replicated(_members(0, 4), schedule, [[0, 1], [1, 3]])
+
+
+def test_a_data_parallel_grid_or_mesh_that_does_not_fit_is_refused():
+    import torch
+
+    from twobp.runtime.errors import PipelineConfigError
+    from twobp.runtime.setup.data_parallel import data_parallel_grid
+
+    assert data_parallel_grid(_members(0, 6), 3, None) == [[0, 1], [2, 3], [4, 5]]
+    assert data_parallel_grid(_members(0, 2), None, None) == [[0, 1]]
+    with pytest.raises(PipelineConfigError, match="a group of 6 ranks does not form 4 copies"):
+        data_parallel_grid(_members(0, 6), 4, None)
+
+    class Mesh:  # the two attributes of a DeviceMesh that the grid reads
+        def __init__(self, names, ranks):
+            self.mesh_dim_names = names
+            self.mesh = torch.tensor(ranks)
+
+    assert data_parallel_grid(_members(0, 4), None, Mesh(("dp", "pp"), [[0, 2], [1, 3]])) == [
+        [0, 2],
+        [1, 3],
+    ]
+    with pytest.raises(PipelineConfigError, match=r"dims \('dp', 'pp'\).*got dims \('pp', 'dp'\)"):
+        data_parallel_grid(_members(0, 4), None, Mesh(("pp", "dp"), [[0, 1], [2, 3]]))
+    with pytest.raises(PipelineConfigError, match="data_parallel=4 but the mesh has 2 rows"):
+        data_parallel_grid(_members(0, 4), 4, Mesh(("dp", "pp"), [[0, 1], [2, 3]]))

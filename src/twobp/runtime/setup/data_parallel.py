@@ -9,7 +9,6 @@ pipeline of ``P`` ranks: copy ``d`` runs pipeline rank ``r`` on group rank
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -141,12 +140,3 @@ def make_reducer(
             if params or floats:
                 by_stage[stage] += buckets(key, process_group, params, floats)
     return GradientReducer(members.rank, by_stage, topology.dp_size, timeout)
-
-
-def parameters_of(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of ``modules``, each once, in order."""
-    seen: dict[int, nn.Parameter] = {}
-    for module in modules:
-        for p in module.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())

@@ -156,10 +156,6 @@ class Topology:
         """The stages this process writes to a checkpoint: those it holds the first replica of."""
         return tuple(s for s in self.stages_here if self.replicas(s)[0] == self.rank)
 
-    def input_ranks(self, first_stages: Sequence[int]) -> tuple[int, ...]:
-        """The group ranks of this process's pipeline that run one of ``first_stages``."""
-        return tuple(sorted({self.rank_of_stage(s) for s in first_stages}))
-
     @property
     def stages_here(self) -> tuple[int, ...]:
         """The stages this process runs."""
