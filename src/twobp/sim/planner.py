@@ -57,6 +57,9 @@ class Candidate:
         bubble_ratio: mean idle fraction of the ranks.
         peak_memory: the largest peak over the ranks.
         error: why the combination could not be simulated, or ``""``.
+        stages_per_rank: stages per rank ``V`` it was built with (None: the
+            schedule's default).
+        group_size: the most micro-batches one ``W`` covers (None: no cap).
     """
 
     schedule: str
@@ -65,6 +68,8 @@ class Candidate:
     bubble_ratio: float = math.nan
     peak_memory: float = math.nan
     error: str = ""
+    stages_per_rank: int | None = None
+    group_size: int | None = None
 
     @property
     def ok(self) -> bool:
