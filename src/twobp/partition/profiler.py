@@ -111,7 +111,7 @@ def _profile_one(
 
     for run in range(warmup + repeats):
         out = _outputs(block(_call_form(x, inputs)))
-        grad_out = grad_out or [torch.randn_like(o) for o in out]
+        grad_out = grad_out or [_gradient_like(o) for o in out]
         start = sync()
         torch.autograd.backward(_needing_grad(out), _needing_grad(out, grad_out))
         if run >= warmup:
@@ -153,6 +153,70 @@ def _profile_one(
         parameter_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
     )
     return cost, result
+
+
+def weight_group_times(
+    blocks: Sequence[nn.Module],
+    example_input: Activation,
+    counts: Sequence[int],
+    *,
+    repeats: int = 1,
+) -> list[dict[int, float]]:
+    """Time one W concatenated over ``k`` micro-batches, for every ``k`` of ``counts``.
+
+    A concatenated W is cheaper than ``k`` single ones (fewer, larger
+    products), by how much depends on the layer sizes and the device; this
+    is the table (``weight_concat``) by which the simulator and the 2BP
+    placement cost a grouped W. Each block runs the F and I of ``k`` copies
+    of its input (untimed), then one W over all of them (timed).
+
+    Args:
+        blocks: the model's blocks, in order; each runs where its parameters are.
+        example_input: one micro-batch for the first block (on its device).
+        counts: the group sizes to time (each >= 1).
+        repeats: timed runs per size; the median is kept.
+
+    Returns:
+        Per block, ``{k: seconds}``.
+
+    Raises:
+        ValueError: if a count or ``repeats`` is below 1.
+    """
+    if repeats < 1 or any(k < 1 for k in counts):
+        raise ValueError(f"need counts >= 1 and repeats >= 1, got {list(counts)} and {repeats}")
+    tables: list[dict[int, float]] = []
+    x = example_input
+    for index, block in enumerate(blocks):
+        with _restored(block):
+            table = {
+                k: statistics.median(
+                    _grouped_weight_time(index, block, x, k) for _ in range(repeats)
+                )
+                for k in sorted(set(counts))
+            }
+        tables.append(table)
+        with torch.no_grad():
+            x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
+    return tables
+
+
+def _grouped_weight_time(index: int, block: nn.Module, x: Activation, k: int) -> float:
+    inputs = _as_leaves(x)
+    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    store = defer_weight_grads(block, label=f"block {index}")
+    try:
+        for mb in range(k):
+            leaves = _as_leaves(x)
+            with store.forward(mb):
+                out = _outputs(block(_call_form(x, leaves)))
+            store.backward_input(mb, out, [_gradient_like(o) for o in out], leaves)
+        start = sync()
+        store.backward_weight(range(k))
+        seconds = sync() - start
+        store.finish_step()
+    finally:
+        store.restore()
+    return seconds
 
 
 def solver_costs(costs: Sequence[BlockCost]) -> list[float]:
@@ -197,6 +261,11 @@ def _call_form(x: Activation, leaves: list[torch.Tensor]) -> Activation:
 
 def _outputs(out: Activation) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
+
+
+def _gradient_like(out: torch.Tensor) -> torch.Tensor:
+    """A random output gradient; zeros for outputs that take none (masks, ids)."""
+    return torch.randn_like(out) if out.is_floating_point() else torch.zeros_like(out)
 
 
 def _needing_grad(

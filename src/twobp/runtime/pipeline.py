@@ -76,7 +76,10 @@ class Pipeline(PipelineState):
             hold elsewhere, so the others are freed.
         loss_fn: ``loss_fn(output, target) -> scalar``, the mean over one micro-batch.
         schedule: a name of :data:`twobp.schedule.SCHEDULES`, a ``Schedule``,
-            or the path of a CSV file.
+            the path of a CSV file, or ``"auto"``: profile the blocks on
+            ``example_input`` (or plan on ``costs``), simulate every schedule,
+            2BP policy, W group cap and stages per rank, and run the fastest
+            that fits ``memory_limit`` (see :attr:`plan`).
         n_microbatches: micro-batches per step; None takes a Schedule's or
             CSV's own count, and 8 for a name.
         two_bp: split each backward into ``I`` and ``W`` (placing ``W`` by
@@ -106,7 +109,11 @@ class Pipeline(PipelineState):
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
             it); with the same costs the placement is the one ``twobp plan``
-            simulates. None: unit times.
+            simulates. None: unit times. With ``schedule="auto"``, a cost
+            model to choose by instead of profiling.
+        memory_limit: for ``schedule="auto"``, the most bytes a rank may hold
+            (parameters and their gradients, activations, stored W inputs as
+            the simulator counts them), a number or a size such as ``"2GiB"``.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -140,6 +147,7 @@ class Pipeline(PipelineState):
         nonfinite: str = "raise",
         costs: CostsArgument = None,
         autocast: torch.dtype | None = None,
+        memory_limit: float | str | None = None,
     ) -> None:
         self._closed = False
         self.timeout = float(timeout)
@@ -179,7 +187,11 @@ class Pipeline(PipelineState):
             example_input=example_input,
             nonfinite=nonfinite,
             costs=costs,
+            memory_limit=memory_limit,
         )
+        self.plan = plan.auto
+        """What ``schedule="auto"`` chose (its candidate, the ranking, the predicted step
+        time; ``print`` shows it), or None for a schedule given by the caller."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.one_pipeline(members, self.schedule.placement)

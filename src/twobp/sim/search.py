@@ -146,7 +146,9 @@ def search(
         The candidates that fit ``memory_limit`` by makespan, then those over
         it, then those that could not be simulated (with their ``error``).
     """
-    done = [simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit)[0] for o in choices]
+    done = [
+        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit)[0] for o in choices
+    ]
 
     def order(c: Candidate) -> tuple[int, float, float]:
         group = 2 if not c.ok else 0 if fits(c, memory_limit) else 1

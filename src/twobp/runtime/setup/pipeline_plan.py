@@ -20,6 +20,7 @@ from torch import nn
 from twobp.partition import stage_ranges
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.setup.auto_schedule import AUTO, AutoPlan, plan_auto, read_memory_limit
 from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
 from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import (
@@ -36,7 +37,10 @@ from twobp.schedule import (
     resolve_schedule,
 )
 from twobp.schedule._timing import Costs
+from twobp.schedule.lowering import is_split
+from twobp.schedule.resolve import DEFAULT_MICROBATCHES
 from twobp.sim.cost_io import load_costs
+from twobp.sim.costs import CostModel
 
 CostsArgument = Costs | str | os.PathLike[str]
 """What ``Pipeline(costs=...)`` takes: a cost model, a mapping, or a cost JSON file."""
@@ -53,10 +57,12 @@ class PipelinePlan:
         schedule: the resolved, validated compute schedule, first-stage
             backwards fused (:func:`twobp.schedule.fuse_first_stage_backward`).
         ranges: the block indices of every stage.
+        auto: what ``schedule="auto"`` chose and from what; None for a given schedule.
     """
 
     schedule: Schedule
     ranges: tuple[range, ...]
+    auto: AutoPlan | None = None
 
 
 def plan_pipeline(
@@ -74,6 +80,7 @@ def plan_pipeline(
     example_input: Batch | None,
     nonfinite: str,
     costs: CostsArgument = None,
+    memory_limit: float | str | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -90,10 +97,31 @@ def plan_pipeline(
             incomplete or deadlocks.
         ModelMismatchError: if ranks have other options or other models.
     """
+    auto = None
+    if isinstance(schedule, str) and schedule == AUTO:
+        auto = plan_auto(
+            blocks,
+            world,
+            device,
+            n_microbatches=DEFAULT_MICROBATCHES if n_microbatches is None else n_microbatches,
+            two_bp=two_bp,
+            stages_per_rank=stages_per_rank,
+            partition=partition,
+            example_input=example_input,
+            memory_limit=read_memory_limit(memory_limit),
+            costs=_auto_costs(costs),
+        )
+        schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
+        two_bp, stages_per_rank = is_split(auto.schedule), None
     problem: Exception | None = None
     resolved: Schedule | None = None
     counts: list[int] | None = None
     try:
+        if auto is None and memory_limit is not None:
+            raise PipelineConfigError(
+                f"memory_limit={memory_limit!r} bounds the choice of schedule='auto'; with "
+                f"schedule={schedule!r} it does nothing: drop it, or use schedule='auto'"
+            )
         if nonfinite not in NONFINITE_POLICIES:
             raise PipelineConfigError(
                 f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
@@ -125,7 +153,23 @@ def plan_pipeline(
     if counts is None:
         counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
         check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)))
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def _auto_costs(costs: CostsArgument) -> CostModel | None:
+    """The cost model ``schedule="auto"`` plans with instead of profiling, if given.
+
+    Raises:
+        PipelineConfigError: for costs that are not a full cost model.
+    """
+    model = cost_model(costs)
+    if model is None or isinstance(model, CostModel):
+        return model
+    raise PipelineConfigError(
+        "schedule='auto' with costs= needs a twobp.sim.CostModel or a cost JSON file (it "
+        "simulates memory and transfers too), not a mapping of times; or leave costs unset "
+        "to profile the blocks"
+    )
 
 
 def cost_model(costs: CostsArgument) -> Costs:

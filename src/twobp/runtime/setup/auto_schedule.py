@@ -1,0 +1,393 @@
+"""``schedule="auto"``: measure the blocks, simulate every schedule, run the fastest.
+
+Rank 0 profiles every block on one micro-batch (F, I, W, the fused B, the
+bytes kept, and W over 1, 2, 4 and ``m`` micro-batches at once), alone while
+the other ranks wait; then all ranks measure together how much slower they
+compute at once than alone (the contention of ranks sharing a machine). Rank
+0 simulates every schedule, 2BP policy, W group cap and number of stages per
+rank (:mod:`twobp.sim.search`) under those costs, takes the fastest whose
+peak memory fits ``memory_limit``, and sends its schedule and partition to
+every rank, so that all run the same one whatever their own timings. With a
+cost model given (``costs=``), nothing is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.partition import solve, uniform
+from twobp.partition.profiler import BlockCost, profile_blocks, solver_costs, weight_group_times
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.execution.microbatch import Batch, to_device
+from twobp.runtime.setup.group import Membership
+from twobp.schedule import SCHEDULES, Schedule
+from twobp.sim.cost_io import format_amount, parse_amount
+from twobp.sim.costs import CostModel
+from twobp.sim.from_profile import stage_cost_model
+from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
+from twobp.sim.search import (
+    NothingFitsError,
+    Option,
+    choose,
+    describe,
+    options,
+    search,
+    simulate_option,
+)
+
+AUTO = "auto"
+"""The schedule name that asks the pipeline to choose."""
+PARAMETER_FACTOR = 2.0
+"""Bytes counted per parameter byte against ``memory_limit``: the weights and their gradients."""
+SHOWN = 10
+"""Candidates :meth:`AutoPlan.table` lists."""
+
+log = logging.getLogger("twobp")
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``schedule="auto"`` chose, and the ranking it chose from.
+
+    Args:
+        choice: the candidate that runs (its ``makespan`` is the predicted step time).
+        ranking: every candidate: those within the memory limit fastest first,
+            then those over it, then those that could not be built.
+        schedule: the compute schedule of the choice, W placed.
+        partition: blocks per stage.
+        costs: the cost model of the choice's stages (seconds and bytes).
+        memory_limit: the limit per rank in bytes, or None.
+    """
+
+    choice: Candidate
+    ranking: tuple[Candidate, ...]
+    schedule: Schedule
+    partition: tuple[int, ...]
+    costs: CostModel
+    memory_limit: float | None
+
+    @property
+    def predicted_step_time(self) -> float:
+        """The simulated step time of the choice (the cost model's unit: seconds when measured)."""
+        return self.choice.makespan
+
+    def summary(self) -> str:
+        """One line: what runs and the predicted step time."""
+        limit = "" if self.memory_limit is None else f", limit {format_amount(self.memory_limit)}"
+        return (
+            f"schedule='auto' chose {describe(self.choice)}: predicted step "
+            f"{self.predicted_step_time * 1e3:.4g} ms, peak memory "
+            f"{format_amount(self.choice.peak_memory)} per rank{limit}; partition "
+            f"{list(self.partition)}; best of {sum(c.ok for c in self.ranking)} simulated"
+        )
+
+    def table(self, rows: int = SHOWN) -> str:
+        """The fastest ``rows`` candidates: step time, against the choice, bubble and memory."""
+        lines = [f"{'#':>3}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} memory"]
+        for i, c in enumerate([c for c in self.ranking if c.ok][:rows], 1):
+            over = self.memory_limit is not None and c.peak_memory > self.memory_limit
+            lines.append(
+                f"{i:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
+                f"{c.makespan / self.choice.makespan:7.2f}x {c.bubble_ratio:7.1%} "
+                f"{format_amount(c.peak_memory)}{' (over the limit)' if over else ''}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"{self.summary()}\n{self.table()}"
+
+
+def read_memory_limit(memory_limit: float | str | None) -> float | None:
+    """The ``memory_limit`` argument in bytes.
+
+    Raises:
+        PipelineConfigError: if it is not a positive amount.
+    """
+    if memory_limit is None:
+        return None
+    try:
+        value = parse_amount(memory_limit) if isinstance(memory_limit, str) else float(memory_limit)
+    except ValueError as exc:
+        raise PipelineConfigError(f"memory_limit={memory_limit!r}: {exc}") from None
+    if not value > 0:
+        raise PipelineConfigError(
+            f"memory_limit={memory_limit!r}: give a positive number of bytes per rank, or a "
+            "size such as '2GiB'"
+        )
+    return value
+
+
+def plan_auto(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    *,
+    n_microbatches: int,
+    two_bp: bool,
+    stages_per_rank: int | None,
+    partition: Sequence[int] | str | None,
+    example_input: Batch | None,
+    memory_limit: float | None,
+    costs: CostModel | None,
+) -> AutoPlan:
+    """Choose the schedule, the same on every rank. Collective: every rank calls it.
+
+    Args:
+        blocks: the whole model's blocks.
+        world: the group.
+        device: where rank 0 profiles the blocks.
+        n_microbatches: micro-batches per step.
+        two_bp: False tries only fused schedules without 2BP.
+        stages_per_rank: only this many stages per rank, or None for any.
+        partition: blocks per stage (only schedules with that many stages
+            are tried), ``"uniform"``/None, or ``"balanced"`` (by the profile).
+        example_input: one micro-batch of model inputs (needed unless ``costs``).
+        memory_limit: bytes per rank, or None.
+        costs: a cost model to plan with instead of measuring.
+
+    Returns:
+        The plan, identical on every rank.
+
+    Raises:
+        PipelineConfigError: on every rank, if the input is missing, nothing
+            fits the memory limit (saying what the least needs) or nothing
+            can be built.
+    """
+    answer: list[AutoPlan | str | None] = [None]
+    if costs is None:
+        if example_input is None:
+            raise PipelineConfigError(
+                "schedule='auto' profiles the blocks and needs example_input=<one micro-batch "
+                "of model inputs>; pass it, or a cost model as costs="
+            )
+        measured = _measure(blocks, world, device, example_input, n_microbatches)
+    if world.rank == 0:
+        try:
+            if costs is None:
+                figures, tables, contention, problem = measured
+                if problem:
+                    raise PipelineConfigError(problem)
+                costs_for, sizes_for = _profiled(figures, tables, contention, partition)
+            else:
+                costs_for, sizes_for = _given(costs, len(blocks), partition)
+            answer[0] = _choose(
+                costs_for,
+                sizes_for,
+                world.size,
+                n_microbatches,
+                two_bp,
+                stages_per_rank,
+                memory_limit,
+            )
+        except (ValueError, PipelineConfigError) as exc:
+            answer[0] = f"schedule='auto': {exc}"
+    if world.group is not None:
+        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
+    plan = answer[0]
+    if not isinstance(plan, AutoPlan):
+        raise PipelineConfigError(str(plan))
+    if world.rank == 0:
+        log.info("%s", plan.summary())
+    return plan
+
+
+SizesFor = Callable[[int], tuple[int, ...]]
+
+
+def _choose(
+    costs_for: Callable[[int], CostModel],
+    sizes_for: SizesFor,
+    n_ranks: int,
+    n_microbatches: int,
+    two_bp: bool,
+    stages_per_rank: int | None,
+    memory_limit: float | None,
+) -> AutoPlan:
+    names = [n for n, info in SCHEDULES.items() if two_bp or not info.natively_split]
+    choices = options(
+        n_microbatches, schedules=names, policies=ALL_POLICIES if two_bp else (NO_TWO_BP,)
+    )
+    if stages_per_rank is not None:
+        choices = [o for o in choices if o.stages_per_rank == stages_per_rank]
+
+    def fitted(n_stages: int) -> CostModel:
+        sizes_for(n_stages)  # raises if the blocks do not split into n_stages
+        return costs_for(n_stages)
+
+    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit)
+    try:
+        best = choose(ranking, memory_limit)
+    except NothingFitsError as exc:
+        raise PipelineConfigError(str(exc)) from None
+    option = next(o for o in choices if _same(o, best))
+    candidate, schedule = simulate_option(option, n_ranks, n_microbatches, fitted, memory_limit)
+    assert schedule is not None and candidate == best
+    return AutoPlan(
+        best,
+        tuple(ranking),
+        schedule,
+        sizes_for(schedule.n_stages),
+        costs_for(schedule.n_stages),
+        memory_limit,
+    )
+
+
+def _same(option: Option, c: Candidate) -> bool:
+    return (option.schedule, option.policy, option.stages_per_rank, option.group_size) == (
+        c.schedule,
+        c.policy,
+        c.stages_per_rank,
+        c.group_size,
+    )
+
+
+def _measure(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    example_input: Batch,
+    n_microbatches: int,
+) -> tuple[list[BlockCost], list[dict[int, float]], float, str]:
+    """Rank 0's block profile and W table, the contention of all ranks (collective),
+    and what went wrong on rank 0 while profiling (``""`` if nothing)."""
+    homes = [_device_of(b) for b in blocks]
+    moved = [b.to(device) for b in blocks]
+    example = to_device(example_input, device)
+    figures: list[BlockCost] = []
+    tables: list[dict[int, float]] = []
+    problem = ""
+    try:
+        if world.rank == 0:
+            try:
+                figures = profile_blocks(moved, example, repeats=3)
+                counts = sorted({1, 2, 4, n_microbatches} & set(range(1, n_microbatches + 1)))
+                tables = weight_group_times(moved, example, counts, repeats=3)
+            except Exception as exc:  # the other ranks must hear of it, not wait
+                problem = f"profiling the blocks on rank 0 failed: {type(exc).__name__}: {exc}"
+        # The others must learn that rank 0 failed before they wait for it in the contention.
+        shared = [problem]
+        if world.group is not None:
+            dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
+        problem = shared[0] or ""
+        contention = 1.0 if problem else _contention(moved, example, world)
+    finally:
+        for block, home in zip(blocks, homes, strict=True):
+            block.to(home)
+    return figures, tables, contention, problem
+
+
+def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) -> float:
+    """How many times longer all ranks take for the same F and B at once than each alone.
+
+    Each rank in turn runs the work while the others wait at a barrier, then
+    all run it at once; the shortest of a few runs of each is kept.
+    """
+    if world.group is None or world.size < 2:
+        return 1.0
+    group = world.group
+
+    def work() -> None:
+        x = example
+        for block in blocks:
+            x = block(x)
+        tensors = x if isinstance(x, tuple) else (x,)
+        loss = sum(t.float().sum() for t in tensors if t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+
+    def timed() -> float:
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            work()
+            runs.append(time.perf_counter() - start)
+        return min(runs)
+
+    grads = [(p, p.grad) for b in blocks for p in b.parameters()]
+    alone = 0.0
+    for turn in range(world.size):
+        dist.barrier(group=group)
+        if world.rank == turn:
+            alone = timed()
+        dist.barrier(group=group)
+    together = timed()
+    for p, g in grads:
+        p.grad = g
+    ratio = torch.tensor([together / alone if alone > 0 else 1.0], dtype=torch.float64)
+    if world.backend == "nccl":
+        ratio = ratio.cuda()
+    dist.all_reduce(ratio, group=group)
+    return max(1.0, float(ratio) / world.size)
+
+
+def _profiled(
+    figures: Sequence[BlockCost],
+    tables: Sequence[dict[int, float]],
+    contention: float,
+    partition: Sequence[int] | str | None,
+) -> tuple[Callable[[int], CostModel], SizesFor]:
+    totals = solver_costs(figures)
+    sizes_for = _sizes_for(len(figures), partition, totals)
+
+    def costs_for(n_stages: int) -> CostModel:
+        model = stage_cost_model(figures, sizes_for(n_stages), weight_concat=tables)
+        assert model.parameter_bytes is not None
+        return replace(
+            model,
+            contention=contention,
+            parameter_bytes=tuple(PARAMETER_FACTOR * b for b in model.parameter_bytes),
+        )
+
+    return costs_for, sizes_for
+
+
+def _given(
+    costs: CostModel, n_blocks: int, partition: Sequence[int] | str | None
+) -> tuple[Callable[[int], CostModel], SizesFor]:
+    if partition == "balanced":
+        raise PipelineConfigError(
+            "schedule='auto' with costs= plans on the given cost model and does not profile the "
+            "blocks, so partition='balanced' has nothing to balance; give block counts or "
+            "'uniform'"
+        )
+    return costs.for_stages, _sizes_for(n_blocks, partition, None)
+
+
+def _sizes_for(
+    n_blocks: int, partition: Sequence[int] | str | None, totals: Sequence[float] | None
+) -> SizesFor:
+    def sizes(n_stages: int) -> tuple[int, ...]:
+        if n_blocks < n_stages:
+            raise ValueError(
+                f"{n_stages} stages need at least {n_stages} blocks, the model has {n_blocks}"
+            )
+        if partition is None or partition == "uniform":
+            return tuple(uniform(n_blocks, n_stages))
+        if partition == "balanced":
+            assert totals is not None
+            return tuple(solve(list(totals), n_stages).sizes)
+        if isinstance(partition, str):
+            raise PipelineConfigError(
+                f"unknown partition strategy {partition!r}; use 'uniform', 'balanced' "
+                "or block counts"
+            )
+        if len(partition) != n_stages:
+            raise ValueError(
+                f"partition {list(partition)} has {len(partition)} stages, not {n_stages}"
+            )
+        return tuple(partition)
+
+    return sizes
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    for tensor in block.parameters():
+        return tensor.device
+    return torch.device("cpu")
