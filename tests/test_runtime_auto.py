@@ -16,7 +16,9 @@ TOL = 1e-10
 
 @pytest.fixture(scope="module")
 def profiled() -> list[dict]:
-    return launch(chosen_and_trained, 2, "transformer", N_MB, BATCH, threads_per_rank=1, timeout=120)
+    return launch(
+        chosen_and_trained, 2, "transformer", N_MB, BATCH, threads_per_rank=1, timeout=120
+    )
 
 
 def test_every_rank_runs_the_one_schedule_rank_0_chose(profiled):
@@ -41,9 +43,7 @@ def test_the_chosen_schedule_gives_the_single_process_gradients(profiled):
 def test_given_costs_choose_without_profiling_and_memory_limit_bounds_the_choice():
     # W is cheap and F dear: the fastest schedules hold many micro-batches.
     costs = CostModel.uniform(2, 3.0, 1.0, 0.5, activation_bytes=100.0, weight_grad_bytes=100.0)
-    free, bounded = launch(
-        _two_choices, 2, costs, threads_per_rank=1, timeout=120
-    )[0]
+    free, bounded = launch(_two_choices, 2, costs, threads_per_rank=1, timeout=120)[0]
     assert free["choice"].peak_memory > 300
     assert bounded["choice"].peak_memory <= 300
     assert bounded["choice"].makespan >= free["choice"].makespan

@@ -72,6 +72,8 @@ def test_a_memory_limit_keeps_what_fits_or_says_what_the_least_needs():
 
 
 def test_describe_names_policy_cap_and_stage_count():
-    ranked = search([Option("gpipe", "fill", 2, 2), Option("zb-v", "off", 2)], 2, 4, CONCAT.for_stages)
+    ranked = search(
+        [Option("gpipe", "fill", 2, 2), Option("zb-v", "off", 2)], 2, 4, CONCAT.for_stages
+    )
     names = sorted(describe(c) for c in ranked)
     assert names == ["gpipe (V=2) with 2BP (fill, W groups <= 2)", "zb-v"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,10 +108,13 @@ def train_rank(
         nonfinite=cfg.nonfinite,
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.microbatches]
-            if cfg.partition == "balanced"
+            if cfg.partition == "balanced" or cfg.schedule == "auto"
             else None
         ),
+        memory_limit=cfg.memory_limit,
     )
+    if pipe.plan is not None and pipe.rank == 0:
+        print(pipe.plan, file=progress_stream or sys.stderr)
     result = RankResult(
         rank=pipe.rank,
         stage_blocks=[list(r) for r in pipe.stage_blocks],
