@@ -14,15 +14,16 @@ cost model given (``costs=``), nothing is measured.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.partition import solve, uniform
 from twobp.partition.profiler import BlockCost, profile_blocks, solver_costs, weight_group_times
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, to_device
@@ -30,7 +31,7 @@ from twobp.runtime.setup.group import Membership
 from twobp.schedule import SCHEDULES, Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.from_profile import stage_cost_model
+from twobp.sim.from_profile import CostsFor, SizesFor, partition_for, profiled_costs
 from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
 from twobp.sim.search import (
     NothingFitsError,
@@ -48,6 +49,8 @@ PARAMETER_FACTOR = 2.0
 """Bytes counted per parameter byte against ``memory_limit``: the weights and their gradients."""
 SHOWN = 10
 """Candidates :meth:`AutoPlan.table` lists."""
+LINK_REPEATS = 20
+"""Ping-pongs per message size when measuring the link between ranks 0 and 1."""
 
 log = logging.getLogger("twobp")
 
@@ -136,6 +139,8 @@ def plan_auto(
     example_input: Batch | None,
     memory_limit: float | None,
     costs: CostModel | None,
+    schedules: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -151,6 +156,8 @@ def plan_auto(
         example_input: one micro-batch of model inputs (needed unless ``costs``).
         memory_limit: bytes per rank, or None.
         costs: a cost model to plan with instead of measuring.
+        schedules: the schedules to try (None: every one).
+        policies: the 2BP policies to try (None: every one, or ``off`` without 2BP).
 
     Returns:
         The plan, identical on every rank.
@@ -164,27 +171,47 @@ def plan_auto(
     if costs is None:
         if example_input is None:
             raise PipelineConfigError(
-                "schedule='auto' profiles the blocks and needs example_input=<one micro-batch "
-                "of model inputs>; pass it, or a cost model as costs="
+                "schedule='auto' (and costs='profile') profile the blocks and need "
+                "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
+                "as costs="
             )
         measured = _measure(blocks, world, device, example_input, n_microbatches)
     if world.rank == 0:
         try:
             if costs is None:
-                figures, tables, contention, problem = measured
+                figures, tables, contention, link, problem = measured
                 if problem:
                     raise PipelineConfigError(problem)
-                costs_for, sizes_for = _profiled(figures, tables, contention, partition)
+                sizes_for = partition_for(len(figures), partition, solver_costs(figures))
+                costs_for = profiled_costs(
+                    figures,
+                    tables,
+                    sizes_for,
+                    contention=contention,
+                    parameter_factor=PARAMETER_FACTOR,
+                    send_latency=link[0],
+                    bandwidth=link[1],
+                )
             else:
-                costs_for, sizes_for = _given(costs, len(blocks), partition)
+                if partition == "balanced":
+                    raise PipelineConfigError(
+                        "with costs= nothing is profiled, so partition='balanced' has nothing "
+                        "to balance; give block counts or 'uniform'"
+                    )
+                sizes_for, costs_for = partition_for(len(blocks), partition, None), costs.for_stages
+            names = [
+                n
+                for n, info in SCHEDULES.items()
+                if (schedules is None or n in schedules) and (two_bp or not info.natively_split)
+            ]
+            tried = policies or (ALL_POLICIES if two_bp else (NO_TWO_BP,))
+            choices = [
+                o
+                for o in options(n_microbatches, schedules=names, policies=tried)
+                if stages_per_rank is None or o.stages_per_rank == stages_per_rank
+            ]
             answer[0] = _choose(
-                costs_for,
-                sizes_for,
-                world.size,
-                n_microbatches,
-                two_bp,
-                stages_per_rank,
-                memory_limit,
+                choices, costs_for, sizes_for, world.size, n_microbatches, memory_limit
             )
         except (ValueError, PipelineConfigError) as exc:
             answer[0] = f"schedule='auto': {exc}"
@@ -198,25 +225,14 @@ def plan_auto(
     return plan
 
 
-SizesFor = Callable[[int], tuple[int, ...]]
-
-
 def _choose(
-    costs_for: Callable[[int], CostModel],
+    choices: Sequence[Option],
+    costs_for: CostsFor,
     sizes_for: SizesFor,
     n_ranks: int,
     n_microbatches: int,
-    two_bp: bool,
-    stages_per_rank: int | None,
     memory_limit: float | None,
 ) -> AutoPlan:
-    names = [n for n, info in SCHEDULES.items() if two_bp or not info.natively_split]
-    choices = options(
-        n_microbatches, schedules=names, policies=ALL_POLICIES if two_bp else (NO_TWO_BP,)
-    )
-    if stages_per_rank is not None:
-        choices = [o for o in choices if o.stages_per_rank == stages_per_rank]
-
     def fitted(n_stages: int) -> CostModel:
         sizes_for(n_stages)  # raises if the blocks do not split into n_stages
         return costs_for(n_stages)
@@ -248,15 +264,18 @@ def _same(option: Option, c: Candidate) -> bool:
     )
 
 
+Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float], str]
+
+
 def _measure(
     blocks: Sequence[nn.Module],
     world: Membership,
     device: torch.device,
     example_input: Batch,
     n_microbatches: int,
-) -> tuple[list[BlockCost], list[dict[int, float]], float, str]:
-    """Rank 0's block profile and W table, the contention of all ranks (collective),
-    and what went wrong on rank 0 while profiling (``""`` if nothing)."""
+) -> Measured:
+    """Rank 0's block profile and W table; the contention and the link of all ranks
+    (collective); what went wrong on rank 0 while profiling (``""`` if nothing)."""
     homes = [_device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
     example = to_device(example_input, device)
@@ -271,16 +290,19 @@ def _measure(
                 tables = weight_group_times(moved, example, counts, repeats=3)
             except Exception as exc:  # the other ranks must hear of it, not wait
                 problem = f"profiling the blocks on rank 0 failed: {type(exc).__name__}: {exc}"
-        # The others must learn that rank 0 failed before they wait for it in the contention.
-        shared = [problem]
+        # The others must learn that rank 0 failed before they wait for it below.
+        shared: list[Any] = [problem, max((c.output_bytes for c in figures), default=0)]
         if world.group is not None:
             dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
-        problem = shared[0] or ""
-        contention = 1.0 if problem else _contention(moved, example, world)
+        problem = str(shared[0])
+        if problem:
+            return figures, tables, 1.0, (0.0, math.inf), problem
+        contention = _contention(moved, example, world)
+        link = _link(world, device, int(shared[1]))
     finally:
         for block, home in zip(blocks, homes, strict=True):
             block.to(home)
-    return figures, tables, contention, problem
+    return figures, tables, contention, link, problem
 
 
 def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) -> float:
@@ -298,9 +320,9 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
         for block in blocks:
             x = block(x)
         tensors = x if isinstance(x, tuple) else (x,)
-        loss = sum(t.float().sum() for t in tensors if t.requires_grad)
-        if isinstance(loss, torch.Tensor):
-            loss.backward()
+        sums = [t.float().sum() for t in tensors if t.requires_grad]
+        if sums:
+            torch.autograd.backward(torch.stack(sums).sum())
 
     def timed() -> float:
         runs = []
@@ -327,64 +349,33 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
     return max(1.0, float(ratio) / world.size)
 
 
-def _profiled(
-    figures: Sequence[BlockCost],
-    tables: Sequence[dict[int, float]],
-    contention: float,
-    partition: Sequence[int] | str | None,
-) -> tuple[Callable[[int], CostModel], SizesFor]:
-    totals = solver_costs(figures)
-    sizes_for = _sizes_for(len(figures), partition, totals)
+def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float]:
+    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong), on every rank."""
+    if world.group is None or world.size < 2:
+        return 0.0, math.inf
+    group = world.group
+    peers = (world.global_rank(0), world.global_rank(1))
 
-    def costs_for(n_stages: int) -> CostModel:
-        model = stage_cost_model(figures, sizes_for(n_stages), weight_concat=tables)
-        assert model.parameter_bytes is not None
-        return replace(
-            model,
-            contention=contention,
-            parameter_bytes=tuple(PARAMETER_FACTOR * b for b in model.parameter_bytes),
-        )
+    def one_way(message: torch.Tensor) -> float:
+        dist.barrier(group=group)
+        times = []
+        for _ in range(LINK_REPEATS):
+            start = time.perf_counter()
+            if world.rank == 0:
+                dist.send(message, peers[1], group=group)
+                dist.recv(message, peers[1], group=group)
+            elif world.rank == 1:
+                dist.recv(message, peers[0], group=group)
+                dist.send(message, peers[0], group=group)
+            times.append((time.perf_counter() - start) / 2)
+        shared = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+        dist.broadcast(shared, peers[0], group=group)
+        return float(shared)
 
-    return costs_for, sizes_for
-
-
-def _given(
-    costs: CostModel, n_blocks: int, partition: Sequence[int] | str | None
-) -> tuple[Callable[[int], CostModel], SizesFor]:
-    if partition == "balanced":
-        raise PipelineConfigError(
-            "schedule='auto' with costs= plans on the given cost model and does not profile the "
-            "blocks, so partition='balanced' has nothing to balance; give block counts or "
-            "'uniform'"
-        )
-    return costs.for_stages, _sizes_for(n_blocks, partition, None)
-
-
-def _sizes_for(
-    n_blocks: int, partition: Sequence[int] | str | None, totals: Sequence[float] | None
-) -> SizesFor:
-    def sizes(n_stages: int) -> tuple[int, ...]:
-        if n_blocks < n_stages:
-            raise ValueError(
-                f"{n_stages} stages need at least {n_stages} blocks, the model has {n_blocks}"
-            )
-        if partition is None or partition == "uniform":
-            return tuple(uniform(n_blocks, n_stages))
-        if partition == "balanced":
-            assert totals is not None
-            return tuple(solve(list(totals), n_stages).sizes)
-        if isinstance(partition, str):
-            raise PipelineConfigError(
-                f"unknown partition strategy {partition!r}; use 'uniform', 'balanced' "
-                "or block counts"
-            )
-        if len(partition) != n_stages:
-            raise ValueError(
-                f"partition {list(partition)} has {len(partition)} stages, not {n_stages}"
-            )
-        return tuple(partition)
-
-    return sizes
+    small = one_way(torch.zeros(2, device=device))
+    large = one_way(torch.zeros(max(2, nbytes // 4), device=device))
+    extra = large - small
+    return small, (nbytes - 8) / extra if extra > 0 and nbytes > 8 else math.inf
 
 
 def _device_of(block: nn.Module) -> torch.device:
