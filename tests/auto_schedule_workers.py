@@ -10,8 +10,10 @@ from runtime_models import build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline, PipelineConfigError
 
 
-def chosen_and_trained(model: str, n_mb: int, batch_size: int, **options: Any) -> dict[str, Any]:
-    """Build a pipeline with ``schedule="auto"``, run one step; what it chose and its gradients."""
+def chosen_and_trained(
+    model: str, n_mb: int, batch_size: int, schedule: str = "auto", **options: Any
+) -> dict[str, Any]:
+    """Build a pipeline (``schedule="auto"``), run one step; what it chose and its gradients."""
     inputs, targets = make_batch(model, 0, batch_size)
     example = tuple(t[: batch_size // n_mb] for t in inputs) if isinstance(inputs, tuple) else (
         inputs[: batch_size // n_mb]
@@ -19,7 +21,7 @@ def chosen_and_trained(model: str, n_mb: int, batch_size: int, **options: Any) -
     pipe = Pipeline(
         build_blocks(model),
         loss_fn(model),
-        schedule="auto",
+        schedule=schedule,
         n_microbatches=n_mb,
         example_input=example,
         device="cpu",

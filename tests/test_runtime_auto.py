@@ -65,3 +65,21 @@ def test_a_memory_limit_nothing_fits_says_what_the_least_needs():
 
 def _refused_at_half_a_mib(costs: CostModel) -> str:
     return refused("mlp", N_MB, BATCH, costs=costs, memory_limit="512KiB")
+
+
+def test_costs_profile_places_zero_bubble_w_by_measured_costs():
+    results = launch(_zb_h2_profiled, 2, threads_per_rank=1, timeout=120)
+    reference = train_reference("mlp", N_MB, BATCH)
+    assert results[0]["schedule"] == results[1]["schedule"]
+    assert results[0]["choice"].schedule == "zb-h2"
+    assert results[0]["choice"].policy == "fill"
+    assert "zb-h2+2bp:fill" in results[0]["schedule"]
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    for name, expected in reference["grads"].items():
+        assert (grads[name] - expected).abs().max().item() < TOL, name
+
+
+def _zb_h2_profiled() -> dict:
+    return chosen_and_trained(
+        "mlp", N_MB, BATCH, schedule="zb-h2", costs="profile", two_bp_policy="fill"
+    )

@@ -109,8 +109,11 @@ class Pipeline(PipelineState):
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
             it); with the same costs the placement is the one ``twobp plan``
-            simulates. None: unit times. With ``schedule="auto"``, a cost
-            model to choose by instead of profiling.
+            simulates. None: unit times. ``"profile"``: measure the blocks on
+            ``example_input`` and place ``W`` by their costs, grouped where a
+            concatenated ``W`` is cheaper (zero-bubble schedules too; see
+            :attr:`plan`). With ``schedule="auto"``, a cost model to choose by
+            instead of profiling.
         memory_limit: for ``schedule="auto"``, the most bytes a rank may hold
             (parameters and their gradients, activations, stored W inputs as
             the simulator counts them), a number or a size such as ``"2GiB"``.

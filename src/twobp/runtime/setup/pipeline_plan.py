@@ -30,6 +30,7 @@ from twobp.runtime.setup.stage_blocks import (
     stage_counts,
 )
 from twobp.schedule import (
+    SCHEDULES,
     Schedule,
     ScheduleConfigError,
     ScheduleError,
@@ -41,9 +42,13 @@ from twobp.schedule.lowering import is_split
 from twobp.schedule.resolve import DEFAULT_MICROBATCHES
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
+from twobp.sim.planner import NO_TWO_BP
 
 CostsArgument = Costs | str | os.PathLike[str]
-"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, or a cost JSON file."""
+"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
+``"profile"`` (measure the blocks and place W by their costs)."""
+PROFILE = "profile"
+"""``costs=`` that measures the blocks on ``example_input`` (as ``schedule="auto"`` does)."""
 
 NONFINITE_POLICIES = ("raise", "skip")
 """What a pipeline does when a step's mean loss is NaN or infinite."""
@@ -98,21 +103,33 @@ def plan_pipeline(
         ModelMismatchError: if ranks have other options or other models.
     """
     auto = None
-    if isinstance(schedule, str) and schedule == AUTO:
+    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
+        fixed = schedule != AUTO
         auto = plan_auto(
             blocks,
             world,
             device,
             n_microbatches=DEFAULT_MICROBATCHES if n_microbatches is None else n_microbatches,
             two_bp=two_bp,
-            stages_per_rank=stages_per_rank,
+            stages_per_rank=(
+                stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
+                if fixed
+                else stages_per_rank
+            ),
             partition=partition,
             example_input=example_input,
             memory_limit=read_memory_limit(memory_limit),
-            costs=_auto_costs(costs),
+            costs=None if costs == PROFILE else _auto_costs(costs),
+            schedules=[schedule] if fixed else None,
+            policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
         )
         schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
-        two_bp, stages_per_rank = is_split(auto.schedule), None
+        two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
+    elif costs == PROFILE:
+        raise PipelineConfigError(
+            "costs='profile' places W by the measured costs of a schedule given by name; "
+            f"{schedule!r} is not one: use a name, or schedule='auto'"
+        )
     problem: Exception | None = None
     resolved: Schedule | None = None
     counts: list[int] | None = None
@@ -154,6 +171,11 @@ def plan_pipeline(
         counts = balanced_counts(blocks, resolved.n_stages, example_input, world, device)
         check_no_shared_parameters(blocks, stage_ranges(counts), resolved.placement)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def _profiles(schedule: str, costs: CostsArgument) -> bool:
+    """True if ``costs="profile"`` asks to measure the costs of a schedule given by name."""
+    return isinstance(costs, str) and costs == PROFILE and schedule in SCHEDULES
 
 
 def _auto_costs(costs: CostsArgument) -> CostModel | None:
