@@ -7,7 +7,9 @@ simulates every schedule, 2BP policy, W group cap and stage count) and the
 fixed schedules with and without 2BP. The variants take turns, one step each
 per round, so that a change of machine load touches them all alike. Prints
 per variant the median step time and samples/s, each variant against the
-best fixed one, and what ``auto`` chose and predicted.
+best fixed one, and what ``auto`` chose and predicted. The fixed variants
+get the bench's partition (body blocks split evenly, embedding and head
+with the first and last stage); ``auto`` balances the blocks by its profile.
 
     PYTHONPATH=src:tools .venv/bin/python benchmarks/auto_schedule/run.py --regime small
 """
@@ -24,22 +26,30 @@ import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
+from twobp.schedule import generate
 from twobp_bench.config import REGIMES
+from twobp_bench.matrix import stage_partition
 
 FIXED = (
-    ("gpipe", False, "paper"),
-    ("gpipe", True, "paper"),
-    ("1f1b", False, "paper"),
-    ("1f1b", True, "paper"),
-    ("interleaved-1f1b", True, "paper"),
-    ("zb-h1", True, "paper"),
-    ("zb-h2", True, "paper"),
-    ("zb-v", True, "paper"),
+    ("gpipe", False, None),
+    ("gpipe", True, None),
+    ("1f1b", False, None),
+    ("1f1b", True, None),
+    ("interleaved-1f1b", True, None),
+    ("zb-h1", True, None),
+    ("zb-h2", True, None),
+    ("zb-v", True, None),
+    # W placed by the measured costs, grouped (costs="profile"):
+    ("zb-h2", True, "fill"),
+    ("zb-v", True, "fill"),
 )
+"""(schedule, 2BP, policy): None runs the schedule's own W placement (2BP: ``paper``)."""
 
 
-def _label(schedule: str, two_bp: bool) -> str:
-    if schedule == "auto" or schedule.startswith("zb"):
+def _label(schedule: str, two_bp: bool, policy: str | None) -> str:
+    if policy is not None:
+        return f"{schedule}+2bp:{policy} (profiled)"
+    if schedule.startswith("zb"):
         return schedule
     return f"{schedule}+2bp" if two_bp else schedule
 
@@ -63,16 +73,22 @@ def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> di
         num_threads=1,
     )
     planning = time.perf_counter() - started
+    kinds = [k.value for k in spec.block_kinds]
     for schedule, two_bp, policy in FIXED:
-        pipes[_label(schedule, two_bp)] = Pipeline(
+        # The bench's partition: body blocks split evenly, embedding and head at the ends.
+        n_stages = generate(schedule, 2, m).n_stages
+        profiled = {"costs": "profile", "example_input": example} if policy else {}
+        pipes[_label(schedule, two_bp, policy)] = Pipeline(
             copy.deepcopy(spec.blocks),
             spec.loss_fn,
             schedule=schedule,
             n_microbatches=m,
             two_bp=two_bp,
-            two_bp_policy=policy,
+            two_bp_policy=policy or "paper",
+            partition=list(stage_partition(kinds, n_stages)),
             device="cpu",
             num_threads=1,
+            **profiled,
         )
     times: dict[str, list[float]] = {name: [] for name in pipes}
     for r in range(rounds + 1):
@@ -122,9 +138,9 @@ def main() -> None:
     print(f"auto runs: {out['schedule']}")
     print()
     print(f"regime {args.regime}, m = {args.microbatches}, {args.rounds} rounds, medians")
-    print(f"{'variant':<22} {'step ms':>9} {'samples/s':>10} {'vs best fixed':>14}")
+    print(f"{'variant':<30} {'step ms':>9} {'samples/s':>10} {'vs best fixed':>14}")
     for name, t in sorted(medians.items(), key=lambda kv: kv[1]):
-        print(f"{name:<22} {t * 1e3:9.1f} {samples / t:10.1f} {best_fixed[0] / t:13.3f}x")
+        print(f"{name:<30} {t * 1e3:9.1f} {samples / t:10.1f} {best_fixed[0] / t:13.3f}x")
     print(
         f"auto predicted {out['predicted'] * 1e3:.1f} ms, measured {medians['auto'] * 1e3:.1f} ms; "
         f"auto / best fixed ({best_fixed[1]}): {best_fixed[0] / medians['auto']:.3f}x throughput"

@@ -152,7 +152,8 @@ def plan_auto(
         two_bp: False tries only fused schedules without 2BP.
         stages_per_rank: only this many stages per rank, or None for any.
         partition: blocks per stage (only schedules with that many stages
-            are tried), ``"uniform"``/None, or ``"balanced"`` (by the profile).
+            are tried), ``"uniform"``, or ``"balanced"`` (by the profile);
+            None: balanced if the blocks are profiled, else uniform.
         example_input: one micro-batch of model inputs (needed unless ``costs``).
         memory_limit: bytes per rank, or None.
         costs: a cost model to plan with instead of measuring.
@@ -182,7 +183,9 @@ def plan_auto(
                 figures, tables, contention, link, problem = measured
                 if problem:
                     raise PipelineConfigError(problem)
-                sizes_for = partition_for(len(figures), partition, solver_costs(figures))
+                # Measured, the blocks split by their costs unless the caller chose.
+                chosen = "balanced" if partition is None else partition
+                sizes_for = partition_for(len(figures), chosen, solver_costs(figures))
                 costs_for = profiled_costs(
                     figures,
                     tables,
