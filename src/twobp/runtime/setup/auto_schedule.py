@@ -49,6 +49,8 @@ PARAMETER_FACTOR = 2.0
 """Bytes counted per parameter byte against ``memory_limit``: the weights and their gradients."""
 SHOWN = 10
 """Candidates :meth:`AutoPlan.table` lists."""
+CONTENTION_ROUNDS = 5
+"""Rounds of alone and together runs the contention is the median of."""
 LINK_REPEATS = 20
 """Ping-pongs per message size when measuring the link between ranks 0 and 1."""
 
@@ -88,7 +90,8 @@ class AutoPlan:
             f"schedule='auto' chose {describe(self.choice)}: predicted step "
             f"{self.predicted_step_time * 1e3:.4g} ms, peak memory "
             f"{format_amount(self.choice.peak_memory)} per rank{limit}; partition "
-            f"{list(self.partition)}; best of {sum(c.ok for c in self.ranking)} simulated"
+            f"{list(self.partition)}; best of {sum(c.ok for c in self.ranking)} simulated "
+            f"(contention {self.costs.contention:.2f})"
         )
 
     def table(self, rows: int = SHOWN) -> str:
@@ -311,14 +314,19 @@ def _measure(
 def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) -> float:
     """How many times longer all ranks take for the same F and B at once than each alone.
 
-    Each rank in turn runs the work while the others wait at a barrier, then
-    all run it at once; the shortest of a few runs of each is kept.
+    In each of :data:`CONTENTION_ROUNDS` rounds every rank runs the work alone
+    in turn (the others wait at a barrier, which does not compute) and then
+    all run it at once; the ratio of each round is taken under the same
+    outside load, and the median over rounds and ranks is kept. It is at
+    most the number of ranks on this machine: sharing it evenly, they cannot
+    slow each other down more than that.
     """
     if world.group is None or world.size < 2:
         return 1.0
     group = world.group
 
-    def work() -> None:
+    def work() -> float:
+        start = time.perf_counter()
         x = example
         for block in blocks:
             x = block(x)
@@ -326,30 +334,28 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
         sums = [t.float().sum() for t in tensors if t.requires_grad]
         if sums:
             torch.autograd.backward(torch.stack(sums).sum())
-
-    def timed() -> float:
-        runs = []
-        for _ in range(3):
-            start = time.perf_counter()
-            work()
-            runs.append(time.perf_counter() - start)
-        return min(runs)
+        return time.perf_counter() - start
 
     grads = [(p, p.grad) for b in blocks for p in b.parameters()]
-    alone = 0.0
-    for turn in range(world.size):
-        dist.barrier(group=group)
-        if world.rank == turn:
-            alone = timed()
-        dist.barrier(group=group)
-    together = timed()
+    work()  # warm-up, all at once
+    ratios = []
+    for _ in range(CONTENTION_ROUNDS):
+        alone = 0.0
+        for turn in range(world.size):
+            dist.barrier(group=group)
+            if world.rank == turn:
+                alone = work()
+            dist.barrier(group=group)
+        ratios.append(work() / alone if alone > 0 else 1.0)
     for p, g in grads:
         p.grad = g
-    ratio = torch.tensor([together / alone if alone > 0 else 1.0], dtype=torch.float64)
+    gathered = torch.zeros(world.size * CONTENTION_ROUNDS, dtype=torch.float64)
+    mine = torch.tensor(ratios, dtype=torch.float64)
     if world.backend == "nccl":
-        ratio = ratio.cuda()
-    dist.all_reduce(ratio, group=group)
-    return max(1.0, float(ratio) / world.size)
+        gathered, mine = gathered.cuda(), mine.cuda()
+    dist.all_gather(list(gathered.chunk(world.size)), mine, group=group)
+    ratio = float(gathered.median())
+    return min(float(world.local_size), max(1.0, ratio))
 
 
 def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float]:
