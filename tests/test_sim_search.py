@@ -77,3 +77,19 @@ def test_describe_names_policy_cap_and_stage_count():
     )
     names = sorted(describe(c) for c in ranked)
     assert names == ["gpipe (V=2) with 2BP (fill, W groups <= 2)", "zb-v"]
+
+
+def test_a_near_tie_goes_to_the_candidate_faster_without_contention():
+    from twobp.sim.planner import Candidate
+
+    contended = Candidate("1f1b", "off", 100.0, 0.1, 1.0, uncontended_makespan=90.0)
+    overlapping = Candidate("zb-h2", "off", 101.0, 0.1, 1.0, uncontended_makespan=60.0)
+    slower = Candidate("gpipe", "off", 110.0, 0.1, 1.0, uncontended_makespan=10.0)
+    assert choose([contended, overlapping, slower], None) == overlapping
+    assert choose([contended, slower], None) == contended
+
+
+def test_contended_costs_are_also_simulated_without_contention():
+    contended = CostModel.uniform(2, contention=2.0)
+    (candidate,) = search([Option("1f1b", "paper", 1)], 2, 4, contended.for_stages)
+    assert candidate.uncontended_makespan < candidate.makespan

@@ -60,6 +60,8 @@ class Candidate:
         stages_per_rank: stages per rank ``V`` it was built with (None: the
             schedule's default).
         group_size: the most micro-batches one ``W`` covers (None: no cap).
+        uncontended_makespan: simulated step time with ranks that do not
+            slow each other (``contention = 1``); ``nan`` if not simulated.
     """
 
     schedule: str
@@ -70,6 +72,7 @@ class Candidate:
     error: str = ""
     stages_per_rank: int | None = None
     group_size: int | None = None
+    uncontended_makespan: float = math.nan
 
     @property
     def ok(self) -> bool:

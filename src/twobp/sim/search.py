@@ -14,6 +14,7 @@ imports no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,6 +29,8 @@ MAX_STAGES_PER_RANK = 2
 """Stages per rank tried for the schedules that take any number (more cost more messages)."""
 GROUP_SIZES = (1, 2, 4)
 """Caps on the micro-batches one ``W`` covers that are tried besides no cap."""
+NEAR_TIE = 0.02
+"""Candidates within this fraction of the fastest are a tie, broken without contention."""
 GROUPED_POLICIES = ("paper", "fill")
 """The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
 
@@ -122,6 +125,7 @@ def simulate_option(
                 group_size=option.group_size,
             )
         result = simulate(schedule, costs)
+        alone = result if costs.contention == 1 else simulate(schedule, uncontended(costs))
     except (ValueError, DeadlockError) as exc:
         return _candidate(option, error=str(exc).splitlines()[0]), None
     candidate = _candidate(
@@ -129,6 +133,7 @@ def simulate_option(
         makespan=result.makespan,
         bubble_ratio=result.bubble_ratio,
         peak_memory=max(result.peak_memory),
+        uncontended_makespan=alone.makespan,
     )
     return candidate, schedule
 
@@ -162,8 +167,18 @@ def fits(candidate: Candidate, memory_limit: float | None) -> bool:
     return candidate.ok and (memory_limit is None or candidate.peak_memory <= memory_limit)
 
 
+def uncontended(costs: CostModel) -> CostModel:
+    """The same costs for ranks that do not slow each other."""
+    return replace(costs, contention=1.0)
+
+
 def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candidate:
     """The fastest candidate within ``memory_limit``.
+
+    Candidates within :data:`NEAR_TIE` of the fastest are a tie, which the
+    step without contention breaks: contention measured on a shared machine
+    is noisy, and the schedule that overlaps its ranks better loses nothing
+    if they slow each other less than measured.
 
     Raises:
         NothingFitsError: if none ran, or none fits; the message names the
@@ -182,7 +197,13 @@ def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candi
             f"{format_amount(least.peak_memory)}; raise the limit to at least that, or use "
             "fewer micro-batches or more ranks"
         )
-    return min(fitting, key=lambda c: (c.makespan, c.peak_memory))
+    fastest = min(c.makespan for c in fitting)
+    tied = [c for c in fitting if c.makespan <= fastest * (1 + NEAR_TIE)]
+
+    def alone(c: Candidate) -> float:
+        return c.makespan if math.isnan(c.uncontended_makespan) else c.uncontended_makespan
+
+    return min(tied, key=lambda c: (alone(c), c.makespan, c.peak_memory))
 
 
 def describe(c: Candidate) -> str:

@@ -95,12 +95,14 @@ class AutoPlan:
         )
 
     def table(self, rows: int = SHOWN) -> str:
-        """The fastest ``rows`` candidates: step time, against the choice, bubble and memory."""
-        lines = [f"{'#':>3}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} memory"]
+        """The fastest ``rows`` candidates: step time, against the choice (``*``), bubble
+        and memory."""
+        lines = [f"{'#':>4}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} memory"]
         for i, c in enumerate([c for c in self.ranking if c.ok][:rows], 1):
             over = self.memory_limit is not None and c.peak_memory > self.memory_limit
+            mark = "*" if c == self.choice else " "
             lines.append(
-                f"{i:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
+                f"{mark}{i:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
                 f"{c.makespan / self.choice.makespan:7.2f}x {c.bubble_ratio:7.1%} "
                 f"{format_amount(c.peak_memory)}{' (over the limit)' if over else ''}"
             )
