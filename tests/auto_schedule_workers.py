@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from runtime_models import build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline, PipelineConfigError
 
@@ -50,7 +48,3 @@ def refused(model: str, n_mb: int, batch_size: int, **options: Any) -> str:
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
-
-
-def threads() -> int:
-    return torch.get_num_threads()

@@ -193,8 +193,8 @@ class Pipeline(PipelineState):
             memory_limit=memory_limit,
         )
         self.plan = plan.auto
-        """What ``schedule="auto"`` chose (its candidate, the ranking, the predicted step
-        time; ``print`` shows it), or None for a schedule given by the caller."""
+        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
+        ranking, the predicted step time (``print`` shows it); None otherwise."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.one_pipeline(members, self.schedule.placement)
