@@ -13,8 +13,10 @@ def chosen_and_trained(
 ) -> dict[str, Any]:
     """Build a pipeline (``schedule="auto"``), run one step; what it chose and its gradients."""
     inputs, targets = make_batch(model, 0, batch_size)
-    example = tuple(t[: batch_size // n_mb] for t in inputs) if isinstance(inputs, tuple) else (
-        inputs[: batch_size // n_mb]
+    example = (
+        tuple(t[: batch_size // n_mb] for t in inputs)
+        if isinstance(inputs, tuple)
+        else (inputs[: batch_size // n_mb])
     )
     pipe = Pipeline(
         build_blocks(model),
