@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from twobp.engine import defer_weight_grads
+from twobp.engine import WeightGradStore, defer_weight_grads
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What a block takes and returns: a tensor or a tuple of tensors."""
@@ -161,6 +161,7 @@ def weight_group_times(
     counts: Sequence[int],
     *,
     repeats: int = 1,
+    warmup: int = 1,
 ) -> list[dict[int, float]]:
     """Time one W concatenated over ``k`` micro-batches, for every ``k`` of ``counts``.
 
@@ -175,47 +176,58 @@ def weight_group_times(
         example_input: one micro-batch for the first block (on its device).
         counts: the group sizes to time (each >= 1).
         repeats: timed runs per size; the median is kept.
+        warmup: untimed runs per size first (the first W of a store pays set-up).
 
     Returns:
         Per block, ``{k: seconds}``.
 
     Raises:
-        ValueError: if a count or ``repeats`` is below 1.
+        ValueError: if a count or ``repeats`` is below 1, or ``warmup`` below 0.
     """
-    if repeats < 1 or any(k < 1 for k in counts):
-        raise ValueError(f"need counts >= 1 and repeats >= 1, got {list(counts)} and {repeats}")
+    if repeats < 1 or warmup < 0 or any(k < 1 for k in counts):
+        raise ValueError(
+            f"need counts >= 1, repeats >= 1 and warmup >= 0, got {list(counts)}, {repeats} "
+            f"and {warmup}"
+        )
     tables: list[dict[int, float]] = []
     x = example_input
     for index, block in enumerate(blocks):
         with _restored(block):
-            table = {
-                k: statistics.median(
-                    _grouped_weight_time(index, block, x, k) for _ in range(repeats)
-                )
-                for k in sorted(set(counts))
-            }
+            store = defer_weight_grads(block, label=f"block {index}")
+            try:
+                table = {
+                    k: _median_group_time(store, block, x, k, warmup, repeats)
+                    for k in sorted(set(counts))
+                }
+            finally:
+                store.restore()
         tables.append(table)
         with torch.no_grad():
             x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
     return tables
 
 
-def _grouped_weight_time(index: int, block: nn.Module, x: Activation, k: int) -> float:
+def _median_group_time(
+    store: WeightGradStore, block: nn.Module, x: Activation, k: int, warmup: int, repeats: int
+) -> float:
+    for _ in range(warmup):
+        _grouped_weight_time(store, block, x, k)
+    return statistics.median(_grouped_weight_time(store, block, x, k) for _ in range(repeats))
+
+
+def _grouped_weight_time(store: WeightGradStore, block: nn.Module, x: Activation, k: int) -> float:
+    """Seconds of one W over ``k`` micro-batches of ``x`` (their F and I untimed)."""
     inputs = _as_leaves(x)
     sync = _synchronizer(inputs + [p for p in block.parameters()])
-    store = defer_weight_grads(block, label=f"block {index}")
-    try:
-        for mb in range(k):
-            leaves = _as_leaves(x)
-            with store.forward(mb):
-                out = _outputs(block(_call_form(x, leaves)))
-            store.backward_input(mb, out, [_gradient_like(o) for o in out], leaves)
-        start = sync()
-        store.backward_weight(range(k))
-        seconds = sync() - start
-        store.finish_step()
-    finally:
-        store.restore()
+    for mb in range(k):
+        leaves = _as_leaves(x)
+        with store.forward(mb):
+            out = _outputs(block(_call_form(x, leaves)))
+        store.backward_input(mb, out, [_gradient_like(o) for o in out], leaves)
+    start = sync()
+    store.backward_weight(range(k))
+    seconds = sync() - start
+    store.finish_step()
     return seconds
 
 
