@@ -67,3 +67,15 @@ def test_tuple_inputs_are_profiled():
 def test_bad_repeats_are_rejected():
     with pytest.raises(ValueError, match="repeats >= 1"):
         profile_blocks([], torch.zeros(1), repeats=0)
+
+
+def test_a_grouped_w_is_timed_for_every_count_and_leaves_the_blocks_as_they_were():
+    from twobp.partition.profiler import weight_group_times
+
+    spec = build_model("llama", "tiny", n_layers=1)
+    tables = weight_group_times(spec.blocks, spec.example_input(2), [1, 2, 4])
+    assert len(tables) == len(spec.blocks)
+    assert all(set(t) == {1, 2, 4} and min(t.values()) >= 0 for t in tables)
+    assert all(p.grad is None for b in spec.blocks for p in b.parameters())
+    with pytest.raises(ValueError, match="counts >= 1"):
+        weight_group_times(spec.blocks, spec.example_input(2), [0])

@@ -50,3 +50,32 @@ def test_a_partition_or_tables_that_do_not_fit_the_blocks_are_refused():
         stage_cost_model(BLOCKS, [1, 1])
     with pytest.raises(ValueError, match="2 tables for 3 blocks"):
         stage_cost_model(BLOCKS, [2, 1], weight_concat=[{1: 1.0}, {1: 1.0}])
+
+
+def test_partition_for_splits_uniformly_by_costs_or_as_given():
+    from twobp.sim.from_profile import partition_for
+
+    assert partition_for(3, None, None)(2) == (2, 1)
+    assert partition_for(3, "balanced", [1.0, 1.0, 5.0])(2) == (2, 1)
+    assert partition_for(3, "balanced", [5.0, 1.0, 1.0])(2) == (1, 2)
+    given = partition_for(3, [1, 2], None)
+    assert given(2) == (1, 2)
+    with pytest.raises(ValueError, match=r"partition \[1, 2\] has 2 stages, not 3"):
+        given(3)
+    with pytest.raises(ValueError, match="4 stages need at least 4 blocks"):
+        partition_for(3, None, None)(4)
+
+
+def test_profiled_costs_keep_contention_and_count_parameters_with_their_gradients():
+    from twobp.sim.from_profile import partition_for, profiled_costs
+
+    tables = [{1: 1.0, 4: 2.0}] * 3
+    costs_for = profiled_costs(
+        BLOCKS, tables, partition_for(3, None, None), contention=1.5, parameter_factor=2.0
+    )
+    model = costs_for(3)
+    assert model.contention == 1.5
+    assert model.forward == (1.0, 2.0, 4.0)  # alone times: not divided by the contention
+    assert model.parameter_bytes == (14.0, 14.0, 14.0)
+    assert model.w_time(0, 4) == 2.0
+    assert costs_for(1).forward == (7.0,)

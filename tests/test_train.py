@@ -111,6 +111,15 @@ def test_check_config_names_the_option():
         check_config(TrainConfig(steps=0))
 
 
+def test_a_memory_limit_is_checked_and_needs_schedule_auto(tmp_path):
+    out = str(tmp_path / "run")
+    check_config(TrainConfig(schedule="auto", memory_limit="2GiB", out=out))
+    with pytest.raises(ValueError, match="--memory-limit bounds the choice of --schedule auto"):
+        check_config(TrainConfig(memory_limit="2GiB", out=out))
+    with pytest.raises(ValueError, match="--memory-limit lots: cannot read"):
+        check_config(TrainConfig(schedule="auto", memory_limit="lots", out=out))
+
+
 def test_images_are_counted_in_samples_only():
     result = RankResult(rank=0, losses=[2.0, 1.0], step_seconds=[0.5, 0.5])
     summary = summarize(TrainConfig(model="resnet", batch_size=16), [result])

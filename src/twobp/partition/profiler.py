@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from twobp.engine import defer_weight_grads
+from twobp.engine import WeightGradStore, defer_weight_grads
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What a block takes and returns: a tensor or a tuple of tensors."""
@@ -111,7 +111,7 @@ def _profile_one(
 
     for run in range(warmup + repeats):
         out = _outputs(block(_call_form(x, inputs)))
-        grad_out = grad_out or [torch.randn_like(o) for o in out]
+        grad_out = grad_out or [_gradient_like(o) for o in out]
         start = sync()
         torch.autograd.backward(_needing_grad(out), _needing_grad(out, grad_out))
         if run >= warmup:
@@ -153,6 +153,82 @@ def _profile_one(
         parameter_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
     )
     return cost, result
+
+
+def weight_group_times(
+    blocks: Sequence[nn.Module],
+    example_input: Activation,
+    counts: Sequence[int],
+    *,
+    repeats: int = 1,
+    warmup: int = 1,
+) -> list[dict[int, float]]:
+    """Time one W concatenated over ``k`` micro-batches, for every ``k`` of ``counts``.
+
+    A concatenated W is cheaper than ``k`` single ones (fewer, larger
+    products), by how much depends on the layer sizes and the device; this
+    is the table (``weight_concat``) by which the simulator and the 2BP
+    placement cost a grouped W. Each block runs the F and I of ``k`` copies
+    of its input (untimed), then one W over all of them (timed).
+
+    Args:
+        blocks: the model's blocks, in order; each runs where its parameters are.
+        example_input: one micro-batch for the first block (on its device).
+        counts: the group sizes to time (each >= 1).
+        repeats: timed runs per size; the median is kept.
+        warmup: untimed runs per size first (the first W of a store pays set-up).
+
+    Returns:
+        Per block, ``{k: seconds}``.
+
+    Raises:
+        ValueError: if a count or ``repeats`` is below 1, or ``warmup`` below 0.
+    """
+    if repeats < 1 or warmup < 0 or any(k < 1 for k in counts):
+        raise ValueError(
+            f"need counts >= 1, repeats >= 1 and warmup >= 0, got {list(counts)}, {repeats} "
+            f"and {warmup}"
+        )
+    tables: list[dict[int, float]] = []
+    x = example_input
+    for index, block in enumerate(blocks):
+        with _restored(block):
+            store = defer_weight_grads(block, label=f"block {index}")
+            try:
+                table = {
+                    k: _median_group_time(store, block, x, k, warmup, repeats)
+                    for k in sorted(set(counts))
+                }
+            finally:
+                store.restore()
+        tables.append(table)
+        with torch.no_grad():
+            x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
+    return tables
+
+
+def _median_group_time(
+    store: WeightGradStore, block: nn.Module, x: Activation, k: int, warmup: int, repeats: int
+) -> float:
+    for _ in range(warmup):
+        _grouped_weight_time(store, block, x, k)
+    return statistics.median(_grouped_weight_time(store, block, x, k) for _ in range(repeats))
+
+
+def _grouped_weight_time(store: WeightGradStore, block: nn.Module, x: Activation, k: int) -> float:
+    """Seconds of one W over ``k`` micro-batches of ``x`` (their F and I untimed)."""
+    inputs = _as_leaves(x)
+    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    for mb in range(k):
+        leaves = _as_leaves(x)
+        with store.forward(mb):
+            out = _outputs(block(_call_form(x, leaves)))
+        store.backward_input(mb, out, [_gradient_like(o) for o in out], leaves)
+    start = sync()
+    store.backward_weight(range(k))
+    seconds = sync() - start
+    store.finish_step()
+    return seconds
 
 
 def solver_costs(costs: Sequence[BlockCost]) -> list[float]:
@@ -197,6 +273,11 @@ def _call_form(x: Activation, leaves: list[torch.Tensor]) -> Activation:
 
 def _outputs(out: Activation) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
+
+
+def _gradient_like(out: torch.Tensor) -> torch.Tensor:
+    """A random output gradient; zeros for outputs that take none (masks, ids)."""
+    return torch.randn_like(out) if out.is_floating_point() else torch.zeros_like(out)
 
 
 def _needing_grad(

@@ -86,7 +86,10 @@ class Pipeline(PipelineState):
             hold elsewhere, so the others are freed.
         loss_fn: ``loss_fn(output, target) -> scalar``, the mean over one micro-batch.
         schedule: a name of :data:`twobp.schedule.SCHEDULES`, a ``Schedule``,
-            or the path of a CSV file.
+            the path of a CSV file, or ``"auto"``: profile the blocks on
+            ``example_input`` (or plan on ``costs``), simulate every schedule,
+            2BP policy, W group cap and stages per rank, and run the fastest
+            that fits ``memory_limit`` (see :attr:`plan`).
         n_microbatches: micro-batches per step; None takes a Schedule's or
             CSV's own count, and 8 for a name.
         two_bp: split each backward into ``I`` and ``W`` (placing ``W`` by
@@ -124,15 +127,22 @@ class Pipeline(PipelineState):
             ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
             "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
             it); with the same costs the placement is the one ``twobp plan``
-            simulates. None: unit times.
+            simulates. None: unit times. ``"profile"``: measure the blocks on
+            ``example_input`` and place ``W`` by their costs, grouped where a
+            concatenated ``W`` is cheaper (zero-bubble schedules too; see
+            :attr:`plan`). With ``schedule="auto"``, a cost model to choose by
+            instead of profiling.
         recompute: trade compute for memory (see :mod:`twobp.sim.recompute`):
             ``"activations"`` keeps only each stage's inputs from ``F`` until
             ``I`` (or ``B``) and runs the forward again there; ``"derivatives"``
             keeps only the inputs and output gradients from ``I`` until ``W``,
             whose stash ``W`` rebuilds by running the forward and input pass
             again; ``"all"`` both; or a list with one mode (or None) per
-            stage. Random states are replayed, so gradients are unchanged.
-            None: keep everything.
+            stage of the model. Random states are replayed, so gradients are
+            unchanged. None: keep everything.
+        memory_limit: for ``schedule="auto"``, the most bytes a rank may hold
+            (parameters and their gradients, activations, stored W inputs as
+            the simulator counts them), a number or a size such as ``"2GiB"``.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -169,6 +179,7 @@ class Pipeline(PipelineState):
         data_parallel: int | None = None,
         mesh: Any = None,
         recompute: str | Sequence[str | None] | None = None,
+        memory_limit: float | str | None = None,
     ) -> None:
         self._closed = False
         _check_recompute(recompute)
@@ -211,7 +222,11 @@ class Pipeline(PipelineState):
             nonfinite=nonfinite,
             costs=costs,
             n_ranks=len(grid[0]),
+            memory_limit=memory_limit,
         )
+        self.plan = plan.auto
+        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
+        ranking, the predicted step time (``print`` shows it); None otherwise."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.replicated(members, self.schedule, grid)

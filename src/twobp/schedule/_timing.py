@@ -13,7 +13,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -97,22 +96,27 @@ def place_weights(
     *,
     cooldown_only: bool,
     memory_limit: int | None,
+    group_size: int | None = None,
 ) -> dict[int, list[Action]]:
-    """Insert one ``W`` per ``I`` where its rank would otherwise wait.
+    """Insert the ``W`` of every ``I`` where its rank would otherwise wait.
 
     The ranks' ``F`` and ``I`` keep their order. Walking the predicted time
     forward, a rank that has stored weight passes runs the oldest one when
     the wait for its next ``F``/``I`` is at least as long as that ``W`` (so
     the ``W`` never delays it), or, with ``memory_limit``, when its next
     ``F`` would otherwise hold more than ``memory_limit`` micro-batches
-    (``F`` done and ``W`` not done). What is left is run at the end as one
-    concatenated ``W`` per stage, from the last stage to the first.
+    (``F`` done and ``W`` not done). If the cost model makes a ``W`` over
+    ``k`` micro-batches cheaper than ``k`` single ones, the oldest is grouped
+    with the later stored ``W`` of its stage, as many as fit in the wait.
+    What is left is run at the end as one concatenated ``W`` per stage (in
+    groups of at most ``group_size``), from the last stage to the first.
 
     Args:
         schedule: a schedule of ``F`` and ``I`` only.
         timing: the cost model.
         cooldown_only: place a ``W`` only once its rank has no ``F`` left.
         memory_limit: the most micro-batches a rank may hold, or ``None``.
+        group_size: the most micro-batches one ``W`` covers, or ``None``.
 
     Returns:
         The new action list of every rank.
@@ -120,7 +124,7 @@ def place_weights(
     Raises:
         DeadlockError: if the schedule cannot finish.
     """
-    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit)
+    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit, group_size)
     walked = walk(schedule, timing.duration, transfer=timing.transfer, fill=slots.offer)
     out: dict[int, list[Action]] = {}
     for rank, runs in walked.runs.items():
@@ -129,7 +133,12 @@ def place_weights(
         for w in slots.stored(rank, runs):
             by_stage.setdefault(w.stage, []).extend(w.microbatches)
         for stage in sorted(by_stage, reverse=True):
-            out[rank].append(Action.make(stage, Kind.BACKWARD_WEIGHT, by_stage[stage]))
+            left = by_stage[stage]
+            step = group_size or len(left)
+            for first in range(0, len(left), step):
+                out[rank].append(
+                    Action.make(stage, Kind.BACKWARD_WEIGHT, left[first : first + step])
+                )
     return out
 
 
@@ -137,7 +146,9 @@ class _WeightSlots:
     """The ``W`` each rank has stored (its ``I`` ran), and when one may run.
 
     The walker asks :meth:`offer` before every start; the counts follow what
-    each rank has run so far.
+    each rank has run so far. Where the cost model makes a ``W`` over several
+    micro-batches cheaper than as many single ones (a concatenated ``W``), a
+    gap gets the largest group of one stage's stored ``W`` that fits in it.
     """
 
     def __init__(
@@ -146,20 +157,22 @@ class _WeightSlots:
         duration: Callable[[Action], float],
         cooldown_only: bool,
         memory_limit: int | None,
+        group_size: int | None,
     ) -> None:
         self._duration = duration
         self._cooldown_only = cooldown_only
         self._memory_limit = memory_limit
+        self._group_size = group_size
         ranks = list(schedule.actions)
         self._forwards_left = {
             r: sum(a.kind is Kind.FORWARD for a in schedule.actions[r]) for r in ranks
         }
         self._held = dict.fromkeys(ranks, 0)
-        self._stored: dict[int, deque[Action]] = {r: deque() for r in ranks}
+        self._stored: dict[int, list[Action]] = {r: [] for r in ranks}
         self._seen = dict.fromkeys(ranks, 0)
 
     def offer(self, walker: Walker, rank: int) -> Action | None:
-        """The oldest stored ``W`` of ``rank`` if it may run now, else None."""
+        """The stored ``W`` (oldest first, grouped if cheaper) ``rank`` may run now, or None."""
         stored = self.stored(rank, walker.runs(rank))
         if not stored or (self._cooldown_only and self._forwards_left[rank]):
             return None
@@ -170,24 +183,46 @@ class _WeightSlots:
             and following.kind is Kind.FORWARD
             and self._held[rank] >= self._memory_limit
         )
-        fits = (
-            walker.free_at(rank) + self._duration(stored[0]) <= walker.earliest_start(rank) + _EPS
-        )
-        return stored[0] if forced or fits else None
+        group = self._group_in(stored, walker.earliest_start(rank) - walker.free_at(rank))
+        return stored[0] if group is None and forced else group
 
-    def stored(self, rank: int, runs: Sequence[Run]) -> deque[Action]:
-        """The ``W`` of ``rank`` not run yet, once ``runs`` (what it ran) are counted."""
+    def _group_in(self, stored: Sequence[Action], gap: float) -> Action | None:
+        """The oldest stored ``W``, grouped with later ones of its stage while the
+        group fits in ``gap`` and costs less than its single ``W`` would."""
+        first = stored[0]
+        single = self._duration(first)
+        if single > gap + _EPS:
+            return None
+        limit = self._group_size or len(stored)
+        same = [w.microbatches[0] for w in stored if w.stage == first.stage][:limit]
+        best = first
+        for k in range(2, len(same) + 1):
+            group = Action.make(first.stage, Kind.BACKWARD_WEIGHT, same[:k])
+            cost = self._duration(group)
+            if cost > gap + _EPS:
+                break
+            if cost < k * single - _EPS:
+                best = group
+        return best
+
+    def stored(self, rank: int, runs: Sequence[Run]) -> list[Action]:
+        """The ``W`` of ``rank`` not run yet, one per micro-batch, once ``runs``
+        (what it ran) are counted."""
+        stored = self._stored[rank]
         for run in runs[self._seen[rank] :]:
-            kind = run.action.kind
-            if kind is Kind.FORWARD:
+            action = run.action
+            if action.kind is Kind.FORWARD:
                 self._held[rank] += 1
                 self._forwards_left[rank] -= 1
-            elif kind is Kind.BACKWARD_INPUT:
-                self._stored[rank].append(
-                    Action(run.action.stage, Kind.BACKWARD_WEIGHT, run.action.microbatches)
+            elif action.kind is Kind.BACKWARD_INPUT:
+                stored.extend(
+                    Action(action.stage, Kind.BACKWARD_WEIGHT, (mb,)) for mb in action.microbatches
                 )
-            elif kind is Kind.BACKWARD_WEIGHT:
-                self._stored[rank].popleft()
-                self._held[rank] -= 1
+            elif action.kind is Kind.BACKWARD_WEIGHT:
+                done = set(action.microbatches)
+                stored[:] = [
+                    w for w in stored if w.stage != action.stage or w.microbatches[0] not in done
+                ]
+                self._held[rank] -= len(done)
         self._seen[rank] = len(runs)
-        return self._stored[rank]
+        return stored

@@ -27,6 +27,7 @@ class ScheduleInfo:
         allowed_stages_per_rank: the values it accepts, or ``None`` for any
             ``v >= 1``.
         build: ``(p, m, v) -> Schedule``.
+        pipelines: how many pipelines it runs over the same ranks (2 for Chimera).
     """
 
     name: str
@@ -35,6 +36,7 @@ class ScheduleInfo:
     default_stages_per_rank: int
     allowed_stages_per_rank: tuple[int, ...] | None
     build: Callable[[int, int, int], Schedule]
+    pipelines: int = 1
 
 
 def _single(make: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:
@@ -85,6 +87,7 @@ SCHEDULES: Mapping[str, ScheduleInfo] = MappingProxyType(
                 1,
                 (1,),
                 _single(chimera.chimera),
+                pipelines=2,
             ),
             ScheduleInfo(
                 "zb-h1",

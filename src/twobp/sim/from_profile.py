@@ -8,10 +8,11 @@ its blocks'; a stage boundary sends the output of the stage's last block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
-from twobp.partition.solver import check_partition, stage_ranges
+from twobp.partition.solver import check_partition, solve, stage_ranges, uniform
 from twobp.sim.costs import CostModel
 
 
@@ -100,3 +101,88 @@ def stage_cost_model(
         contention=contention,
         **options,
     )
+
+
+SizesFor = Callable[[int], tuple[int, ...]]
+"""Blocks per stage for a schedule of the given number of stages."""
+CostsFor = Callable[[int], CostModel]
+"""The cost model of a schedule of the given number of stages."""
+
+
+def partition_for(
+    n_blocks: int, partition: Sequence[int] | str | None, block_costs: Sequence[float] | None
+) -> SizesFor:
+    """How the blocks split into any number of stages.
+
+    Args:
+        n_blocks: blocks of the model.
+        partition: block counts per stage (then only that many stages),
+            ``"uniform"`` or None, or ``"balanced"`` (by ``block_costs``).
+        block_costs: per block ``F + I + W`` time, for ``"balanced"``.
+
+    Returns:
+        ``n_stages -> sizes``, which raises ValueError where the blocks do not split so.
+    """
+
+    def sizes(n_stages: int) -> tuple[int, ...]:
+        if n_blocks < n_stages:
+            raise ValueError(
+                f"{n_stages} stages need at least {n_stages} blocks, the model has {n_blocks}"
+            )
+        if partition is None or partition == "uniform":
+            return tuple(uniform(n_blocks, n_stages))
+        if partition == "balanced":
+            if block_costs is None:
+                raise ValueError("partition='balanced' needs measured block costs")
+            return tuple(solve(list(block_costs), n_stages).sizes)
+        if isinstance(partition, str):
+            raise ValueError(
+                f"unknown partition strategy {partition!r}; use 'uniform', 'balanced' or "
+                "block counts per stage"
+            )
+        if len(partition) != n_stages:
+            raise ValueError(
+                f"partition {list(partition)} has {len(partition)} stages, not {n_stages}"
+            )
+        check_partition(list(partition), n_blocks, n_stages)
+        return tuple(partition)
+
+    return sizes
+
+
+def profiled_costs(
+    blocks: Sequence[BlockFigures],
+    weight_concat: Sequence[Mapping[int, float]] | None,
+    sizes_for: SizesFor,
+    *,
+    contention: float = 1.0,
+    parameter_factor: float = 1.0,
+    **options: Any,
+) -> CostsFor:
+    """Cost models of any number of stages from blocks measured alone.
+
+    Args:
+        blocks: the measured blocks (alone: not divided by ``contention``).
+        weight_concat: per block ``{k: seconds}`` of W over ``k`` micro-batches.
+        sizes_for: the partition for each stage count (:func:`partition_for`).
+        contention: the slowdown of all ranks computing at once, which the
+            simulator applies to overlapping actions.
+        parameter_factor: bytes held per parameter byte (2: weights and gradients).
+        **options: further :class:`~twobp.sim.costs.CostModel` fields.
+
+    Returns:
+        ``n_stages -> cost model``.
+    """
+
+    def costs(n_stages: int) -> CostModel:
+        model = stage_cost_model(
+            blocks, sizes_for(n_stages), weight_concat=weight_concat, **options
+        )
+        assert model.parameter_bytes is not None
+        return replace(
+            model,
+            contention=contention,
+            parameter_bytes=tuple(parameter_factor * b for b in model.parameter_bytes),
+        )
+
+    return costs

@@ -62,6 +62,11 @@ class Candidate:
         error: why the combination could not be simulated, or ``""``.
         recompute: the recompute mode of every stage (``off`` for none).
         weight_group_size: the cap on micro-batches per ``W`` group (None: none).
+        stages_per_rank: stages per rank ``V`` it was built with (None: the
+            schedule's default).
+        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        uncontended_makespan: simulated step time with ranks that do not
+            slow each other (``contention = 1``); ``nan`` if not simulated.
     """
 
     schedule: str
@@ -72,6 +77,9 @@ class Candidate:
     error: str = ""
     recompute: str = NO_RECOMPUTE
     weight_group_size: int | None = None
+    stages_per_rank: int | None = None
+    group_size: int | None = None
+    uncontended_makespan: float = math.nan
 
     @property
     def ok(self) -> bool:

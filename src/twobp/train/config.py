@@ -30,7 +30,16 @@ class TrainConfig:
         choices=HF_FAMILIES,
     )
     size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
-    schedule: str = doc("pipeline schedule name (see `twobp simulate --help`)", "1f1b")
+    schedule: str = doc(
+        "pipeline schedule name (see `twobp simulate --help`), or 'auto': profile the blocks, "
+        "simulate every schedule, 2BP policy and W group size, run the fastest",
+        "1f1b",
+    )
+    memory_limit: str | None = doc(
+        "with --schedule auto, the most memory per rank (bytes, or e.g. 2GiB): parameters, "
+        "gradients, activations and stored W inputs as the simulator counts them",
+        None,
+    )
     two_bp: bool = doc("split every backward into I and W (2-stage backpropagation)", True)
     policy: str = doc(
         "2BP placement policy of W: eager, paper or fill", "paper", choices=tuple(TWO_BP_POLICIES)

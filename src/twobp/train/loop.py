@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,11 +116,14 @@ def train_rank(
         autocast=autocast_dtype(cfg),
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if cfg.partition == "balanced"
+            if cfg.partition == "balanced" or cfg.schedule == "auto"
             else None
         ),
         data_parallel=cfg.data_parallel,
+        memory_limit=cfg.memory_limit,
     )
+    if pipe.plan is not None and pipe.rank == 0:
+        print(pipe.plan, file=progress_stream or sys.stderr)
     result = RankResult(
         rank=pipe.rank,
         stage_blocks=[list(r) for r in pipe.stage_blocks],

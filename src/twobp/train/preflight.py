@@ -21,9 +21,11 @@ import torch
 from twobp.config import check_writable
 from twobp.engine.autocast import check_autocast_dtype
 from twobp.models import build_model
+from twobp.runtime.setup.auto_schedule import AUTO
 from twobp.runtime.setup.group import default_device
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
+from twobp.sim.cost_io import parse_amount
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.data import check_text_file
@@ -54,8 +56,10 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
             f"--data-parallel {cfg.data_parallel}: {ranks} ranks do not form "
             f"{cfg.data_parallel} copies of a pipeline; start data-parallel x pipeline ranks"
         )
-    schedule = _schedule(cfg, ranks // cfg.data_parallel)
-    _check_partition(cfg, n_blocks, schedule)
+    _check_memory_limit(cfg)
+    if cfg.schedule != AUTO:
+        schedule = _schedule(cfg, ranks // cfg.data_parallel)
+        _check_partition(cfg, n_blocks, schedule)
     if cfg.data is not None and cfg.model != "resnet":
         try:
             check_text_file(cfg.data, cfg.seq_len)
@@ -166,6 +170,22 @@ def _model_blocks(cfg: TrainConfig) -> int:
     except ValueError as exc:
         raise OptionError(f"--size {cfg.size}: {exc}") from None
     return spec.n_blocks
+
+
+def _check_memory_limit(cfg: TrainConfig) -> None:
+    if cfg.memory_limit is None:
+        return
+    if cfg.schedule != AUTO:
+        raise OptionError(
+            f"--memory-limit bounds the choice of --schedule auto; with --schedule "
+            f"{cfg.schedule} it does nothing: drop it, or use --schedule auto"
+        )
+    try:
+        limit = parse_amount(cfg.memory_limit)
+    except ValueError as exc:
+        raise OptionError(f"--memory-limit {cfg.memory_limit}: {exc}") from None
+    if not limit > 0:
+        raise OptionError(f"--memory-limit must be > 0 bytes, got {cfg.memory_limit}")
 
 
 def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:

@@ -20,6 +20,7 @@ from torch import nn
 from twobp.partition import stage_ranges
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.setup.auto_schedule import AUTO, AutoPlan, plan_auto, read_memory_limit
 from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
 from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import (
@@ -28,6 +29,7 @@ from twobp.runtime.setup.stage_blocks import (
     stage_counts,
 )
 from twobp.schedule import (
+    SCHEDULES,
     Schedule,
     ScheduleConfigError,
     ScheduleError,
@@ -35,10 +37,17 @@ from twobp.schedule import (
     resolve_schedule,
 )
 from twobp.schedule._timing import Costs
+from twobp.schedule.lowering import is_split
+from twobp.schedule.resolve import DEFAULT_MICROBATCHES
 from twobp.sim.cost_io import load_costs
+from twobp.sim.costs import CostModel
+from twobp.sim.planner import NO_TWO_BP
 
 CostsArgument = Costs | str | os.PathLike[str]
-"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, or a cost JSON file."""
+"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
+``"profile"`` (measure the blocks and place W by their costs)."""
+PROFILE = "profile"
+"""``costs=`` that measures the blocks on ``example_input`` (as ``schedule="auto"`` does)."""
 
 NONFINITE_POLICIES = ("raise", "skip")
 """What a pipeline does when a step's mean loss is NaN or infinite."""
@@ -53,10 +62,12 @@ class PipelinePlan:
             backwards fused (:func:`twobp.schedule.fuse_first_stage_backward`).
         ranges: the block indices of every stage of the model (a schedule
             of several pipelines runs each model stage once per pipeline).
+        auto: what ``schedule="auto"`` chose and from what; None for a given schedule.
     """
 
     schedule: Schedule
     ranges: tuple[range, ...]
+    auto: AutoPlan | None = None
 
 
 def plan_pipeline(
@@ -75,6 +86,7 @@ def plan_pipeline(
     nonfinite: str,
     costs: CostsArgument = None,
     n_ranks: int | None = None,
+    memory_limit: float | str | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -92,10 +104,44 @@ def plan_pipeline(
             incomplete or deadlocks.
         ModelMismatchError: if ranks have other options or other models.
     """
+    auto = None
+    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
+        fixed = schedule != AUTO
+        auto = plan_auto(
+            blocks,
+            world,
+            device,
+            n_microbatches=DEFAULT_MICROBATCHES if n_microbatches is None else n_microbatches,
+            two_bp=two_bp,
+            stages_per_rank=(
+                stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
+                if fixed
+                else stages_per_rank
+            ),
+            partition=partition,
+            example_input=example_input,
+            memory_limit=read_memory_limit(memory_limit),
+            costs=None if costs == PROFILE else _auto_costs(costs),
+            schedules=[schedule] if fixed else None,
+            policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
+            n_ranks=n_ranks,
+        )
+        schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
+        two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
+    elif costs == PROFILE:
+        raise PipelineConfigError(
+            "costs='profile' places W by the measured costs of a schedule given by name; "
+            f"{schedule!r} is not one: use a name, or schedule='auto'"
+        )
     problem: Exception | None = None
     resolved: Schedule | None = None
     counts: list[int] | None = None
     try:
+        if auto is None and memory_limit is not None:
+            raise PipelineConfigError(
+                f"memory_limit={memory_limit!r} bounds the choice of schedule='auto'; with "
+                f"schedule={schedule!r} it does nothing: drop it, or use schedule='auto'"
+            )
         if nonfinite not in NONFINITE_POLICIES:
             raise PipelineConfigError(
                 f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
@@ -124,7 +170,28 @@ def plan_pipeline(
     assert resolved is not None
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)))
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def _profiles(schedule: str, costs: CostsArgument) -> bool:
+    """True if ``costs="profile"`` asks to measure the costs of a schedule given by name."""
+    return isinstance(costs, str) and costs == PROFILE and schedule in SCHEDULES
+
+
+def _auto_costs(costs: CostsArgument) -> CostModel | None:
+    """The cost model ``schedule="auto"`` plans with instead of profiling, if given.
+
+    Raises:
+        PipelineConfigError: for costs that are not a full cost model.
+    """
+    model = cost_model(costs)
+    if model is None or isinstance(model, CostModel):
+        return model
+    raise PipelineConfigError(
+        "schedule='auto' with costs= needs a twobp.sim.CostModel or a cost JSON file (it "
+        "simulates memory and transfers too), not a mapping of times; or leave costs unset "
+        "to profile the blocks"
+    )
 
 
 def cost_model(costs: CostsArgument) -> Costs:

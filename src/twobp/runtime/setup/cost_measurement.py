@@ -1,0 +1,184 @@
+"""What ``schedule="auto"`` measures: the blocks' costs, the ranks' contention, the link.
+
+Rank 0 times every block (F, I, W, the fused B, the bytes kept, and W over
+several micro-batches at once) in rounds, the others waiting; then all
+ranks measure together how much slower they compute at once than alone, and
+the one-way latency and bandwidth between ranks 0 and 1. Collective.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.partition.profiler import BlockCost, profile_blocks, weight_group_times
+from twobp.runtime.execution.microbatch import Batch, to_device
+from twobp.runtime.setup.group import Membership
+
+PROFILE_ROUNDS = 5
+"""Rounds of block timings the profile is the median of."""
+CONTENTION_ROUNDS = 5
+"""Rounds of alone and together runs the contention is the median of."""
+LINK_REPEATS = 20
+"""Ping-pongs per message size when measuring the link between ranks 0 and 1."""
+
+Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float], str]
+
+
+def measure(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    example_input: Batch,
+    n_microbatches: int,
+) -> Measured:
+    """Rank 0's block profile and W table; the contention and the link of all ranks
+    (collective); what went wrong on rank 0 while profiling (``""`` if nothing)."""
+    homes = [_device_of(b) for b in blocks]
+    moved = [b.to(device) for b in blocks]
+    example = to_device(example_input, device)
+    figures: list[BlockCost] = []
+    tables: list[dict[int, float]] = []
+    problem = ""
+    try:
+        if world.rank == 0:
+            try:
+                figures, tables = _profile_rounds(moved, example, n_microbatches)
+            except Exception as exc:  # the other ranks must hear of it, not wait
+                problem = f"profiling the blocks on rank 0 failed: {type(exc).__name__}: {exc}"
+        # The others must learn that rank 0 failed before they wait for it below.
+        shared: list[Any] = [problem, max((c.output_bytes for c in figures), default=0)]
+        if world.group is not None:
+            dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
+        problem = str(shared[0])
+        if problem:
+            return figures, tables, 1.0, (0.0, math.inf), problem
+        contention = _contention(moved, example, world)
+        link = _link(world, device, int(shared[1]))
+    finally:
+        for block, home in zip(blocks, homes, strict=True):
+            block.to(home)
+    return figures, tables, contention, link, problem
+
+
+def _profile_rounds(
+    blocks: Sequence[nn.Module], example: Batch, n_microbatches: int
+) -> tuple[list[BlockCost], list[dict[int, float]]]:
+    """Every block's costs and W table, the median of :data:`PROFILE_ROUNDS` rounds.
+
+    Each round times every block once, so a change of load on a shared
+    machine touches all blocks alike instead of those profiled at the time.
+    """
+    counts = sorted({1, 2, 4, n_microbatches} & set(range(1, n_microbatches + 1)))
+    rounds = [
+        (
+            profile_blocks(blocks, example, repeats=1),
+            weight_group_times(blocks, example, counts),
+        )
+        for _ in range(PROFILE_ROUNDS)
+    ]
+    figures = [
+        replace(
+            first,
+            **{
+                name: statistics.median(getattr(r[0][i], name) for r in rounds)
+                for name in ("forward", "backward_input", "backward_weight", "backward_full")
+            },
+        )
+        for i, first in enumerate(rounds[0][0])
+    ]
+    tables = [
+        {k: statistics.median(r[1][i][k] for r in rounds) for k in counts}
+        for i in range(len(figures))
+    ]
+    return figures, tables
+
+
+def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) -> float:
+    """How many times longer all ranks take for the same F and B at once than each alone.
+
+    In each of :data:`CONTENTION_ROUNDS` rounds every rank runs the work alone
+    in turn (the others wait at a barrier, which does not compute) and then
+    all run it at once; the ratio of each round is taken under the same
+    outside load, and the median over rounds and ranks is kept. It is at
+    most the number of ranks on this machine: sharing it evenly, they cannot
+    slow each other down more than that.
+    """
+    if world.group is None or world.size < 2:
+        return 1.0
+    group = world.group
+
+    def work() -> float:
+        start = time.perf_counter()
+        x = example
+        for block in blocks:
+            x = block(x)
+        tensors = x if isinstance(x, tuple) else (x,)
+        sums = [t.float().sum() for t in tensors if t.requires_grad]
+        if sums:
+            torch.autograd.backward(torch.stack(sums).sum())
+        return time.perf_counter() - start
+
+    grads = [(p, p.grad) for b in blocks for p in b.parameters()]
+    work()  # warm-up, all at once
+    ratios = []
+    for _ in range(CONTENTION_ROUNDS):
+        alone = 0.0
+        for turn in range(world.size):
+            dist.barrier(group=group)
+            if world.rank == turn:
+                alone = work()
+            dist.barrier(group=group)
+        ratios.append(work() / alone if alone > 0 else 1.0)
+    for p, g in grads:
+        p.grad = g
+    gathered = torch.zeros(world.size * CONTENTION_ROUNDS, dtype=torch.float64)
+    mine = torch.tensor(ratios, dtype=torch.float64)
+    if world.backend == "nccl":
+        gathered, mine = gathered.cuda(), mine.cuda()
+    dist.all_gather(list(gathered.chunk(world.size)), mine, group=group)
+    ratio = float(gathered.median())
+    return min(float(world.local_size), max(1.0, ratio))
+
+
+def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float]:
+    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong), on every rank."""
+    if world.group is None or world.size < 2:
+        return 0.0, math.inf
+    group = world.group
+    peers = (world.global_rank(0), world.global_rank(1))
+
+    def one_way(message: torch.Tensor) -> float:
+        dist.barrier(group=group)
+        times = []
+        for _ in range(LINK_REPEATS):
+            start = time.perf_counter()
+            if world.rank == 0:
+                dist.send(message, peers[1], group=group)
+                dist.recv(message, peers[1], group=group)
+            elif world.rank == 1:
+                dist.recv(message, peers[0], group=group)
+                dist.send(message, peers[0], group=group)
+            times.append((time.perf_counter() - start) / 2)
+        shared = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+        dist.broadcast(shared, peers[0], group=group)
+        return float(shared)
+
+    small = one_way(torch.zeros(2, device=device))
+    large = one_way(torch.zeros(max(2, nbytes // 4), device=device))
+    extra = large - small
+    return small, (nbytes - 8) / extra if extra > 0 and nbytes > 8 else math.inf
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    for tensor in block.parameters():
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,238 @@
+"""Search every schedule, 2BP policy, W group size and stage count for the fastest step.
+
+:func:`options` lists the combinations that exist for ``p`` ranks: every
+named schedule (with each number of stages per rank it takes, up to
+:data:`MAX_STAGES_PER_RANK`), without 2BP (``off``) and with each policy,
+and for ``paper`` and ``fill`` each cap on the micro-batches one ``W`` covers
+(:data:`GROUP_SIZES` and no cap). :func:`search` simulates them under a
+cost model per stage count (with its contention), bounds ``fill`` by a
+memory limit and orders the results; :func:`choose` takes the fastest that
+fits, or says how much memory the least hungry one needs. This is what
+``schedule="auto"`` of a pipeline runs on its measured costs. This module
+imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from twobp.schedule import SCHEDULES, Schedule, apply_two_bp, generate
+from twobp.sim.cost_io import format_amount
+from twobp.sim.costs import CostModel
+from twobp.sim.memory import least_fill_memory, microbatch_limit
+from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
+from twobp.sim.simulate import DeadlockError, simulate
+
+MAX_STAGES_PER_RANK = 2
+"""Stages per rank tried for the schedules that take any number (more cost more messages)."""
+GROUP_SIZES = (1, 2, 4)
+"""Caps on the micro-batches one ``W`` covers that are tried besides no cap."""
+NEAR_TIE = 0.02
+"""Candidates within this fraction of the fastest are a tie, broken without contention."""
+GROUPED_POLICIES = ("paper", "fill")
+"""The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
+
+CostsFor = Callable[[int], CostModel]
+"""The cost model of a schedule with the given number of stages."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One combination to simulate.
+
+    Args:
+        schedule: a name of :data:`twobp.schedule.SCHEDULES`.
+        policy: ``off`` or a 2BP policy.
+        stages_per_rank: stages per rank ``V``.
+        group_size: the most micro-batches one ``W`` covers (None: no cap).
+    """
+
+    schedule: str
+    policy: str
+    stages_per_rank: int
+    group_size: int | None = None
+
+
+class NothingFitsError(ValueError):
+    """No combination fits the memory limit (the message says what the least needs)."""
+
+
+def options(
+    n_microbatches: int,
+    *,
+    schedules: Sequence[str] | None = None,
+    policies: Sequence[str] = ALL_POLICIES,
+    max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+) -> list[Option]:
+    """Every combination of schedule, stage count, policy and ``W`` group cap.
+
+    Args:
+        n_microbatches: micro-batches per step (group caps below it only).
+        schedules: names to try (None: all of :data:`twobp.schedule.SCHEDULES`).
+        policies: ``off`` and/or 2BP policies.
+        max_stages_per_rank: the most stages per rank tried for schedules
+            that take any number.
+
+    Returns:
+        The options, in a fixed order.
+    """
+    out = []
+    for name in SCHEDULES if schedules is None else schedules:
+        info = SCHEDULES[name]
+        allowed = info.allowed_stages_per_rank
+        counts = range(1, max_stages_per_rank + 1) if allowed is None else allowed
+        caps = [None, *(g for g in GROUP_SIZES if g < n_microbatches)]
+        for v in counts:
+            for policy in policies:
+                for cap in caps if policy in GROUPED_POLICIES else [None]:
+                    out.append(Option(name, policy, v, cap))
+    return out
+
+
+def simulate_option(
+    option: Option,
+    n_ranks: int,
+    n_microbatches: int,
+    costs_for: CostsFor,
+    memory_limit: float | None = None,
+) -> tuple[Candidate, Schedule | None]:
+    """Build and simulate one option.
+
+    ``fill`` under a memory limit keeps each rank to the micro-batches of
+    :func:`twobp.sim.memory.microbatch_limit`; the other policies are
+    simulated as they are and may go over it (:func:`choose` skips them).
+
+    Returns:
+        The candidate (with ``error`` if it cannot be built or run) and its
+        schedule (None on error).
+    """
+    try:
+        schedule = generate(
+            option.schedule, n_ranks, n_microbatches, stages_per_rank=option.stages_per_rank
+        )
+        costs = costs_for(schedule.n_stages)
+        if option.policy != NO_TWO_BP:
+            held = None
+            if option.policy == "fill" and memory_limit is not None:
+                held = _held_within(schedule, costs, memory_limit)
+            schedule = apply_two_bp(
+                schedule,
+                option.policy,
+                costs=costs,
+                memory_limit=held,
+                group_size=option.group_size,
+            )
+        result = simulate(schedule, costs)
+        alone = result if costs.contention == 1 else simulate(schedule, uncontended(costs))
+    except (ValueError, DeadlockError) as exc:
+        return _candidate(option, error=str(exc).splitlines()[0]), None
+    candidate = _candidate(
+        option,
+        makespan=result.makespan,
+        bubble_ratio=result.bubble_ratio,
+        peak_memory=max(result.peak_memory),
+        uncontended_makespan=alone.makespan,
+    )
+    return candidate, schedule
+
+
+def search(
+    choices: Sequence[Option],
+    n_ranks: int,
+    n_microbatches: int,
+    costs_for: CostsFor,
+    memory_limit: float | None = None,
+) -> list[Candidate]:
+    """Simulate every option; those that fit first, fastest first.
+
+    Returns:
+        The candidates that fit ``memory_limit`` by makespan, then those over
+        it, then those that could not be simulated (with their ``error``).
+    """
+    done = [
+        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit)[0] for o in choices
+    ]
+
+    def order(c: Candidate) -> tuple[int, float, float]:
+        group = 2 if not c.ok else 0 if fits(c, memory_limit) else 1
+        return group, c.makespan, c.peak_memory
+
+    return sorted(done, key=order)
+
+
+def fits(candidate: Candidate, memory_limit: float | None) -> bool:
+    """True if the candidate ran and its peak memory per rank is within the limit."""
+    return candidate.ok and (memory_limit is None or candidate.peak_memory <= memory_limit)
+
+
+def uncontended(costs: CostModel) -> CostModel:
+    """The same costs for ranks that do not slow each other."""
+    return replace(costs, contention=1.0)
+
+
+def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candidate:
+    """The fastest candidate within ``memory_limit``.
+
+    Candidates within :data:`NEAR_TIE` of the fastest are a tie, which the
+    step without contention breaks: contention measured on a shared machine
+    is noisy, and the schedule that overlaps its ranks better loses nothing
+    if they slow each other less than measured.
+
+    Raises:
+        NothingFitsError: if none ran, or none fits; the message names the
+            one that needs the least memory and how much.
+    """
+    ran = [c for c in candidates if c.ok]
+    if not ran:
+        reasons = "; ".join(sorted({f"{c.schedule}: {c.error}" for c in candidates}))
+        raise NothingFitsError(f"no schedule could be simulated ({reasons or 'none given'})")
+    fitting = [c for c in ran if fits(c, memory_limit)]
+    if not fitting:
+        least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
+        raise NothingFitsError(
+            f"no schedule fits memory_limit={format_amount(memory_limit or 0)} per rank: the "
+            f"one that needs the least, {describe(least)}, needs "
+            f"{format_amount(least.peak_memory)}; raise the limit to at least that, or use "
+            "fewer micro-batches or more ranks"
+        )
+    fastest = min(c.makespan for c in fitting)
+    tied = [c for c in fitting if c.makespan <= fastest * (1 + NEAR_TIE)]
+
+    def alone(c: Candidate) -> float:
+        return c.makespan if math.isnan(c.uncontended_makespan) else c.uncontended_makespan
+
+    return min(tied, key=lambda c: (alone(c), c.makespan, c.peak_memory))
+
+
+def describe(c: Candidate) -> str:
+    """A short name: ``zb-h2 with 2BP (fill, W groups <= 2)``, ``interleaved-1f1b (V=2)``."""
+    info = SCHEDULES.get(c.schedule)
+    shown_v = info is not None and info.allowed_stages_per_rank != (c.stages_per_rank,)
+    name = f"{c.schedule} (V={c.stages_per_rank})" if shown_v else c.schedule
+    if c.policy == NO_TWO_BP:
+        return name
+    cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
+    return f"{name} with 2BP ({c.policy}{cap})"
+
+
+def _held_within(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
+    held = microbatch_limit(schedule, costs, memory_limit)
+    need = least_fill_memory(schedule, costs)
+    if held < 1 or memory_limit < need:
+        raise ValueError(
+            f"needs at least {format_amount(need)} per rank whatever the W placement; the "
+            f"limit is {format_amount(memory_limit)}"
+        )
+    return held
+
+
+def _candidate(option: Option, **figures: float | str) -> Candidate:
+    base = Candidate(option.schedule, option.policy)
+    return replace(
+        base,
+        stages_per_rank=option.stages_per_rank,
+        group_size=option.group_size,
+        **figures,  # type: ignore[arg-type]
+    )

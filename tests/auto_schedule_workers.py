@@ -1,0 +1,52 @@
+"""Functions the ``schedule="auto"`` tests run on every rank of a launched group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime_models import build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline, PipelineConfigError
+
+
+def chosen_and_trained(
+    model: str, n_mb: int, batch_size: int, schedule: str = "auto", **options: Any
+) -> dict[str, Any]:
+    """Build a pipeline (``schedule="auto"``), run one step; what it chose and its gradients."""
+    inputs, targets = make_batch(model, 0, batch_size)
+    example = (
+        tuple(t[: batch_size // n_mb] for t in inputs)
+        if isinstance(inputs, tuple)
+        else (inputs[: batch_size // n_mb])
+    )
+    pipe = Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule=schedule,
+        n_microbatches=n_mb,
+        example_input=example,
+        device="cpu",
+        timeout=60.0,
+        **options,
+    )
+    first, last = 0, pipe.schedule.n_stages - 1
+    loss = pipe.step(
+        inputs if first in pipe.stages else None, targets if last in pipe.stages else None
+    )
+    assert pipe.plan is not None
+    return {
+        "schedule": str(pipe.schedule),
+        "choice": pipe.plan.choice,
+        "partition": pipe.plan.partition,
+        "shown": str(pipe.plan),
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+    }
+
+
+def refused(model: str, n_mb: int, batch_size: int, **options: Any) -> str:
+    """The message of the error ``schedule="auto"`` raises with ``options``."""
+    try:
+        chosen_and_trained(model, n_mb, batch_size, **options)
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,85 @@
+"""``schedule="auto"`` on real gloo ranks: one choice on every rank, gradients as one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from auto_schedule_workers import chosen_and_trained, refused
+from runtime_models import train_reference
+from twobp.runtime import launch
+from twobp.sim import CostModel
+
+N_MB = 4
+BATCH = 8
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def profiled() -> list[dict]:
+    return launch(
+        chosen_and_trained, 2, "transformer", N_MB, BATCH, threads_per_rank=1, timeout=120
+    )
+
+
+def test_every_rank_runs_the_one_schedule_rank_0_chose(profiled):
+    assert profiled[0]["schedule"] == profiled[1]["schedule"]
+    assert profiled[0]["choice"] == profiled[1]["choice"]
+    assert profiled[0]["partition"] == profiled[1]["partition"]
+    choice = profiled[0]["choice"]
+    assert choice.ok and choice.makespan > 0
+    assert profiled[0]["shown"].startswith(f"schedule='auto' chose {choice.schedule}")
+
+
+def test_the_chosen_schedule_gives_the_single_process_gradients(profiled):
+    reference = train_reference("transformer", N_MB, BATCH)
+    for result in profiled:
+        assert result["loss"] == pytest.approx(reference["losses"][0], abs=TOL, rel=0)
+    grads = {**profiled[0]["grads"], **profiled[1]["grads"]}
+    assert set(grads) == set(reference["grads"])
+    for name, expected in reference["grads"].items():
+        assert (grads[name] - expected).abs().max().item() < TOL, name
+
+
+def test_given_costs_choose_without_profiling_and_memory_limit_bounds_the_choice():
+    # W is cheap and F dear: the fastest schedules hold many micro-batches.
+    costs = CostModel.uniform(2, 3.0, 1.0, 0.5, activation_bytes=100.0, weight_grad_bytes=100.0)
+    free, bounded = launch(_two_choices, 2, costs, threads_per_rank=1, timeout=120)[0]
+    assert free["choice"].peak_memory > 300
+    assert bounded["choice"].peak_memory <= 300
+    assert bounded["choice"].makespan >= free["choice"].makespan
+
+
+def _two_choices(costs: CostModel) -> tuple[dict, dict]:
+    free = chosen_and_trained("mlp", N_MB, BATCH, costs=costs)
+    bounded = chosen_and_trained("mlp", N_MB, BATCH, costs=costs, memory_limit="300")
+    return free, bounded
+
+
+def test_a_memory_limit_nothing_fits_says_what_the_least_needs():
+    costs = CostModel.uniform(2, activation_bytes=2**20, weight_grad_bytes=2**20)
+    messages = launch(_refused_at_half_a_mib, 2, costs, threads_per_rank=1, timeout=120)
+    assert messages[0] == messages[1]
+    assert "no schedule fits memory_limit=512 KiB per rank" in messages[0]
+    assert "needs 1 MiB" in messages[0]
+
+
+def _refused_at_half_a_mib(costs: CostModel) -> str:
+    return refused("mlp", N_MB, BATCH, costs=costs, memory_limit="512KiB")
+
+
+def test_costs_profile_places_zero_bubble_w_by_measured_costs():
+    results = launch(_zb_h2_profiled, 2, threads_per_rank=1, timeout=120)
+    reference = train_reference("mlp", N_MB, BATCH)
+    assert results[0]["schedule"] == results[1]["schedule"]
+    assert results[0]["choice"].schedule == "zb-h2"
+    assert results[0]["choice"].policy == "fill"
+    assert "zb-h2+2bp:fill" in results[0]["schedule"]
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    for name, expected in reference["grads"].items():
+        assert (grads[name] - expected).abs().max().item() < TOL, name
+
+
+def _zb_h2_profiled() -> dict:
+    return chosen_and_trained(
+        "mlp", N_MB, BATCH, schedule="zb-h2", costs="profile", two_bp_policy="fill"
+    )
