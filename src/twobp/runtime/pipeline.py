@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -34,14 +33,12 @@ from torch import nn
 
 from twobp.engine.autocast import check_autocast_dtype
 from twobp.runtime.communication import collective
-from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
+from twobp.runtime.communication.channel import BoundaryLayouts
 from twobp.runtime.errors import (
-    PeerError,
     PipelineConfigError,
     nonfinite_error,
 )
 from twobp.runtime.execution.backward import stage_gradients
-from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.memory import MemoryMeter, memory_stats
 from twobp.runtime.execution.microbatch import (
     Batch,
@@ -49,10 +46,10 @@ from twobp.runtime.execution.microbatch import (
     unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
-from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
-from twobp.runtime.execution.step_run import StepResult, StepRun
+from twobp.runtime.execution.step_end import Failure
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
+from twobp.runtime.pipeline_steps import PipelineSteps
 from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
@@ -75,7 +72,7 @@ from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.timeline import Span
 
 
-class Pipeline(PipelineState):
+class Pipeline(PipelineState, PipelineSteps):
     """A model run as a pipeline of stages over the ranks of a process group.
 
     Args:
@@ -459,129 +456,6 @@ class Pipeline(PipelineState):
             self._start_buffer,
             (schedule.replicas_of(0), schedule.replicas_of(last)),
         )
-
-    def _run(
-        self,
-        schedule: Schedule,
-        plan: CommPlan,
-        layouts: BoundaryLayouts,
-        mb_inputs: list[Batch] | None,
-        mb_targets: list[Batch] | None,
-    ) -> StepResult:
-        clock = StepClock(self.device)
-        channel = None
-        if plan.peers:
-            channel = StepChannel(
-                plan,
-                self.topology,
-                self.device,
-                layouts,
-                self.timeout,
-                schedule.n_stages,
-                self.n_microbatches,
-            )
-        run = StepRun(
-            self.rank,
-            schedule.placement,
-            self.stages,
-            channel,
-            mb_inputs,
-            mb_targets,
-            clock,
-            self._weight_group_size,
-            reducer=self._reducer,
-            n_pipelines=schedule.n_pipelines,
-        )
-        try:
-            result = run.run(schedule.actions[self.pp_rank])
-        except Exception as exc:
-            self._failure = Failure(exc, run.current, time.time())
-            if lost_peer(exc):
-                if channel is not None:
-                    channel.abandon()
-                if self._reducer is not None:
-                    self._reducer.abandon()
-                raise
-            # Complete the step's transfers and reductions so that no peer waits on this rank.
-            try:
-                if channel is not None:
-                    channel.drain()
-                if self._reducer is not None:
-                    self._reducer.drain()
-                    self._reducer.finish(keep=False)
-            except PeerError as lost:
-                if channel is not None:
-                    channel.abandon()
-                if self._reducer is not None:
-                    self._reducer.abandon()
-                raise lost from exc
-            raise
-        except BaseException:
-            if channel is not None:
-                channel.abandon()
-            if self._reducer is not None:
-                self._reducer.abandon()
-            raise
-        if self._reducer is not None:
-            self._reducer.finish()
-        self._spans = result.spans
-        self._peak_stashed_bytes = result.peak_stashed_bytes
-        return result
-
-    def _run_step(
-        self,
-        schedule: Schedule,
-        plan: CommPlan,
-        layouts: BoundaryLayouts,
-        mb_inputs: list[Batch] | None,
-        mb_targets: list[Batch] | None,
-        training: bool,
-    ) -> tuple[StepResult, float | None, int]:
-        """Run a step and settle it with every rank: the loss, or the failure.
-
-        Returns:
-            The step's result, the mean loss (None without targets) and the
-            first micro-batch whose loss is not finite (-1 if none).
-
-        Raises:
-            Exception: on the rank where the step failed, its own error; on the
-                others, :class:`PeerStepFailedError` naming it. A lost peer
-                (``PeerError``) is raised at once: there is nobody to settle with.
-        """
-        failure: Exception | None = None
-        result = StepResult()
-        try:
-            result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
-        except Exception as exc:
-            for stage in self.stages.values():
-                stage.abandon_step()
-            if lost_peer(exc) or self.topology.is_single:
-                raise
-            failure = exc
-        except BaseException:
-            for stage in self.stages.values():
-                stage.abandon_step()
-            raise
-        else:
-            if training:
-                for stage in self.stages.values():
-                    stage.finish_step()
-        losses = result.losses if failure is None else None
-        mine = None
-        if failure is not None:
-            recorded = self._failure
-            known = recorded is not None and recorded.error is failure
-            mine = recorded if known else Failure(failure, None, time.time())
-        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
-        if failure is not None or end.error is not None:
-            if training:
-                self.zero_grad(set_to_none=True)
-            if end.error is not None:
-                raise end.error
-            assert failure is not None
-            raise failure
-        loss, first_bad = end.loss, end.first_bad
-        return result, loss, first_bad
 
     # -- timing ------------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""How a pipeline runs one step on this rank and settles it with the others.
+
+:class:`PipelineSteps` is the part of :class:`twobp.runtime.Pipeline` that runs
+the lowered schedule of one step: it builds the step's channel and dispatcher,
+and when the step fails part-way it completes the transfers and gradient
+reductions that peers wait for, then settles the step with every rank (the
+loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
+from twobp.runtime.communication.reduction import GradientReducer
+from twobp.runtime.errors import PeerError
+from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.execution.stage import Stage
+from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
+from twobp.runtime.execution.step_run import StepResult, StepRun
+from twobp.runtime.setup.topology import Topology
+from twobp.schedule.schedule import Schedule
+from twobp.schedule.transfers import CommPlan
+from twobp.timeline import Span
+
+
+class PipelineSteps:
+    """Running and settling a step; mixed into :class:`twobp.runtime.Pipeline`."""
+
+    rank: int
+    pp_rank: int
+    device: torch.device
+    timeout: float
+    topology: Topology
+    n_microbatches: int
+    stages: dict[int, Stage]
+    _reducer: GradientReducer | None
+    _weight_group_size: int | None
+    _failure: Failure | None
+    _spans: list[Span]
+    _peak_stashed_bytes: int
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # PipelineState's, which comes first in the pipeline's bases.
+        raise NotImplementedError
+
+    def _run(
+        self,
+        schedule: Schedule,
+        plan: CommPlan,
+        layouts: BoundaryLayouts,
+        mb_inputs: list[Batch] | None,
+        mb_targets: list[Batch] | None,
+    ) -> StepResult:
+        clock = StepClock(self.device)
+        channel = None
+        if plan.peers:
+            channel = StepChannel(
+                plan,
+                self.topology,
+                self.device,
+                layouts,
+                self.timeout,
+                schedule.n_stages,
+                self.n_microbatches,
+            )
+        run = StepRun(
+            self.rank,
+            schedule.placement,
+            self.stages,
+            channel,
+            mb_inputs,
+            mb_targets,
+            clock,
+            self._weight_group_size,
+            reducer=self._reducer,
+            n_pipelines=schedule.n_pipelines,
+        )
+        try:
+            result = run.run(schedule.actions[self.pp_rank])
+        except Exception as exc:
+            self._failure = Failure(exc, run.current, time.time())
+            if lost_peer(exc):
+                if channel is not None:
+                    channel.abandon()
+                if self._reducer is not None:
+                    self._reducer.abandon()
+                raise
+            # Complete the step's transfers and reductions so that no peer waits on this rank.
+            try:
+                if channel is not None:
+                    channel.drain()
+                if self._reducer is not None:
+                    self._reducer.drain()
+                    self._reducer.finish(keep=False)
+            except PeerError as lost:
+                if channel is not None:
+                    channel.abandon()
+                if self._reducer is not None:
+                    self._reducer.abandon()
+                raise lost from exc
+            raise
+        except BaseException:
+            if channel is not None:
+                channel.abandon()
+            if self._reducer is not None:
+                self._reducer.abandon()
+            raise
+        if self._reducer is not None:
+            self._reducer.finish()
+        self._spans = result.spans
+        self._peak_stashed_bytes = result.peak_stashed_bytes
+        return result
+
+    def _run_step(
+        self,
+        schedule: Schedule,
+        plan: CommPlan,
+        layouts: BoundaryLayouts,
+        mb_inputs: list[Batch] | None,
+        mb_targets: list[Batch] | None,
+        training: bool,
+    ) -> tuple[StepResult, float | None, int]:
+        """Run a step and settle it with every rank: the loss, or the failure.
+
+        Returns:
+            The step's result, the mean loss (None without targets) and the
+            first micro-batch whose loss is not finite (-1 if none).
+
+        Raises:
+            Exception: on the rank where the step failed, its own error; on the
+                others, :class:`PeerStepFailedError` naming it. A lost peer
+                (``PeerError``) is raised at once: there is nobody to settle with.
+        """
+        failure: Exception | None = None
+        result = StepResult()
+        try:
+            result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
+        except Exception as exc:
+            for stage in self.stages.values():
+                stage.abandon_step()
+            if lost_peer(exc) or self.topology.is_single:
+                raise
+            failure = exc
+        except BaseException:
+            for stage in self.stages.values():
+                stage.abandon_step()
+            raise
+        else:
+            if training:
+                for stage in self.stages.values():
+                    stage.finish_step()
+        losses = result.losses if failure is None else None
+        mine = None
+        if failure is not None:
+            recorded = self._failure
+            known = recorded is not None and recorded.error is failure
+            mine = recorded if known else Failure(failure, None, time.time())
+        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
+        if failure is not None or end.error is not None:
+            if training:
+                self.zero_grad(set_to_none=True)
+            if end.error is not None:
+                raise end.error
+            assert failure is not None
+            raise failure
+        loss, first_bad = end.loss, end.first_bad
+        return result, loss, first_bad
