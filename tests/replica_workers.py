@@ -46,7 +46,12 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
             norms.append(float(pipe.clip_grad_norm_(1e9)))
         optimizer.step()
         pipe.zero_grad()
+    inputs, _ = make_batch(model, 0, PART * pipe.dp_size)
+    part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+    inputs = tuple(t[part] for t in inputs) if isinstance(inputs, tuple) else inputs[part]
+    outputs = pipe.eval_step(inputs)
     return {
+        "outputs": outputs,
         "losses": losses,
         "grads": grads,
         "norm": norms[0],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replica_workers import N_MB, PART, errors, load_tied, save_and_load, train_many, unequal_parts
-from runtime_models import train_reference
+from runtime_models import build_blocks, make_batch, train_reference
 from twobp.runtime import launch
 from twobp.schedule import SCHEDULES
 
@@ -102,6 +102,16 @@ def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, 
     norm = torch.stack([g.norm() ** 2 for g in reference["grads"].values()]).sum().sqrt()
     for r in results:
         assert math.isclose(r["norm"], float(norm), rel_tol=1e-12), case
+    # eval_step(x): each copy's outputs of its own batch, on one rank of the copy.
+    trained = torch.nn.Sequential(*build_blocks(model))
+    trained.load_state_dict(reference["state"])
+    inputs, _ = make_batch(model, 0, PART * copies)
+    with torch.no_grad():
+        want = trained(inputs)
+    given = [(r["dp"][0], r["outputs"]) for r in results if r["outputs"] is not None]
+    assert sorted(d for d, _ in given) == list(range(copies)), case
+    for d, outputs in given:
+        torch.testing.assert_close(outputs, want[d * PART : (d + 1) * PART], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("case", FOUR, ids=repr)

@@ -420,8 +420,10 @@ class Pipeline(PipelineState, PipelineSteps):
 
         Returns:
             With targets: the mean loss, on every rank. Without: on the rank of
-            the last stage, the output batch (micro-batch outputs concatenated);
-            None on the other ranks.
+            the last stage, the output batch (micro-batch outputs concatenated;
+            under Chimera, the rank of the down pipeline's last stage, which
+            gathers the up pipeline's outputs); None on the other ranks. Each
+            data-parallel copy returns the outputs of its own batch.
         """
         self._check_open()
         if self._forward_plan is None:
@@ -437,10 +439,26 @@ class Pipeline(PipelineState, PipelineSteps):
         )
         if loss is not None:
             return loss
-        if not result.outputs:
+        outputs = result.outputs
+        if self.schedule.n_pipelines > 1:
+            outputs = self._gather_outputs(outputs)
+        if not outputs:
             return None
-        parts = [unflatten(*result.outputs[m]) for m in range(self.n_microbatches)]
+        parts = [unflatten(*outputs[m]) for m in range(self.n_microbatches)]
         return concat_microbatches(parts)
+
+    def _gather_outputs(self, outputs: dict[int, Any]) -> dict[int, Any]:
+        """Every pipeline's outputs of this copy, on the rank of the first pipeline's last
+        stage (empty elsewhere). Collective."""
+        mine = {m: (tuple(t.cpu() for t in ts), is_tuple) for m, (ts, is_tuple) in outputs.items()}
+        every = collective.all_gather_objects(self.topology.members, mine)
+        if self.rank != self.topology.rank_of_stage(self.schedule.pipeline_stages - 1):
+            return {}
+        gathered: dict[int, Any] = {}
+        for rank in self.topology.pipeline_ranks:
+            for m, (ts, is_tuple) in every[rank].items():
+                gathered[m] = (tuple(t.to(self.device) for t in ts), is_tuple)
+        return gathered
 
     def _prepare(
         self, inputs: Batch | None, targets: Batch | None, training: bool
