@@ -249,3 +249,19 @@ def test_a_failed_step_leaves_the_pipeline_usable():
 def test_costs_that_cannot_be_read_say_what_to_pass(tmp_path):
     with pytest.raises(PipelineConfigError, match=r"missing.json.*not a readable cost model"):
         _pipe(costs=tmp_path / "missing.json")
+
+
+def test_the_end_of_a_step_names_the_first_nonfinite_microbatch_and_its_rank():
+    from twobp.runtime.errors import nonfinite_error
+    from twobp.runtime.execution.step_end import end_step
+    from twobp.runtime.setup.group import Membership
+
+    alone = Membership(0, 1, 1, None, None)
+    losses = {3: torch.tensor(1.0), 2: torch.tensor(float("nan")), 5: torch.tensor(float("inf"))}
+    end = end_step(alone, torch.device("cpu"), 5.0, losses, None)
+    assert (end.first_bad, end.bad_rank, end.error) == (2, 0, None)
+    assert math.isnan(end.loss)
+    fine = end_step(alone, torch.device("cpu"), 5.0, {0: torch.tensor(2.0)}, None)
+    assert (fine.loss, fine.first_bad, fine.bad_rank) == (2.0, -1, -1)
+    text = str(nonfinite_error(1, 7, math.nan, end.first_bad, end.bad_rank))
+    assert "step 7 is nan (computed on rank 0, a last stage; micro-batch 2 was the first)" in text

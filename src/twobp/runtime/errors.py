@@ -188,12 +188,14 @@ def nonfinite_error(
         step: the step index.
         loss: the mean loss.
         microbatch: the first micro-batch whose loss was not finite (-1: unknown).
-        rank: the rank of the last stage, which computed the loss.
+        rank: the rank of a last stage that computed that micro-batch's loss
+            (-1: unknown).
     """
     first = f"; micro-batch {microbatch} was the first" if microbatch >= 0 else ""
+    where = f"computed on rank {rank}, a last stage" if rank >= 0 else "computed on a last stage"
     return NonFiniteLossError(
-        f"rank {world_rank}: the mean loss of step {step} is {loss} (computed on rank {rank}, "
-        f"the last stage{first}). The step's gradients were dropped on every rank. Lower the "
+        f"rank {world_rank}: the mean loss of step {step} is {loss} ({where}"
+        f"{first}). The step's gradients were dropped on every rank. Lower the "
         "learning rate, clip gradients, check the data and the loss for division by zero or "
         "log(0), use a wider dtype, or pass nonfinite='skip' to skip such steps",
         step,

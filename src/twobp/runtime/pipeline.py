@@ -395,7 +395,7 @@ class Pipeline(PipelineState, PipelineSteps):
         """
         self._check_open()
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
-        _, loss, first_bad = self._run_step(
+        _, loss, first_bad, bad_rank = self._run_step(
             self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
         )
         assert loss is not None
@@ -405,8 +405,7 @@ class Pipeline(PipelineState, PipelineSteps):
             # Every rank learnt the loss from the last stage: all drop the step alike.
             self.zero_grad(set_to_none=True)
             if self.nonfinite == "raise":
-                last_rank = self.topology.rank_of_stage(self.schedule.n_stages - 1)
-                raise nonfinite_error(self.rank, step, loss, first_bad, last_rank)
+                raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
             self.skipped_steps.append(step)
         return loss
 
@@ -434,7 +433,7 @@ class Pipeline(PipelineState, PipelineSteps):
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):
         # exchange layouts afresh each call.
-        result, loss, _ = self._run_step(
+        result, loss, _, _ = self._run_step(
             self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets, False
         )
         if loss is not None:

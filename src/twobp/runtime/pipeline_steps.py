@@ -123,12 +123,13 @@ class PipelineSteps:
         mb_inputs: list[Batch] | None,
         mb_targets: list[Batch] | None,
         training: bool,
-    ) -> tuple[StepResult, float | None, int]:
+    ) -> tuple[StepResult, float | None, int, int]:
         """Run a step and settle it with every rank: the loss, or the failure.
 
         Returns:
-            The step's result, the mean loss (None without targets) and the
-            first micro-batch whose loss is not finite (-1 if none).
+            The step's result, the mean loss (None without targets), the
+            first micro-batch whose loss is not finite and the rank that
+            computed it (-1 and -1 if none).
 
         Raises:
             Exception: on the rank where the step failed, its own error; on the
@@ -167,5 +168,4 @@ class PipelineSteps:
                 raise end.error
             assert failure is not None
             raise failure
-        loss, first_bad = end.loss, end.first_bad
-        return result, loss, first_bad
+        return result, end.loss, end.first_bad, end.bad_rank

@@ -66,6 +66,7 @@ class StepEnd:
     Args:
         loss: the mean loss over the micro-batches (None: no targets).
         first_bad: the first micro-batch whose loss is not finite (-1: none).
+        bad_rank: the rank whose loss of ``first_bad`` was not finite (-1: none).
         error: for this rank, the error that says another rank failed the
             step; None if the step went through or this rank's own error is
             the cause.
@@ -74,6 +75,7 @@ class StepEnd:
     loss: float | None
     first_bad: int
     error: PeerStepFailedError | None
+    bad_rank: int = -1
 
 
 def end_step(
@@ -114,8 +116,9 @@ def end_step(
     loss = values[1] / values[0] if values[0] else None
     codes = [int(v) for v in values[2 + n :]]
     if not any(codes):
-        first_bad = min((int(v) - 1 for v in values[2 : 2 + n] if v), default=-1)
-        return StepEnd(loss, first_bad, None)
+        bad = [(int(v) - 1, r) for r, v in enumerate(values[2 : 2 + n]) if v]
+        first_bad, bad_rank = min(bad, default=(-1, -1))
+        return StepEnd(loss, first_bad, None, bad_rank)
     mine = None
     if failure is not None and codes[members.rank] == OWN_ERROR:
         mine = (failure.when, failure.describe())
