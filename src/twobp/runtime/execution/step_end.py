@@ -116,8 +116,8 @@ def end_step(
     loss = values[1] / values[0] if values[0] else None
     codes = [int(v) for v in values[2 + n :]]
     if not any(codes):
-        bad = [(int(v) - 1, r) for r, v in enumerate(values[2 : 2 + n]) if v]
-        first_bad, bad_rank = min(bad, default=(-1, -1))
+        nonfinite = [(int(v) - 1, r) for r, v in enumerate(values[2 : 2 + n]) if v]
+        first_bad, bad_rank = min(nonfinite, default=(-1, -1))
         return StepEnd(loss, first_bad, None, bad_rank)
     mine = None
     if failure is not None and codes[members.rank] == OWN_ERROR:
