@@ -183,3 +183,16 @@ def test_a_checkpoint_stores_each_replica_once_and_loads_onto_other_copies(four)
     assert set(loaded) == set(saved)
     for name, value in loaded.items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+
+
+EIGHT = ("mlp", "chimera", True, {"data_parallel": 2})
+
+
+def _eight() -> dict[str, Any]:
+    return train_many([EIGHT])
+
+
+def test_two_copies_of_chimera_on_four_ranks_each_match_one_process():
+    # Model stage k is held by 4 ranks: k and 3-k of each copy.
+    results = launch(_eight, 8, timeout=600)
+    _check(EIGHT, [r[repr(EIGHT)] for r in results])
