@@ -137,3 +137,31 @@ def test_for_stages_rejects_non_multiple():
     assert costs.for_stages(8).n_stages == 8
     with pytest.raises(ValueError, match="profile the model with 6 stages"):
         costs.for_stages(6)
+
+
+def test_split_and_tile_change_every_per_stage_field():
+    import dataclasses
+
+    from twobp.sim.costs import PER_STAGE_FIELDS
+
+    costs = CostModel(
+        forward=(1.0, 2.0),
+        backward_input=(1.0, 2.0),
+        backward_weight=(1.0, 2.0),
+        send_bytes=(8.0, 0.0),
+        parameter_bytes=(4.0, 6.0),
+        reduce=(3.0, 5.0),
+    )
+    per_stage = [
+        f.name
+        for f in dataclasses.fields(CostModel)
+        if isinstance(getattr(costs, f.name), tuple)
+        and len(getattr(costs, f.name)) == 2
+        and all(isinstance(v, float) for v in getattr(costs, f.name))
+    ]
+    assert sorted(per_stage) == sorted(PER_STAGE_FIELDS)
+    tiled, split = costs.tile(3), costs.split(2)
+    for name in PER_STAGE_FIELDS:
+        assert getattr(tiled, name) == getattr(costs, name) * 3, name
+        halves = tuple(v / (1 if name == "send_bytes" else 2) for v in getattr(costs, name))
+        assert getattr(split, name) == tuple(v for v in halves for _ in range(2)), name

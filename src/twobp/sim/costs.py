@@ -47,7 +47,7 @@ The file format is described in :mod:`twobp.sim.cost_io`. This module imports no
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
@@ -56,6 +56,20 @@ from twobp.schedule.action import Action
 from twobp.schedule.kinds import kind_spec
 
 PerStage = tuple[float, ...]
+
+PER_STAGE_FIELDS = (
+    "forward",
+    "backward_input",
+    "backward_weight",
+    "backward_full",
+    "send_bytes",
+    "activation_bytes",
+    "weight_grad_bytes",
+    "parameter_bytes",
+    "reduce",
+    "weight_rebuild_bytes",
+)
+"""The fields of :class:`CostModel` that hold one value per stage."""
 
 
 def _per_stage(name: str, values: Sequence[float], n_stages: int) -> PerStage:
@@ -297,13 +311,10 @@ class CostModel:
         if parts == 1:
             return self
 
-        def cut(values: PerStage | None) -> PerStage:
-            assert values is not None
-            return tuple(v / parts for v in values for _ in range(parts))
-
-        def same(values: PerStage | None) -> PerStage:
-            assert values is not None
-            return tuple(v for v in values for _ in range(parts))
+        def cut(name: str, values: PerStage) -> PerStage:
+            # Bytes crossing a boundary stay whole; time and memory divide.
+            share = 1 if name == "send_bytes" else parts
+            return tuple(v / share for v in values for _ in range(parts))
 
         concat = None
         if self.weight_concat is not None:
@@ -312,20 +323,7 @@ class CostModel:
                 for t in self.weight_concat
                 for _ in range(parts)
             )
-        return replace(
-            self,
-            forward=cut(self.forward),
-            backward_input=cut(self.backward_input),
-            backward_weight=cut(self.backward_weight),
-            backward_full=cut(self.backward_full),
-            weight_concat=concat,
-            send_bytes=same(self.send_bytes),
-            activation_bytes=cut(self.activation_bytes),
-            weight_grad_bytes=cut(self.weight_grad_bytes),
-            parameter_bytes=cut(self.parameter_bytes),
-            reduce=cut(self.reduce),
-            weight_rebuild_bytes=cut(self.weight_rebuild_bytes),
-        )
+        return replace(self, weight_concat=concat, **self._per_stage_fields(cut))
 
     def tile(self, copies: int) -> CostModel:
         """The stages repeated ``copies`` times: the costs of a schedule of
@@ -339,25 +337,21 @@ class CostModel:
         if copies == 1:
             return self
 
-        def rep(values: PerStage | None) -> PerStage:
-            assert values is not None
-            return tuple(values) * copies
-
         concat = None if self.weight_concat is None else tuple(self.weight_concat) * copies
         return replace(
             self,
-            forward=rep(self.forward),
-            backward_input=rep(self.backward_input),
-            backward_weight=rep(self.backward_weight),
-            backward_full=rep(self.backward_full),
             weight_concat=concat,
-            send_bytes=rep(self.send_bytes),
-            activation_bytes=rep(self.activation_bytes),
-            weight_grad_bytes=rep(self.weight_grad_bytes),
-            parameter_bytes=rep(self.parameter_bytes),
-            reduce=rep(self.reduce),
-            weight_rebuild_bytes=rep(self.weight_rebuild_bytes),
+            **self._per_stage_fields(lambda _name, values: tuple(values) * copies),
         )
+
+    def _per_stage_fields(self, change: Callable[[str, PerStage], PerStage]) -> dict[str, Any]:
+        """Every per-stage list of the model, changed by ``change(name, values)``."""
+        out = {}
+        for name in PER_STAGE_FIELDS:
+            values = getattr(self, name)
+            assert values is not None  # filled in by __post_init__
+            out[name] = change(name, values)
+        return out
 
     def with_reduction(self, replicas: int, gradient_bytes: Sequence[float]) -> CostModel:
         """This model with the time of each stage's gradient all-reduce over ``replicas`` ranks.
