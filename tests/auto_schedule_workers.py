@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime_models import build_blocks, loss_fn, make_batch
+from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
 
 
@@ -28,10 +29,7 @@ def chosen_and_trained(
         timeout=60.0,
         **options,
     )
-    first, last = 0, pipe.schedule.n_stages - 1
-    loss = pipe.step(
-        inputs if first in pipe.stages else None, targets if last in pipe.stages else None
-    )
+    loss = pipe.step(*needed_batches(pipe, inputs, targets))
     assert pipe.plan is not None
     return {
         "schedule": str(pipe.schedule),

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from runtime_models import build_blocks, loss_fn, make_batch
+from runtime_workers import needed_batches, train_steps
 from twobp.runtime import Pipeline
 
 Mode = Any  # None, a mode name, or a list of them
@@ -64,11 +65,6 @@ def dropout_batch(batch_size: int) -> tuple[Tensor, Tensor]:
     return x, torch.randn(batch_size, 4, generator=gen, dtype=torch.float64)
 
 
-def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
-    first, last = 0, pipe.schedule.n_stages - 1
-    return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
-
-
 def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int) -> Pipeline:
     return Pipeline(
         blocks,
@@ -86,15 +82,7 @@ def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int
 def train(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, Any]:
     """Train a reference model for a few AdamW steps; losses, first gradients, final state."""
     pipe = _pipeline(build_blocks(case.model), loss_fn(case.model), case, n_mb)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(N_STEPS):
-        inputs, targets = make_batch(case.model, step, batch_size)
-        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-        optimizer.step()
-        pipe.zero_grad()
+    losses, grads = train_steps(pipe, case.model, batch_size)
     out = {"losses": losses, "grads": grads, "state": pipe.state_dict()}
     pipe.close()
     return out
@@ -109,7 +97,7 @@ def dropout_step(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, A
     losses = []
     for _ in range(2):
         pipe.zero_grad()
-        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
+        losses.append(pipe.step(*needed_batches(pipe, inputs, targets)))
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
         if len(losses) == 1:
             optimizer.step()
@@ -145,7 +133,7 @@ def non_repeatable(n_mb: int, batch_size: int, mode: str) -> tuple[str, str]:
     pipe = _pipeline(build_blocks("conv"), loss_fn("conv"), case, n_mb)
     inputs, targets = make_batch("conv", 0, batch_size)
     try:
-        pipe.step(*_needed(pipe, inputs, targets))
+        pipe.step(*needed_batches(pipe, inputs, targets))
     except Exception as exc:
         return type(exc).__name__, str(exc)
     finally:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from runtime_models import build_blocks, loss_fn, make_batch
+from runtime_workers import needed_batches
 from twobp.runtime import Pipeline
 from twobp.runtime.setup.fingerprint import ValuesDifferWarning
 from twobp.schedule import Kind, generate
@@ -52,11 +53,6 @@ def save_outcomes(folder: str, outcomes: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(outcomes))
     tmp.replace(path)
-
-
-def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
-    first, last = 0, pipe.schedule.n_stages - 1
-    return (inputs if first in pipe.stages else None, targets if last in pipe.stages else None)
 
 
 def mlp(timeout: float, **options: Any) -> Pipeline:
@@ -102,10 +98,10 @@ def _construction_cases(rank: int, timeout: float) -> dict[str, Callable[[], Any
 def _step_cases(pipe: Pipeline, rank: int) -> dict[str, Callable[[], Any]]:
     x, y = make_batch("mlp", 0, BATCH)
     return {
-        "batch does not split": lambda: pipe.step(*_needed(pipe, x[:6], y[:6])),
+        "batch does not split": lambda: pipe.step(*needed_batches(pipe, x[:6], y[:6])),
         "inputs missing": lambda: pipe.step(None, y),
         "targets missing": lambda: pipe.step(x, None),
-        "batch sizes differ": lambda: pipe.step(*_needed(pipe, x, torch.cat([y, y[:4]]))),
+        "batch sizes differ": lambda: pipe.step(*needed_batches(pipe, x, torch.cat([y, y[:4]]))),
         "inputs not tensors": lambda: pipe.step([1, 2, 3], y),  # type: ignore[arg-type]
         "different calls": lambda: pipe.step(x, y) if rank == 0 else pipe.eval_step(x, y),
     }
@@ -133,7 +129,7 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     for name, call in _step_cases(pipe, rank).items():
         out[name] = outcome_of(call)
     x, y = make_batch("mlp", 0, BATCH)
-    out["usable after bad inputs"] = pipe.step(*_needed(pipe, x, y))
+    out["usable after bad inputs"] = pipe.step(*needed_batches(pipe, x, y))
     out["usable grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     pipe.zero_grad()
     nan_targets = y.clone()
@@ -143,7 +139,7 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     skipping = mlp(timeout, nonfinite="skip")
     inf_targets = y.clone()
     inf_targets[0, 0] = float("inf")
-    out["inf skip loss"] = skipping.step(*_needed(skipping, x, inf_targets))
+    out["inf skip loss"] = skipping.step(*needed_batches(skipping, x, inf_targets))
     out["inf skip flags"] = (
         skipping.last_step_skipped,
         skipping.skipped_steps,
@@ -158,7 +154,7 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     # Finally a rank raises out of its function: its process ends, the peer must not hang
     # (the peer would wait 4 s for it; the launcher gives it 5 s to fail on its own).
     fatal = mlp(FATAL_TIMEOUT, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
-    fatal.step(*_needed(fatal, x, y))
+    fatal.step(*needed_batches(fatal, x, y))
 
 
 class _RaisesOnRank1(nn.Linear):
@@ -204,7 +200,7 @@ def _mid_step_failures(rank: int) -> dict[str, Any]:
         timeout=timeout,
     )  # fmt: skip
     start = time.monotonic()
-    out["non-scalar loss"] = outcome_of(lambda: pipe.step(*_needed(pipe, x, y)))
+    out["non-scalar loss"] = outcome_of(lambda: pipe.step(*needed_batches(pipe, x, y)))
     out["non-scalar loss seconds"] = time.monotonic() - start
 
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
@@ -213,8 +209,8 @@ def _mid_step_failures(rank: int) -> dict[str, Any]:
     pipe = Pipeline(
         blocks, loss_fn("mlp"), n_microbatches=N_MB, device="cpu", group=group, timeout=timeout
     )
-    pipe.step(*_needed(pipe, x, y))
-    out["dtype change"] = outcome_of(lambda: pipe.step(*_needed(pipe, x, y)))
+    pipe.step(*needed_batches(pipe, x, y))
+    out["dtype change"] = outcome_of(lambda: pipe.step(*needed_batches(pipe, x, y)))
     return out
 
 
@@ -240,8 +236,8 @@ def stalled_rank_session(timeout: float) -> None:
         build_blocks("mlp"), StallingLoss(), n_microbatches=N_MB, device="cpu", timeout=timeout
     )
     x, y = make_batch("mlp", 0, BATCH)
-    pipe.step(*_needed(pipe, x, y))
-    pipe.step(*_needed(pipe, x, y))
+    pipe.step(*needed_batches(pipe, x, y))
+    pipe.step(*needed_batches(pipe, x, y))
 
 
 # -- checkpoints --------------------------------------------------------------------------
@@ -272,7 +268,7 @@ def train_steps(
     losses = []
     for step in steps:
         x, y = make_batch(model, step, BATCH)
-        losses.append(pipe.step(*_needed(pipe, x, y)))
+        losses.append(pipe.step(*needed_batches(pipe, x, y)))
         optimizer.step()
         pipe.zero_grad()
     return losses

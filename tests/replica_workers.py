@@ -52,6 +52,7 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     outputs = pipe.eval_step(inputs)
     return {
         "outputs": outputs,
+        "ends": (pipe.needs_inputs, pipe.needs_targets),
         "losses": losses,
         "grads": grads,
         "norm": norms[0],

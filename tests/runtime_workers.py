@@ -41,12 +41,9 @@ class Case:
         return f"{self.model} {self.schedule} two_bp={self.two_bp} partition={parts}{extra}"
 
 
-def _needed(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
+def needed_batches(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]:
     """Pass a batch only to the rank that needs it, as a user may."""
-    schedule = pipe.schedule
-    held = {schedule.model_stage(s) for s in pipe.stages}
-    first, last = 0, schedule.pipeline_stages - 1
-    return (inputs if first in held else None, targets if last in held else None)
+    return (inputs if pipe.needs_inputs else None, targets if pipe.needs_targets else None)
 
 
 def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline:
@@ -68,15 +65,7 @@ def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline
 def train_case(case: Case, n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     """Train ``case`` for a few AdamW steps; this rank's losses, first gradients, final state."""
     pipe = _pipeline(case, n_mb, timeout)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(N_STEPS):
-        inputs, targets = make_batch(case.model, step, batch_size)
-        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-        optimizer.step()
-        pipe.zero_grad()
+    losses, grads = train_steps(pipe, case.model, batch_size)
     return {
         "losses": losses,
         "grads": grads,
@@ -84,6 +73,23 @@ def train_case(case: Case, n_mb: int, batch_size: int, timeout: float) -> dict[s
         "schedule": pipe.schedule.name,
         "stages": sorted(pipe.stages),
     }
+
+
+def train_steps(
+    pipe: Pipeline, model: str, batch_size: int
+) -> tuple[list[float], dict[str, Tensor]]:
+    """:data:`N_STEPS` AdamW steps of ``pipe`` on ``model``'s batches: the losses, and the
+    gradients of the first step (what the tests compare with one process)."""
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(N_STEPS):
+        inputs, targets = make_batch(model, step, batch_size)
+        losses.append(pipe.step(*needed_batches(pipe, inputs, targets)))
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        optimizer.step()
+        pipe.zero_grad()
+    return losses, grads
 
 
 def train_cases(cases: list[Case], n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
@@ -125,7 +131,7 @@ def weight_groups(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
         pipe = _pipeline(Case("mlp", "1f1b", True, weight_group_size=group), n_mb, timeout)
         shapes = {tuple(p.shape) for n, p in pipe.named_parameters() if n.endswith("weight")}
         with WeightProducts(shapes) as products:
-            pipe.step(*_needed(pipe, inputs, targets))
+            pipe.step(*needed_batches(pipe, inputs, targets))
         out[str(group)] = {
             "rows": products.rows,
             "schedule": [str(a) for a in pipe.schedule.actions[pipe.pp_rank]],
@@ -139,7 +145,7 @@ def utilities(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     pipe = _pipeline(Case("transformer", "1f1b", True), n_mb, timeout)
     inputs, targets = make_batch("transformer", 0, batch_size)
-    pipe.step(*_needed(pipe, inputs, targets))
+    pipe.step(*needed_batches(pipe, inputs, targets))
     out["schedule"] = {r: [str(a) for a in acts] for r, acts in pipe.schedule.actions.items()}
     out["lowered compute"] = {
         r: [str(a) for a in acts if a.kind.is_compute]
@@ -150,8 +156,8 @@ def utilities(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     out["norm_inf"] = float(pipe.clip_grad_norm_(0.001, norm_type=float("inf")))
     out["clipped_inf"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     out["spans"] = pipe.timeline()
-    out["eval_loss"] = pipe.eval_step(*_needed(pipe, inputs, targets))
-    out["eval_output"] = pipe.eval_step(_needed(pipe, inputs, targets)[0])
+    out["eval_loss"] = pipe.eval_step(*needed_batches(pipe, inputs, targets))
+    out["eval_output"] = pipe.eval_step(needed_batches(pipe, inputs, targets)[0])
 
     conv = _pipeline(Case("conv", "gpipe", False), n_mb, timeout)
     full = nn.Sequential(*build_blocks("conv")).state_dict()
@@ -183,9 +189,9 @@ def step_twice_changing_shape(n_mb: int, timeout: float) -> None:
     """Two steps with different micro-batch sizes: the second must fail."""
     pipe = _pipeline(Case("transformer", "1f1b", True), n_mb, timeout)
     inputs, targets = make_batch("transformer", 0, 2 * n_mb)
-    pipe.step(*_needed(pipe, inputs, targets))
+    pipe.step(*needed_batches(pipe, inputs, targets))
     inputs, targets = make_batch("transformer", 1, 4 * n_mb)
-    pipe.step(*_needed(pipe, inputs, targets))
+    pipe.step(*needed_batches(pipe, inputs, targets))
 
 
 class _DiesOnRank1:
@@ -211,7 +217,7 @@ def rank_killed_mid_step(n_mb: int, timeout: float, folder: str) -> None:
         timeout=timeout,
     )
     inputs, targets = make_batch("mlp", 0, 2 * n_mb)
-    pipe.step(*_needed(pipe, inputs, targets))
+    pipe.step(*needed_batches(pipe, inputs, targets))
 
 
 def placed_by_costs(costs_file: str, n_mb: int, batch_size: int) -> dict[str, Any]:
@@ -226,7 +232,7 @@ def placed_by_costs(costs_file: str, n_mb: int, batch_size: int) -> dict[str, An
         out[label] = {
             "schedule": str(pipe.schedule),
             "lowered": str(pipe.lowered_schedule),
-            "loss": pipe.step(*_needed(pipe, inputs, targets)),
+            "loss": pipe.step(*needed_batches(pipe, inputs, targets)),
         }
     return out
 
@@ -265,7 +271,7 @@ def _train(
     losses = []
     for step in steps:
         inputs, targets = make_batch(model, step, batch_size)
-        losses.append(pipe.step(*_needed(pipe, inputs, targets)))
+        losses.append(pipe.step(*needed_batches(pipe, inputs, targets)))
         optimizer.step()
         pipe.zero_grad()
     return losses

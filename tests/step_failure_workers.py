@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from runtime_models import build_blocks, loss_fn, make_batch
+from runtime_workers import needed_batches
 from twobp.runtime import Pipeline
 
 N_MB = 4
@@ -46,11 +47,6 @@ class TrapLoss:
         return loss_fn("mlp")(out, y)
 
 
-def _needed(pipe: Pipeline, x: Any, y: Any) -> tuple[Any, Any]:
-    first, last = 0, pipe.schedule.n_stages - 1
-    return (x if first in pipe.stages else None), (y if last in pipe.stages else None)
-
-
 def _outcome(call: Any) -> tuple[str, str, float]:
     start = time.monotonic()
     try:
@@ -80,25 +76,33 @@ def failing_steps(
         loss = TrapLoss()
         pipe = Pipeline(blocks, loss, schedule, N_MB, device="cpu", timeout=timeout)
         if not first_step:
-            pipe.step(*_needed(pipe, x, y))
+            pipe.step(*needed_batches(pipe, x, y))
             pipe.zero_grad()
         trap.armed = how in ("block", "shape")
         loss.armed = how == "loss"
-        failed = _outcome(lambda p=pipe: p.step(*_needed(p, x, y)))
-        grads_after_failure = [p.grad for p in pipe.parameters()]
-        trap.armed = loss.armed = False
-        value = pipe.step(*_needed(pipe, x, y))
-        out[f"{how} {index} {'first' if first_step else 'later'}"] = {
-            "failed": failed,
-            "grads dropped": all(g is None for g in grads_after_failure),
-            "loss": value,
-            # Named as in the plain model: the trap adds ".block" to its block's names.
-            "grads": {
-                n.replace(f"{index}.block.", f"{index}.", 1): p.grad.clone()
-                for n, p in pipe.named_parameters()
-            },
-        }
+        key = f"{how} {index} {'first' if first_step else 'later'}"
+        out[key] = _fail_then_step(pipe, trap, loss, index, needed_batches(pipe, x, y))
     return out
+
+
+def _fail_then_step(
+    pipe: Pipeline, trap: Trap, loss: TrapLoss, index: int, batch: tuple[Any, Any]
+) -> dict[str, Any]:
+    """A step with the trap as armed, then one disarmed: what each did."""
+    failed = _outcome(lambda: pipe.step(*batch))
+    grads_after_failure = [p.grad for p in pipe.parameters()]
+    trap.armed = loss.armed = False
+    value = pipe.step(*batch)
+    return {
+        "failed": failed,
+        "grads dropped": all(g is None for g in grads_after_failure),
+        "loss": value,
+        # Named as in the plain model: the trap adds ".block" to its block's names.
+        "grads": {
+            n.replace(f"{index}.block.", f"{index}.", 1): p.grad.clone()
+            for n, p in pipe.named_parameters()
+        },
+    }
 
 
 def failure_then_other_work(folder: str, timeout: float) -> dict[str, Any]:
@@ -110,12 +114,12 @@ def failure_then_other_work(folder: str, timeout: float) -> dict[str, Any]:
     blocks[9] = trap
     pipe = Pipeline(blocks, loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=timeout)
     trap.armed = True
-    out: dict[str, Any] = {"failed": _outcome(lambda: pipe.step(*_needed(pipe, x, y)))}
+    out: dict[str, Any] = {"failed": _outcome(lambda: pipe.step(*needed_batches(pipe, x, y)))}
     trap.armed = False
     start = time.monotonic()
     pipe.save(folder)
     other = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "gpipe", N_MB, device="cpu")
-    out["other loss"] = other.step(*_needed(other, x, y))
+    out["other loss"] = other.step(*needed_batches(other, x, y))
     out["seconds after"] = time.monotonic() - start
     out["rank"] = rank
     return out
@@ -144,7 +148,7 @@ def construction_and_save_failures(folder: str, timeout: float) -> dict[str, Any
         lambda: Pipeline(blocks, loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=timeout)
     )
     pipe = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, timeout=timeout)
-    pipe.step(*_needed(pipe, x, y))
+    pipe.step(*needed_batches(pipe, x, y))
     unpicklable = (lambda: None) if dist.get_rank() == 1 else None
     out["save"] = _outcome(lambda: pipe.save(folder, extra=unpicklable))
     out["saved after"] = str(pipe.save(folder, extra={"fine": True}))
@@ -172,19 +176,7 @@ def failing_replicated_steps(timeout: float) -> dict[str, Any]:
         )
         trap.armed = how == "block" and rank == 3
         loss.armed = how == "loss" and rank == 3
-        failed = _outcome(lambda p=pipe: p.step(x, y))
-        grads_after_failure = [p.grad for p in pipe.parameters()]
-        trap.armed = loss.armed = False
-        value = pipe.step(x, y)
-        out[f"{how} {index}"] = {
-            "failed": failed,
-            "grads dropped": all(g is None for g in grads_after_failure),
-            "loss": value,
-            "grads": {
-                n.replace(f"{index}.block.", f"{index}.", 1): p.grad.clone()
-                for n, p in pipe.named_parameters()
-            },
-        }
+        out[f"{how} {index}"] = _fail_then_step(pipe, trap, loss, index, (x, y))
     first = Pipeline(build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, device="cpu",
                      timeout=timeout, data_parallel=2)  # fmt: skip
     caught = [

@@ -122,6 +122,10 @@ def test_two_copies_of_two_ranks_match_one_process_on_the_global_batch(case, fou
 def test_each_rank_knows_its_copy_and_reduces_after_its_last_weight_gradient(four):
     results = [r[0][repr(FOUR[1])] for r in four]  # naive with 2BP
     assert [r["dp"] for r in results] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    assert [r["ends"] for r in results] == [(True, False), (False, True)] * 2
+    # Under Chimera both ranks of a copy run a first and a last stage.
+    chimera = [r[0][repr(("tied", "chimera", True, {"data_parallel": 2}))] for r in four]
+    assert all(r["ends"] == (True, True) for r in chimera)
     for r in results:
         rows = [line.split(": ", 1)[1].split() for line in r["schedule"].splitlines()[1:]]
         for row in rows:

@@ -80,11 +80,10 @@ class TwobpRunner:
         )
         self.last_spans: list[Span] = []
         """The compute spans of every rank in the last step (after :meth:`after_step`)."""
-        schedule = self.pipe.schedule
-        held = {schedule.model_stage(s) for s in self.pipe.stages}
         # Only the ranks of the first and last stage need the batch, as a user would pass it.
-        self._inputs = inputs if 0 in held else None
-        self._targets = targets if schedule.pipeline_stages - 1 in held else None
+        needs_inputs, needs_targets = _ends(self.pipe)
+        self._inputs = inputs if needs_inputs else None
+        self._targets = targets if needs_targets else None
 
     @property
     def schedule(self) -> Schedule:
@@ -120,3 +119,14 @@ class TwobpRunner:
             "busy_s": busy,
             "stashed_bytes": float(self.pipe.peak_stashed_bytes()),
         }
+
+
+def _ends(pipe: Pipeline) -> tuple[bool, bool]:
+    """Whether this rank needs the inputs and the targets.
+
+    A baseline revision's pipeline may not say (it predates
+    ``needs_inputs``): it has one pipeline, whose first and last stage do.
+    """
+    if hasattr(pipe, "needs_inputs"):
+        return pipe.needs_inputs, pipe.needs_targets
+    return 0 in pipe.stages, pipe.schedule.n_stages - 1 in pipe.stages

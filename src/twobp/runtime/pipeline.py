@@ -362,6 +362,18 @@ class Pipeline(PipelineState, PipelineSteps):
 
     # -- training and evaluation ---------------------------------------------------
 
+    @property
+    def needs_inputs(self) -> bool:
+        """True if this rank runs a first stage of the model and needs the batch of inputs
+        (under Chimera, the ranks of both pipelines' first stages)."""
+        return any(self.schedule.model_stage(s) == 0 for s in self.stages)
+
+    @property
+    def needs_targets(self) -> bool:
+        """True if this rank runs a last stage of the model and needs the batch of targets."""
+        last = self.schedule.pipeline_stages - 1
+        return any(self.schedule.model_stage(s) == last for s in self.stages)
+
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:
         """Run one training step: forward and backward of every micro-batch.
 
