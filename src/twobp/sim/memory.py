@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.schedule import Schedule
+from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.timeline import Span
 
@@ -141,6 +142,28 @@ def least_fill_memory(schedule: Schedule, costs: CostModel) -> float:
         fixed, per_mb = _rank_memory(schedule, costs, rank)
         need = max(need, fixed + held * per_mb)
     return need
+
+
+def fill_limit(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
+    """The micro-batches each rank may hold for ``fill`` within ``memory_limit``.
+
+    :func:`microbatch_limit`, checked against what the order of F and I
+    needs whatever the W placement (:func:`least_fill_memory`).
+
+    Raises:
+        ValueError: if not one micro-batch fits, or the order of F and I alone
+            needs more than the limit (saying how much).
+    """
+    held = microbatch_limit(schedule, costs, memory_limit)
+    if held < 1:
+        raise ValueError(f"not one micro-batch fits in {format_amount(memory_limit)} per rank")
+    need = least_fill_memory(schedule, costs)
+    if memory_limit < need:
+        raise ValueError(
+            f"needs at least {format_amount(need)} per rank, whatever the W placement (its "
+            f"order of F and I alone); the limit is {format_amount(memory_limit)}"
+        )
+    return held
 
 
 def _rank_memory(schedule: Schedule, costs: CostModel, rank: int) -> tuple[float, float]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import least_fill_memory, microbatch_limit
+from twobp.sim.memory import fill_limit
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES, with_recompute
 from twobp.sim.reduction import with_reductions
 from twobp.sim.simulate import DeadlockError, simulate
@@ -197,18 +197,7 @@ def _evaluate_variant(
                 )
                 if bounded:
                     assert memory_limit is not None
-                    held = microbatch_limit(schedule, fitted, memory_limit)
-                    if held < 1:
-                        raise ValueError(
-                            f"not one micro-batch fits in {format_amount(memory_limit)} per rank"
-                        )
-                    need = least_fill_memory(schedule, fitted)
-                    if memory_limit < need:
-                        raise ValueError(
-                            f"needs at least {format_amount(need)} per rank, whatever the W "
-                            f"placement (its order of F and I alone); the limit is "
-                            f"{format_amount(memory_limit)}"
-                        )
+                    held = fill_limit(schedule, fitted, memory_limit)
                     schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
                 schedule, fitted = with_reductions(schedule, fitted, data_parallel)
                 result = simulate(schedule, fitted)

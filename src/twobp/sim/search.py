@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from twobp.schedule import SCHEDULES, Schedule, apply_two_bp, generate
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import least_fill_memory, microbatch_limit
+from twobp.sim.memory import fill_limit
 from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
 from twobp.sim.simulate import DeadlockError, simulate
 
@@ -116,7 +116,7 @@ def simulate_option(
         if option.policy != NO_TWO_BP:
             held = None
             if option.policy == "fill" and memory_limit is not None:
-                held = _held_within(schedule, costs, memory_limit)
+                held = fill_limit(schedule, costs, memory_limit)
             schedule = apply_two_bp(
                 schedule,
                 option.policy,
@@ -215,17 +215,6 @@ def describe(c: Candidate) -> str:
         return name
     cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
     return f"{name} with 2BP ({c.policy}{cap})"
-
-
-def _held_within(schedule: Schedule, costs: CostModel, memory_limit: float) -> int:
-    held = microbatch_limit(schedule, costs, memory_limit)
-    need = least_fill_memory(schedule, costs)
-    if held < 1 or memory_limit < need:
-        raise ValueError(
-            f"needs at least {format_amount(need)} per rank whatever the W placement; the "
-            f"limit is {format_amount(memory_limit)}"
-        )
-    return held
 
 
 def _candidate(option: Option, **figures: float | str) -> Candidate:
