@@ -59,3 +59,22 @@ def test_memory_stats_counts_parameters_gradients_and_the_optimizer_state():
     steps = sum(s["step"].nbytes for s in optimizer.state.values())
     assert stats["optimizer"] == 2 * params + steps
     assert stats["peak"] == stats["parameters"] + stats["optimizer"]
+
+
+def _activations_of_gpipe(m: int) -> int:
+    from twobp.runtime import Pipeline
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(2)]
+    pipe = Pipeline(blocks, nn.functional.mse_loss, schedule="gpipe", n_microbatches=m)
+    for _ in range(2):  # the second step starts from a fresh meter
+        pipe.step(torch.randn(2 * m, 16), torch.randn(2 * m, 16))
+    return pipe.memory_stats()["activations"]
+
+
+def test_every_microbatch_counts_what_the_watched_forward_saved():
+    # GPipe holds every micro-batch's activations at once. Only the first
+    # forward of the step is watched; the others must count as much.
+    one = _activations_of_gpipe(1)
+    assert one > 0
+    assert _activations_of_gpipe(4) == 4 * one

@@ -11,8 +11,12 @@ it what it holds of a micro-batch and under which heading:
 
 Tensors are counted by their storages, each storage once (a view keeps its
 whole storage alive); the storages of parameters and buffers are not counted
-there. The meter keeps the peak of each heading, and of both together, over
-the step, sampled after each pass and after each recomputed forward.
+there. The saved-tensor hook costs a Python call per saved tensor (about 40
+in a LLaMA-like block), so it watches only each stage's first forward of a
+step: the stage's other micro-batches, of the same shapes, save as many bytes
+beyond their inputs and outputs, which the meter counts for them. The meter
+keeps the peak of each heading, and of both together, over the step, sampled
+after each pass and after each recomputed forward.
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ class MemoryMeter:
         self._bytes = {ACTIVATIONS: 0, STASH: 0, "": 0}
         self.peaks = {ACTIVATIONS: 0, STASH: 0, "": 0}
         """The most bytes held at once in the last step: per heading, and ``""`` for both."""
+        self._saved_beyond: dict[int, int] = {}
 
     def start_step(self, modules: Iterable[nn.Module]) -> None:
         """Forget the last step; parameters and buffers of ``modules`` are not counted."""
         self._excluded = set(storages(t for m in modules for t in (*m.parameters(), *m.buffers())))
         self._held.clear()
+        self._saved_beyond.clear()
         for heading in self._refs:
             self._refs[heading].clear()
             self._bytes[heading] = self.peaks[heading] = 0
@@ -77,17 +83,41 @@ class MemoryMeter:
     def saved(self, found: dict[StorageKey, int]) -> Iterator[None]:
         """Add to ``found`` the storages of the tensors autograd saves inside the block."""
         excluded = self._excluded
+        names: dict[torch.device, str] = {}
 
         def pack(t: Tensor) -> Tensor:
-            for key, size in storages((t,)).items():
-                if key not in excluded:
-                    found[key] = size
-            # Detached: a saved output must not hold its own graph node (a cycle).
             with torch._C.DisableTorchFunction():
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+                    storage = None
+                if storage is not None:
+                    device = t.device
+                    name = names.get(device)
+                    if name is None:
+                        name = names[device] = str(device)
+                    key = (name, storage.data_ptr())
+                    if key not in excluded:
+                        found[key] = storage.nbytes()
+                # Detached: a saved output must not hold its own graph node (a cycle).
                 return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
+
+    def saved_beyond(self, stage: int) -> int | None:
+        """What ``stage``'s first forward of this step saved beyond its inputs and
+        outputs, in bytes; None before that forward (which :meth:`saved` must watch)."""
+        return self._saved_beyond.get(stage)
+
+    def learn_saved(
+        self, stage: int, saved: dict[StorageKey, int], kept: dict[StorageKey, int]
+    ) -> None:
+        """Record what ``stage``'s first forward saved beyond ``kept`` (its inputs and
+        outputs), for :meth:`saved_beyond`."""
+        self._saved_beyond[stage] = sum(
+            size for key, size in saved.items() if key not in kept and key not in self._excluded
+        )
 
     def hold(self, heading: str, key: Any, held: dict[StorageKey, int]) -> None:
         """Count ``held`` under ``heading`` until :meth:`release` of the same ``key``."""

@@ -140,12 +140,14 @@ class Stage:
         if training and self.recompute is not None and inputs:
             rng = RngState.capture(inputs[0].device)
         saved: dict[Any, int] = {}
+        beyond = self.memory.saved_beyond(self.index)
         if not training or recomputes_activations(self.recompute):
             context: contextlib.AbstractContextManager[Any] = torch.no_grad()
         else:
             context = contextlib.ExitStack()
             context.enter_context(self.gradients.forward(mb))
-            context.enter_context(self.memory.saved(saved))
+            if beyond is None:
+                context.enter_context(self.memory.saved(saved))
         with context, self._cast():
             output = self._run(inputs, is_tuple, target)
         tensors, out_is_tuple = flatten(output, f"the output of stage {self.index}")
@@ -169,9 +171,15 @@ class Stage:
             if not recomputes_activations(self.recompute):
                 kept.outputs = tuple(t for t in tensors if t.requires_grad)
             self._kept[mb] = kept
-            self.memory.hold(
-                ACTIVATIONS, (self.index, mb), {**saved, **storages((*inputs, *kept.outputs))}
-            )
+            # The target too: the stage keeps it until the backward.
+            held = storages((*inputs, *kept.outputs, *_tensors_of(target)))
+            if beyond is None:
+                self.memory.learn_saved(self.index, saved, held)
+                held = {**saved, **held}
+            else:
+                # Same shapes as the watched forward: as many bytes saved.
+                held[("saved", id(kept))] = beyond
+            self.memory.hold(ACTIVATIONS, (self.index, mb), held)
             self.memory.sample()
         if self.is_last and target is not None:
             return (tensors[0].detach(),), False
@@ -290,3 +298,12 @@ class Stage:
         # The store complains about the unfinished work, and forgets it.
         with contextlib.suppress(RuntimeError):
             self.gradients.finish_step()
+
+
+def _tensors_of(value: Any) -> tuple[Any, ...]:
+    """The tensors in a target: itself, or the items of a tuple, list or dict."""
+    if isinstance(value, dict):
+        return tuple(value.values())
+    if isinstance(value, (tuple, list)):
+        return tuple(value)
+    return (value,)
