@@ -156,6 +156,8 @@ def utilities(n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     out["norm_inf"] = float(pipe.clip_grad_norm_(0.001, norm_type=float("inf")))
     out["clipped_inf"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     out["spans"] = pipe.timeline()
+    out["step times"] = pipe.step_times
+    out["local spans"] = pipe.local_spans
     out["eval_loss"] = pipe.eval_step(*needed_batches(pipe, inputs, targets))
     out["eval_output"] = pipe.eval_step(needed_batches(pipe, inputs, targets)[0])
 

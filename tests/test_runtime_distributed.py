@@ -253,6 +253,18 @@ def test_timeline_merges_every_rank_in_the_order_of_its_schedule(two_rank_result
     assert 0.0 < bubble_ratio(spans) < 1.0
 
 
+def test_step_times_count_this_ranks_actions_and_transfers(two_rank_results):
+    # 1f1b with 2BP on 2 ranks: rank 0 sends each micro-batch's activation and
+    # receives its gradient; rank 1 the other way round.
+    for u in two_rank_results[1]:
+        times, mine = u["step times"], u["local spans"]
+        assert times.compute_actions == len(mine)
+        assert times.sends == times.receives == N_MB
+        assert times.compute == pytest.approx(sum(s.end - s.start for s in mine))
+        assert times.sending > 0 and times.receiving > 0 and times.dispatch >= 0
+        assert times.sending + times.receiving + times.dispatch < mine[-1].end
+
+
 def test_weight_group_size_caps_the_micro_batches_of_every_w(two_rank_results, references):
     # The rows that each weight-gradient product of the MLP's linear layers contracts
     # (2 per micro-batch), 5 linear layers per stage; 1F1B with 2BP (paper) on 2 ranks.

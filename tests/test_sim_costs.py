@@ -79,6 +79,7 @@ def test_json_round_trip(tmp_path):
         backward_weight=(0.5, 0.75),
         weight_concat=({1: 0.5, 4: 1.5}, None),
         send_latency=1e-4,
+        send_overhead=2e-4,
         bandwidth=2.5e10,
         send_bytes=(100.0, 0.0),
         activation_bytes=(10.0, 20.0),

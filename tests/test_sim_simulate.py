@@ -102,6 +102,31 @@ def test_transfer_time_delays_only_cross_rank_dependencies():
     assert result.bubble_ratio == 0.0
 
 
+def test_send_overhead_holds_the_sender_and_delays_the_transfer():
+    costs = CostModel.uniform(2, f=1, i=1, w=1, send_latency=0.5, send_overhead=0.25)
+    # F0 on rank 0 [0,1.25] (sends); arrives at 1.75; rank 1 F0 [1.75,2.75] (last
+    # stage: nothing crosses), B0 [2.75,5] (sends); arrives at 5.5; rank 0 B0 [5.5,7.5]
+    # (stage 0: nothing crosses).
+    result = simulate(make([0, 1], 1, {0: "0F0 0B0", 1: "1F0 1B0"}), costs)
+    assert [str(s.action) for s in result.spans] == ["0F0", "0B0", "1F0", "1B0"]
+    times = [t for s in result.spans for t in (s.start, s.end)]
+    assert times == pytest.approx([0, 1.25, 5.5, 7.5, 1.75, 2.75, 2.75, 5.0])
+    # Two stages on one rank send nothing: no overhead.
+    result = simulate(make([0, 0], 1, {0: "0F0 1F0 1B0 0B0"}), costs)
+    assert result.makespan == pytest.approx(6.0)
+
+
+def test_send_overhead_counts_each_crossing_of_a_v():
+    # Stages 0 and 3 on rank 0, 1 and 2 on rank 1: of the forward results, those
+    # of stages 0 and 2 cross (1 -> 2 stays on rank 1); of the input gradients,
+    # those of stages 3 and 1. Four sends per micro-batch.
+    schedule = generate("zb-v", 2, 2)
+    plain = simulate(schedule, CostModel.uniform(4, **UNIT))
+    costly = simulate(schedule, CostModel.uniform(4, **UNIT, send_overhead=0.5))
+    assert sum(costly.busy) == pytest.approx(sum(plain.busy) + 0.5 * 4 * 2)
+    assert costly.makespan > plain.makespan
+
+
 def test_bandwidth_counts_bytes():
     costs = CostModel.uniform(2, send_bytes=200.0, bandwidth=100.0)
     result = simulate(make([0, 1], 1, {0: "0F0 0B0", 1: "1F0 1B0"}), costs)

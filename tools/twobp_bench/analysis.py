@@ -92,11 +92,14 @@ def _group(
         name: statistics.median(times) / n_ranks for name, times in references.items()
     }
     baseline_grads = _baseline_grads(per_rank)
+    send_overhead = _send_overhead(per_rank)
     variants = []
     times: dict[str, list[float]] = {}
     for index, lead in enumerate(per_rank[0]):
         records = [rank_records[index] for rank_records in per_rank]
-        entry = _variant(records, batch, n_ranks, reference_bounds, baseline_grads, profiles)
+        entry = _variant(
+            records, batch, n_ranks, reference_bounds, baseline_grads, profiles, send_overhead
+        )
         if references.get(lead.variant.schedule) and not lead.variant.is_pipeline:
             times[lead.variant.label] = references[lead.variant.schedule]
         elif lead.skipped is None and lead.step_seconds:
@@ -107,11 +110,25 @@ def _group(
         "batch_size": batch,
         "variants": variants,
         "reference_bounds_s": reference_bounds,
+        "send_overhead_s": send_overhead,
         "two_bp_speedups": _two_bp_speedups(per_rank, times),
         "against_baseline": _against_baseline(times),
         "same_schedule": _same_schedule(times),
         "best": _best(variants, times),
     }
+
+
+def _send_overhead(per_rank: Sequence[Sequence[VariantRecord]]) -> float:
+    """The time a rank spends on one send to another rank: the median over this
+    twobp's variants, ranks and rounds (0 if none sent anything)."""
+    times = [
+        t
+        for records in per_rank
+        for r in records
+        if r.variant.framework == matrix.TWOBP
+        for t in r.send_seconds
+    ]
+    return statistics.median(times) if times else 0.0
 
 
 def _references(per_rank: Sequence[Sequence[VariantRecord]]) -> dict[str, list[float]]:
@@ -184,6 +201,7 @@ def _variant(
     bounds: Mapping[str, float],
     baseline_grads: Sketch | None,
     profiles: Sequence[Any],
+    send_overhead: float = 0.0,
 ) -> dict[str, Any]:
     lead = records[0]
     v = lead.variant
@@ -235,7 +253,7 @@ def _variant(
     if v.is_pipeline:
         entry["efficiency"] = {name: bound / step.median for name, bound in bounds.items()}
     if v.framework == matrix.TWOBP and lead.schedule is not None and all(profiles):
-        simulated = simulated_step(lead.schedule, profiles, lead.partition)
+        simulated = simulated_step(lead.schedule, profiles, lead.partition, send_overhead)
         entry["sim_step_s"] = simulated.makespan
         entry["sim_busy_s"] = sum(simulated.busy) / len(simulated.busy)
         entry["sim_error"] = simulated.makespan / step.median - 1.0
@@ -254,6 +272,7 @@ def _variant(
             link,
             send_bytes,
             lead.schedule.n_pipelines if lead.schedule is not None else 1,
+            send_overhead,
         )
         entry["action_s"] = {
             key: statistics.median(times) for key, times in sorted(lead.action_seconds.items())

@@ -82,6 +82,8 @@ class VariantRecord:
             ``W`` into ``B``).
         memory: ``Pipeline.memory_stats`` of this rank after the probed step
             (twobp only): activations, stash, parameters, optimizer, peak.
+        send_seconds: per timed round, this rank's time per send to another
+            rank (``Pipeline.step_times``; twobp only, rounds with sends).
     """
 
     variant: matrix.Variant
@@ -102,6 +104,7 @@ class VariantRecord:
     action_seconds: dict[str, list[float]] = field(default_factory=dict)
     run_actions: dict[int, list[str]] = field(default_factory=dict)
     memory: dict[str, int] | None = None
+    send_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -246,6 +249,8 @@ def _run_group(
             if isinstance(runner, TwobpRunner):
                 record.bubble_ratios.append(figures["bubble_ratio"])
                 record.busy_seconds.append(figures["busy_s"])
+                if figures.get("send_s", -1.0) >= 0:
+                    record.send_seconds.append(figures["send_s"])
                 _record_actions(record, runner.last_spans, plan.n_ranks)
             if profiler is not None and index == len(runners) - 1:
                 # Once per timed round, under the load the round's steps saw.

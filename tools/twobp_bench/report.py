@@ -307,6 +307,15 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
                 + ".",
                 "",
             ]
+        sends = [g.get("send_overhead_s") for g in regime["groups"]]
+        if any(sends):
+            lines += [
+                "A send to another rank holds its sender (twobp's own sends, median of every "
+                "variant, rank and round), per micro-batch count: "
+                + ", ".join(f"{(s or 0) * 1e6:.0f} us" for s in sends)
+                + ". The simulator charges it to the action whose result crosses.",
+                "",
+            ]
     for group in regime["groups"]:
         lines += _group(group, n_ranks)
     return lines

@@ -7,7 +7,9 @@ ranks takes the measured latency plus its bytes over the measured bandwidth.
 The blocks were profiled on all ranks at once, so their times are divided by
 the measured contention (how much slower the ranks compute together than
 alone) and the simulator gets that contention: an action that overlaps work
-on the other rank runs slower than one that has the machine to itself.
+on the other rank runs slower than one that has the machine to itself. Each
+transfer to another rank also holds its sender for the measured time of a
+send (gloo copies the message in the caller, while the peer computes).
 :func:`twobp.sim.simulate` then gives the makespan, which is compared with
 the measured step time. This module imports no torch.
 """
@@ -44,7 +46,10 @@ class ProfileLike(Protocol):
 
 
 def stage_costs(
-    profiles: Sequence[ProfileLike], partition: Sequence[int], stage_ranks: Sequence[int]
+    profiles: Sequence[ProfileLike],
+    partition: Sequence[int],
+    stage_ranks: Sequence[int],
+    send_overhead: float = 0.0,
 ) -> CostModel:
     """The cost model of a partition, each stage costed by the rank that runs it.
 
@@ -52,6 +57,7 @@ def stage_costs(
         profiles: the profile of every rank, indexed by rank.
         partition: blocks per stage.
         stage_ranks: the rank of each stage.
+        send_overhead: the sender's time per transfer to another rank.
 
     Returns:
         The per-stage cost model of :func:`twobp.sim.from_profile.stage_cost_model`,
@@ -68,7 +74,7 @@ def stage_costs(
     """
     copies = len(stage_ranks) // len(partition) if len(partition) else 0
     if copies > 1 and len(stage_ranks) == copies * len(partition):
-        first = stage_costs(profiles, partition, stage_ranks[: len(partition)])
+        first = stage_costs(profiles, partition, stage_ranks[: len(partition)], send_overhead)
         return first.tile(copies)
     if len(partition) != len(stage_ranks):
         raise ValueError(
@@ -86,11 +92,15 @@ def stage_costs(
         contention=statistics.fmean(p.contention for p in profiles),
         send_latency=link.link_latency,
         bandwidth=link.link_bandwidth,
+        send_overhead=send_overhead,
     )
 
 
 def simulated_step(
-    schedule: Schedule, profiles: Sequence[ProfileLike], partition: Sequence[int]
+    schedule: Schedule,
+    profiles: Sequence[ProfileLike],
+    partition: Sequence[int],
+    send_overhead: float = 0.0,
 ) -> SimResult:
     """The simulation of ``schedule`` under the profiled costs.
 
@@ -98,7 +108,7 @@ def simulated_step(
     compute time of each rank, which tells a cost error (busy times disagree)
     from a schedule or communication error (they agree, the makespan does not).
     """
-    return simulate(schedule, stage_costs(profiles, partition, schedule.placement))
+    return simulate(schedule, stage_costs(profiles, partition, schedule.placement, send_overhead))
 
 
 def replayed_step(
@@ -109,6 +119,7 @@ def replayed_step(
     link: tuple[float, float],
     send_bytes: Sequence[float] | None = None,
     n_pipelines: int = 1,
+    send_overhead: float = 0.0,
 ) -> SimResult:
     """The simulation of the actions as they ran, with their measured median times.
 
@@ -120,6 +131,7 @@ def replayed_step(
         link: ``(latency, bandwidth)`` of a transfer between ranks.
         send_bytes: bytes crossing each stage boundary (None: latency only).
         n_pipelines: the pipelines the stages form (2 for Chimera).
+        send_overhead: the sender's time per transfer to another rank.
 
     Returns:
         The simulation.
@@ -145,6 +157,7 @@ def replayed_step(
         send_latency=link[0],
         bandwidth=link[1],
         send_bytes=None if send_bytes is None else tuple(send_bytes),
+        send_overhead=send_overhead,
     )
     schedule = Schedule(
         tuple(placement),

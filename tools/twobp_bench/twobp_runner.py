@@ -103,7 +103,8 @@ class TwobpRunner:
         return list(self.pipe.named_parameters())
 
     def after_step(self) -> dict[str, float]:
-        """Bubble ratio and compute time (means over ranks), bytes held for W. Collective."""
+        """Bubble ratio and compute time (means over ranks), bytes held for W, and this
+        rank's time per send to another rank (-1 without sends). Collective."""
         # This copy's ranks, numbered as the schedule's ranks (the same with one copy).
         rows = self.pipe.topology.pipeline_ranks
         spans = [
@@ -114,10 +115,14 @@ class TwobpRunner:
         self.last_spans = spans
         ranks = sorted({s.rank for s in spans})
         busy = sum(busy_time(spans, r) for r in ranks) / max(1, len(ranks))
+        # A baseline revision's pipeline may not tell its step's times.
+        times = getattr(self.pipe, "step_times", None)
+        per_send = times.sending / times.sends if times is not None and times.sends else -1.0
         return {
             "bubble_ratio": bubble_ratio(spans),
             "busy_s": busy,
             "stashed_bytes": float(self.pipe.peak_stashed_bytes()),
+            "send_s": per_send,
         }
 
 

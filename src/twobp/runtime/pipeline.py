@@ -47,6 +47,7 @@ from twobp.runtime.execution.microbatch import (
 )
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_end import Failure
+from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.pipeline_steps import PipelineSteps
@@ -282,6 +283,7 @@ class Pipeline(PipelineState, PipelineSteps):
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
         self._spans: list[Span] = []
+        self._step_times = StepTimes()
         self._failure: Failure | None = None
         self._peak_stashed_bytes = 0
         self._start_buffer = small_buffer(members.size, self.device)
@@ -518,6 +520,14 @@ class Pipeline(PipelineState, PipelineSteps):
     def local_spans(self) -> list[Span]:
         """The compute spans of this rank in the last step (seconds from its start)."""
         return list(self._spans)
+
+    @property
+    def step_times(self) -> StepTimes:
+        """Where this rank's last step went outside its compute: dispatch, sends, receives.
+
+        Host seconds (see :class:`~twobp.runtime.execution.step_run.StepTimes`).
+        """
+        return self._step_times
 
     def timeline(self) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.

@@ -20,7 +20,7 @@ from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
-from twobp.runtime.execution.step_run import StepResult, StepRun
+from twobp.runtime.execution.step_run import StepResult, StepRun, StepTimes
 from twobp.runtime.setup.topology import Topology
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
@@ -41,6 +41,7 @@ class PipelineSteps:
     _weight_group_size: int | None
     _failure: Failure | None
     _spans: list[Span]
+    _step_times: StepTimes
     _peak_stashed_bytes: int
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -112,6 +113,7 @@ class PipelineSteps:
         if self._reducer is not None:
             self._reducer.finish()
         self._spans = result.spans
+        self._step_times = result.times
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
 

@@ -16,6 +16,8 @@ profiler of the runtime writes the same format)::
         {"1": 0.010, "4": 0.034}
       ],
       "send_latency": 2e-05,                    # seconds per transfer
+      "send_overhead": 1e-04,                   # optional (default 0): seconds the
+                                                # sender spends on each transfer
       "bandwidth": 2.5e10,                      # bytes/s; null: infinite
       "send_bytes":        [4194304, 4194304],  # per micro-batch, boundary s -> s+1
       "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
@@ -67,6 +69,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "backward_full": list(costs.backward_full or ()),
         "backward_weight_concat": concat,
         "send_latency": costs.send_latency,
+        "send_overhead": costs.send_overhead,
         "bandwidth": None if math.isinf(costs.bandwidth) else costs.bandwidth,
         "send_bytes": list(costs.send_bytes or ()),
         "activation_bytes": list(costs.activation_bytes or ()),
@@ -114,6 +117,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         if concat is None
         else tuple(None if t is None else {int(k): float(v) for k, v in t.items()} for t in concat),
         send_latency=float(doc.get("send_latency", 0.0)),
+        send_overhead=float(doc.get("send_overhead", 0.0)),
         bandwidth=math.inf if bandwidth is None else float(bandwidth),
         send_bytes=_opt(doc.get("send_bytes")),
         activation_bytes=_opt(doc.get("activation_bytes")),
@@ -159,6 +163,7 @@ _TEXT_KEYS = {
     "w": "w",
     "b": "b",
     "latency": "send_latency",
+    "send_overhead": "send_overhead",
     "bandwidth": "bandwidth",
     "send": "send_bytes",
     "act": "activation_bytes",

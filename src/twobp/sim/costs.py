@@ -102,6 +102,10 @@ class CostModel:
             ``(0, 0)``); beyond the last point it grows with the slope of the
             last segment.
         send_latency: fixed time of one transfer between two ranks.
+        send_overhead: time the sending rank itself spends on each transfer
+            to another rank, after the action that made it and before its next
+            one (on a CPU transport the caller copies the message into the
+            connection while the peer computes; about 0 on a GPU). Default 0.
         bandwidth: bytes per second between two ranks (``inf``: free).
         send_bytes: bytes per micro-batch crossing boundary ``s -> s + 1``.
         activation_bytes: bytes per micro-batch held from ``F`` until ``I``/``B``.
@@ -145,6 +149,7 @@ class CostModel:
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
     weight_rebuild_bytes: PerStage | None = None
     weight_group_size: int | None = None
+    send_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -175,6 +180,10 @@ class CostModel:
         if not (self.send_latency >= 0 and math.isfinite(self.send_latency)):
             raise ValueError(
                 f"cost model: send_latency must be finite and >= 0, got {self.send_latency}"
+            )
+        if not (self.send_overhead >= 0 and math.isfinite(self.send_overhead)):
+            raise ValueError(
+                f"cost model: send_overhead must be finite and >= 0, got {self.send_overhead}"
             )
         if not self.bandwidth > 0:
             raise ValueError(f"cost model: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
@@ -213,6 +222,7 @@ class CostModel:
         parameter_bytes: float = 0.0,
         weight_concat: Mapping[int, float] | None = None,
         contention: float = 1.0,
+        send_overhead: float = 0.0,
     ) -> CostModel:
         """The same costs for every stage.
 
@@ -226,6 +236,7 @@ class CostModel:
             weight_concat: a table ``{n: time}`` of concatenated ``W``.
             contention: slowdown of a compute action while every rank
                 computes at once (see :class:`CostModel`).
+            send_overhead: the sender's own time per transfer to another rank.
 
         Returns:
             The cost model.
@@ -252,6 +263,7 @@ class CostModel:
             weight_grad_bytes=rep(weight_grad_bytes),
             parameter_bytes=rep(parameter_bytes),
             contention=contention,
+            send_overhead=send_overhead,
         )
 
     def w_time(self, stage: int, n_microbatches: int) -> float:

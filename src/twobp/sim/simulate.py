@@ -11,8 +11,11 @@ rank is free and its inputs are there (the walk of
   last stage needs only its own ``F``;
 * ``W`` needs the ``I`` of every micro-batch it covers, on its stage.
 
-Transfers are asynchronous: they occupy no rank and do not contend, so
-``SEND_*``/``RECV_*`` markers in a schedule take no time and are skipped.
+Transfers are asynchronous: they do not contend, and ``SEND_*``/``RECV_*``
+markers in a schedule take no time and are skipped. A transfer to another
+rank occupies its sender for ``costs.send_overhead`` after the action that
+made it (a CPU transport copies the message in the caller), and then arrives
+after its delay.
 A schedule that can never finish (a cycle of waits, or a wait for an action
 no rank lists) raises :class:`DeadlockError` naming each stuck rank, with
 the rank-by-step grid, as validation does.

@@ -13,6 +13,7 @@ bubble.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,36 @@ from twobp.timeline import Span
 
 
 @dataclass
+class StepTimes:
+    """Where one rank's step went outside its compute, in host seconds.
+
+    What the simulator's overhead terms are measured from (see
+    :attr:`twobp.sim.CostModel.action_overhead` and
+    :attr:`~twobp.sim.CostModel.message_overhead`). On a GPU the host only
+    queues kernels, so ``dispatch`` there is not the time between actions.
+
+    Args:
+        compute: the compute spans' total.
+        dispatch: time in compute actions outside their compute span (taking
+            and handing over tensors, bookkeeping), summed.
+        sending: time posting sends to other ranks, summed.
+        receiving: time in receives from other ranks: posting them and
+            waiting for the peer, summed.
+        compute_actions: compute actions run.
+        sends: remote transfers sent.
+        receives: remote transfers received.
+    """
+
+    compute: float = 0.0
+    dispatch: float = 0.0
+    sending: float = 0.0
+    receiving: float = 0.0
+    compute_actions: int = 0
+    sends: int = 0
+    receives: int = 0
+
+
+@dataclass
 class StepResult:
     """What one rank's step produced.
 
@@ -39,12 +70,14 @@ class StepResult:
         losses: the (detached) loss of each micro-batch, on the rank of the last stage.
         outputs: the last stage's output of each micro-batch (evaluation without targets).
         peak_stashed_bytes: the most bytes this rank's stages kept for W at once.
+        times: where the step went outside the compute.
     """
 
     spans: list[Span] = field(default_factory=list)
     losses: dict[int, Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = field(default_factory=dict)
     peak_stashed_bytes: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
 
 
 class StepRun:
@@ -124,6 +157,7 @@ class StepRun:
             self.current = served
             if self._channel is not None:
                 self._channel.action = served
+            started = time.perf_counter()
             try:
                 handlers[action.kind](action)
             except Exception as exc:
@@ -133,13 +167,34 @@ class StepRun:
                         f"micro-batch(es) {', '.join(map(str, served.microbatches))})"
                     )
                 raise
+            self._count(action, time.perf_counter() - started)
         if self._channel is not None:
             self._channel.finish()
         self.result.spans = [
             Span(self._rank, a, self._clock.seconds(start), self._clock.seconds(end))
             for a, start, end in self._marks
         ]
+        times = self.result.times
+        times.compute = sum(s.end - s.start for s in self.result.spans)
+        times.dispatch = max(0.0, times.dispatch - times.compute)
         return self.result
+
+    def _count(self, action: Action, seconds: float) -> None:
+        """Add an action's host time to the step's :class:`StepTimes`.
+
+        ``dispatch`` holds the compute actions' whole time until :meth:`run`
+        takes their compute out.
+        """
+        times = self.result.times
+        if action.kind.is_compute:
+            times.dispatch += seconds
+            times.compute_actions += 1
+        elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+            times.sending += seconds
+            times.sends += 1
+        elif action.kind in (Kind.RECV_F, Kind.RECV_B):
+            times.receiving += seconds
+            times.receives += 1
 
     # -- handlers -----------------------------------------------------------------
 
