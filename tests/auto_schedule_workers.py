@@ -35,6 +35,7 @@ def chosen_and_trained(
         "schedule": str(pipe.schedule),
         "choice": pipe.plan.choice,
         "partition": pipe.plan.partition,
+        "send_overhead": pipe.plan.costs.send_overhead,
         "shown": str(pipe.plan),
         "loss": loss,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},

@@ -196,6 +196,7 @@ def plan_auto(
                     parameter_factor=PARAMETER_FACTOR,
                     send_latency=link[0],
                     bandwidth=link[1],
+                    send_overhead=link[2],
                 )
             else:
                 if partition == "balanced":

@@ -3,7 +3,9 @@
 Rank 0 times every block (F, I, W, the fused B, the bytes kept, and W over
 several micro-batches at once) in rounds, the others waiting; then all
 ranks measure together how much slower they compute at once than alone, and
-the one-way latency and bandwidth between ranks 0 and 1. Collective.
+the one-way latency and bandwidth between ranks 0 and 1, and how long rank 0
+is held by posting a boundary's message while rank 1 computes (gloo copies it
+in the caller). Collective.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ CONTENTION_ROUNDS = 5
 LINK_REPEATS = 20
 """Ping-pongs per message size when measuring the link between ranks 0 and 1."""
 
-Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float], str]
+Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float, float], str]
 
 
 def measure(
@@ -41,7 +43,8 @@ def measure(
     n_microbatches: int,
 ) -> Measured:
     """Rank 0's block profile and W table; the contention and the link of all ranks
-    (collective); what went wrong on rank 0 while profiling (``""`` if nothing)."""
+    (latency, bandwidth, the sender's time per message; collective); what went
+    wrong on rank 0 while profiling (``""`` if nothing)."""
     homes = [_device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
     example = to_device(example_input, device)
@@ -60,7 +63,7 @@ def measure(
             dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
         problem = str(shared[0])
         if problem:
-            return figures, tables, 1.0, (0.0, math.inf), problem
+            return figures, tables, 1.0, (0.0, math.inf, 0.0), problem
         contention = _contention(moved, example, world)
         link = _link(world, device, int(shared[1]))
     finally:
@@ -149,10 +152,11 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
     return min(float(world.local_size), max(1.0, ratio))
 
 
-def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float]:
-    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong), on every rank."""
+def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float, float]:
+    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong), and rank 0's
+    time to post a message of ``nbytes`` while rank 1 computes; on every rank."""
     if world.group is None or world.size < 2:
-        return 0.0, math.inf
+        return 0.0, math.inf, 0.0
     group = world.group
     peers = (world.global_rank(0), world.global_rank(1))
 
@@ -172,10 +176,36 @@ def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, 
         dist.broadcast(shared, peers[0], group=group)
         return float(shared)
 
+    def posting(message: torch.Tensor) -> float:
+        # Rank 1 posts its receive and computes; rank 0 times its send's posting.
+        times = []
+        busy = torch.ones(128, 128, device=device)
+        for _ in range(LINK_REPEATS):
+            work = None
+            if world.rank == 1:
+                work = dist.irecv(message, peers[0], group=group)
+            dist.barrier(group=group)
+            if world.rank == 0:
+                start = time.perf_counter()
+                work = dist.isend(message, peers[1], group=group)
+                times.append(time.perf_counter() - start)
+            elif world.rank == 1:
+                for _ in range(8):
+                    busy = (busy @ busy) / 128.0
+            if work is not None:
+                work.wait()
+        figure = statistics.median(times) if times else 0.0
+        shared = torch.tensor([figure], dtype=torch.float64, device=device)
+        dist.broadcast(shared, peers[0], group=group)
+        return float(shared)
+
     small = one_way(torch.zeros(2, device=device))
-    large = one_way(torch.zeros(max(2, nbytes // 4), device=device))
+    message = torch.zeros(max(2, nbytes // 4), device=device)
+    large = one_way(message)
     extra = large - small
-    return small, (nbytes - 8) / extra if extra > 0 and nbytes > 8 else math.inf
+    bandwidth = (nbytes - 8) / extra if extra > 0 and nbytes > 8 else math.inf
+    overhead = posting(message) if world.backend == "gloo" else 0.0
+    return small, bandwidth, overhead
 
 
 def _device_of(block: nn.Module) -> torch.device:
