@@ -14,7 +14,7 @@ whole storage alive); the storages of parameters and buffers are not counted
 there. The saved-tensor hook costs a Python call per saved tensor (about 40
 in a LLaMA-like block), so it watches only each stage's first forward of a
 step: the stage's other micro-batches, of the same shapes, save as many bytes
-beyond their inputs and outputs, which the meter counts for them. The meter
+beyond their inputs, outputs and target, which the meter counts for them. The meter
 keeps the peak of each heading, and of both together, over the step, sampled
 after each pass and after each recomputed forward.
 """
@@ -106,15 +106,15 @@ class MemoryMeter:
             yield
 
     def saved_beyond(self, stage: int) -> int | None:
-        """What ``stage``'s first forward of this step saved beyond its inputs and
-        outputs, in bytes; None before that forward (which :meth:`saved` must watch)."""
+        """What ``stage``'s first forward of this step saved beyond its inputs, outputs
+        and target, in bytes; None before that forward (which :meth:`saved` must watch)."""
         return self._saved_beyond.get(stage)
 
     def learn_saved(
         self, stage: int, saved: dict[StorageKey, int], kept: dict[StorageKey, int]
     ) -> None:
-        """Record what ``stage``'s first forward saved beyond ``kept`` (its inputs and
-        outputs), for :meth:`saved_beyond`."""
+        """Record what ``stage``'s first forward saved beyond ``kept`` (its inputs,
+        outputs and target), for :meth:`saved_beyond`."""
         self._saved_beyond[stage] = sum(
             size for key, size in saved.items() if key not in kept and key not in self._excluded
         )
