@@ -85,10 +85,7 @@ class PipelineSteps:
         except Exception as exc:
             self._failure = Failure(exc, run.current, time.time())
             if lost_peer(exc):
-                if channel is not None:
-                    channel.abandon()
-                if self._reducer is not None:
-                    self._reducer.abandon()
+                self._abandon(channel)
                 raise
             # Complete the step's transfers and reductions so that no peer waits on this rank.
             try:
@@ -98,17 +95,11 @@ class PipelineSteps:
                     self._reducer.drain()
                     self._reducer.finish(keep=False)
             except PeerError as lost:
-                if channel is not None:
-                    channel.abandon()
-                if self._reducer is not None:
-                    self._reducer.abandon()
+                self._abandon(channel)
                 raise lost from exc
             raise
         except BaseException:
-            if channel is not None:
-                channel.abandon()
-            if self._reducer is not None:
-                self._reducer.abandon()
+            self._abandon(channel)
             raise
         if self._reducer is not None:
             self._reducer.finish()
@@ -116,6 +107,13 @@ class PipelineSteps:
         self._step_times = result.times
         self._peak_stashed_bytes = result.peak_stashed_bytes
         return result
+
+    def _abandon(self, channel: StepChannel | None) -> None:
+        """Give up the step's transfers and reductions: nobody is left to complete them with."""
+        if channel is not None:
+            channel.abandon()
+        if self._reducer is not None:
+            self._reducer.abandon()
 
     def _run_step(
         self,

@@ -172,7 +172,8 @@ class Stage:
                 kept.outputs = tuple(t for t in tensors if t.requires_grad)
             self._kept[mb] = kept
             # The target too: the stage keeps it until the backward.
-            held = storages((*inputs, *kept.outputs, *_tensors_of(target)))
+            targets = flatten(target, "the targets")[0] if target is not None else ()
+            held = storages((*inputs, *kept.outputs, *targets))
             if beyond is None:
                 self.memory.learn_saved(self.index, saved, held)
                 held = {**saved, **held}
@@ -232,14 +233,12 @@ class Stage:
         grad_outputs = [g for _, g in used]
         inputs = kept.grad_inputs
         derivatives = split and recomputes_derivatives(self.recompute)
-        if not split:
-            grads = self.gradients.backward_full(mb, outputs, tuple(grad_outputs), inputs)
-        elif derivatives:
+        if split:
             grads = self.gradients.backward_input(
-                mb, outputs, tuple(grad_outputs), inputs, keep_stash=False
+                mb, outputs, tuple(grad_outputs), inputs, keep_stash=not derivatives
             )
         else:
-            grads = self.gradients.backward_input(mb, outputs, tuple(grad_outputs), inputs)
+            grads = self.gradients.backward_full(mb, outputs, tuple(grad_outputs), inputs)
         del outputs
         self.memory.release(ACTIVATIONS, (self.index, mb))
         if derivatives:
@@ -267,10 +266,8 @@ class Stage:
 
     def weight(self, mbs: Sequence[int], group_size: int | None) -> None:
         """W of ``mbs``: accumulate their weight gradients."""
-        if recomputes_derivatives(self.recompute):
-            self.gradients.backward_weight(mbs, group_size=group_size, rebuild=self._rebuild)
-        else:
-            self.gradients.backward_weight(mbs, group_size=group_size)
+        rebuild = self._rebuild if recomputes_derivatives(self.recompute) else None
+        self.gradients.backward_weight(mbs, group_size=group_size, rebuild=rebuild)
         for mb in mbs:
             self._pending.pop(mb, None)
             self.memory.release(STASH, (self.index, mb))
@@ -299,11 +296,3 @@ class Stage:
         with contextlib.suppress(RuntimeError):
             self.gradients.finish_step()
 
-
-def _tensors_of(value: Any) -> tuple[Any, ...]:
-    """The tensors in a target: itself, or the items of a tuple, list or dict."""
-    if isinstance(value, dict):
-        return tuple(value.values())
-    if isinstance(value, (tuple, list)):
-        return tuple(value)
-    return (value,)

@@ -35,10 +35,10 @@ from twobp.timeline import Span
 class StepTimes:
     """Where one rank's step went outside its compute, in host seconds.
 
-    What the simulator's overhead terms are measured from (see
-    :attr:`twobp.sim.CostModel.action_overhead` and
-    :attr:`~twobp.sim.CostModel.message_overhead`). On a GPU the host only
-    queues kernels, so ``dispatch`` there is not the time between actions.
+    The time per send is what the simulator's
+    :attr:`twobp.sim.CostModel.send_overhead` is measured from. On a GPU the
+    host only queues kernels, so ``dispatch`` there is not the time between
+    actions.
 
     Args:
         compute: the compute spans' total.
