@@ -177,3 +177,16 @@ def test_predicted_times_agree_with_the_simulator():
             assert makespan(split, costs) == pytest.approx(sim.simulate(split, costs).makespan)
         fill = sim.simulate(apply_two_bp(s, "fill", costs=costs), costs).makespan
         assert fill <= sim.simulate(apply_two_bp(s, "eager"), costs).makespan
+
+
+@pytest.mark.parametrize("costs", [None, {"F": 1.0, "I": 1.0, "W": 1.0}])
+@pytest.mark.parametrize("policy", ["eager", "paper", "fill"])
+def test_reductions_follow_the_weight_passes_placed_again(policy, costs):
+    from twobp.schedule.lowering import add_reductions, without_reductions
+
+    base = generate("chimera", 4, 8)
+    # Only stage 1 reduces; after the split it still does, after its new last W.
+    got = apply_two_bp(add_reductions(base, [1]), policy, costs=costs)
+    want = add_reductions(apply_two_bp(base, policy, costs=costs), [1])
+    assert got.actions == want.actions
+    assert without_reductions(got).actions == apply_two_bp(base, policy, costs=costs).actions

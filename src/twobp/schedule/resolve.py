@@ -24,7 +24,6 @@ from twobp.schedule.lowering import (
     has_reductions,
     is_split,
     merge_backward,
-    without_reductions,
 )
 from twobp.schedule.registry import SCHEDULES, generate
 from twobp.schedule.schedule import Schedule
@@ -115,9 +114,8 @@ def resolve_schedule(
         )
     resolved = compute_only(resolved)
     validate(resolved)
-    # Reductions follow the last W of their stage: placed again once W is.
+    # Reductions follow the last W of their stage: placed again, on every stage, once W is.
     reduces = resolved.n_pipelines > 1 or has_reductions(resolved)
-    resolved = without_reductions(resolved)
     if two_bp and not is_split(resolved):
         resolved = apply_two_bp(resolved, policy, costs=costs)
     elif not two_bp and is_split(resolved):

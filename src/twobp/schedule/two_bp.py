@@ -59,7 +59,7 @@ from types import MappingProxyType
 from twobp.schedule._timing import Costs, make_timing, place_weights
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import is_lowered
-from twobp.schedule.lowering import backwards_as
+from twobp.schedule.lowering import add_reductions, backwards_as, without_reductions
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.validate import validate
 
@@ -103,7 +103,8 @@ def apply_two_bp(
             of this size.
 
     Returns:
-        The split schedule, named ``"<name>+2bp:<policy>"``.
+        The split schedule, named ``"<name>+2bp:<policy>"``. A stage that had
+        a gradient reduction ``R`` has it again, after its new last ``W``.
 
     Raises:
         ValueError: on an unknown policy (the message lists the valid ones), a
@@ -128,7 +129,8 @@ def apply_two_bp(
             "transform before add_communication"
         )
     validate(schedule)
-    base = backwards_as(schedule, Kind.BACKWARD_INPUT)
+    reduced = {a.stage for acts in schedule.actions.values() for a in acts if a.kind is Kind.REDUCE}
+    base = backwards_as(without_reductions(schedule), Kind.BACKWARD_INPUT)
     if policy == "eager":
         actions = {r: _eager(acts) for r, acts in base.actions.items()}
     else:
@@ -142,7 +144,8 @@ def apply_two_bp(
             group_size=group_size,
         )
     group = "" if group_size is None or policy == "eager" else f":w{group_size}"
-    return schedule.with_actions(actions, f"{schedule.name}+2bp:{policy}{group}")
+    split = schedule.with_actions(actions, f"{schedule.name}+2bp:{policy}{group}")
+    return add_reductions(split, reduced) if reduced else split
 
 
 def _eager(acts: tuple[Action, ...]) -> list[Action]:

@@ -295,4 +295,3 @@ class Stage:
         # The store complains about the unfinished work, and forgets it.
         with contextlib.suppress(RuntimeError):
             self.gradients.finish_step()
-
