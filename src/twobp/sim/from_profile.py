@@ -106,7 +106,7 @@ def stage_cost_model(
 SizesFor = Callable[[int], tuple[int, ...]]
 """Blocks per stage for a schedule of the given number of stages."""
 CostsFor = Callable[[int], CostModel]
-"""The cost model of a schedule of the given number of stages."""
+"""The cost model of the model cut into the given number of stages (one pipeline's worth)."""
 
 
 def partition_for(
