@@ -84,7 +84,8 @@ def evaluate(
         come last with their ``error``.
 
     Raises:
-        ValueError: on an unknown schedule or policy name.
+        ValueError: on an unknown schedule, policy or recompute mode name, or
+            a W group cap below 1 (:func:`twobp.sim.recompute.with_recompute`).
     """
     unknown = [s for s in schedules if s not in SCHEDULES]
     unknown += [p for p in policies if p not in ALL_POLICIES]
@@ -100,9 +101,6 @@ def evaluate(
             f"unknown recompute mode {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(modes)}"
         )
-    bad_groups = [g for g in weight_group_sizes if g is not None and g < 1]
-    if bad_groups:
-        raise ValueError(f"weight group sizes must be None or >= 1, got {bad_groups[0]}")
     out = []
     for recompute in recomputes:
         for group in weight_group_sizes:
