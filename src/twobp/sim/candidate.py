@@ -6,7 +6,7 @@ so a schedule is costed the same way in both: :func:`build_schedule`
 generates it, fits the cost model of the model's stages to it (tiled over
 its pipelines, as Chimera runs two) and applies the 2BP policy;
 :func:`simulate_candidate` adds the gradient reductions of replicated stages,
-simulates, and reports a :class:`Candidate`.
+simulates, and reports a :class:`Candidate`, which :func:`describe` names.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from twobp.schedule import TWO_BP_POLICIES, Schedule, apply_two_bp, generate
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
 from twobp.sim.memory import fill_limit
@@ -64,6 +64,32 @@ class Candidate:
     def ok(self) -> bool:
         """True if it was simulated."""
         return not self.error
+
+
+def describe(c: Candidate) -> str:
+    """A short name of a candidate, as the planner and ``schedule="auto"`` print it.
+
+    For example ``zb-h2 with 2BP (fill, W groups <= 2)``,
+    ``interleaved-1f1b (V=2)`` or
+    ``1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1``:
+    the stages per rank where the schedule takes other counts, the 2BP
+    policy with its cap on ``W`` groups, and the recompute options.
+    """
+    info = SCHEDULES.get(c.schedule)
+    shown_v = (
+        c.stages_per_rank is not None
+        and info is not None
+        and info.allowed_stages_per_rank != (c.stages_per_rank,)
+    )
+    label = f"{c.schedule} (V={c.stages_per_rank})" if shown_v else c.schedule
+    if c.policy != NO_TWO_BP:
+        cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
+        label += f" with 2BP ({c.policy}{cap})"
+    if c.recompute != NO_RECOMPUTE:
+        label += f", recompute={c.recompute!r}"
+    if c.weight_group_size is not None:
+        label += f", weight_group_size={c.weight_group_size}"
+    return label
 
 
 def uncontended(costs: CostModel) -> CostModel:

@@ -21,6 +21,7 @@ from twobp.sim.candidate import (
     NO_TWO_BP,
     Candidate,
     build_schedule,
+    describe,
     simulate_candidate,
 )
 from twobp.sim.cost_io import format_amount
@@ -159,7 +160,7 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
     if not fits:
         least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
         return (
-            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {_label(least)} needs "
+            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {describe(least)} needs "
             f"the least ({format_amount(least.peak_memory)}); use fewer micro-batches in flight, "
             "more ranks or a higher limit."
         )
@@ -186,15 +187,6 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
         else "(no memory limit given)"
     )
     return (
-        f"Recommended: {_label(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
+        f"Recommended: {describe(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
         f"whose peak memory per rank ({format_amount(best.peak_memory)}) {limit}."
     )
-
-
-def _label(c: Candidate) -> str:
-    label = c.schedule if c.policy == NO_TWO_BP else f"{c.schedule} with 2BP ({c.policy})"
-    if c.recompute != NO_RECOMPUTE:
-        label += f", recompute={c.recompute!r}"
-    if c.weight_group_size is not None:
-        label += f", weight_group_size={c.weight_group_size}"
-    return label

@@ -19,10 +19,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from twobp.schedule import SCHEDULES, Schedule
-from twobp.sim.candidate import ALL_POLICIES, NO_TWO_BP, Candidate, simulate_candidate
-from twobp.sim.candidate import uncontended as uncontended
+from twobp.sim.candidate import (
+    ALL_POLICIES,
+    Candidate,
+    describe,
+    simulate_candidate,
+    uncontended,
+)
 from twobp.sim.cost_io import format_amount
 from twobp.sim.from_profile import CostsFor
+
+__all__ = [
+    "GROUPED_POLICIES",
+    "GROUP_SIZES",
+    "MAX_STAGES_PER_RANK",
+    "NEAR_TIE",
+    "NothingFitsError",
+    "Option",
+    "choose",
+    "describe",
+    "fits",
+    "options",
+    "search",
+    "simulate_option",
+    "uncontended",
+]
 
 MAX_STAGES_PER_RANK = 2
 """Stages per rank tried for the schedules that take any number (more cost more messages)."""
@@ -185,14 +206,3 @@ def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candi
         return c.makespan if math.isnan(c.uncontended_makespan) else c.uncontended_makespan
 
     return min(tied, key=lambda c: (alone(c), c.makespan, c.peak_memory))
-
-
-def describe(c: Candidate) -> str:
-    """A short name: ``zb-h2 with 2BP (fill, W groups <= 2)``, ``interleaved-1f1b (V=2)``."""
-    info = SCHEDULES.get(c.schedule)
-    shown_v = info is not None and info.allowed_stages_per_rank != (c.stages_per_rank,)
-    name = f"{c.schedule} (V={c.stages_per_rank})" if shown_v else c.schedule
-    if c.policy == NO_TWO_BP:
-        return name
-    cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
-    return f"{name} with 2BP ({c.policy}{cap})"
