@@ -183,6 +183,24 @@ def test_stage_counts():
         stage_counts(10, 2, [4, 5, 1])
 
 
+@pytest.mark.parametrize(
+    ("n_blocks", "n_stages", "partition"),
+    [(10, 2, None), (10, 4, "uniform"), (10, 2, [3, 7]), (3, 4, None), (10, 2, "even"),
+     (10, 2, [4, 5]), (10, 2, [4, 5, 1]), (10, 2, [10, 0])],
+)  # fmt: skip
+def test_stage_counts_follow_the_rules_of_the_simulators_partition(n_blocks, n_stages, partition):
+    from twobp.sim.from_profile import partition_for
+
+    try:
+        expected = list(partition_for(n_blocks, partition, None)(n_stages))
+    except ValueError as exc:
+        with pytest.raises(PipelineConfigError) as raised:
+            stage_counts(n_blocks, n_stages, partition)
+        assert str(raised.value) == str(exc)
+    else:
+        assert stage_counts(n_blocks, n_stages, partition) == expected
+
+
 def _kinds(schedule: Schedule) -> set[str]:
     return {a.kind.value for acts in schedule.actions.values() for a in acts}
 

@@ -20,7 +20,7 @@ from twobp.schedule.walk import walk
 
 
 def makespan(schedule: Schedule, costs=None) -> float:
-    timing = make_timing(costs)
+    timing = make_timing(costs, schedule)
     walked = walk(schedule, timing.duration, transfer=timing.transfer)
     return max(run.end for runs in walked.runs.values() for run in runs)
 
@@ -190,3 +190,44 @@ def test_reductions_follow_the_weight_passes_placed_again(policy, costs):
     want = add_reductions(apply_two_bp(base, policy, costs=costs), [1])
     assert got.actions == want.actions
     assert without_reductions(got).actions == apply_two_bp(base, policy, costs=costs).actions
+
+
+class _SendsByHand:
+    """Unit costs where each action that sends to the next rank (F of all
+    but the last stage) or the previous one (I of all but the first) is
+    longer by ``overhead``: one stage per rank, as 1F1B places them."""
+
+    def __init__(self, n_stages: int, overhead: float) -> None:
+        self._last = n_stages - 1
+        self._overhead = overhead
+
+    def duration(self, action: Action) -> float:
+        sends = (action.kind is Kind.FORWARD and action.stage < self._last) or (
+            action.kind is Kind.BACKWARD_INPUT and action.stage > 0
+        )
+        return len(action.microbatches) + (self._overhead if sends else 0.0)
+
+
+@pytest.mark.parametrize(("n_ranks", "n_microbatches"), [(2, 4), (4, 8)])
+@pytest.mark.parametrize("policy", ["paper", "fill"])
+def test_the_placement_counts_the_time_a_send_holds_its_sender(policy, n_ranks, n_microbatches):
+    from twobp.sim import CostModel, simulate
+
+    schedule = generate("1f1b", n_ranks, n_microbatches)
+    costs = CostModel.uniform(n_ranks, send_overhead=1.0)
+    placed = apply_two_bp(schedule, policy, costs=costs)
+    by_hand = apply_two_bp(schedule, policy, costs=_SendsByHand(n_ranks, 1.0))
+    unaware = apply_two_bp(schedule, policy, costs=CostModel.uniform(n_ranks))
+    assert placed.actions == by_hand.actions != unaware.actions
+    assert simulate(placed, costs).makespan <= simulate(unaware, costs).makespan
+
+
+def test_counting_the_send_overhead_places_w_where_the_step_is_shorter():
+    from twobp.sim import CostModel, simulate
+
+    costs = CostModel.uniform(4, send_overhead=1.0)
+    schedule = generate("1f1b", 4, 8)
+    placed = apply_two_bp(schedule, "fill", costs=costs)
+    unaware = apply_two_bp(schedule, "fill", costs=CostModel.uniform(4))
+    assert simulate(placed, costs).makespan == 45.0
+    assert simulate(unaware, costs).makespan == 46.0

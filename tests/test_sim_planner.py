@@ -42,3 +42,22 @@ def test_unknown_names_are_refused_with_the_choices():
 def test_a_built_schedule_gets_the_costs_of_its_stages():
     schedule, fitted = build_schedule("interleaved-1f1b", 2, 4, 2, "paper", CostModel.uniform(2))
     assert schedule.n_stages == fitted.n_stages == 4
+
+
+def test_planner_candidates_carry_their_stages_per_rank_and_are_named_by_them():
+    from twobp.sim.search import describe
+
+    candidates = evaluate(UNIT, 4, 8, ["gpipe", "interleaved-1f1b", "1f1b"], ["paper"], 2)
+    by_name = {c.schedule: c for c in candidates}
+    assert {n: c.stages_per_rank for n, c in by_name.items()} == {
+        "gpipe": 1,  # the planner gives V to interleaved-1f1b only
+        "interleaved-1f1b": 2,
+        "1f1b": 1,
+    }
+    assert describe(by_name["gpipe"]) == "gpipe (V=1) with 2BP (paper)"
+    assert describe(by_name["interleaved-1f1b"]) == "interleaved-1f1b (V=2) with 2BP (paper)"
+    assert describe(by_name["1f1b"]) == "1f1b with 2BP (paper)"
+    best = next(c for c in candidates if c.ok)
+    assert recommend(candidates, None).startswith(f"Recommended: {describe(best)}: ")
+    # Not built: no stages per rank to show.
+    assert describe(Candidate("gpipe", "off", error="no")) == "gpipe"

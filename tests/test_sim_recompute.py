@@ -141,3 +141,8 @@ def test_nothing_fits_says_how_much_the_best_needs():
 def test_an_unknown_mode_is_refused_by_the_planner():
     with pytest.raises(ValueError, match="unknown recompute mode 'some'; choose from off, "):
         evaluate(COSTS, 2, 4, ["1f1b"], ["off"], recomputes=["some"])
+
+
+def test_a_w_group_cap_below_one_is_refused_by_the_planner():
+    with pytest.raises(ValueError, match="weight_group_size must be None or >= 1, got 0"):
+        evaluate(COSTS, 2, 4, ["1f1b"], ["off"], weight_group_sizes=[None, 0])

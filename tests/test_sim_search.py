@@ -6,6 +6,7 @@ import pytest
 
 from twobp.schedule import Kind, apply_two_bp, generate
 from twobp.sim import CostModel, simulate
+from twobp.sim.planner import build_schedule, evaluate
 from twobp.sim.search import NothingFitsError, Option, choose, describe, options, search
 
 # W over 4 micro-batches costs what 2 single ones do: grouping halves it.
@@ -93,3 +94,26 @@ def test_contended_costs_are_also_simulated_without_contention():
     contended = CostModel.uniform(2, contention=2.0)
     (candidate,) = search([Option("1f1b", "paper", 1)], 2, 4, contended.for_stages)
     assert candidate.uncontended_makespan < candidate.makespan
+
+
+@pytest.mark.parametrize("policy", ["off", "paper", "fill"])
+def test_search_costs_chimera_as_the_planner_does(policy):
+    # Chimera runs two pipelines of the model's 2 stages: each pipeline gets
+    # the 2-stage costs (not 4 half stages), and each stage reduces over 2 replicas.
+    (found,) = search([Option("chimera", policy, 1)], 2, 8, CONCAT.for_stages)
+    (planned,) = evaluate(CONCAT, 2, 8, ["chimera"], [policy])
+    assert found.ok and planned.ok
+    assert found.makespan == planned.makespan
+    assert found.peak_memory == planned.peak_memory
+    _, fitted = build_schedule("chimera", 2, 8, None, policy, CONCAT.for_stages)
+    assert fitted == CONCAT.tile(2)
+
+
+def test_search_reduces_the_gradients_of_chimera_replicas():
+    # Gradients of 4 units per stage over a link of 1 unit per time: the
+    # all-reduce between the two pipelines lengthens the step.
+    heavy = CostModel.uniform(2, parameter_bytes=4.0, bandwidth=1.0)
+    light = CostModel.uniform(2)
+    (slow,) = search([Option("chimera", "paper", 1)], 2, 4, heavy.for_stages)
+    (fast,) = search([Option("chimera", "paper", 1)], 2, 4, light.for_stages)
+    assert slow.makespan > fast.makespan

@@ -4,7 +4,10 @@ The ``paper`` and ``fill`` policies of :mod:`twobp.schedule.two_bp` place
 each ``W`` in a slot where its rank would otherwise wait. They predict times
 with this module rather than :mod:`twobp.sim`, so that the schedule layer
 depends on nothing above it; any cost model with a ``duration(action)``
-method (such as :class:`twobp.sim.CostModel`) can be passed in.
+method (such as :class:`twobp.sim.CostModel`) can be passed in. The
+simulator times a rank with the same rule (:func:`rank_time`): an action
+whose result goes to another rank also holds its rank for the cost model's
+``send_overhead``.
 
 The placement is a walk (:mod:`twobp.schedule.walk`) of the ``F`` and ``I``
 with a fill that runs a stored ``W`` where it does not delay the rank.
@@ -20,6 +23,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import kind_spec
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.transfers import produced_transfer
 from twobp.schedule.walk import Run, Walker, walk
 
 _EPS = 1e-9
@@ -47,8 +51,20 @@ class Timing:
     transfer: Callable[[int], float]
 
 
-def make_timing(costs: Costs) -> Timing:
-    """Turn any accepted form of ``costs`` into a :class:`Timing`.
+def make_timing(costs: Costs, schedule: Schedule) -> Timing:
+    """Turn any accepted form of ``costs`` into a :class:`Timing` of ``schedule``'s ranks.
+
+    A cost model with ``duration(action)`` may also have ``transfer_time(boundary)``
+    (the delay of a transfer between ranks) and ``send_overhead`` (the time
+    a send holds its sender, see :func:`rank_time`); both are 0 without.
+
+    Args:
+        costs: the costs, in any form of :data:`Costs`.
+        schedule: the schedule to time (its placement says which results
+            cross ranks).
+
+    Returns:
+        The time each action holds its rank, and the transfer delays.
 
     Raises:
         ValueError: on a mapping without ``F``, ``I`` and ``W`` or with a
@@ -59,7 +75,11 @@ def make_timing(costs: Costs) -> Timing:
     if isinstance(costs, SupportsDuration):
         model = costs
         transfer = getattr(model, "transfer_time", None)
-        return Timing(model.duration, transfer if callable(transfer) else (lambda _b: 0.0))
+        overhead = float(getattr(model, "send_overhead", 0.0))
+        return Timing(
+            rank_time(schedule, model.duration, overhead),
+            transfer if callable(transfer) else (lambda _b: 0.0),
+        )
     table = dict(costs)
     missing = [k for k in ("F", "I", "W") if k not in table]
     if missing:
@@ -88,6 +108,32 @@ def make_timing(costs: Costs) -> Timing:
         return per_stage(kind, a.stage) * len(a.microbatches)
 
     return Timing(duration, lambda _b: 0.0)
+
+
+def rank_time(
+    schedule: Schedule, duration: Callable[[Action], float], send_overhead: float
+) -> Callable[[Action], float]:
+    """The time an action holds its rank: its compute, and the sending of its result.
+
+    Args:
+        schedule: the schedule (its placement says which results cross ranks).
+        duration: the compute time of an action.
+        send_overhead: the time a transfer to another rank holds its sender.
+
+    Returns:
+        ``duration(action)``, plus ``send_overhead`` where the action's result
+        goes to a stage on another rank (``duration`` itself when it is 0).
+    """
+    if send_overhead == 0:
+        return duration
+    placement, pipelines = schedule.placement, schedule.n_pipelines
+
+    def held(action: Action) -> float:
+        sent = produced_transfer(action, placement, pipelines)
+        crosses = sent is not None and not sent.is_local
+        return duration(action) + (send_overhead if crosses else 0.0)
+
+    return held
 
 
 def place_weights(

@@ -90,9 +90,10 @@ def apply_two_bp(
         policy: one of :data:`TWO_BP_POLICIES`, or ``None`` to return
             ``schedule`` unchanged.
         costs: the times used by ``paper`` and ``fill`` to predict idle slots:
-            a cost model with ``duration(action)`` (e.g. ``twobp.sim.CostModel``),
-            a mapping ``{"F": t, "I": t, "W": t}`` (times, or lists per stage),
-            or ``None`` for unit times. ``eager`` ignores it.
+            a cost model with ``duration(action)`` (e.g. ``twobp.sim.CostModel``,
+            whose ``transfer_time`` and ``send_overhead`` count too, as the
+            simulator counts them), a mapping ``{"F": t, "I": t, "W": t}``
+            (times, or lists per stage), or ``None`` for unit times. ``eager`` ignores it.
         memory_limit: for ``fill`` only, the most micro-batches a rank may hold
             between their ``F`` and their ``W``.
         group_size: for ``paper`` and ``fill``, the most micro-batches one
@@ -138,7 +139,7 @@ def apply_two_bp(
             _check_memory_limit(base, memory_limit)
         actions = place_weights(
             base,
-            make_timing(costs),
+            make_timing(costs, base),
             cooldown_only=policy == "paper",
             memory_limit=memory_limit,
             group_size=group_size,

@@ -106,7 +106,53 @@ def stage_cost_model(
 SizesFor = Callable[[int], tuple[int, ...]]
 """Blocks per stage for a schedule of the given number of stages."""
 CostsFor = Callable[[int], CostModel]
-"""The cost model of a schedule of the given number of stages."""
+"""The cost model of the model cut into the given number of stages (one pipeline's worth)."""
+
+
+PARTITION_STRATEGIES = ("uniform", "balanced")
+"""Partition strategies known by name."""
+
+
+def stage_sizes(
+    n_blocks: int, n_stages: int, partition: Sequence[int] | str | None
+) -> tuple[int, ...] | None:
+    """Blocks per stage for explicit counts, ``"uniform"`` or None; None for ``"balanced"``.
+
+    Args:
+        n_blocks: blocks of the model.
+        n_stages: stages to cut it into.
+        partition: block counts per stage, ``"uniform"`` or None, or
+            ``"balanced"`` (which needs measured costs: see :func:`partition_for`).
+
+    Returns:
+        The counts, or None for ``"balanced"``.
+
+    Raises:
+        ValueError: if the model has fewer blocks than stages, the strategy
+            is unknown, or the counts do not split the blocks into ``n_stages``.
+    """
+    if n_blocks < n_stages:
+        raise ValueError(
+            f"the model has {n_blocks} blocks but the schedule has {n_stages} stages; "
+            f"{n_stages} stages need at least {n_stages} blocks, one each: split the model "
+            "into more blocks or use fewer ranks / stages per rank"
+        )
+    if partition == "balanced":
+        return None
+    if partition is None or partition == "uniform":
+        return tuple(uniform(n_blocks, n_stages))
+    if isinstance(partition, str):
+        raise ValueError(
+            f"unknown partition strategy {partition!r}; use one of "
+            f"{', '.join(PARTITION_STRATEGIES)} or a list with the number of blocks of each stage"
+        )
+    if len(partition) != n_stages:
+        raise ValueError(
+            f"partition {list(partition)} has {len(partition)} stages, not {n_stages}; "
+            "give one block count per stage"
+        )
+    check_partition(list(partition), n_blocks, n_stages)
+    return tuple(partition)
 
 
 def partition_for(
@@ -121,31 +167,17 @@ def partition_for(
         block_costs: per block ``F + I + W`` time, for ``"balanced"``.
 
     Returns:
-        ``n_stages -> sizes``, which raises ValueError where the blocks do not split so.
+        ``n_stages -> sizes``, which raises ValueError where the blocks do not
+        split so (see :func:`stage_sizes`).
     """
 
     def sizes(n_stages: int) -> tuple[int, ...]:
-        if n_blocks < n_stages:
-            raise ValueError(
-                f"{n_stages} stages need at least {n_stages} blocks, the model has {n_blocks}"
-            )
-        if partition is None or partition == "uniform":
-            return tuple(uniform(n_blocks, n_stages))
-        if partition == "balanced":
-            if block_costs is None:
-                raise ValueError("partition='balanced' needs measured block costs")
-            return tuple(solve(list(block_costs), n_stages).sizes)
-        if isinstance(partition, str):
-            raise ValueError(
-                f"unknown partition strategy {partition!r}; use 'uniform', 'balanced' or "
-                "block counts per stage"
-            )
-        if len(partition) != n_stages:
-            raise ValueError(
-                f"partition {list(partition)} has {len(partition)} stages, not {n_stages}"
-            )
-        check_partition(list(partition), n_blocks, n_stages)
-        return tuple(partition)
+        fixed = stage_sizes(n_blocks, n_stages, partition)
+        if fixed is not None:
+            return fixed
+        if block_costs is None:
+            raise ValueError("partition='balanced' needs measured block costs")
+        return tuple(solve(list(block_costs), n_stages).sizes)
 
     return sizes
 

@@ -12,79 +12,30 @@ how many micro-batches each rank may hold between their ``F`` and their ``W``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
+from twobp.schedule import SCHEDULES
+from twobp.sim.candidate import (
+    ALL_POLICIES,
+    NO_TWO_BP,
+    Candidate,
+    build_schedule,
+    describe,
+    simulate_candidate,
+)
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.memory import fill_limit
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES, with_recompute
-from twobp.sim.reduction import with_reductions
-from twobp.sim.simulate import DeadlockError, simulate
 
-NO_TWO_BP = "off"
-"""The policy name of a schedule run as generated, without the 2BP transform."""
-ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)
-
-
-def build_schedule(
-    name: str,
-    n_ranks: int,
-    n_microbatches: int,
-    stages_per_rank: int | None,
-    two_bp: str,
-    costs: CostModel,
-) -> tuple[Schedule, CostModel]:
-    """Generate a schedule, apply a 2BP policy and fit the costs to its stages.
-
-    Raises:
-        ValueError: if the schedule, the policy or the costs do not fit together.
-    """
-    schedule = generate(name, n_ranks, n_microbatches, stages_per_rank=stages_per_rank)
-    fitted = costs.for_schedule(schedule.n_stages, schedule.n_pipelines)
-    if two_bp != NO_TWO_BP:
-        schedule = apply_two_bp(schedule, two_bp, costs=fitted)
-    return schedule, fitted
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One schedule with one 2BP policy, simulated (or why it could not be).
-
-    Args:
-        schedule: the schedule name.
-        policy: the 2BP policy (``off`` for none).
-        makespan: simulated step time (``inf`` if it could not run).
-        bubble_ratio: mean idle fraction of the ranks.
-        peak_memory: the largest peak over the ranks.
-        error: why the combination could not be simulated, or ``""``.
-        recompute: the recompute mode of every stage (``off`` for none).
-        weight_group_size: the cap on micro-batches per ``W`` group (None: none).
-        stages_per_rank: stages per rank ``V`` it was built with (None: the
-            schedule's default).
-        group_size: the most micro-batches one ``W`` covers (None: no cap).
-        uncontended_makespan: simulated step time with ranks that do not
-            slow each other (``contention = 1``); ``nan`` if not simulated.
-    """
-
-    schedule: str
-    policy: str
-    makespan: float = math.inf
-    bubble_ratio: float = math.nan
-    peak_memory: float = math.nan
-    error: str = ""
-    recompute: str = NO_RECOMPUTE
-    weight_group_size: int | None = None
-    stages_per_rank: int | None = None
-    group_size: int | None = None
-    uncontended_makespan: float = math.nan
-
-    @property
-    def ok(self) -> bool:
-        """True if it was simulated."""
-        return not self.error
+__all__ = [
+    "ALL_POLICIES",
+    "NO_TWO_BP",
+    "Candidate",
+    "build_schedule",
+    "evaluate",
+    "recommend",
+]
 
 
 def _stages_per_rank(name: str, wanted: int | None) -> int | None:
@@ -134,7 +85,8 @@ def evaluate(
         come last with their ``error``.
 
     Raises:
-        ValueError: on an unknown schedule or policy name.
+        ValueError: on an unknown schedule, policy or recompute mode name, or
+            a W group cap below 1 (:func:`twobp.sim.recompute.with_recompute`).
     """
     unknown = [s for s in schedules if s not in SCHEDULES]
     unknown += [p for p in policies if p not in ALL_POLICIES]
@@ -150,9 +102,6 @@ def evaluate(
             f"unknown recompute mode {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(modes)}"
         )
-    bad_groups = [g for g in weight_group_sizes if g is not None and g < 1]
-    if bad_groups:
-        raise ValueError(f"weight group sizes must be None or >= 1, got {bad_groups[0]}")
     out = []
     for recompute in recomputes:
         for group in weight_group_sizes:
@@ -182,38 +131,20 @@ def _evaluate_variant(
     data_parallel: int = 1,
 ) -> list[Candidate]:
     """The candidates of one cost model (one recompute mode and W cap)."""
-    out = []
-    for name in schedules:
-        for policy in policies:
-            try:
-                bounded = policy == "fill" and memory_limit is not None
-                schedule, fitted = build_schedule(
-                    name,
-                    n_ranks,
-                    n_microbatches,
-                    _stages_per_rank(name, stages_per_rank),
-                    NO_TWO_BP if bounded else policy,
-                    costs,
-                )
-                if bounded:
-                    assert memory_limit is not None
-                    held = fill_limit(schedule, fitted, memory_limit)
-                    schedule = apply_two_bp(schedule, policy, costs=fitted, memory_limit=held)
-                schedule, fitted = with_reductions(schedule, fitted, data_parallel)
-                result = simulate(schedule, fitted)
-            except (ValueError, DeadlockError) as exc:
-                out.append(Candidate(name, policy, error=str(exc).splitlines()[0]))
-                continue
-            out.append(
-                Candidate(
-                    name,
-                    policy,
-                    result.makespan,
-                    result.bubble_ratio,
-                    max(result.peak_memory),
-                )
-            )
-    return out
+    return [
+        simulate_candidate(
+            name,
+            policy,
+            n_ranks,
+            n_microbatches,
+            costs,
+            stages_per_rank=_stages_per_rank(name, stages_per_rank),
+            memory_limit=memory_limit,
+            data_parallel=data_parallel,
+        )[0]
+        for name in schedules
+        for policy in policies
+    ]
 
 
 def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> str:
@@ -229,7 +160,7 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
     if not fits:
         least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
         return (
-            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {_label(least)} needs "
+            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {describe(least)} needs "
             f"the least ({format_amount(least.peak_memory)}); use fewer micro-batches in flight, "
             "more ranks or a higher limit."
         )
@@ -256,15 +187,6 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
         else "(no memory limit given)"
     )
     return (
-        f"Recommended: {_label(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
+        f"Recommended: {describe(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
         f"whose peak memory per rank ({format_amount(best.peak_memory)}) {limit}."
     )
-
-
-def _label(c: Candidate) -> str:
-    label = c.schedule if c.policy == NO_TWO_BP else f"{c.schedule} with 2BP ({c.policy})"
-    if c.recompute != NO_RECOMPUTE:
-        label += f", recompute={c.recompute!r}"
-    if c.weight_group_size is not None:
-        label += f", weight_group_size={c.weight_group_size}"
-    return label

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from twobp.schedule.action import Action
+from twobp.schedule._timing import make_timing
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.transfers import produced_transfer
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import peak_memory
@@ -86,7 +85,8 @@ def simulated(
     Transfer actions take no time and are skipped: transfers are modelled by
     their delay, and by the sender's ``costs.send_overhead``, which lengthens
     the action whose result crosses to another rank (the transfer leaves at
-    its end).
+    its end), as the 2BP weight placement times them
+    (:func:`twobp.schedule._timing.make_timing`).
 
     Args:
         schedule: the ordered actions of every rank.
@@ -108,34 +108,10 @@ def simulated(
             f"{schedule.name or ''!r} has {schedule.n_stages}; fit it with "
             f"costs.for_schedule({schedule.n_stages}, {schedule.n_pipelines})"
         )
-    walked = walk(
-        schedule, rank_time(schedule, costs), transfer=costs.transfer_time, slowdown=slowdown
-    )
+    timing = make_timing(costs, schedule)
+    walked = walk(schedule, timing.duration, transfer=timing.transfer, slowdown=slowdown)
     spans = [Span(r, x.action, x.start, x.end) for r, runs in walked.runs.items() for x in runs]
     return summarise(schedule, costs, reductions_met(schedule, costs, spans))
-
-
-def rank_time(schedule: Schedule, costs: CostModel) -> Callable[[Action], float]:
-    """The time an action holds its rank: its compute, and the sending of its result.
-
-    Args:
-        schedule: the schedule (its placement tells which results cross ranks).
-        costs: the cost model.
-
-    Returns:
-        ``costs.duration(action)``, plus ``costs.send_overhead`` where the
-        action's result goes to a stage on another rank.
-    """
-    if costs.send_overhead == 0:
-        return costs.duration
-    placement, pipelines, overhead = schedule.placement, schedule.n_pipelines, costs.send_overhead
-
-    def held(action: Action) -> float:
-        sent = produced_transfer(action, placement, pipelines)
-        crosses = sent is not None and not sent.is_local
-        return costs.duration(action) + (overhead if crosses else 0.0)
-
-    return held
 
 
 def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> list[Span]:

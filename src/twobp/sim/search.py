@@ -15,15 +15,35 @@ imports no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from twobp.schedule import SCHEDULES, Schedule, apply_two_bp, generate
+from twobp.schedule import SCHEDULES, Schedule
+from twobp.sim.candidate import (
+    ALL_POLICIES,
+    Candidate,
+    describe,
+    simulate_candidate,
+    uncontended,
+)
 from twobp.sim.cost_io import format_amount
-from twobp.sim.costs import CostModel
-from twobp.sim.memory import fill_limit
-from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
-from twobp.sim.simulate import DeadlockError, simulate
+from twobp.sim.from_profile import CostsFor
+
+__all__ = [
+    "GROUPED_POLICIES",
+    "GROUP_SIZES",
+    "MAX_STAGES_PER_RANK",
+    "NEAR_TIE",
+    "NothingFitsError",
+    "Option",
+    "choose",
+    "describe",
+    "fits",
+    "options",
+    "search",
+    "simulate_option",
+    "uncontended",
+]
 
 MAX_STAGES_PER_RANK = 2
 """Stages per rank tried for the schedules that take any number (more cost more messages)."""
@@ -33,9 +53,6 @@ NEAR_TIE = 0.02
 """Candidates within this fraction of the fastest are a tie, broken without contention."""
 GROUPED_POLICIES = ("paper", "fill")
 """The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
-
-CostsFor = Callable[[int], CostModel]
-"""The cost model of a schedule with the given number of stages."""
 
 
 @dataclass(frozen=True)
@@ -98,44 +115,34 @@ def simulate_option(
     costs_for: CostsFor,
     memory_limit: float | None = None,
 ) -> tuple[Candidate, Schedule | None]:
-    """Build and simulate one option.
+    """Build and simulate one option (:func:`twobp.sim.candidate.simulate_candidate`).
 
     ``fill`` under a memory limit keeps each rank to the micro-batches of
     :func:`twobp.sim.memory.microbatch_limit`; the other policies are
     simulated as they are and may go over it (:func:`choose` skips them).
 
+    Args:
+        option: the combination.
+        n_ranks: number of ranks ``p``.
+        n_microbatches: micro-batches per step ``m``.
+        costs_for: the cost model of the model cut into a given number of
+            stages; a schedule of several pipelines gets it once per pipeline.
+        memory_limit: memory per rank, or None.
+
     Returns:
         The candidate (with ``error`` if it cannot be built or run) and its
         schedule (None on error).
     """
-    try:
-        schedule = generate(
-            option.schedule, n_ranks, n_microbatches, stages_per_rank=option.stages_per_rank
-        )
-        costs = costs_for(schedule.n_stages)
-        if option.policy != NO_TWO_BP:
-            held = None
-            if option.policy == "fill" and memory_limit is not None:
-                held = fill_limit(schedule, costs, memory_limit)
-            schedule = apply_two_bp(
-                schedule,
-                option.policy,
-                costs=costs,
-                memory_limit=held,
-                group_size=option.group_size,
-            )
-        result = simulate(schedule, costs)
-        alone = result if costs.contention == 1 else simulate(schedule, uncontended(costs))
-    except (ValueError, DeadlockError) as exc:
-        return _candidate(option, error=str(exc).splitlines()[0]), None
-    candidate = _candidate(
-        option,
-        makespan=result.makespan,
-        bubble_ratio=result.bubble_ratio,
-        peak_memory=max(result.peak_memory),
-        uncontended_makespan=alone.makespan,
+    return simulate_candidate(
+        option.schedule,
+        option.policy,
+        n_ranks,
+        n_microbatches,
+        costs_for,
+        stages_per_rank=option.stages_per_rank,
+        group_size=option.group_size,
+        memory_limit=memory_limit,
     )
-    return candidate, schedule
 
 
 def search(
@@ -165,11 +172,6 @@ def search(
 def fits(candidate: Candidate, memory_limit: float | None) -> bool:
     """True if the candidate ran and its peak memory per rank is within the limit."""
     return candidate.ok and (memory_limit is None or candidate.peak_memory <= memory_limit)
-
-
-def uncontended(costs: CostModel) -> CostModel:
-    """The same costs for ranks that do not slow each other."""
-    return replace(costs, contention=1.0)
 
 
 def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candidate:
@@ -204,24 +206,3 @@ def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candi
         return c.makespan if math.isnan(c.uncontended_makespan) else c.uncontended_makespan
 
     return min(tied, key=lambda c: (alone(c), c.makespan, c.peak_memory))
-
-
-def describe(c: Candidate) -> str:
-    """A short name: ``zb-h2 with 2BP (fill, W groups <= 2)``, ``interleaved-1f1b (V=2)``."""
-    info = SCHEDULES.get(c.schedule)
-    shown_v = info is not None and info.allowed_stages_per_rank != (c.stages_per_rank,)
-    name = f"{c.schedule} (V={c.stages_per_rank})" if shown_v else c.schedule
-    if c.policy == NO_TWO_BP:
-        return name
-    cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
-    return f"{name} with 2BP ({c.policy}{cap})"
-
-
-def _candidate(option: Option, **figures: float | str) -> Candidate:
-    base = Candidate(option.schedule, option.policy)
-    return replace(
-        base,
-        stages_per_rank=option.stages_per_rank,
-        group_size=option.group_size,
-        **figures,  # type: ignore[arg-type]
-    )

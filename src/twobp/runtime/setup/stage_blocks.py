@@ -2,9 +2,10 @@
 
 The ``partition`` argument of a pipeline is block counts per stage, a strategy
 name, or None. ``"uniform"`` and explicit counts are resolved here, with the
-rules of :mod:`twobp.partition`; ``"balanced"`` profiles the blocks
-(:func:`balanced_counts`) on rank 0 and shares the solver's answer, so every
-rank splits the model the same way even though their timings differ.
+rules the simulator's search follows (:func:`twobp.sim.from_profile.stage_sizes`);
+``"balanced"`` profiles the blocks (:func:`balanced_counts`) on rank 0 and
+shares the solver's answer, so every rank splits the model the same way even
+though their timings differ.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.partition import check_partition, solve, uniform
+from twobp.partition import solve
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, to_device
 from twobp.runtime.setup.group import Membership
+from twobp.sim.from_profile import PARTITION_STRATEGIES, stage_sizes
 
-STRATEGIES = ("uniform", "balanced")
+STRATEGIES = PARTITION_STRATEGIES
 """Partition strategies known by name."""
 
 
@@ -29,31 +31,18 @@ def stage_counts(
 ) -> list[int] | None:
     """Blocks per stage for explicit counts, ``"uniform"`` or None; None for ``"balanced"``.
 
+    The rules are those of :func:`twobp.sim.from_profile.stage_sizes`, which
+    the simulator's search follows too.
+
     Raises:
         PipelineConfigError: if the model has fewer blocks than stages, the
             counts do not fit, or the strategy is unknown.
     """
-    if n_blocks < n_stages:
-        raise PipelineConfigError(
-            f"the model has {n_blocks} blocks but the schedule has {n_stages} stages; "
-            "each stage needs at least one block: split the model into more blocks "
-            "or use fewer ranks / stages per rank"
-        )
-    if partition == "balanced":
-        return None
-    if partition is None or partition == "uniform":
-        return uniform(n_blocks, n_stages)
-    if isinstance(partition, str):
-        raise PipelineConfigError(
-            f"unknown partition strategy {partition!r}; use one of {', '.join(STRATEGIES)} "
-            "or a list with the number of blocks of each stage"
-        )
-    counts = list(partition)
     try:
-        check_partition(counts, n_blocks, n_stages)
+        counts = stage_sizes(n_blocks, n_stages, partition)
     except ValueError as exc:
         raise PipelineConfigError(str(exc)) from exc
-    return counts
+    return None if counts is None else list(counts)
 
 
 def balanced_counts(
