@@ -18,7 +18,7 @@ from twobp.train.data import ByteLMData
 from twobp.train.loop import RankResult, learning_rate, own_part
 from twobp.train.preflight import check_config
 from twobp.train.progress import Progress
-from twobp.train.report import summarize, throughput
+from twobp.train.report import memory_line, summarize, throughput
 
 
 def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
@@ -158,3 +158,13 @@ def test_each_data_parallel_copy_takes_its_rows_and_an_uneven_batch_is_refused()
     assert own_part(SimpleNamespace(dp_size=1, dp_rank=0), batch) is batch
     with pytest.raises(PipelineConfigError, match="batch size 6, which does not split into 4"):
         own_part(SimpleNamespace(dp_size=4, dp_rank=0), batch)
+
+
+def test_the_printed_memory_line_gives_every_figure_in_mib():
+    mib = 1024 * 1024
+    memory = {0: {"activations": 3 * mib // 2, "peak": 5 * mib}, 1: {"stash": mib // 4}}
+    assert memory_line(memory) == (
+        "memory (MiB; activations, stash, parameters, optimizer, peak): "
+        "rank 0 1.5, 0.0, 0.0, 0.0, 5.0; rank 1 0.0, 0.2, 0.0, 0.0, 0.0"
+    )
+    assert memory_line({0: {}, 1: {}}) is None
