@@ -11,7 +11,7 @@ from twobp_bench import matrix
 from twobp_bench.analysis import analyse_regime, gradient_error
 from twobp_bench.config import Regime
 from twobp_bench.job import RankReport, VariantRecord
-from twobp_bench.report import GRAD_TOLERANCE, render_markdown
+from twobp_bench.report import GRAD_TOLERANCE, MIB, render_markdown
 from twobp_bench.run import write_outputs
 from twobp_bench.runner import gradient_sketch
 from twobp_bench.targets import evaluate
@@ -275,3 +275,52 @@ def test_grad_check_compares_every_parameter_and_fails_a_permuted_gradient():
     partial = dict(want)
     del partial["0.bias"]
     assert gradient_error(partial, want) == math.inf
+
+
+def _memory_reports() -> list[RankReport]:
+    """1f1b without and with 2BP and zb-v (split by itself), each with memory stats."""
+    peaks = {"twobp 1f1b": 1000, "twobp 1f1b+2bp": 1500, "twobp zb-v": 1200}
+    variants = matrix.build_variants(["1f1b", "zb-v"], [], ["paper"], references=())
+    assert [v.label for v in variants] == list(peaks)
+    reports = []
+    for rank in range(2):
+        records = []
+        for v in variants:
+            rec = VariantRecord(v, 2, (3, 3), matrix.placement(v, 2))
+            rec.step_seconds = [1.0, 1.0]
+            rec.peak_step_bytes = peaks[v.label] * MIB + rank * MIB
+            rec.memory = {"activations": (2 + rank) * MIB, "stash": (1 + rank) * MIB}
+            records.append(rec)
+        reports.append(
+            RankReport(rank, Regime("preset", "a preset", {}, 4), {}, [], records, {}, 0, "cpu", 1)
+        )
+    return reports
+
+
+def test_memory_table_compares_a_peak_only_with_a_variant_without_2bp():
+    regime = analyse_regime(_memory_reports(), 2)
+    (group,) = regime["groups"]
+    peaks = {v["label"]: v["memory_peaks"] for v in group["variants"]}
+    assert peaks["twobp 1f1b"]["step_vs_no_2bp"] == pytest.approx(1.0)
+    assert peaks["twobp 1f1b+2bp"]["step_vs_no_2bp"] == pytest.approx(1501 / 1001)
+    assert peaks["twobp 1f1b+2bp"]["activations_bytes"] == 3 * MIB
+    assert peaks["twobp 1f1b+2bp"]["stash_bytes"] == 2 * MIB
+    # zb-v splits its backward by itself: no variant of it runs without 2BP.
+    assert peaks["twobp zb-v"]["step_vs_no_2bp"] is None
+    text = render_markdown(
+        {
+            "command": "twobp bench",
+            "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
+            | {"load_after": [1, 1, 1]},
+            "n_ranks": 2,
+            "threads": 1,
+            "rounds": 2,
+            "warmup": 1,
+            "wall_s": 1.0,
+            "regimes": [regime],
+            "targets": evaluate([regime], 2),
+        }
+    )
+    preset = "| preset (4 samples/micro-batch) |"
+    assert f"{preset} 1f1b | 2 | on | - | 8.0 | 1501.0 | 1.50x | 3.0 | 2.0 |" in text
+    assert f"{preset} zb-v | 2 | on | - | 8.0 | 1201.0 | n/a | 3.0 | 2.0 |" in text

@@ -23,6 +23,8 @@ import torch
 import twobp
 from twobp.cli.main import main
 from twobp.runtime.state.checkpoint import merge, read_manifest
+from twobp.runtime.state.checkpoint_files import FORMAT, MANIFEST, VERSION
+from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig
 from twobp.train.preflight import check_config
 
@@ -116,3 +118,29 @@ def test_resume_is_checked_before_any_rank_starts(uninterrupted, tmp_path):
     # 'auto' with nothing saved yet starts afresh.
     check_config(TrainConfig(resume="auto", out=str(tmp_path / "fresh")))
     assert main(["train", "--resume", str(tmp_path / "none")]) == 2
+
+
+def _saved(tmp_path: Path, config: dict) -> Path:
+    """A checkpoint folder whose manifest holds ``config`` as a run's options."""
+    folder = tmp_path / "step-00000003"
+    folder.mkdir()
+    manifest = {"format": FORMAT, "version": VERSION, "step": 3, "meta": {"config": config}}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def test_resume_refuses_a_hugging_face_checkpoint_for_another_model(tmp_path):
+    saved = {"model": "llama", "hf_config": "gpt2", "size": "tiny", "seq_len": 16}
+    checkpoint = str(_saved(tmp_path, saved))
+    with pytest.raises(ValueError, match=r"trained with --hf-config gpt2 \(this run: None\)"):
+        check_resume(TrainConfig(resume=checkpoint, steps=9, seq_len=16))
+    with pytest.raises(ValueError, match=r"--hf-config gpt2 \(this run: llama\)"):
+        check_resume(TrainConfig(hf_config="llama", resume=checkpoint, steps=9, seq_len=16))
+    check_resume(TrainConfig(hf_config="gpt2", resume=checkpoint, steps=9, seq_len=16))
+
+
+def test_resume_reads_a_manifest_without_hf_config_as_a_plain_model(tmp_path):
+    checkpoint = str(_saved(tmp_path, {"model": "llama", "size": "tiny", "seq_len": 16}))
+    check_resume(TrainConfig(resume=checkpoint, steps=9, seq_len=16))
+    with pytest.raises(ValueError, match=r"--hf-config None \(this run: gpt2\)"):
+        check_resume(TrainConfig(hf_config="gpt2", resume=checkpoint, steps=9, seq_len=16))

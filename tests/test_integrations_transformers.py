@@ -27,6 +27,7 @@ from twobp.integrations.transformers import (  # noqa: E402
     build_model,
     family,
     loss_function,
+    n_blocks,
 )
 
 pytestmark = [
@@ -215,3 +216,9 @@ def test_gpt2_block_report():
 def test_a_model_of_another_layout_is_refused():
     with pytest.raises(ValueError, match="does not know how to cut a Linear"):
         blocks(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_n_blocks_counts_the_blocks_of_a_built_model(kind, size):
+    assert n_blocks(size) == len(blocks(build_model(kind, size)))

@@ -4,18 +4,21 @@ import dataclasses
 import functools
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import twobp.train.run
 from reliability_train_script import kill_once
 from twobp.cli.main import main
+from twobp.runtime.errors import PipelineConfigError
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData
-from twobp.train.loop import RankResult, learning_rate
+from twobp.train.loop import RankResult, learning_rate, own_part
 from twobp.train.preflight import check_config
 from twobp.train.progress import Progress
-from twobp.train.report import summarize, throughput
+from twobp.train.report import memory_line, summarize, throughput
 
 
 def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
@@ -143,3 +146,25 @@ def test_a_text_too_short_to_hold_out_a_sequence_is_refused_before_any_rank_star
     assert data.batch(0, 4, 0, split="eval")[0].shape == (4, 64)
     with pytest.raises(ValueError, match="too short"):
         ByteLMData.from_bytes(bytes(need - 1), 64, "text")
+
+
+def test_each_data_parallel_copy_takes_its_rows_and_an_uneven_batch_is_refused():
+    ids = torch.arange(6).reshape(6, 1)
+    batch = ((ids, ids + 10), ids + 20)
+    copy = SimpleNamespace(dp_size=3, dp_rank=1)
+    (inputs, mask), targets = own_part(copy, batch)
+    assert inputs.flatten().tolist() == [2, 3] and mask.flatten().tolist() == [12, 13]
+    assert targets.flatten().tolist() == [22, 23]
+    assert own_part(SimpleNamespace(dp_size=1, dp_rank=0), batch) is batch
+    with pytest.raises(PipelineConfigError, match="batch size 6, which does not split into 4"):
+        own_part(SimpleNamespace(dp_size=4, dp_rank=0), batch)
+
+
+def test_the_printed_memory_line_gives_every_figure_in_mib():
+    mib = 1024 * 1024
+    memory = {0: {"activations": 3 * mib // 2, "peak": 5 * mib}, 1: {"stash": mib // 4}}
+    assert memory_line(memory) == (
+        "memory (MiB; activations, stash, parameters, optimizer, peak): "
+        "rank 0 1.5, 0.0, 0.0, 0.0, 5.0; rank 1 0.0, 0.2, 0.0, 0.0, 0.0"
+    )
+    assert memory_line({0: {}, 1: {}}) is None

@@ -58,3 +58,13 @@ def test_hf_tasks_take_the_bytes_as_labels_and_bert_masks_some():
     assert chosen.sum(dim=1).tolist() == [3] * 4  # 15% of 20 positions per sequence
     assert bool((masked[chosen] == HF_MASK_TOKEN).all()) and bool((masked[~chosen] < 256).all())
     torch.testing.assert_close(targets[chosen], ids[chosen])  # the same text, step and seed
+
+
+def test_a_partition_error_names_the_hugging_face_model_and_its_blocks():
+    from twobp.integrations.transformers import n_blocks
+    from twobp.train.config import TrainConfig
+    from twobp.train.preflight import OptionError, check_config
+
+    with pytest.raises(OptionError, match=r"\(2 stages, hf-gpt2-small has 6 blocks\)"):
+        check_config(TrainConfig(hf_config="gpt2", size="small", partition="1,1"))
+    assert n_blocks("small") == 6

@@ -26,32 +26,30 @@ import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
-from twobp.schedule import generate
 from twobp_bench.config import REGIMES
-from twobp_bench.matrix import stage_partition
+from twobp_bench.matrix import TWOBP, Variant, model_stages, stage_partition
 
 FIXED = (
-    ("gpipe", False, None),
-    ("gpipe", True, None),
-    ("1f1b", False, None),
-    ("1f1b", True, None),
-    ("interleaved-1f1b", True, None),
-    ("zb-h1", True, None),
-    ("zb-h2", True, None),
-    ("zb-v", True, None),
-    # W placed by the measured costs, grouped (costs="profile"):
-    ("zb-h2", True, "fill"),
-    ("zb-v", True, "fill"),
+    Variant(TWOBP, "gpipe"),
+    Variant(TWOBP, "gpipe", two_bp=True, policy="paper"),
+    Variant(TWOBP, "1f1b"),
+    Variant(TWOBP, "1f1b", two_bp=True, policy="paper"),
+    Variant(TWOBP, "interleaved-1f1b", two_bp=True, policy="paper"),
+    Variant(TWOBP, "zb-h1", two_bp=True),
+    Variant(TWOBP, "zb-h2", two_bp=True),
+    Variant(TWOBP, "zb-v", two_bp=True),
 )
-"""(schedule, 2BP, policy): None runs the schedule's own W placement (2BP: ``paper``)."""
+"""The fixed schedules; the split ones (``zb-*``) place W as they are written."""
+PROFILED = (
+    Variant(TWOBP, "zb-h2", two_bp=True, policy="fill"),
+    Variant(TWOBP, "zb-v", two_bp=True, policy="fill"),
+)
+"""Split schedules whose W the measured costs place, grouped (``costs="profile"``)."""
 
 
-def _label(schedule: str, two_bp: bool, policy: str | None) -> str:
-    if policy is not None:
-        return f"{schedule}+2bp:{policy} (profiled)"
-    if schedule.startswith("zb"):
-        return schedule
-    return f"{schedule}+2bp" if two_bp else schedule
+def _label(variant: Variant) -> str:
+    label = variant.label.removeprefix(f"{TWOBP} ")
+    return f"{label} (profiled)" if variant in PROFILED else label
 
 
 def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> dict[str, Any]:
@@ -74,18 +72,18 @@ def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> di
     )
     planning = time.perf_counter() - started
     kinds = [k.value for k in spec.block_kinds]
-    for schedule, two_bp, policy in FIXED:
+    for variant in (*FIXED, *PROFILED):
         # The bench's partition: body blocks split evenly, embedding and head at the ends.
-        n_stages = generate(schedule, 2, m).n_stages
-        profiled = {"costs": "profile", "example_input": example} if policy else {}
-        pipes[_label(schedule, two_bp, policy)] = Pipeline(
+        partition = stage_partition(kinds, model_stages(variant, 2))
+        profiled = {"costs": "profile", "example_input": example} if variant in PROFILED else {}
+        pipes[_label(variant)] = Pipeline(
             copy.deepcopy(spec.blocks),
             spec.loss_fn,
-            schedule=schedule,
+            schedule=variant.schedule,
             n_microbatches=m,
-            two_bp=two_bp,
-            two_bp_policy=policy or "paper",
-            partition=list(stage_partition(kinds, n_stages)),
+            two_bp=variant.two_bp,
+            two_bp_policy=variant.policy or "paper",
+            partition=list(partition),
             device="cpu",
             num_threads=1,
             **profiled,
@@ -93,10 +91,11 @@ def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> di
     times: dict[str, list[float]] = {name: [] for name in pipes}
     for r in range(rounds + 1):
         for name, pipe in pipes.items():
-            first, last = 0 in pipe.stages, pipe.schedule.n_stages - 1 in pipe.stages
             torch.distributed.barrier()
             start = time.perf_counter()
-            pipe.step(inputs if first else None, targets if last else None)
+            pipe.step(
+                inputs if pipe.needs_inputs else None, targets if pipe.needs_targets else None
+            )
             torch.distributed.barrier()
             if r:  # round 0 warms up
                 times[name].append(time.perf_counter() - start)

@@ -29,6 +29,7 @@ from torch import nn
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
+from twobp.timeline import bubble_ratio
 from twobp_bench.config import REGIMES
 from twobp_bench.matrix import stage_partition
 from twobp_bench.measure import step_peak_bytes
@@ -122,12 +123,8 @@ def large_regime() -> dict[str, Any]:
                     times[name].append(time.perf_counter() - start)
             pipe.zero_grad()
     memory = {name: pipe.memory_stats() for name, pipe in pipes.items()}
-    bubbles = {}
-    for name, pipe in pipes.items():
-        spans = pipe.local_spans
-        busy = sum(s.end - s.start for s in spans)
-        total = max(s.end for s in spans) - min(s.start for s in spans)
-        bubbles[name] = 1 - busy / total
+    bubbles = {name: bubble_ratio(pipe.local_spans) for name, pipe in pipes.items()}
+    for pipe in pipes.values():
         pipe.close()
     return {
         "step_s": {n: statistics.median(t) for n, t in times.items()},

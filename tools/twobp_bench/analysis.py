@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from twobp_bench import matrix
@@ -95,11 +95,14 @@ def _group(
     send_overhead = _send_overhead(per_rank)
     variants = []
     times: dict[str, list[float]] = {}
-    for index, lead in enumerate(per_rank[0]):
-        records = [rank_records[index] for rank_records in per_rank]
+    records_of = _records_by_label(per_rank)
+    for lead in per_rank[0]:
+        records = records_of[lead.variant.label]
         entry = _variant(
             records, batch, n_ranks, reference_bounds, baseline_grads, profiles, send_overhead
         )
+        if "memory" in entry:
+            entry["memory_peaks"] = _memory_peaks(records, records_of)
         if references.get(lead.variant.schedule) and not lead.variant.is_pipeline:
             times[lead.variant.label] = references[lead.variant.schedule]
         elif lead.skipped is None and lead.step_seconds:
@@ -111,7 +114,7 @@ def _group(
         "variants": variants,
         "reference_bounds_s": reference_bounds,
         "send_overhead_s": send_overhead,
-        "two_bp_speedups": _two_bp_speedups(per_rank, times),
+        "two_bp_speedups": _two_bp_speedups(records_of, times),
         "against_baseline": _against_baseline(times),
         "same_schedule": _same_schedule(times),
         "best": _best(variants, times),
@@ -293,11 +296,36 @@ def _rank_compute(record: VariantRecord, n_ranks: int) -> list[dict[str, float]]
     return out
 
 
+def _records_by_label(
+    per_rank: Sequence[Sequence[VariantRecord]],
+) -> dict[str, list[VariantRecord]]:
+    """Every variant's records, one per rank, by the variant's label (in run order)."""
+    return {r.variant.label: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
+
+
+def _memory_peaks(
+    records: Sequence[VariantRecord], records_of: Mapping[str, Sequence[VariantRecord]]
+) -> dict[str, Any]:
+    """The largest rank's memory figures of a twobp variant, and its step peak over
+    that of the same schedule run without 2BP and without recomputation (None where
+    no such variant ran: a natively split schedule has none)."""
+    v = records[0].variant
+    plain = records_of.get(matrix.Variant(v.framework, v.schedule).label)
+    peak = _max_bytes(records)
+    plain_peak = None if plain is None or plain[0].variant.two_bp else _max_bytes(plain)
+    stats = [r.memory for r in records if r.memory]
+    return {
+        "step_bytes": peak,
+        "step_vs_no_2bp": peak / plain_peak if peak and plain_peak else None,
+        "activations_bytes": _largest(m.get("activations") for m in stats),
+        "stash_bytes": _largest(m.get("stash") for m in stats),
+    }
+
+
 def _two_bp_speedups(
-    per_rank: Sequence[Sequence[VariantRecord]], times: Mapping[str, list[float]]
+    records: Mapping[str, Sequence[VariantRecord]], times: Mapping[str, list[float]]
 ) -> list[dict[str, Any]]:
     """For every fused twobp schedule run both ways: 2BP's speedup and memory ratio."""
-    records = {r.variant.label: [rank[i] for rank in per_rank] for i, r in enumerate(per_rank[0])}
     out = []
     for label, recs in records.items():
         v = recs[0].variant
@@ -325,8 +353,13 @@ def _two_bp_speedups(
 
 
 def _max_bytes(records: Sequence[VariantRecord]) -> int | None:
-    values = [r.peak_step_bytes for r in records if r.peak_step_bytes is not None]
-    return max(values) if values else None
+    """The largest rank's step peak (None if no rank measured one)."""
+    return _largest(r.peak_step_bytes for r in records)
+
+
+def _largest(values: Iterable[int | None]) -> int | None:
+    """The largest of the known values (None if none is known)."""
+    return max((v for v in values if v is not None), default=None)
 
 
 def _against_baseline(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:

@@ -45,7 +45,7 @@ from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_
 from twobp_bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
 from twobp_bench.references import ReferenceRunner
 from twobp_bench.runner import StepRunner, gradient_sketch, parameter_bytes
-from twobp_bench.torch_pipelining import TorchRunner
+from twobp_bench.torch_pipelining import TorchRunner, tie_refusal
 from twobp_bench.twobp_runner import TwobpRunner
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -213,6 +213,8 @@ def _run_group(
         reason = matrix.twobp_refusal(variant, plan.n_ranks, m)
         if reason is None and plan.data_parallel > 1 and variant.framework != matrix.TWOBP:
             reason = f"--data-parallel {plan.data_parallel} runs twobp's own pipelines only"
+        if reason is None and variant.framework == matrix.TORCH:
+            reason = tie_refusal(spec.blocks, partition, stage_ranks)
         if reason is None:
             try:
                 runner = _build(plan, variant, spec, m, partition, inputs, targets, rank, device)

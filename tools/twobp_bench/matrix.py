@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from twobp.partition import uniform
-from twobp.schedule import SCHEDULES, generate
+from twobp.schedule import SCHEDULES, Schedule, generate
 
 TWOBP = "twobp"
 BASELINE = "baseline"
@@ -209,6 +209,15 @@ def stages_per_rank(variant: Variant) -> int:
     return 1
 
 
+def _twobp_schedule(variant: Variant, n_ranks: int) -> Schedule:
+    """The twobp schedule of a variant for ``n_ranks`` (its layout does not depend on ``m``).
+
+    Raises:
+        ValueError: if the schedule does not exist for ``n_ranks``.
+    """
+    return generate(variant.schedule, n_ranks, 2 * n_ranks)
+
+
 def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
     """The rank of each stage.
 
@@ -216,7 +225,7 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
         ValueError: if the twobp schedule does not exist for ``n_ranks``.
     """
     if variant.framework in PIPELINES_OF_TWOBP:
-        return generate(variant.schedule, n_ranks, 2 * n_ranks).placement
+        return _twobp_schedule(variant, n_ranks).placement
     if variant.framework == REFERENCE:
         return (0,)
     info = TORCH_SCHEDULES[variant.schedule]
@@ -229,7 +238,7 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
 def model_stages(variant: Variant, n_ranks: int) -> int:
     """Stages the model is cut into: those of one pipeline (Chimera runs two over them)."""
     if variant.framework in PIPELINES_OF_TWOBP:
-        return generate(variant.schedule, n_ranks, 2 * n_ranks).pipeline_stages
+        return _twobp_schedule(variant, n_ranks).pipeline_stages
     return len(placement(variant, n_ranks))
 
 

@@ -9,7 +9,7 @@ rank's bubble, CPU time and compute per action kind. This module imports no torc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 MIB = 1024 * 1024
@@ -96,26 +96,33 @@ def _by_label(group: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {v["label"]: v for v in group["variants"]}
 
 
-def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
-    rows = []
+def _groups(
+    regimes: Sequence[Mapping[str, Any]],
+) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any], dict[str, Mapping[str, Any]]]]:
+    """Every ``(regime, group, the group's variants by label)`` in report order."""
     for regime in regimes:
         for group in regime["groups"]:
-            variants = _by_label(group)
-            for pair in group["two_bp_speedups"]:
-                off, on = variants[pair["without"]], variants[pair["with"]]
-                rows.append(
-                    [
-                        _model_name(regime),
-                        pair["with"].removeprefix("twobp "),
-                        str(group["n_microbatches"]),
-                        f"{off['samples_per_s']['median']:.1f}",
-                        f"{on['samples_per_s']['median']:.1f}",
-                        _ratio(pair["speedup"]),
-                        _mib(pair["peak_step_bytes_without"]),
-                        _mib(pair["peak_step_bytes_with"]),
-                        _x(pair["memory_ratio"]),
-                    ]
-                )
+            yield regime, group, _by_label(group)
+
+
+def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for regime, group, variants in _groups(regimes):
+        for pair in group["two_bp_speedups"]:
+            off, on = variants[pair["without"]], variants[pair["with"]]
+            rows.append(
+                [
+                    _model_name(regime),
+                    pair["with"].removeprefix("twobp "),
+                    str(group["n_microbatches"]),
+                    f"{off['samples_per_s']['median']:.1f}",
+                    f"{on['samples_per_s']['median']:.1f}",
+                    _ratio(pair["speedup"]),
+                    _mib(pair["peak_step_bytes_without"]),
+                    _mib(pair["peak_step_bytes_with"]),
+                    _x(pair["memory_ratio"]),
+                ]
+            )
     head = [
         "model",
         "schedule",
@@ -132,30 +139,23 @@ def _paper_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _memory_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
     """Throughput and memory of every twobp variant: per schedule, 2BP and recompute mode."""
-    rows = []
-    for regime in regimes:
-        for group in regime["groups"]:
-            variants = _by_label(group)
-            for v in group["variants"]:
-                if not v.get("memory") or "samples_per_s" not in v:
-                    continue
-                plain = variants.get(f"twobp {v['schedule']}", {})
-                peak = _most(v.get("peak_step_bytes"))
-                plain_peak = _most(plain.get("peak_step_bytes"))
-                rows.append(
-                    [
-                        _model_name(regime),
-                        v["schedule"],
-                        str(group["n_microbatches"]),
-                        "on" if v["two_bp"] else "off",
-                        v.get("recompute") or "-",
-                        f"{v['samples_per_s']['median']:.1f}",
-                        _mib(peak),
-                        _x(peak / plain_peak) if peak and plain_peak else "n/a",
-                        _mib(_most([m.get("activations") for m in v["memory"] if m])),
-                        _mib(_most([m.get("stash") for m in v["memory"] if m])),
-                    ]
-                )
+    rows = [
+        [
+            _model_name(regime),
+            v["schedule"],
+            str(group["n_microbatches"]),
+            "on" if v["two_bp"] else "off",
+            v.get("recompute") or "-",
+            f"{v['samples_per_s']['median']:.1f}",
+            _mib(peaks["step_bytes"]),
+            _x(peaks["step_vs_no_2bp"]),
+            _mib(peaks["activations_bytes"]),
+            _mib(peaks["stash_bytes"]),
+        ]
+        for regime, group, _ in _groups(regimes)
+        for v in group["variants"]
+        if (peaks := v.get("memory_peaks"))
+    ]
     if not rows:
         return []
     head = [
@@ -174,17 +174,12 @@ def _memory_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
         "## Memory: schedule x 2BP x recompute (twobp)",
         "",
         "Step peak: the most any rank allocated in one step beyond what it held before; "
-        "against the same schedule without 2BP and without recomputation. Activations "
-        "(held from F until I) and stash (from I until W): `Pipeline.memory_stats`, the "
-        "largest rank.",
+        "against the same schedule without 2BP and without recomputation (n/a for a "
+        "natively split schedule, which has no such variant). Activations (held from F "
+        "until I) and stash (from I until W): `Pipeline.memory_stats`, the largest rank.",
         "",
         *_table(head, rows),
     ]
-
-
-def _most(values: Sequence[float | None] | None) -> float | None:
-    known = [v for v in values or () if v is not None]
-    return max(known) if known else None
 
 
 def _versus_baseline(regimes: Sequence[Mapping[str, Any]], revision: str) -> list[str]:
@@ -212,33 +207,31 @@ def _versus_baseline(regimes: Sequence[Mapping[str, Any]], revision: str) -> lis
 
 def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
     best_rows, same_rows = [], []
-    for regime in regimes:
-        for group in regime["groups"]:
-            variants = _by_label(group)
-            best = group["best"]
-            if best.get("twobp") and best.get("torch"):
-                ours, theirs = variants[best["twobp"]], variants[best["torch"]]
-                best_rows.append(
-                    [
-                        _model_name(regime),
-                        str(group["n_microbatches"]),
-                        best["twobp"],
-                        f"{ours['samples_per_s']['median']:.1f}",
-                        best["torch"],
-                        f"{theirs['samples_per_s']['median']:.1f}",
-                        _ratio(best.get("speedup")),
-                    ]
-                )
-            for pair in group["same_schedule"]:
-                same_rows.append(
-                    [
-                        _model_name(regime),
-                        str(group["n_microbatches"]),
-                        pair["twobp"],
-                        pair["torch"],
-                        _ratio(pair["speedup"]),
-                    ]
-                )
+    for regime, group, variants in _groups(regimes):
+        best = group["best"]
+        if best.get("twobp") and best.get("torch"):
+            ours, theirs = variants[best["twobp"]], variants[best["torch"]]
+            best_rows.append(
+                [
+                    _model_name(regime),
+                    str(group["n_microbatches"]),
+                    best["twobp"],
+                    f"{ours['samples_per_s']['median']:.1f}",
+                    best["torch"],
+                    f"{theirs['samples_per_s']['median']:.1f}",
+                    _ratio(best.get("speedup")),
+                ]
+            )
+        for pair in group["same_schedule"]:
+            same_rows.append(
+                [
+                    _model_name(regime),
+                    str(group["n_microbatches"]),
+                    pair["twobp"],
+                    pair["torch"],
+                    _ratio(pair["speedup"]),
+                ]
+            )
     if not (best_rows or same_rows):
         return []
     head = ["model", "m", "best twobp", "samples/s", "best torch", "samples/s", "speedup [IQR]"]

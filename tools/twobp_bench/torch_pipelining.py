@@ -24,7 +24,38 @@ from torch import Tensor, nn
 from twobp.partition import stage_ranges
 from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.stage import LossFn
+from twobp.runtime.setup.replicas import shared_parameters
 from twobp_bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_rank
+
+
+def tie_refusal(
+    blocks: Sequence[nn.Module], partition: Sequence[int], stage_ranks: Sequence[int]
+) -> str | None:
+    """Why torch cannot run this layout: a weight that stages on several ranks share.
+
+    A model that ties its output head to its embedding uses one parameter in
+    the first and the last stage. ``torch.distributed.pipelining`` gives each
+    rank's stages their own copy and never sums the copies' gradients, so the
+    step would differ from the model's. Stages on one rank hold one object,
+    whose gradient collects both uses.
+
+    Args:
+        blocks: the whole model's blocks.
+        partition: blocks per stage.
+        stage_ranks: the rank of each stage.
+
+    Returns:
+        The reason to skip the variant, or None if it can run.
+    """
+    for tie in shared_parameters(blocks, stage_ranges(list(partition))).values():
+        ranks = sorted({stage_ranks[s] for s in tie.model_stages})
+        if len(ranks) > 1:
+            return (
+                f"{' and '.join(tie.names)} are one tied weight on ranks "
+                f"{', '.join(map(str, ranks))}; torch.distributed.pipelining keeps a copy per "
+                "rank and does not sum their gradients"
+            )
+    return None
 
 
 class StageModule(nn.Module):
@@ -124,13 +155,14 @@ class TorchRunner:
         return [p for module in self.modules for p in module.parameters()]
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Named by block index in the whole model, as twobp's pipeline names them."""
-        named = []
+        """Named by block index in the whole model, as twobp's pipeline names them: a weight
+        tied between this rank's stages once, under its first name."""
+        named: dict[int, tuple[str, nn.Parameter]] = {}
         for module, indices in zip(self.modules, self._block_indices, strict=True):
             for name, p in module.blocks.named_parameters():
                 local, _, rest = name.partition(".")
-                named.append((f"{indices[int(local)]}.{rest}", p))
-        return named
+                named.setdefault(id(p), (f"{indices[int(local)]}.{rest}", p))
+        return list(named.values())
 
     def after_step(self) -> dict[str, float]:
         return {}

@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     from twobp.runtime import LaunchError, PipelineError
     from twobp.train.failures import failure_summary
     from twobp.train.preflight import OptionError
-    from twobp.train.report import MEMORY_FIGURES, throughput
+    from twobp.train.report import memory_line, throughput
     from twobp.train.run import run_training
 
     cfg, from_file = train_config(args)
@@ -90,17 +90,9 @@ def _run(args: argparse.Namespace) -> int:
             f"held-out {summary['eval_loss']:.3f}; {throughput(summary)}; "
             f"bubble {summary['bubble_ratio']:.3f}; report in {cfg.out}/report.md"
         )
-        memory = summary.get("memory_per_rank", {})
-        if any(memory.values()):
-            mib = 1024 * 1024
-            print(
-                "memory (MiB; activations, stash, parameters, optimizer, peak): "
-                + "; ".join(
-                    f"rank {rank} "
-                    + ", ".join(f"{figures.get(k, 0) / mib:.1f}" for k in MEMORY_FIGURES)
-                    for rank, figures in memory.items()
-                )
-            )
+        memory = memory_line(summary.get("memory_per_rank", {}))
+        if memory is not None:
+            print(memory)
         if summary["steps_run"] < cfg.steps:
             print(
                 f"stopped after step {summary['steps_run']} of {cfg.steps}; continue with the "

@@ -411,7 +411,6 @@ class WeightGradStore:
         finally:
             capture.end(token)
             self.active_microbatch = None
-            capture.finish()
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
         targets = _deferred_parameters(self._ops())
         self._input_pass_mb = self.active_microbatch = mb
@@ -425,7 +424,6 @@ class WeightGradStore:
                     capture.end(token)
         finally:
             self._input_pass_mb = self.active_microbatch = self._collecting = None
-            capture.finish()
         self._dropped.discard(mb)
 
     def stashed_tensors(self, mb: int) -> list[Tensor]:

@@ -1,1 +1,8 @@
-"""Models from other libraries as twobp pipeline blocks (each behind an optional dependency)."""
+"""Models from other libraries as twobp pipeline blocks (each behind an optional dependency).
+
+This package itself imports no torch and none of those libraries: its constants
+serve command-line options before anything heavy loads.
+"""
+
+TRANSFORMERS_FAMILIES = ("llama", "gpt2", "bert", "mamba")
+"""The Hugging Face ``transformers`` layouts that :mod:`twobp.integrations.transformers` covers."""

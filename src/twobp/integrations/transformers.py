@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from twobp.integrations import TRANSFORMERS_FAMILIES
+
 Hidden = Tensor | tuple[Tensor, Tensor]
 """What blocks pass on: the hidden states, or ``(hidden_states, attention_mask)``."""
 
@@ -324,8 +326,14 @@ SIZES: dict[str, dict[str, int]] = {
 }
 """Model sizes that :func:`build_model` knows (4 attention heads, 64 positions)."""
 
-FAMILIES = ("llama", "gpt2", "bert", "mamba")
+FAMILIES = TRANSFORMERS_FAMILIES
 """The layouts :func:`blocks` covers, by the name :func:`family` gives them."""
+
+
+def n_blocks(size: str) -> int:
+    """The blocks :func:`blocks` cuts a :func:`build_model` model of ``size`` into:
+    the embedding, one per layer, the head."""
+    return SIZES[size]["num_hidden_layers"] + 2
 
 
 def build_model(

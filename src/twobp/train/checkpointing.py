@@ -23,10 +23,10 @@ from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
 from twobp.train.config import TrainConfig
 
-SAME_MODEL_OPTIONS = ("model", "size", "seq_len", "dtype", "autocast", "seed", "data")
+SAME_MODEL_OPTIONS = ("model", "hf_config", "size", "seq_len", "dtype", "autocast", "seed", "data")
 """Options a resumed run must share with the run it continues: they define the model and data
-(``--autocast`` the parameters' dtype). A checkpoint that predates an option ran with its
-default."""
+(``--hf-config`` replaces ``--model``, ``--autocast`` sets the parameters' dtype). A checkpoint
+that predates an option ran with its default."""
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 

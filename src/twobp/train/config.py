@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twobp.config import doc
+from twobp.integrations import TRANSFORMERS_FAMILIES
 from twobp.schedule import TWO_BP_POLICIES
 from twobp.sim.recompute import RECOMPUTE_MODES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
-HF_FAMILIES = ("llama", "gpt2", "bert", "mamba")
 
 
 @dataclass
@@ -27,7 +27,7 @@ class TrainConfig:
         "from the --size tiny|small configuration, its head tied as published (needs the "
         "transformers extra): llama, gpt2, mamba (next byte), bert (masked bytes)",
         None,
-        choices=HF_FAMILIES,
+        choices=TRANSFORMERS_FAMILIES,
     )
     size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
     schedule: str = doc(

@@ -9,13 +9,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
 from twobp.runtime import Pipeline
 from twobp.runtime.communication.collective import all_gather_objects
 from twobp.runtime.errors import NonFiniteLossError
+from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.timeline import Span, bubble_ratio
 from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
@@ -304,15 +305,14 @@ def _check_skipped_in_a_row(skipped: list[int], rank: int) -> None:
         )
 
 
-def own_part(pipe: Pipeline, batch: tuple[Any, Any]) -> tuple[Any, Any]:
-    """This data-parallel copy's part of a global batch (the whole of it without copies)."""
+def own_part(pipe: Pipeline, batch: tuple[Batch, Batch]) -> tuple[Batch, Batch]:
+    """This data-parallel copy's part of a global batch (the whole of it without copies).
+
+    Raises:
+        PipelineConfigError: if the batch does not split evenly over the copies.
+    """
     if pipe.dp_size == 1:
         return batch
-
-    def part(x: Any) -> Any:
-        if isinstance(x, tuple):
-            return tuple(part(t) for t in x)
-        size = x.shape[0] // pipe.dp_size
-        return x[pipe.dp_rank * size : (pipe.dp_rank + 1) * size]
-
-    return part(batch[0]), part(batch[1])
+    inputs = split_batch(batch[0], pipe.dp_size, "inputs")[pipe.dp_rank]
+    targets = split_batch(batch[1], pipe.dp_size, "targets")[pipe.dp_rank]
+    return inputs, targets

@@ -27,7 +27,7 @@ from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
 from twobp.sim.cost_io import parse_amount
 from twobp.train.checkpointing import check_resume
-from twobp.train.config import TrainConfig, parse_partition
+from twobp.train.config import TrainConfig, parse_partition, run_name
 from twobp.train.data import check_text_file
 from twobp.train.task import AUTOCAST_DTYPES, DTYPES, model_overrides
 
@@ -160,11 +160,11 @@ def _model_blocks(cfg: TrainConfig) -> int:
     if cfg.hf_config is not None:
         if not transformers_importable():
             raise OptionError(HF_EXTRA)
-        from twobp.integrations.transformers import SIZES
+        from twobp.integrations.transformers import SIZES, n_blocks
 
         if cfg.size not in SIZES:
             raise OptionError(f"--size {cfg.size}: --hf-config takes {' or '.join(SIZES)}")
-        return SIZES[cfg.size]["num_hidden_layers"] + 2
+        return n_blocks(cfg.size)
     try:
         spec = build_model(cfg.model, cfg.size, device="meta", seed=None, **model_overrides(cfg))
     except ValueError as exc:
@@ -207,6 +207,6 @@ def _check_partition(cfg: TrainConfig, n_blocks: int, schedule: Schedule) -> Non
     try:
         stage_counts(n_blocks, schedule.pipeline_stages, parse_partition(cfg.partition))
     except ValueError as exc:
-        where = f"{schedule.pipeline_stages} stages, {cfg.model}-{cfg.size} has {n_blocks} blocks"
+        where = f"{schedule.pipeline_stages} stages, {run_name(cfg)} has {n_blocks} blocks"
         message = str(exc).removeprefix(f"--partition {cfg.partition!r}: ")
         raise OptionError(f"--partition {cfg.partition} ({where}): {message}") from None

@@ -118,7 +118,6 @@ def throughput(summary: dict[str, Any]) -> str:
 
 def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> str:
     """The human report (pure)."""
-    mib = 1024 * 1024
     lines = [
         f"# twobp train: {title}",
         "",
@@ -143,8 +142,8 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         ]
         lines.append(
             f"| {rank} | {'; '.join(stages)} | {summary['parameters_per_rank'][rank]:,} | "
-            f"{summary['bubble_ratio_per_rank'].get(rank, float('nan')):.3f} | {rss / mib:.0f} | "
-            f"{summary['peak_stashed_bytes_per_rank'][rank] / mib:.2f} |"
+            f"{summary['bubble_ratio_per_rank'].get(rank, float('nan')):.3f} | {rss / MIB:.0f} | "
+            f"{summary['peak_stashed_bytes_per_rank'][rank] / MIB:.2f} |"
         )
     lines += _memory_lines(summary.get("memory_per_rank", {}))
     if lead.spans:
@@ -153,13 +152,23 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
 
 
 MEMORY_FIGURES = ("activations", "stash", "parameters", "optimizer", "peak")
+MIB = 1024 * 1024
+
+
+def memory_line(memory: dict[int, dict[str, int]]) -> str | None:
+    """The memory table of the report as the one line ``twobp train`` prints, or None
+    without figures (pure)."""
+    if not any(memory.values()):
+        return None
+    return f"memory (MiB; {', '.join(MEMORY_FIGURES)}): " + "; ".join(
+        f"rank {rank} " + ", ".join(_in_mib(figures, 1)) for rank, figures in memory.items()
+    )
 
 
 def _memory_lines(memory: dict[int, dict[str, int]]) -> list[str]:
     """The table of ``Pipeline.memory_stats`` per rank, the largest over the steps (pure)."""
     if not any(memory.values()):
         return []
-    mib = 1024 * 1024
     lines = [
         "",
         "Memory (MiB, the most over the steps; `Pipeline.memory_stats`):",
@@ -168,9 +177,13 @@ def _memory_lines(memory: dict[int, dict[str, int]]) -> list[str]:
         "|---:|" + "---:|" * len(MEMORY_FIGURES),
     ]
     for rank, figures in memory.items():
-        cells = " | ".join(f"{figures.get(name, 0) / mib:.2f}" for name in MEMORY_FIGURES)
-        lines.append(f"| {rank} | {cells} |")
+        lines.append(f"| {rank} | {' | '.join(_in_mib(figures, 2))} |")
     return lines
+
+
+def _in_mib(figures: dict[str, int], digits: int) -> list[str]:
+    """The :data:`MEMORY_FIGURES` of one rank in MiB (a missing one is 0)."""
+    return [f"{figures.get(name, 0) / MIB:.{digits}f}" for name in MEMORY_FIGURES]
 
 
 def _reliability_lines(summary: dict[str, Any]) -> list[str]:

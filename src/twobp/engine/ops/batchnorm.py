@@ -23,7 +23,7 @@ from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp
+from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import cast
 from twobp.engine.stash import SharedRows
 
@@ -76,8 +76,8 @@ class DeferredBatchNorm(DeferredOp):
             self.options,
             [needs_input_grad, True, True],
         )
-        if grad_in is not None and grad_in.dtype != input_dtype:
-            grad_in = grad_in.to(input_dtype)
+        if grad_in is not None:
+            grad_in = in_input_dtype(grad_in, input_dtype)
         return grad_in, (grad_weight, grad_bias)
 
     def accumulate_weight_grads(
