@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
@@ -49,3 +52,23 @@ def refused(model: str, n_mb: int, batch_size: int, **options: Any) -> str:
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def changed_by_planning(model: str, n_mb: int, batch_size: int) -> list[str]:
+    """Build a pipeline (``schedule="auto"``); the names of the model's entries it changed."""
+    blocks = build_blocks(model)
+    whole = nn.Sequential(*blocks)
+    before = {k: v.clone() for k, v in whole.state_dict().items()}
+    inputs, _ = make_batch(model, 0, batch_size)
+    Pipeline(
+        blocks,
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=60.0,
+    ).close()
+    after = whole.state_dict()
+    grads = [n for n, p in whole.named_parameters() if p.grad is not None]
+    return sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads

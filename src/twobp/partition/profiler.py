@@ -93,7 +93,7 @@ def profile_blocks(
     costs: list[BlockCost] = []
     x = example_input
     for index, block in enumerate(blocks):
-        with _restored(block):
+        with restored(block):
             cost, x = _profile_one(index, block, x, repeats, warmup)
         costs.append(cost)
     return costs
@@ -192,7 +192,7 @@ def weight_group_times(
     tables: list[dict[int, float]] = []
     x = example_input
     for index, block in enumerate(blocks):
-        with _restored(block):
+        with restored(block):
             store = defer_weight_grads(block, label=f"block {index}")
             try:
                 table = {
@@ -201,9 +201,10 @@ def weight_group_times(
                 }
             finally:
                 store.restore()
+            # A training-mode forward updates BatchNorm's running statistics too.
+            with torch.no_grad():
+                x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
         tables.append(table)
-        with torch.no_grad():
-            x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
     return tables
 
 
@@ -316,8 +317,12 @@ def _saved_bytes(exclude: set[int]) -> Iterator[Callable[[], int]]:
 
 
 @contextmanager
-def _restored(block: nn.Module) -> Iterator[None]:
-    """Put back the block's gradients and buffers after profiling it."""
+def restored(block: nn.Module) -> Iterator[None]:
+    """Run with the block's gradients cleared, and put back its gradients and buffers after.
+
+    Whatever runs inside may accumulate gradients and, in training mode,
+    update buffers (BatchNorm's running statistics); the block leaves as it came.
+    """
     grads = {p: p.grad for p in block.parameters()}
     buffers = {name: b.clone() for name, b in block.named_buffers()}
     for p in grads:

@@ -14,6 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.partition.profiler import BlockCost, profile_blocks, weight_group_times
+from twobp.partition.profiler import BlockCost, profile_blocks, restored, weight_group_times
 from twobp.runtime.execution.microbatch import Batch, to_device
 from twobp.runtime.setup.group import Membership
 
@@ -130,19 +131,20 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
             torch.autograd.backward(torch.stack(sums).sum())
         return time.perf_counter() - start
 
-    grads = [(p, p.grad) for b in blocks for p in b.parameters()]
-    work()  # warm-up, all at once
     ratios = []
-    for _ in range(CONTENTION_ROUNDS):
-        alone = 0.0
-        for turn in range(world.size):
-            dist.barrier(group=group)
-            if world.rank == turn:
-                alone = work()
-            dist.barrier(group=group)
-        ratios.append(work() / alone if alone > 0 else 1.0)
-    for p, g in grads:
-        p.grad = g
+    # The runs train: they leave the user's gradients and running statistics as they were.
+    with ExitStack() as stack:
+        for block in blocks:
+            stack.enter_context(restored(block))
+        work()  # warm-up, all at once
+        for _ in range(CONTENTION_ROUNDS):
+            alone = 0.0
+            for turn in range(world.size):
+                dist.barrier(group=group)
+                if world.rank == turn:
+                    alone = work()
+                dist.barrier(group=group)
+            ratios.append(work() / alone if alone > 0 else 1.0)
     gathered = torch.zeros(world.size * CONTENTION_ROUNDS, dtype=torch.float64)
     mine = torch.tensor(ratios, dtype=torch.float64)
     if world.backend == "nccl":
