@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.engine import defer_weight_grads
-from twobp.partition.profiler import BlockCost, profile_blocks
+from twobp.partition.profiler import BlockCost, profile_blocks, synchronizer
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
 
 PING_REPEATS = 20
@@ -168,9 +168,10 @@ def _weight_time(block: nn.Module, inputs: Sequence[Batch]) -> float:
                 outs = flatten(block(unflatten(leaves, is_tuple)), "block output")[0]
             needed = [o for o in outs if o.requires_grad]
             store.backward_input(mb, needed, [torch.ones_like(o) for o in needed], leaves)
-        start = time.perf_counter()
+        clock = synchronizer(list(block.parameters()))
+        start = clock()
         store.backward_weight(range(len(inputs)))
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         store.finish_step()
     finally:
         store.restore()

@@ -104,7 +104,7 @@ def _profile_one(
 ) -> tuple[BlockCost, Activation]:
     inputs = _as_leaves(x)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    sync = synchronizer(inputs + [p for p in block.parameters()])
     grad_out: list[torch.Tensor] = []
     times: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": []}
     saved = stashed = 0
@@ -219,7 +219,7 @@ def _median_group_time(
 def _grouped_weight_time(store: WeightGradStore, block: nn.Module, x: Activation, k: int) -> float:
     """Seconds of one W over ``k`` micro-batches of ``x`` (their F and I untimed)."""
     inputs = _as_leaves(x)
-    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    sync = synchronizer(inputs + [p for p in block.parameters()])
     for mb in range(k):
         leaves = _as_leaves(x)
         with store.forward(mb):
@@ -289,7 +289,7 @@ def _needing_grad(
     return [v for o, v in zip(out, chosen, strict=True) if o.requires_grad]
 
 
-def _synchronizer(tensors: Sequence[torch.Tensor]) -> Callable[[], float]:
+def synchronizer(tensors: Sequence[torch.Tensor]) -> Callable[[], float]:
     """A clock that first waits for the device's queued work (CUDA runs asynchronously)."""
     devices = {t.device for t in tensors if t.device.type == "cuda"}
 

@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.partition.profiler import BlockCost, profile_blocks, restored, weight_group_times
+from twobp.partition.profiler import (
+    BlockCost,
+    profile_blocks,
+    restored,
+    synchronizer,
+    weight_group_times,
+)
 from twobp.runtime.execution.microbatch import Batch, to_device
 from twobp.runtime.setup.group import Membership
 
@@ -119,9 +125,11 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
     if world.group is None or world.size < 2:
         return 1.0
     group = world.group
+    # CUDA runs asynchronously: the clock waits for the blocks' device.
+    clock = synchronizer([p for block in blocks for p in block.parameters()])
 
     def work() -> float:
-        start = time.perf_counter()
+        start = clock()
         x = example
         for block in blocks:
             x = block(x)
@@ -129,7 +137,7 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
         sums = [t.float().sum() for t in tensors if t.requires_grad]
         if sums:
             torch.autograd.backward(torch.stack(sums).sum())
-        return time.perf_counter() - start
+        return clock() - start
 
     ratios = []
     # The runs train: they leave the user's gradients and running statistics as they were.
