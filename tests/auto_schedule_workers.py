@@ -10,6 +10,8 @@ from torch import nn
 from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
+from twobp.runtime.setup.cost_measurement import link_speed
+from twobp.runtime.setup.group import join_world
 
 
 def chosen_and_trained(
@@ -72,3 +74,9 @@ def changed_by_planning(model: str, n_mb: int, batch_size: int) -> list[str]:
     after = whole.state_dict()
     grads = [n for n, p in whole.named_parameters() if p.grad is not None]
     return sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads
+
+
+def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
+    """The latency and bandwidth between ``peers`` that this rank learns."""
+    world = join_world(torch.device("cpu"), 60.0)
+    return link_speed(world, peers, torch.device("cpu"), nbytes)
