@@ -80,3 +80,21 @@ def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
     """The latency and bandwidth between ``peers`` that this rank learns."""
     world = join_world(torch.device("cpu"), 60.0)
     return link_speed(world, peers, torch.device("cpu"), nbytes)
+
+
+def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:
+    """The link ``schedule="auto"`` measured: latency, bandwidth and the sender's overhead."""
+    inputs, _ = make_batch(model, 0, batch_size)
+    with Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=60.0,
+        data_parallel=data_parallel,
+    ) as pipe:
+        assert pipe.plan is not None
+        costs = pipe.plan.costs
+        return costs.send_latency, costs.bandwidth, costs.send_overhead

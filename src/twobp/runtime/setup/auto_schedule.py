@@ -141,7 +141,7 @@ def plan_auto(
     costs: CostModel | None,
     schedules: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
-    n_ranks: int | None = None,
+    pipeline_ranks: Sequence[int] | None = None,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -160,7 +160,9 @@ def plan_auto(
         costs: a cost model to plan with instead of measuring.
         schedules: the schedules to try (None: every one).
         policies: the 2BP policies to try (None: every one, or ``off`` without 2BP).
-        n_ranks: ranks of one copy of the pipeline (None: the whole group).
+        pipeline_ranks: the group ranks of the first copy of the pipeline, by
+            pipeline rank (None: the whole group); the link is measured between
+            its first two.
 
     Returns:
         The plan, identical on every rank.
@@ -171,6 +173,7 @@ def plan_auto(
             can be built.
     """
     answer: list[AutoPlan | str | None] = [None]
+    ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
     if costs is None:
         if example_input is None:
             raise PipelineConfigError(
@@ -178,7 +181,7 @@ def plan_auto(
                 "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
                 "as costs="
             )
-        measured = measure(blocks, world, device, example_input, n_microbatches)
+        measured = measure(blocks, world, device, example_input, n_microbatches, ranks)
     if world.rank == 0:
         try:
             if costs is None:
@@ -223,7 +226,7 @@ def plan_auto(
                 choices,
                 costs_for,
                 sizes_for,
-                world.size if n_ranks is None else n_ranks,
+                len(ranks),
                 n_microbatches,
                 memory_limit,
             )

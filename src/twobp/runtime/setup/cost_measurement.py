@@ -3,9 +3,10 @@
 Rank 0 times every block (F, I, W, the fused B, the bytes kept, and W over
 several micro-batches at once) in rounds, the others waiting; then all
 ranks measure together how much slower they compute at once than alone, and
-the one-way latency and bandwidth between ranks 0 and 1, and how long rank 0
-is held by posting a boundary's message while rank 1 computes (gloo copies it
-in the caller). Collective.
+the one-way latency and bandwidth between pipeline ranks 0 and 1 of the
+first copy of the pipeline, and how long the first is held by posting a
+boundary's message while the second computes (gloo copies it in the caller).
+Collective.
 """
 
 from __future__ import annotations
@@ -50,10 +51,17 @@ def measure(
     device: torch.device,
     example_input: Batch,
     n_microbatches: int,
+    pipeline_ranks: Sequence[int],
 ) -> Measured:
     """Rank 0's block profile and W table; the contention and the link of all ranks
     (latency, bandwidth, the sender's time per message; collective); what went
-    wrong on rank 0 while profiling (``""`` if nothing)."""
+    wrong on rank 0 while profiling (``""`` if nothing).
+
+    The link is the one between the first two of ``pipeline_ranks`` (the group
+    ranks of one copy of the pipeline, by pipeline rank): two stages that
+    exchange activations, not two copies of the pipeline that only reduce
+    gradients.
+    """
     homes = [device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
     example = to_device(example_input, device)
@@ -74,7 +82,7 @@ def measure(
         if problem:
             return figures, tables, 1.0, (0.0, math.inf, 0.0), problem
         contention = _contention(moved, example, world)
-        link = _link(world, device, int(shared[1]))
+        link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
     finally:
         for block, home in zip(blocks, homes, strict=True):
             block.to(home)
@@ -207,12 +215,15 @@ def _one_way(world: Membership, peers: tuple[int, int], message: torch.Tensor) -
     return float(shared)
 
 
-def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float, float]:
-    """One-way latency and bandwidth between ranks 0 and 1 (:func:`link_speed`), and rank
-    0's time to post a message of ``nbytes`` while rank 1 computes; on every rank."""
-    if world.group is None or world.size < 2:
+def _link(
+    world: Membership, ranks: Sequence[int], device: torch.device, nbytes: int
+) -> tuple[float, float, float]:
+    """One-way latency and bandwidth between the two ``ranks`` (:func:`link_speed`), and
+    the first's time to post a message of ``nbytes`` while the second computes; on every
+    rank. Nothing to measure with fewer than two."""
+    if world.group is None or len(ranks) < 2:
         return 0.0, math.inf, 0.0
-    peers = (0, 1)
+    peers = (ranks[0], ranks[1])
     latency, bandwidth = link_speed(world, peers, device, nbytes)
     message = torch.zeros(max(2, nbytes // 4), device=device)
     overhead = _posting(world, peers, message) if world.backend == "gloo" else 0.0

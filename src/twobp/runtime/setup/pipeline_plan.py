@@ -85,14 +85,14 @@ def plan_pipeline(
     example_input: Batch | None,
     nonfinite: str,
     costs: CostsArgument = None,
-    n_ranks: int | None = None,
+    pipeline_ranks: Sequence[int] | None = None,
     memory_limit: float | str | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
     Collective: every rank calls it. The arguments are those of
-    :class:`twobp.runtime.Pipeline`; ``n_ranks`` is the number of ranks of
-    one copy of the pipeline (None: the whole group).
+    :class:`twobp.runtime.Pipeline`; ``pipeline_ranks`` are the group ranks of
+    the first copy of the pipeline, by pipeline rank (None: the whole group).
 
     Returns:
         The layout, the same on every rank.
@@ -124,7 +124,7 @@ def plan_pipeline(
             costs=None if costs == PROFILE else _auto_costs(costs),
             schedules=[schedule] if fixed else None,
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
-            n_ranks=n_ranks,
+            pipeline_ranks=pipeline_ranks,
         )
         schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
         two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
@@ -150,7 +150,7 @@ def plan_pipeline(
         resolved = fuse_first_stage_backward(
             resolve_schedule(
                 schedule,
-                n_ranks=world.size if n_ranks is None else n_ranks,
+                n_ranks=world.size if pipeline_ranks is None else len(pipeline_ranks),
                 n_microbatches=n_microbatches,
                 two_bp=two_bp,
                 policy=policy,
