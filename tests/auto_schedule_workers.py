@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from runtime_models import build_blocks, loss_fn, make_batch
@@ -98,3 +99,28 @@ def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) ->
         assert pipe.plan is not None
         costs = pipe.plan.costs
         return costs.send_latency, costs.bandwidth, costs.send_overhead
+
+
+def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str:
+    """The error ``schedule="auto"`` raises when only rank 1 gives no example input
+    (``wrong="example_input"``) or a memory limit that is no amount (``"memory_limit"``)."""
+    inputs, _ = make_batch(model, 0, batch_size)
+    example = inputs[: batch_size // n_mb]
+    limit = None
+    if dist.get_rank() == 1:
+        example = None if wrong == "example_input" else example
+        limit = "a lot" if wrong == "memory_limit" else None
+    try:
+        Pipeline(
+            build_blocks(model),
+            loss_fn(model),
+            schedule="auto",
+            n_microbatches=n_mb,
+            example_input=example,
+            device="cpu",
+            timeout=20.0,
+            memory_limit=limit,
+        )
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "no error"

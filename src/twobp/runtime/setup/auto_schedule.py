@@ -127,6 +127,21 @@ def read_memory_limit(memory_limit: float | str | None) -> float | None:
     return value
 
 
+def profiling_input(example_input: Batch | None) -> Batch:
+    """The example input the blocks are profiled on.
+
+    Raises:
+        PipelineConfigError: if it is None.
+    """
+    if example_input is None:
+        raise PipelineConfigError(
+            "schedule='auto' (and costs='profile') profile the blocks and need "
+            "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
+            "as costs="
+        )
+    return example_input
+
+
 def plan_auto(
     blocks: Sequence[nn.Module],
     world: Membership,
@@ -168,19 +183,15 @@ def plan_auto(
         The plan, identical on every rank.
 
     Raises:
-        PipelineConfigError: on every rank, if the input is missing, nothing
-            fits the memory limit (saying what the least needs) or nothing
-            can be built.
+        PipelineConfigError: on every rank, if nothing fits the memory limit
+            (saying what the least needs) or nothing can be built; on this rank
+            if the input is missing (:func:`twobp.runtime.setup.pipeline_plan.plan_pipeline`
+            checks it on every rank first).
     """
     answer: list[AutoPlan | str | None] = [None]
     ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
     if costs is None:
-        if example_input is None:
-            raise PipelineConfigError(
-                "schedule='auto' (and costs='profile') profile the blocks and need "
-                "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
-                "as costs="
-            )
+        example_input = profiling_input(example_input)
         measured = measure(blocks, world, device, example_input, n_microbatches, ranks)
     if world.rank == 0:
         try:
