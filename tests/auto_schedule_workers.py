@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
+from twobp.runtime.setup.cost_measurement import link_speed
+from twobp.runtime.setup.group import join_world
 
 
 def chosen_and_trained(
@@ -46,6 +52,75 @@ def refused(model: str, n_mb: int, batch_size: int, **options: Any) -> str:
     """The message of the error ``schedule="auto"`` raises with ``options``."""
     try:
         chosen_and_trained(model, n_mb, batch_size, **options)
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def changed_by_planning(model: str, n_mb: int, batch_size: int) -> list[str]:
+    """Build a pipeline (``schedule="auto"``); the names of the model's entries it changed."""
+    blocks = build_blocks(model)
+    whole = nn.Sequential(*blocks)
+    before = {k: v.clone() for k, v in whole.state_dict().items()}
+    inputs, _ = make_batch(model, 0, batch_size)
+    Pipeline(
+        blocks,
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=60.0,
+    ).close()
+    after = whole.state_dict()
+    grads = [n for n, p in whole.named_parameters() if p.grad is not None]
+    return sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads
+
+
+def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
+    """The latency and bandwidth between ``peers`` that this rank learns."""
+    world = join_world(torch.device("cpu"), 60.0)
+    return link_speed(world, peers, torch.device("cpu"), nbytes)
+
+
+def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:
+    """The link ``schedule="auto"`` measured: latency, bandwidth and the sender's overhead."""
+    inputs, _ = make_batch(model, 0, batch_size)
+    with Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=60.0,
+        data_parallel=data_parallel,
+    ) as pipe:
+        assert pipe.plan is not None
+        costs = pipe.plan.costs
+        return costs.send_latency, costs.bandwidth, costs.send_overhead
+
+
+def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str:
+    """The error ``schedule="auto"`` raises when only rank 1 gives no example input
+    (``wrong="example_input"``) or a memory limit that is no amount (``"memory_limit"``)."""
+    inputs, _ = make_batch(model, 0, batch_size)
+    example = inputs[: batch_size // n_mb]
+    limit = None
+    if dist.get_rank() == 1:
+        example = None if wrong == "example_input" else example
+        limit = "a lot" if wrong == "memory_limit" else None
+    try:
+        Pipeline(
+            build_blocks(model),
+            loss_fn(model),
+            schedule="auto",
+            n_microbatches=n_mb,
+            example_input=example,
+            device="cpu",
+            timeout=20.0,
+            memory_limit=limit,
+        )
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from twobp_bench.profile import measure_contention
+from twobp_bench.profile import measure_contention, measure_link
 
 
 def sleeping_contention(seconds: float) -> float:
@@ -31,3 +31,8 @@ def exclusive_contention(lock_path: str, seconds: float) -> float:
                 fcntl.lockf(f, fcntl.LOCK_UN)
 
     return measure_contention(work, torch.device("cpu"), repeats=1)
+
+
+def link(nbytes: int) -> tuple[float, float]:
+    """The bench's measure of the link between ranks 0 and 1."""
+    return measure_link(nbytes, torch.device("cpu"))

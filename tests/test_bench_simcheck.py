@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bench_workers import exclusive_contention, sleeping_contention
+from bench_workers import exclusive_contention, link, sleeping_contention
 from twobp.runtime import launch
 from twobp.schedule import generate
 from twobp_bench.profile import measure_contention
@@ -83,3 +83,11 @@ def test_contention_of_work_that_waits_for_a_shared_resource(tmp_path):
     ratios = launch(exclusive_contention, 2, str(tmp_path / "lock"), 0.05, timeout=90)
     assert ratios[0] == ratios[1]
     assert 1.3 < ratios[0] < 2.5
+
+
+@pytest.mark.timeout(120)
+def test_the_link_between_ranks_0_and_1_is_measured_on_both():
+    links = launch(link, 2, 2**16, timeout=90)
+    assert links[0] == links[1]
+    latency, bandwidth = links[0]
+    assert 0 < latency < 1 and bandwidth > 0

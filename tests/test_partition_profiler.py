@@ -79,3 +79,13 @@ def test_a_grouped_w_is_timed_for_every_count_and_leaves_the_blocks_as_they_were
     assert all(p.grad is None for b in spec.blocks for p in b.parameters())
     with pytest.raises(ValueError, match="counts >= 1"):
         weight_group_times(spec.blocks, spec.example_input(2), [0])
+
+
+def test_a_grouped_w_leaves_the_running_statistics_as_they_were():
+    from twobp.partition.profiler import weight_group_times
+
+    spec = build_model("resnet", "tiny", layers=(1,))
+    before = [b.clone() for block in spec.blocks for b in block.buffers()]
+    weight_group_times(spec.blocks, spec.example_input(2), [1, 2])
+    after = [b for block in spec.blocks for b in block.buffers()]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from auto_schedule_workers import chosen_and_trained, refused
+from auto_schedule_workers import (
+    changed_by_planning,
+    chosen_and_trained,
+    refused,
+    refused_on_rank_1,
+)
 from runtime_models import train_reference
 from twobp.runtime import launch
 from twobp.sim import CostModel
@@ -86,3 +91,19 @@ def _zb_h2_profiled() -> dict:
     return chosen_and_trained(
         "mlp", N_MB, BATCH, schedule="zb-h2", costs="profile", two_bp_policy="fill"
     )
+
+
+def test_planning_leaves_the_running_statistics_and_gradients_as_they_were():
+    # Profiling and the contention runs train the blocks: BatchNorm updates its statistics.
+    changed = launch(changed_by_planning, 2, "conv", N_MB, BATCH, threads_per_rank=1, timeout=120)
+    assert changed == [[], []]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("wrong", "said"), [("example_input", "need example_input="), ("memory_limit", "'a lot'")]
+)
+def test_a_rank_that_cannot_plan_stops_every_rank_before_the_measurements(wrong, said):
+    messages = launch(refused_on_rank_1, 2, "mlp", N_MB, BATCH, wrong, timeout=60)
+    assert messages[1].startswith("rank 1: ") and said in messages[1]
+    assert messages[0].startswith("rank 1 reported: ") and said in messages[0]

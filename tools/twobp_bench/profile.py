@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from twobp.engine import defer_weight_grads
-from twobp.partition.profiler import BlockCost, profile_blocks
+from twobp.partition.profiler import BlockCost, profile_blocks, synchronizer
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
+from twobp.runtime.setup.cost_measurement import link_speed
+from twobp.runtime.setup.group import Membership
 
-PING_REPEATS = 20
 _TIMES = ("forward", "backward_input", "backward_weight", "backward_full")
 
 
@@ -168,9 +169,10 @@ def _weight_time(block: nn.Module, inputs: Sequence[Batch]) -> float:
                 outs = flatten(block(unflatten(leaves, is_tuple)), "block output")[0]
             needed = [o for o in outs if o.requires_grad]
             store.backward_input(mb, needed, [torch.ones_like(o) for o in needed], leaves)
-        start = time.perf_counter()
+        clock = synchronizer(list(block.parameters()))
+        start = clock()
         store.backward_weight(range(len(inputs)))
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         store.finish_step()
     finally:
         store.restore()
@@ -241,7 +243,9 @@ def _synchronized(device: torch.device) -> float:
 
 
 def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
-    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong). Collective.
+    """One-way latency and bandwidth between ranks 0 and 1 of the default group (ping-pong).
+
+    Collective (:func:`twobp.runtime.setup.cost_measurement.link_speed`).
 
     Args:
         nbytes: the size of the large message (a stage boundary's activation).
@@ -252,27 +256,6 @@ def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
     """
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return 0.0, float("inf")
-    small = _one_way(torch.zeros(2, device=device))
-    large = _one_way(torch.zeros(max(2, nbytes // 4), device=device))
-    extra = large - small
-    bandwidth = (nbytes - 8) / extra if extra > 0 else float("inf")
-    return small, bandwidth
-
-
-def _one_way(message: Tensor) -> float:
-    rank = dist.get_rank()
-    dist.barrier()
-    times: list[float] = []
-    for _ in range(PING_REPEATS):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(message, 1)
-            dist.recv(message, 1)
-        elif rank == 1:
-            dist.recv(message, 0)
-            dist.send(message, 0)
-        times.append((time.perf_counter() - start) / 2)
-    # Ranks other than 0 and 1 did nothing; every rank returns rank 0's figure.
-    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=message.device)
-    dist.broadcast(shared, 0)
-    return float(shared)
+    size = dist.get_world_size()
+    world = Membership.of(dist.get_rank(), size, size, dist.group.WORLD, str(dist.get_backend()))
+    return link_speed(world, (0, 1), device, nbytes)

@@ -93,7 +93,7 @@ def profile_blocks(
     costs: list[BlockCost] = []
     x = example_input
     for index, block in enumerate(blocks):
-        with _restored(block):
+        with restored(block):
             cost, x = _profile_one(index, block, x, repeats, warmup)
         costs.append(cost)
     return costs
@@ -104,7 +104,7 @@ def _profile_one(
 ) -> tuple[BlockCost, Activation]:
     inputs = _as_leaves(x)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    sync = synchronizer(inputs + [p for p in block.parameters()])
     grad_out: list[torch.Tensor] = []
     times: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": []}
     saved = stashed = 0
@@ -192,7 +192,7 @@ def weight_group_times(
     tables: list[dict[int, float]] = []
     x = example_input
     for index, block in enumerate(blocks):
-        with _restored(block):
+        with restored(block):
             store = defer_weight_grads(block, label=f"block {index}")
             try:
                 table = {
@@ -201,9 +201,10 @@ def weight_group_times(
                 }
             finally:
                 store.restore()
+            # A training-mode forward updates BatchNorm's running statistics too.
+            with torch.no_grad():
+                x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
         tables.append(table)
-        with torch.no_grad():
-            x = block(_call_form(x, [t.detach() for t in _as_leaves(x)]))
     return tables
 
 
@@ -218,7 +219,7 @@ def _median_group_time(
 def _grouped_weight_time(store: WeightGradStore, block: nn.Module, x: Activation, k: int) -> float:
     """Seconds of one W over ``k`` micro-batches of ``x`` (their F and I untimed)."""
     inputs = _as_leaves(x)
-    sync = _synchronizer(inputs + [p for p in block.parameters()])
+    sync = synchronizer(inputs + [p for p in block.parameters()])
     for mb in range(k):
         leaves = _as_leaves(x)
         with store.forward(mb):
@@ -288,7 +289,7 @@ def _needing_grad(
     return [v for o, v in zip(out, chosen, strict=True) if o.requires_grad]
 
 
-def _synchronizer(tensors: Sequence[torch.Tensor]) -> Callable[[], float]:
+def synchronizer(tensors: Sequence[torch.Tensor]) -> Callable[[], float]:
     """A clock that first waits for the device's queued work (CUDA runs asynchronously)."""
     devices = {t.device for t in tensors if t.device.type == "cuda"}
 
@@ -316,8 +317,12 @@ def _saved_bytes(exclude: set[int]) -> Iterator[Callable[[], int]]:
 
 
 @contextmanager
-def _restored(block: nn.Module) -> Iterator[None]:
-    """Put back the block's gradients and buffers after profiling it."""
+def restored(block: nn.Module) -> Iterator[None]:
+    """Run with the block's gradients cleared, and put back its gradients and buffers after.
+
+    Whatever runs inside may accumulate gradients and, in training mode,
+    update buffers (BatchNorm's running statistics); the block leaves as it came.
+    """
     grads = {p: p.grad for p in block.parameters()}
     buffers = {name: b.clone() for name, b in block.named_buffers()}
     for p in grads:

@@ -219,7 +219,7 @@ class Pipeline(PipelineState, PipelineSteps):
             example_input=example_input,
             nonfinite=nonfinite,
             costs=costs,
-            n_ranks=len(grid[0]),
+            pipeline_ranks=grid[0],
             memory_limit=memory_limit,
         )
         self.plan = plan.auto

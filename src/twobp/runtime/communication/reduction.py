@@ -53,6 +53,20 @@ class Bucket:
     parameters: tuple[nn.Parameter, ...]
     buffers: tuple[Tensor, ...] = ()
 
+    def process_group(self, rank: int) -> dist.ProcessGroup:
+        """The live process group.
+
+        Raises:
+            PipelineClosedError: naming ``rank``, if the group was destroyed since.
+        """
+        group = self.group()
+        if group is None:
+            raise PipelineClosedError(
+                f"rank {rank}: the process group of {self.key} was destroyed; "
+                "build a new Pipeline to go on"
+            )
+        return group
+
 
 def buckets(
     key: str,
@@ -112,15 +126,9 @@ class GradientReducer:
             raise RuntimeError(f"rank {self._rank}: R of stage {stage} ran twice in one step")
         self._started.add(stage)
         for bucket in self._by_stage.get(stage, ()):
-            group = bucket.group()
-            if group is None:
-                raise PipelineClosedError(
-                    f"rank {self._rank}: the process group of {bucket.key} was destroyed; "
-                    "build a new Pipeline to go on"
-                )
             tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            work = dist.all_reduce(flat, group=bucket.process_group(self._rank), async_op=True)
             self._running.append((bucket, flat, work))
 
     def drain(self) -> None:
@@ -149,7 +157,7 @@ class GradientReducer:
             if not keep:
                 continue
             if bucket.buffers:
-                flat.div_(dist.get_world_size(bucket.group()))
+                flat.div_(dist.get_world_size(bucket.process_group(self._rank)))
                 offset = 0
                 for b in bucket.buffers:
                     b.copy_(flat[offset : offset + b.numel()].view_as(b))

@@ -127,6 +127,21 @@ def read_memory_limit(memory_limit: float | str | None) -> float | None:
     return value
 
 
+def profiling_input(example_input: Batch | None) -> Batch:
+    """The example input the blocks are profiled on.
+
+    Raises:
+        PipelineConfigError: if it is None.
+    """
+    if example_input is None:
+        raise PipelineConfigError(
+            "schedule='auto' (and costs='profile') profile the blocks and need "
+            "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
+            "as costs="
+        )
+    return example_input
+
+
 def plan_auto(
     blocks: Sequence[nn.Module],
     world: Membership,
@@ -141,7 +156,7 @@ def plan_auto(
     costs: CostModel | None,
     schedules: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
-    n_ranks: int | None = None,
+    pipeline_ranks: Sequence[int] | None = None,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -160,25 +175,24 @@ def plan_auto(
         costs: a cost model to plan with instead of measuring.
         schedules: the schedules to try (None: every one).
         policies: the 2BP policies to try (None: every one, or ``off`` without 2BP).
-        n_ranks: ranks of one copy of the pipeline (None: the whole group).
+        pipeline_ranks: the group ranks of the first copy of the pipeline, by
+            pipeline rank (None: the whole group); the link is measured between
+            its first two.
 
     Returns:
         The plan, identical on every rank.
 
     Raises:
-        PipelineConfigError: on every rank, if the input is missing, nothing
-            fits the memory limit (saying what the least needs) or nothing
-            can be built.
+        PipelineConfigError: on every rank, if nothing fits the memory limit
+            (saying what the least needs) or nothing can be built; on this rank
+            if the input is missing (:func:`twobp.runtime.setup.pipeline_plan.plan_pipeline`
+            checks it on every rank first).
     """
     answer: list[AutoPlan | str | None] = [None]
+    ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
     if costs is None:
-        if example_input is None:
-            raise PipelineConfigError(
-                "schedule='auto' (and costs='profile') profile the blocks and need "
-                "example_input=<one micro-batch of model inputs>; pass it, or a cost model "
-                "as costs="
-            )
-        measured = measure(blocks, world, device, example_input, n_microbatches)
+        example_input = profiling_input(example_input)
+        measured = measure(blocks, world, device, example_input, n_microbatches, ranks)
     if world.rank == 0:
         try:
             if costs is None:
@@ -223,7 +237,7 @@ def plan_auto(
                 choices,
                 costs_for,
                 sizes_for,
-                world.size if n_ranks is None else n_ranks,
+                len(ranks),
                 n_microbatches,
                 memory_limit,
             )

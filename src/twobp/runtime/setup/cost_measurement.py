@@ -3,9 +3,10 @@
 Rank 0 times every block (F, I, W, the fused B, the bytes kept, and W over
 several micro-batches at once) in rounds, the others waiting; then all
 ranks measure together how much slower they compute at once than alone, and
-the one-way latency and bandwidth between ranks 0 and 1, and how long rank 0
-is held by posting a boundary's message while rank 1 computes (gloo copies it
-in the caller). Collective.
+the one-way latency and bandwidth between pipeline ranks 0 and 1 of the
+first copy of the pipeline, and how long the first is held by posting a
+boundary's message while the second computes (gloo copies it in the caller).
+Collective.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -21,16 +23,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.partition.profiler import BlockCost, profile_blocks, weight_group_times
+from twobp.partition.profiler import (
+    BlockCost,
+    profile_blocks,
+    restored,
+    synchronizer,
+    weight_group_times,
+)
+from twobp.runtime.communication.collective import all_gather_objects
 from twobp.runtime.execution.microbatch import Batch, to_device
 from twobp.runtime.setup.group import Membership
+from twobp.runtime.setup.stage_blocks import device_of
 
 PROFILE_ROUNDS = 5
 """Rounds of block timings the profile is the median of."""
 CONTENTION_ROUNDS = 5
 """Rounds of alone and together runs the contention is the median of."""
 LINK_REPEATS = 20
-"""Ping-pongs per message size when measuring the link between ranks 0 and 1."""
+"""Ping-pongs per message size when measuring a link between two ranks."""
 
 Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float, float], str]
 
@@ -41,11 +51,18 @@ def measure(
     device: torch.device,
     example_input: Batch,
     n_microbatches: int,
+    pipeline_ranks: Sequence[int],
 ) -> Measured:
     """Rank 0's block profile and W table; the contention and the link of all ranks
     (latency, bandwidth, the sender's time per message; collective); what went
-    wrong on rank 0 while profiling (``""`` if nothing)."""
-    homes = [_device_of(b) for b in blocks]
+    wrong on rank 0 while profiling (``""`` if nothing).
+
+    The link is the one between the first two of ``pipeline_ranks`` (the group
+    ranks of one copy of the pipeline, by pipeline rank): two stages that
+    exchange activations, not two copies of the pipeline that only reduce
+    gradients.
+    """
+    homes = [device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
     example = to_device(example_input, device)
     figures: list[BlockCost] = []
@@ -65,7 +82,7 @@ def measure(
         if problem:
             return figures, tables, 1.0, (0.0, math.inf, 0.0), problem
         contention = _contention(moved, example, world)
-        link = _link(world, device, int(shared[1]))
+        link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
     finally:
         for block, home in zip(blocks, homes, strict=True):
             block.to(home)
@@ -118,9 +135,11 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
     if world.group is None or world.size < 2:
         return 1.0
     group = world.group
+    # CUDA runs asynchronously: the clock waits for the blocks' device.
+    clock = synchronizer([p for block in blocks for p in block.parameters()])
 
     def work() -> float:
-        start = time.perf_counter()
+        start = clock()
         x = example
         for block in blocks:
             x = block(x)
@@ -128,87 +147,110 @@ def _contention(blocks: Sequence[nn.Module], example: Batch, world: Membership) 
         sums = [t.float().sum() for t in tensors if t.requires_grad]
         if sums:
             torch.autograd.backward(torch.stack(sums).sum())
-        return time.perf_counter() - start
+        return clock() - start
 
-    grads = [(p, p.grad) for b in blocks for p in b.parameters()]
-    work()  # warm-up, all at once
     ratios = []
-    for _ in range(CONTENTION_ROUNDS):
-        alone = 0.0
-        for turn in range(world.size):
-            dist.barrier(group=group)
-            if world.rank == turn:
-                alone = work()
-            dist.barrier(group=group)
-        ratios.append(work() / alone if alone > 0 else 1.0)
-    for p, g in grads:
-        p.grad = g
-    gathered = torch.zeros(world.size * CONTENTION_ROUNDS, dtype=torch.float64)
-    mine = torch.tensor(ratios, dtype=torch.float64)
-    if world.backend == "nccl":
-        gathered, mine = gathered.cuda(), mine.cuda()
-    dist.all_gather(list(gathered.chunk(world.size)), mine, group=group)
-    ratio = float(gathered.median())
+    # The runs train: they leave the user's gradients and running statistics as they were.
+    with ExitStack() as stack:
+        for block in blocks:
+            stack.enter_context(restored(block))
+        work()  # warm-up, all at once
+        for _ in range(CONTENTION_ROUNDS):
+            alone = 0.0
+            for turn in range(world.size):
+                dist.barrier(group=group)
+                if world.rank == turn:
+                    alone = work()
+                dist.barrier(group=group)
+            ratios.append(work() / alone if alone > 0 else 1.0)
+    ratio = float(statistics.median_low(r for rs in all_gather_objects(world, ratios) for r in rs))
     return min(float(world.local_size), max(1.0, ratio))
 
 
-def _link(world: Membership, device: torch.device, nbytes: int) -> tuple[float, float, float]:
-    """One-way latency and bandwidth between ranks 0 and 1 (ping-pong), and rank 0's
-    time to post a message of ``nbytes`` while rank 1 computes; on every rank."""
+def link_speed(
+    world: Membership, peers: tuple[int, int], device: torch.device, nbytes: int
+) -> tuple[float, float]:
+    """One-way latency and bandwidth between two ranks, by ping-pong. Collective.
+
+    The two ranks send a small message and one of ``nbytes`` back and forth
+    :data:`LINK_REPEATS` times each; the others wait. Every rank returns the
+    figures of ``peers[0]``.
+
+    Args:
+        world: the group.
+        peers: the two group ranks of the link.
+        device: where the messages live.
+        nbytes: the size of the large message (a stage boundary's activation).
+
+    Returns:
+        ``(latency, bandwidth)``: seconds of the small message one way, and bytes
+        per second beyond it (``inf`` if not measurable); ``(0, inf)`` without a group.
+    """
     if world.group is None or world.size < 2:
-        return 0.0, math.inf, 0.0
-    group = world.group
-    peers = (world.global_rank(0), world.global_rank(1))
-
-    def one_way(message: torch.Tensor) -> float:
-        dist.barrier(group=group)
-        times = []
-        for _ in range(LINK_REPEATS):
-            start = time.perf_counter()
-            if world.rank == 0:
-                dist.send(message, peers[1], group=group)
-                dist.recv(message, peers[1], group=group)
-            elif world.rank == 1:
-                dist.recv(message, peers[0], group=group)
-                dist.send(message, peers[0], group=group)
-            times.append((time.perf_counter() - start) / 2)
-        shared = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
-        dist.broadcast(shared, peers[0], group=group)
-        return float(shared)
-
-    def posting(message: torch.Tensor) -> float:
-        # Rank 1 posts its receive and computes; rank 0 times its send's posting.
-        times = []
-        busy = torch.ones(128, 128, device=device)
-        for _ in range(LINK_REPEATS):
-            work = None
-            if world.rank == 1:
-                work = dist.irecv(message, peers[0], group=group)
-            dist.barrier(group=group)
-            if world.rank == 0:
-                start = time.perf_counter()
-                work = dist.isend(message, peers[1], group=group)
-                times.append(time.perf_counter() - start)
-            elif world.rank == 1:
-                for _ in range(8):
-                    busy = (busy @ busy) / 128.0
-            if work is not None:
-                work.wait()
-        figure = statistics.median(times) if times else 0.0
-        shared = torch.tensor([figure], dtype=torch.float64, device=device)
-        dist.broadcast(shared, peers[0], group=group)
-        return float(shared)
-
-    small = one_way(torch.zeros(2, device=device))
-    message = torch.zeros(max(2, nbytes // 4), device=device)
-    large = one_way(message)
+        return 0.0, math.inf
+    small = _one_way(world, peers, torch.zeros(2, device=device))
+    large = _one_way(world, peers, torch.zeros(max(2, nbytes // 4), device=device))
     extra = large - small
     bandwidth = (nbytes - 8) / extra if extra > 0 and nbytes > 8 else math.inf
-    overhead = posting(message) if world.backend == "gloo" else 0.0
-    return small, bandwidth, overhead
+    return small, bandwidth
 
 
-def _device_of(block: nn.Module) -> torch.device:
-    for tensor in block.parameters():
-        return tensor.device
-    return torch.device("cpu")
+def _one_way(world: Membership, peers: tuple[int, int], message: torch.Tensor) -> float:
+    """The median one-way time of ``message`` between ``peers``, on every rank."""
+    group = world.group
+    first, second = (world.global_rank(r) for r in peers)
+    dist.barrier(group=group)
+    times = []
+    for _ in range(LINK_REPEATS):
+        start = time.perf_counter()
+        if world.rank == peers[0]:
+            dist.send(message, second, group=group)
+            dist.recv(message, second, group=group)
+        elif world.rank == peers[1]:
+            dist.recv(message, first, group=group)
+            dist.send(message, first, group=group)
+        times.append((time.perf_counter() - start) / 2)
+    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=message.device)
+    dist.broadcast(shared, first, group=group)
+    return float(shared)
+
+
+def _link(
+    world: Membership, ranks: Sequence[int], device: torch.device, nbytes: int
+) -> tuple[float, float, float]:
+    """One-way latency and bandwidth between the two ``ranks`` (:func:`link_speed`), and
+    the first's time to post a message of ``nbytes`` while the second computes; on every
+    rank. Nothing to measure with fewer than two."""
+    if world.group is None or len(ranks) < 2:
+        return 0.0, math.inf, 0.0
+    peers = (ranks[0], ranks[1])
+    latency, bandwidth = link_speed(world, peers, device, nbytes)
+    message = torch.zeros(max(2, nbytes // 4), device=device)
+    overhead = _posting(world, peers, message) if world.backend == "gloo" else 0.0
+    return latency, bandwidth, overhead
+
+
+def _posting(world: Membership, peers: tuple[int, int], message: torch.Tensor) -> float:
+    """The median time ``peers[0]`` is held posting ``message`` while ``peers[1]`` computes."""
+    group = world.group
+    first, second = (world.global_rank(r) for r in peers)
+    times = []
+    busy = torch.ones(128, 128, device=message.device)
+    for _ in range(LINK_REPEATS):
+        work = None
+        if world.rank == peers[1]:
+            work = dist.irecv(message, first, group=group)
+        dist.barrier(group=group)
+        if world.rank == peers[0]:
+            start = time.perf_counter()
+            work = dist.isend(message, second, group=group)
+            times.append(time.perf_counter() - start)
+        elif world.rank == peers[1]:
+            for _ in range(8):
+                busy = (busy @ busy) / 128.0
+        if work is not None:
+            work.wait()
+    figure = statistics.median(times) if times else 0.0
+    shared = torch.tensor([figure], dtype=torch.float64, device=message.device)
+    dist.broadcast(shared, first, group=group)
+    return float(shared)

@@ -20,7 +20,14 @@ from torch import nn
 from twobp.partition import stage_ranges
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto_schedule import AUTO, AutoPlan, plan_auto, read_memory_limit
+from twobp.runtime.setup.agreement import agree
+from twobp.runtime.setup.auto_schedule import (
+    AUTO,
+    AutoPlan,
+    plan_auto,
+    profiling_input,
+    read_memory_limit,
+)
 from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
 from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import (
@@ -85,14 +92,14 @@ def plan_pipeline(
     example_input: Batch | None,
     nonfinite: str,
     costs: CostsArgument = None,
-    n_ranks: int | None = None,
+    pipeline_ranks: Sequence[int] | None = None,
     memory_limit: float | str | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
     Collective: every rank calls it. The arguments are those of
-    :class:`twobp.runtime.Pipeline`; ``n_ranks`` is the number of ranks of
-    one copy of the pipeline (None: the whole group).
+    :class:`twobp.runtime.Pipeline`; ``pipeline_ranks`` are the group ranks of
+    the first copy of the pipeline, by pipeline rank (None: the whole group).
 
     Returns:
         The layout, the same on every rank.
@@ -107,6 +114,7 @@ def plan_pipeline(
     auto = None
     if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
         fixed = schedule != AUTO
+        limit, model = _auto_arguments(world, device, timeout, memory_limit, costs, example_input)
         auto = plan_auto(
             blocks,
             world,
@@ -120,11 +128,11 @@ def plan_pipeline(
             ),
             partition=partition,
             example_input=example_input,
-            memory_limit=read_memory_limit(memory_limit),
-            costs=None if costs == PROFILE else _auto_costs(costs),
+            memory_limit=limit,
+            costs=model,
             schedules=[schedule] if fixed else None,
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
-            n_ranks=n_ranks,
+            pipeline_ranks=pipeline_ranks,
         )
         schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
         two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
@@ -150,7 +158,7 @@ def plan_pipeline(
         resolved = fuse_first_stage_backward(
             resolve_schedule(
                 schedule,
-                n_ranks=world.size if n_ranks is None else n_ranks,
+                n_ranks=world.size if pipeline_ranks is None else len(pipeline_ranks),
                 n_microbatches=n_microbatches,
                 two_bp=two_bp,
                 policy=policy,
@@ -171,6 +179,35 @@ def plan_pipeline(
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def _auto_arguments(
+    world: Membership,
+    device: torch.device,
+    timeout: float,
+    memory_limit: float | str | None,
+    costs: CostsArgument,
+    example_input: Batch | None,
+) -> tuple[float | None, CostModel | None]:
+    """The memory limit and the cost model ``schedule="auto"`` plans with, checked on
+    every rank before any measures (collective).
+
+    Raises:
+        PipelineConfigError: on every rank, if any rank's limit, cost model or
+            example input does not do.
+    """
+    problem: PipelineConfigError | None = None
+    limit = model = None
+    try:
+        limit = read_memory_limit(memory_limit)
+        model = None if costs == PROFILE else _auto_costs(costs)
+        if model is None:
+            profiling_input(example_input)
+    except PipelineConfigError as exc:
+        problem = exc
+    # The measurements are collectives without a timeout: no rank may enter them alone.
+    agree(world, device, timeout, problem, "planning schedule='auto'")
+    return limit, model
 
 
 def _profiles(schedule: str, costs: CostsArgument) -> bool:

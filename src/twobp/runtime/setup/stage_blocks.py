@@ -76,7 +76,7 @@ def balanced_counts(
     if world.rank == 0:
         from twobp.partition.profiler import profile_blocks, solver_costs
 
-        homes = [_device_of(b) for b in blocks]
+        homes = [device_of(b) for b in blocks]
         moved = [b.to(device) for b in blocks]
         costs = profile_blocks(moved, to_device(example_input, device))
         for block, home in zip(blocks, homes, strict=True):
@@ -101,7 +101,8 @@ def example_input_needed(example_input: Batch | None) -> None:
         )
 
 
-def _device_of(block: nn.Module) -> torch.device:
+def device_of(block: nn.Module) -> torch.device:
+    """Where the block's parameters live (the CPU if it has none)."""
     for tensor in block.parameters():
         return tensor.device
     return torch.device("cpu")

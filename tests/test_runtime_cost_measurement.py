@@ -1,0 +1,27 @@
+"""What ``schedule="auto"`` measures between ranks, on real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from auto_schedule_workers import link_figures, measured_link
+from twobp.runtime import launch
+
+
+@pytest.mark.timeout(120)
+def test_the_link_between_any_two_ranks_is_measured_and_shared_with_every_rank():
+    # Rank 1 stands by: the link is between group ranks 2 and 0, in that order.
+    figures = launch(link_figures, 3, (2, 0), 2**16, threads_per_rank=1, timeout=90)
+    assert figures[0] == figures[1] == figures[2]
+    latency, bandwidth = figures[0]
+    assert 0 < latency < 1 and bandwidth > 0
+
+
+@pytest.mark.timeout(120)
+def test_copies_of_a_one_rank_pipeline_have_no_link_between_stages_to_measure():
+    # Ranks 0 and 1 run two copies: what passes between them is a gradient
+    # reduction, not a stage boundary's activation.
+    links = launch(measured_link, 2, "mlp", 4, 8, 2, threads_per_rank=1, timeout=90)
+    assert links == [(0.0, math.inf, 0.0)] * 2
