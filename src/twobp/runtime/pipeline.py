@@ -54,6 +54,7 @@ from twobp.runtime.pipeline_steps import PipelineSteps
 from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
+from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters
 from twobp.runtime.setup.topology import Topology
@@ -141,6 +142,13 @@ class Pipeline(PipelineState, PipelineSteps):
         memory_limit: for ``schedule="auto"``, the most bytes a rank may hold
             (parameters and their gradients, activations, stored W inputs as
             the simulator counts them), a number or a size such as ``"2GiB"``.
+        retain_host_memory: on a CPU device, make the process keep the memory
+            it frees for its next allocations instead of giving it back to the
+            system after every step, where the next step's activations would
+            fault their pages in again (glibc's malloc; see
+            :mod:`twobp.runtime.setup.host_memory`). A setting of the whole
+            process, like ``num_threads``; the resident memory stays at its
+            peak. False leaves the allocator as it is.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -178,6 +186,7 @@ class Pipeline(PipelineState, PipelineSteps):
         mesh: Any = None,
         recompute: str | Sequence[str | None] | None = None,
         memory_limit: float | str | None = None,
+        retain_host_memory: bool = True,
     ) -> None:
         self._closed = False
         _check_recompute(recompute)
@@ -201,6 +210,8 @@ class Pipeline(PipelineState, PipelineSteps):
                     f"rank {self.rank}: autocast={autocast}: {error}"
                 ) from None
         set_threads_per_rank(members.local_size, num_threads)
+        if retain_host_memory and self.device.type == "cpu":
+            retain_freed_memory()
         grid = data_parallel_grid(members, data_parallel, mesh)
         self.autocast = autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
