@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +12,7 @@ from bench_workers import exclusive_contention, link, sleeping_contention
 from twobp.runtime import launch
 from twobp.schedule import generate
 from twobp_bench.profile import measure_contention
-from twobp_bench.simcheck import simulated_step, stage_costs
+from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,11 @@ def test_the_link_between_ranks_0_and_1_is_measured_on_both():
     assert links[0] == links[1]
     latency, bandwidth = links[0]
     assert 0 < latency < 1 and bandwidth > 0
+
+
+def test_a_replay_walks_each_action_at_its_mean_time():
+    # One rank, one stage, two micro-batches: F F B B. One of the three measured Fs was
+    # interrupted; every step pays its share of such tails, which a median leaves out.
+    seconds = {"0:F:1": [1.0, 1.0, 4.0], "0:B:1": [3.0, 3.0]}
+    replay = replayed_step({0: ["0F0", "0F1", "0B0", "0B1"]}, [0], 2, seconds, (0.0, math.inf))
+    assert replay.makespan == pytest.approx(2 * 2.0 + 2 * 3.0)

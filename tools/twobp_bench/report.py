@@ -451,7 +451,7 @@ def _notes() -> list[str]:
         "- Simulator: twobp.sim on the blocks' F, I, W, B times and the time of one W over all m "
         "micro-batches, profiled by every rank after each timed round (medians; each stage "
         "costed by the rank that runs it), and the measured link.",
-        "- Replay: the same simulator on the step's own measured action times (medians per "
+        "- Replay: the same simulator on the step's own measured action times (means per "
         "stage and kind) and the order the ranks ran them in: its error is the simulator's "
         "model of dependencies and transfers alone, without the profile's.",
         "- Grad check: the largest difference of any parameter's gradient from the whole-batch "

@@ -121,13 +121,18 @@ def replayed_step(
     n_pipelines: int = 1,
     send_overhead: float = 0.0,
 ) -> SimResult:
-    """The simulation of the actions as they ran, with their measured median times.
+    """The simulation of the actions as they ran, with their measured mean times.
+
+    A step's length is a sum of its actions', so it follows their means: a
+    median leaves out the slow tail (an action that another process
+    interrupted), which every measured step pays its share of.
 
     Args:
         run_actions: each rank's actions (text form) in the order they ran.
         placement: the rank of each stage.
         n_microbatches: micro-batches of the step.
-        action_seconds: measured durations by ``"stage:kind:micro-batches"``.
+        action_seconds: measured durations by ``"stage:kind:micro-batches"`` (every
+            occurrence, over micro-batches and rounds).
         link: ``(latency, bandwidth)`` of a transfer between ranks.
         send_bytes: bytes crossing each stage boundary (None: latency only).
         n_pipelines: the pipelines the stages form (2 for Chimera).
@@ -138,21 +143,21 @@ def replayed_step(
     """
     n_stages = len(placement)
 
-    def median(stage: int, kind: str, count: int = 1) -> float:
+    def mean(stage: int, kind: str, count: int = 1) -> float:
         times = action_seconds.get(f"{stage}:{kind}:{count}")
-        return statistics.median(times) if times else 0.0
+        return statistics.fmean(times) if times else 0.0
 
     tables = []
     for stage in range(n_stages):
         counts = sorted(
             int(key.split(":")[2]) for key in action_seconds if key.startswith(f"{stage}:W:")
         )
-        tables.append({k: median(stage, "W", k) for k in counts} or None)
+        tables.append({k: mean(stage, "W", k) for k in counts} or None)
     model = CostModel(
-        forward=tuple(median(s, "F") for s in range(n_stages)),
-        backward_input=tuple(median(s, "I") for s in range(n_stages)),
-        backward_weight=tuple(median(s, "W") for s in range(n_stages)),
-        backward_full=tuple(median(s, "B") for s in range(n_stages)),
+        forward=tuple(mean(s, "F") for s in range(n_stages)),
+        backward_input=tuple(mean(s, "I") for s in range(n_stages)),
+        backward_weight=tuple(mean(s, "W") for s in range(n_stages)),
+        backward_full=tuple(mean(s, "B") for s in range(n_stages)),
         weight_concat=tuple(tables),
         send_latency=link[0],
         bandwidth=link[1],
