@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -11,8 +13,9 @@ from torch import nn
 from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
-from twobp.runtime.setup.cost_measurement import link_speed
+from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
 from twobp.runtime.setup.group import join_world
+from twobp.sim.costs import allreduce_time
 
 
 def chosen_and_trained(
@@ -81,6 +84,22 @@ def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
     """The latency and bandwidth between ``peers`` that this rank learns."""
     world = join_world(torch.device("cpu"), 60.0)
     return link_speed(world, peers, torch.device("cpu"), nbytes)
+
+
+def allreduce_figures(nbytes: int, check_bytes: int) -> tuple[float, float, float]:
+    """The all-reduce bandwidth this rank learns for ``nbytes``, the time it predicts for
+    an all-reduce of ``check_bytes``, and the median measured time of that all-reduce."""
+    world = join_world(torch.device("cpu"), 60.0)
+    bandwidth = allreduce_speed(world, torch.device("cpu"), nbytes)
+    tensor = torch.ones(check_bytes // 4)
+    times = []
+    for _ in range(7):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    predicted = allreduce_time(check_bytes, world.size, bandwidth, 0.0)
+    return bandwidth, predicted, statistics.median(times)
 
 
 def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -11,6 +11,9 @@ import torch
 from bench_workers import exclusive_contention, link, sleeping_contention
 from twobp.runtime import launch
 from twobp.schedule import generate
+from twobp.schedule.lowering import add_reductions
+from twobp.sim import simulate
+from twobp.sim.reduction import with_reductions
 from twobp_bench.profile import measure_contention
 from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
 
@@ -34,6 +37,7 @@ class Profile:
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
     contention: float = 1.0
+    reduce_bandwidth: float = float("inf")
 
 
 def _profile(contention: float) -> Profile:
@@ -100,3 +104,37 @@ def test_a_replay_walks_each_action_at_its_mean_time():
     seconds = {"0:F:1": [1.0, 1.0, 4.0], "0:B:1": [3.0, 3.0]}
     replay = replayed_step({0: ["0F0", "0F1", "0B0", "0B1"]}, [0], 2, seconds, (0.0, math.inf))
     assert replay.makespan == pytest.approx(2 * 2.0 + 2 * 3.0)
+
+
+def test_the_simulator_check_costs_the_reductions_of_replicated_stages():
+    # Chimera at p = 2 holds every stage on both ranks: each step all-reduces them all.
+    blocks = tuple(Block(2.0, 2.0, 1.0, 3.0, parameter_bytes=10**9) for _ in range(4))
+    profile = Profile(blocks, tuple({1: 1.0} for _ in blocks), link_bandwidth=1e9)
+    schedule = add_reductions(generate("chimera", 2, 4))
+    costs = stage_costs([profile, profile], [2, 2], schedule.placement)
+    unreduced = simulate(schedule, costs)
+    checked = simulated_step(schedule, [profile, profile], [2, 2])
+    planned = simulate(*with_reductions(generate("chimera", 2, 4), costs))
+    assert checked.makespan == pytest.approx(planned.makespan)
+    assert checked.makespan > unreduced.makespan + 1.0
+    # An all-reduce measured slower than the link (summing and copying) takes longer.
+    slow = replace(profile, reduce_bandwidth=1e8)
+    assert stage_costs([slow, slow], [2, 2], schedule.placement).reduce_bandwidth == 1e8
+    assert simulated_step(schedule, [slow, slow], [2, 2]).makespan > checked.makespan + 1.0
+    # The same schedule as two data-parallel copies reduces over four replicas: longer still.
+    assert simulated_step(schedule, [profile, profile], [2, 2], data_parallel=2).makespan > (
+        checked.makespan
+    )
+
+
+def test_a_replay_counts_the_reductions_it_is_given():
+    schedule = add_reductions(generate("chimera", 2, 2))
+    run = {rank: [str(a) for a in actions] for rank, actions in schedule.actions.items()}
+    seconds = {f"{s}:{kind}:1": [1.0] for s in range(4) for kind in ("F", "B")}
+
+    def replay(reduce):
+        return replayed_step(
+            run, schedule.placement, 2, seconds, (0.0, math.inf), n_pipelines=2, reduce=reduce
+        )
+
+    assert replay((5.0,) * 4).makespan > replay(None).makespan + 5.0

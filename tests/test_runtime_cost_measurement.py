@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from auto_schedule_workers import link_figures, measured_link
+from auto_schedule_workers import allreduce_figures, link_figures, measured_link
 from twobp.runtime import launch
+from twobp.runtime.setup.cost_measurement import allreduce_speed
+from twobp.runtime.setup.group import Membership
 
 
 @pytest.mark.timeout(120)
@@ -25,3 +28,19 @@ def test_copies_of_a_one_rank_pipeline_have_no_link_between_stages_to_measure():
     # reduction, not a stage boundary's activation.
     links = launch(measured_link, 2, "mlp", 4, 8, 2, threads_per_rank=1, timeout=90)
     assert links == [(0.0, math.inf, 0.0)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_the_all_reduce_bandwidth_predicts_an_all_reduce_of_another_size():
+    # Measured on 4 MiB, checked on 16 MiB, within the noise of a shared machine: a
+    # bytes/elements mix-up would be off by 4x.
+    figures = launch(allreduce_figures, 2, 4 * 2**20, 16 * 2**20, threads_per_rank=1, timeout=90)
+    assert figures[0][0] == figures[1][0]
+    bandwidth, predicted, measured = figures[0]
+    assert 0 < bandwidth < math.inf
+    assert 0.45 < predicted / measured < 2.2, figures
+
+
+def test_an_all_reduce_needs_two_ranks():
+    world = Membership.of(0, 1, 1, None, "gloo")
+    assert allreduce_speed(world, torch.device("cpu"), 2**20) == math.inf

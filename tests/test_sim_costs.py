@@ -81,6 +81,7 @@ def test_json_round_trip(tmp_path):
         send_latency=1e-4,
         send_overhead=2e-4,
         bandwidth=2.5e10,
+        reduce_bandwidth=1.5e9,
         send_bytes=(100.0, 0.0),
         activation_bytes=(10.0, 20.0),
         weight_grad_bytes=(5.0, 6.0),
@@ -92,6 +93,7 @@ def test_json_round_trip(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["format"] == "twobp-costs" and doc["version"] == 1
     assert doc["backward_weight_concat"][0] == {"1": 0.5, "4": 1.5}
+    assert doc["reduce_bandwidth"] == 1.5e9
     loaded = load_costs(path)
     assert loaded == costs
     assert loaded.meta == {"model": "toy"}
@@ -166,3 +168,10 @@ def test_split_and_tile_change_every_per_stage_field():
         assert getattr(tiled, name) == getattr(costs, name) * 3, name
         halves = tuple(v / (1 if name == "send_bytes" else 2) for v in getattr(costs, name))
         assert getattr(split, name) == tuple(v for v in halves for _ in range(2)), name
+
+
+def test_parse_costs_reads_the_reduction_bandwidth():
+    assert parse_costs("F=1,I=1,W=1,reduce_bandwidth=1.5GB", 2).reduce_bandwidth == 1.5e9
+    assert parse_costs("F=1,I=1,W=1", 2).reduce_bandwidth is None
+    with pytest.raises(ValueError, match="reduce_bandwidth must be None or > 0"):
+        parse_costs("F=1,I=1,W=1,reduce_bandwidth=0", 2)

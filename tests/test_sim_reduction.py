@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -73,3 +74,13 @@ def test_with_reductions_over_copies_times_the_gradient_bytes():
     assert math.isfinite(simulate(replicated, timed).makespan)
     with pytest.raises(ValueError, match="data_parallel must be >= 1"):
         with_reductions(s, costs, data_parallel=0)
+
+
+def test_an_all_reduce_goes_at_its_own_measured_bandwidth():
+    # Summing and copying make a CPU all-reduce slower than a message of the same size.
+    s = generate("1f1b", 2, 4)
+    costs = CostModel.uniform(2, parameter_bytes=8.0, bandwidth=4.0, reduce_bandwidth=1.0)
+    _, timed = with_reductions(s, costs, data_parallel=2)
+    assert timed.reduce == (pytest.approx(allreduce_time(8.0, 2, 1.0, 0.0)),) * 2
+    _, at_link = with_reductions(s, replace(costs, reduce_bandwidth=None), data_parallel=2)
+    assert at_link.reduce == (pytest.approx(allreduce_time(8.0, 2, 4.0, 0.0)),) * 2

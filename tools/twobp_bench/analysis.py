@@ -19,16 +19,25 @@ from typing import Any
 from twobp_bench import matrix
 from twobp_bench.job import RankReport, VariantRecord
 from twobp_bench.profile import RankProfile
-from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
+from twobp_bench.simcheck import (
+    replayed_step,
+    simulated_step,
+    stage_costs,
+    with_replica_reductions,
+)
 from twobp_bench.stats import Summary, speedup, summarize
 
 
-def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any]:
+def analyse_regime(
+    reports: Sequence[RankReport], n_ranks: int, data_parallel: int = 1
+) -> dict[str, Any]:
     """The figures of one regime from every rank's report.
 
     Args:
-        reports: one report per rank, indexed by rank.
+        reports: one report per rank of the first copy, indexed by rank.
         n_ranks: pipeline ranks ``p``.
+        data_parallel: copies of every twobp pipeline (their replicas of a
+            stage all-reduce its gradients with the first copy's).
 
     Returns:
         The regime's dictionary (see the keys set below; sizes in bytes, times in seconds).
@@ -41,7 +50,7 @@ def analyse_regime(reports: Sequence[RankReport], n_ranks: int) -> dict[str, Any
     for m in sorted({rec.n_microbatches for rec in lead.records}):
         per_rank = [[rec for rec in r.records if rec.n_microbatches == m] for r in reports]
         profiles = [r.profiles.get(m) for r in reports]
-        group = _group(per_rank, m, regime.microbatch_size, n_ranks, profiles)
+        group = _group(per_rank, m, regime.microbatch_size, n_ranks, profiles, data_parallel)
         group["profile"] = _profile_dict(profiles[0]) if profiles[0] is not None else None
         groups.append(group)
     return {
@@ -65,6 +74,7 @@ def _profile_dict(profile: RankProfile) -> dict[str, Any]:
         "link_latency_s": profile.link_latency,
         "link_bandwidth_bytes_per_s": profile.link_bandwidth,
         "contention": profile.contention,
+        "reduce_bandwidth_bytes_per_s": profile.reduce_bandwidth,
         "blocks_rank0": [
             {
                 "name": c.name,
@@ -85,6 +95,7 @@ def _group(
     microbatch_size: int,
     n_ranks: int,
     profiles: Sequence[Any],
+    data_parallel: int = 1,
 ) -> dict[str, Any]:
     batch = m * microbatch_size
     references = _references(per_rank)
@@ -99,7 +110,14 @@ def _group(
     for lead in per_rank[0]:
         records = records_of[lead.variant.label]
         entry = _variant(
-            records, batch, n_ranks, reference_bounds, baseline_grads, profiles, send_overhead
+            records,
+            batch,
+            n_ranks,
+            reference_bounds,
+            baseline_grads,
+            profiles,
+            send_overhead,
+            data_parallel,
         )
         if "memory" in entry:
             entry["memory_peaks"] = _memory_peaks(records, records_of)
@@ -205,6 +223,7 @@ def _variant(
     baseline_grads: Sketch | None,
     profiles: Sequence[Any],
     send_overhead: float = 0.0,
+    data_parallel: int = 1,
 ) -> dict[str, Any]:
     lead = records[0]
     v = lead.variant
@@ -256,17 +275,21 @@ def _variant(
     if v.is_pipeline:
         entry["efficiency"] = {name: bound / step.median for name, bound in bounds.items()}
     if v.framework == matrix.TWOBP and lead.schedule is not None and all(profiles):
-        simulated = simulated_step(lead.schedule, profiles, lead.partition, send_overhead)
+        simulated = simulated_step(
+            lead.schedule, profiles, lead.partition, send_overhead, data_parallel
+        )
         entry["sim_step_s"] = simulated.makespan
         entry["sim_busy_s"] = sum(simulated.busy) / len(simulated.busy)
         entry["sim_error"] = simulated.makespan / step.median - 1.0
     if v.framework == matrix.TWOBP and lead.run_actions and lead.action_seconds:
         link = (0.0, float("inf"))
-        send_bytes = None
+        send_bytes = reduce = None
         if all(profiles):
             link = (profiles[0].link_latency, profiles[0].link_bandwidth)
             model = stage_costs(profiles, lead.partition, lead.stage_ranks)
-            send_bytes = model.send_bytes
+            if lead.schedule is not None:
+                model = with_replica_reductions(model, lead.schedule, data_parallel)
+            send_bytes, reduce = model.send_bytes, model.reduce
         replayed = replayed_step(
             lead.run_actions,
             lead.stage_ranks,
@@ -276,6 +299,7 @@ def _variant(
             send_bytes,
             lead.schedule.n_pipelines if lead.schedule is not None else 1,
             send_overhead,
+            reduce,
         )
         entry["action_s"] = {
             key: statistics.median(times) for key, times in sorted(lead.action_seconds.items())

@@ -42,7 +42,14 @@ from twobp.timeline import Span, bubble_ratio
 from twobp_bench import baseline, matrix
 from twobp_bench.config import BenchPlan, Regime
 from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
-from twobp_bench.profile import BlockProfiler, RankProfile, boundary_bytes, measure_link
+from twobp_bench.profile import (
+    BlockProfiler,
+    RankProfile,
+    boundary_bytes,
+    gradient_bytes,
+    measure_allreduce,
+    measure_link,
+)
 from twobp_bench.references import ReferenceRunner
 from twobp_bench.runner import StepRunner, gradient_sketch, parameter_bytes
 from twobp_bench.torch_pipelining import TorchRunner, tie_refusal
@@ -155,16 +162,18 @@ def run_regime(plan: BenchPlan, regime: Regime) -> RankReport:
     )
     kinds = [k.value for k in spec.block_kinds]
     link = (0.0, float("inf"))
+    reduce_bandwidth = float("inf")
     if plan.simulate:
         example = _batch(spec, regime, 1, plan.seed)[0]
         link = measure_link(boundary_bytes(spec.blocks, example), device)
+        reduce_bandwidth = measure_allreduce(gradient_bytes(spec.blocks, plan.n_ranks), device)
     records: list[VariantRecord] = []
     profiles: dict[int, RankProfile] = {}
     for m in plan.microbatch_counts:
         group, profiler = _run_group(plan, spec, regime, m, rank, device)
         records.extend(group)
         if profiler is not None:
-            profiles[m] = profiler.result(link)
+            profiles[m] = profiler.result(link, reduce_bandwidth)
     return RankReport(
         rank=rank,
         regime=regime,

@@ -18,13 +18,17 @@ the rounds, and the costs of each stage from the rank that runs it. Measured:
   simulator check divides them by the contention and lets the simulator slow
   down only the actions that overlap;
 * once, the one-way time of a point-to-point message between ranks 0 and 1,
-  small and of the size of a stage boundary's activation (latency and bandwidth).
+  small and of the size of a stage boundary's activation (latency and bandwidth);
+* once, the bandwidth of an all-reduce over every rank, of about a stage's
+  gradients (:func:`measure_allreduce`): what the ``R`` of replicated stages
+  (Chimera, data parallel) costs.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +41,7 @@ from torch import nn
 from twobp.engine import defer_weight_grads
 from twobp.partition.profiler import BlockCost, profile_blocks, synchronizer
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
-from twobp.runtime.setup.cost_measurement import link_speed
+from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
 from twobp.runtime.setup.group import Membership
 
 _TIMES = ("forward", "backward_input", "backward_weight", "backward_full")
@@ -55,6 +59,8 @@ class RankProfile:
         rounds: how many rounds the figures are medians of.
         contention: how many times longer the ranks computed the same work all
             at once than each alone (1.0: no slowdown, or not measured).
+        reduce_bandwidth: bytes per second each rank of an all-reduce moved
+            (``inf`` if not measured).
     """
 
     blocks: tuple[BlockCost, ...]
@@ -63,6 +69,7 @@ class RankProfile:
     link_bandwidth: float
     rounds: int = 1
     contention: float = 1.0
+    reduce_bandwidth: float = math.inf
 
 
 class BlockProfiler:
@@ -108,11 +115,12 @@ class BlockProfiler:
             tables.append(table)
         self._rounds.append((costs, tables))
 
-    def result(self, link: tuple[float, float]) -> RankProfile:
+    def result(self, link: tuple[float, float], reduce_bandwidth: float = math.inf) -> RankProfile:
         """The median of every figure over the rounds measured so far.
 
         Args:
             link: ``(latency, bandwidth)`` from :func:`measure_link`.
+            reduce_bandwidth: from :func:`measure_allreduce`.
 
         Raises:
             ValueError: if no round was measured.
@@ -132,7 +140,13 @@ class BlockProfiler:
         )
         contention = statistics.median(self._contention) if self._contention else 1.0
         return RankProfile(
-            tuple(blocks), tables, link[0], link[1], len(self._rounds), max(1.0, contention)
+            tuple(blocks),
+            tables,
+            link[0],
+            link[1],
+            len(self._rounds),
+            max(1.0, contention),
+            reduce_bandwidth,
         )
 
 
@@ -240,6 +254,32 @@ def _synchronized(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def measure_allreduce(nbytes: int, device: torch.device) -> float:
+    """Bytes per second each rank of an all-reduce over the default group moves.
+
+    Collective (:func:`twobp.runtime.setup.cost_measurement.allreduce_speed`).
+
+    Args:
+        nbytes: the size of the large all-reduce (about a stage's gradients).
+        device: where the tensors live.
+
+    Returns:
+        The bandwidth; ``inf`` without a group of two ranks.
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return math.inf
+    size = dist.get_world_size()
+    world = Membership.of(dist.get_rank(), size, size, dist.group.WORLD, str(dist.get_backend()))
+    return allreduce_speed(world, device, nbytes)
+
+
+def gradient_bytes(blocks: Sequence[nn.Module], n_stages: int) -> int:
+    """About one stage's gradient bytes: the model's parameter bytes over ``n_stages``,
+    kept between 1 MiB and 64 MiB (a measurement, not a model of every stage)."""
+    total = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    return int(min(64 * 2**20, max(2**20, total // max(1, n_stages))))
 
 
 def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:

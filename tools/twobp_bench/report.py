@@ -9,6 +9,7 @@ rank's bubble, CPU time and compute per action kind. This module imports no torc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -307,6 +308,18 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
                 "variant, rank and round), per micro-batch count: "
                 + ", ".join(f"{(s or 0) * 1e6:.0f} us" for s in sends)
                 + ". The simulator charges it to the action whose result crosses.",
+                "",
+            ]
+        reduce = [
+            (g.get("profile") or {}).get("reduce_bandwidth_bytes_per_s") for g in regime["groups"]
+        ]
+        if any(isinstance(b, (int, float)) and math.isfinite(b) for b in reduce):
+            lines += [
+                "An all-reduce over every rank moved "
+                + ", ".join(f"{b / 1e9:.2f}" for b in reduce if b is not None)
+                + " GB/s per rank (per micro-batch count; a point-to-point message is faster: "
+                "the ranks also sum and copy). The simulator costs the R of replicated stages "
+                "with it.",
                 "",
             ]
     for group in regime["groups"]:

@@ -74,7 +74,9 @@ def run_bench(
                 group_timeout=plan.timeout,
             )
             # Copy 0 (the first n_ranks processes) speaks for the copies.
-            regimes.append(analyse_regime(reports[: plan.n_ranks], plan.n_ranks))
+            regimes.append(
+                analyse_regime(reports[: plan.n_ranks], plan.n_ranks, plan.data_parallel)
+            )
             say(f"regime {regime.name}: done in {time.perf_counter() - t0:.0f} s")
     finally:
         if folder is not None:

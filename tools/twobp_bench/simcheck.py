@@ -16,12 +16,14 @@ the measured step time. This module imports no torch.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from twobp.partition.solver import stage_ranges
 from twobp.schedule import Action, Schedule
+from twobp.schedule.lowering import has_reductions
 from twobp.sim import CostModel, SimResult, simulate
 from twobp.sim.from_profile import BlockFigures, stage_cost_model
 
@@ -44,6 +46,9 @@ class ProfileLike(Protocol):
     @property
     def contention(self) -> float: ...
 
+    @property
+    def reduce_bandwidth(self) -> float: ...
+
 
 def stage_costs(
     profiles: Sequence[ProfileLike],
@@ -61,8 +66,8 @@ def stage_costs(
 
     Returns:
         The per-stage cost model of :func:`twobp.sim.from_profile.stage_cost_model`,
-        with W tables, the link of rank 0's profile, the ranks' mean contention,
-        and times divided by it (alone times).
+        with W tables, the link and all-reduce bandwidth of rank 0's profile,
+        the ranks' mean contention, and times divided by it (alone times).
 
     With several pipelines over the same stages of the model (Chimera: the
     placement lists ``k`` times as many stages as the partition), each
@@ -93,6 +98,7 @@ def stage_costs(
         send_latency=link.link_latency,
         bandwidth=link.link_bandwidth,
         send_overhead=send_overhead,
+        reduce_bandwidth=None if math.isinf(link.reduce_bandwidth) else link.reduce_bandwidth,
     )
 
 
@@ -101,14 +107,35 @@ def simulated_step(
     profiles: Sequence[ProfileLike],
     partition: Sequence[int],
     send_overhead: float = 0.0,
+    data_parallel: int = 1,
 ) -> SimResult:
     """The simulation of ``schedule`` under the profiled costs.
 
     Its ``makespan`` is the predicted step time; its ``busy`` the predicted
     compute time of each rank, which tells a cost error (busy times disagree)
     from a schedule or communication error (they agree, the makespan does not).
+
+    Where the schedule reduces replicated stages (its ``R`` actions: Chimera,
+    or ``data_parallel`` copies), each reduction takes the time of a ring
+    all-reduce of the stage's parameter bytes over its ``data_parallel x
+    n_pipelines`` replicas at the measured link, as the planner counts it.
     """
-    return simulate(schedule, stage_costs(profiles, partition, schedule.placement, send_overhead))
+    costs = stage_costs(profiles, partition, schedule.placement, send_overhead)
+    return simulate(schedule, with_replica_reductions(costs, schedule, data_parallel))
+
+
+def with_replica_reductions(costs: CostModel, schedule: Schedule, data_parallel: int) -> CostModel:
+    """``costs`` with the all-reduce time of every replicated stage of ``schedule``.
+
+    Unchanged where the schedule has no ``R`` actions. A stage's gradients
+    are its parameter bytes, reduced in a ring over ``data_parallel x
+    n_pipelines`` replicas (:meth:`twobp.sim.CostModel.with_reduction`).
+    """
+    replicas = data_parallel * schedule.n_pipelines
+    if replicas == 1 or not has_reductions(schedule):
+        return costs
+    assert costs.parameter_bytes is not None
+    return costs.with_reduction(replicas, costs.parameter_bytes)
 
 
 def replayed_step(
@@ -120,6 +147,7 @@ def replayed_step(
     send_bytes: Sequence[float] | None = None,
     n_pipelines: int = 1,
     send_overhead: float = 0.0,
+    reduce: Sequence[float] | None = None,
 ) -> SimResult:
     """The simulation of the actions as they ran, with their measured mean times.
 
@@ -137,6 +165,8 @@ def replayed_step(
         send_bytes: bytes crossing each stage boundary (None: latency only).
         n_pipelines: the pipelines the stages form (2 for Chimera).
         send_overhead: the sender's time per transfer to another rank.
+        reduce: per stage, the time of its gradient all-reduce (an ``R`` runs it
+            in the background; None: free). Its measured span is only its start.
 
     Returns:
         The simulation.
@@ -163,6 +193,7 @@ def replayed_step(
         bandwidth=link[1],
         send_bytes=None if send_bytes is None else tuple(send_bytes),
         send_overhead=send_overhead,
+        reduce=None if reduce is None else tuple(reduce),
     )
     schedule = Schedule(
         tuple(placement),

@@ -29,7 +29,9 @@ from twobp.viz.ascii import render_ascii
 COSTS_HELP = (
     "times and sizes of one rank's share of the model, as key=value pairs: F, I, W (times of "
     "one micro-batch), B (fused backward, default I+W), W<n> (W over n concatenated "
-    "micro-batches, e.g. W4=3), latency, bandwidth, send (bytes per micro-batch), act, grad, "
+    "micro-batches, e.g. W4=3), latency, bandwidth, send_overhead (seconds a send holds its "
+    "sender), reduce_bandwidth (bytes/s per rank of a gradient all-reduce, default bandwidth), "
+    "send (bytes per micro-batch), act, grad, "
     "param (memory per micro-batch / per stage), contention (how many times slower every rank "
     "computes while all compute at once, default 1); with V stages per rank each stage takes 1/V"
 )

@@ -19,6 +19,8 @@ profiler of the runtime writes the same format)::
       "send_overhead": 1e-04,                   # optional (default 0): seconds the
                                                 # sender spends on each transfer
       "bandwidth": 2.5e10,                      # bytes/s; null: infinite
+      "reduce_bandwidth": 1.5e9,                # optional (null: bandwidth): bytes/s
+                                                # per rank of a ring all-reduce
       "send_bytes":        [4194304, 4194304],  # per micro-batch, boundary s -> s+1
       "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
       "weight_grad_bytes": [6.0e7, 6.0e7],      # per micro-batch, held I -> W
@@ -71,6 +73,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "send_latency": costs.send_latency,
         "send_overhead": costs.send_overhead,
         "bandwidth": None if math.isinf(costs.bandwidth) else costs.bandwidth,
+        "reduce_bandwidth": costs.reduce_bandwidth,
         "send_bytes": list(costs.send_bytes or ()),
         "activation_bytes": list(costs.activation_bytes or ()),
         "weight_grad_bytes": list(costs.weight_grad_bytes or ()),
@@ -119,6 +122,9 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         send_latency=float(doc.get("send_latency", 0.0)),
         send_overhead=float(doc.get("send_overhead", 0.0)),
         bandwidth=math.inf if bandwidth is None else float(bandwidth),
+        reduce_bandwidth=None
+        if doc.get("reduce_bandwidth") is None
+        else float(doc["reduce_bandwidth"]),
         send_bytes=_opt(doc.get("send_bytes")),
         activation_bytes=_opt(doc.get("activation_bytes")),
         weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
@@ -165,6 +171,7 @@ _TEXT_KEYS = {
     "latency": "send_latency",
     "send_overhead": "send_overhead",
     "bandwidth": "bandwidth",
+    "reduce_bandwidth": "reduce_bandwidth",
     "send": "send_bytes",
     "act": "activation_bytes",
     "grad": "weight_grad_bytes",
@@ -218,7 +225,9 @@ def parse_costs(text: str, n_stages: int) -> CostModel:
     Keys (case-insensitive): ``F``, ``I``, ``W`` (times of one micro-batch),
     ``B`` (fused backward, default ``I+W``), ``W<n>`` (time of ``W`` over ``n``
     concatenated micro-batches, e.g. ``W4=3``), ``latency`` (seconds),
-    ``bandwidth`` (bytes/s), ``send`` (bytes per micro-batch and boundary),
+    ``bandwidth`` (bytes/s), ``reduce_bandwidth`` (bytes/s per rank of a
+    gradient all-reduce), ``send_overhead`` (seconds the sender spends per
+    transfer), ``send`` (bytes per micro-batch and boundary),
     ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`),
     ``contention`` (slowdown while every rank computes at once, e.g.
     ``contention=1.6``).

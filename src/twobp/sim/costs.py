@@ -113,6 +113,11 @@ class CostModel:
         parameter_bytes: bytes held all the time, per stage.
         reduce: time of the all-reduce of a stage's weight gradients over its
             replicas (the ``R`` action, in the background); default 0.
+        reduce_bandwidth: bytes per second that each rank of a ring all-reduce
+            moves, as :meth:`with_reduction` costs it (``None``: ``bandwidth``).
+            Measured apart from ``bandwidth`` because an all-reduce also sums
+            and copies: over gloo on CPU ranks it moved 1.5 GB/s where a
+            point-to-point message of a stage boundary moved 2.4-49 GB/s.
         contention: how many times longer a compute action takes while every
             rank of the pipeline computes at once than while its rank
             computes alone; with ``k`` of ``n`` ranks computing, each runs
@@ -150,6 +155,7 @@ class CostModel:
     weight_rebuild_bytes: PerStage | None = None
     weight_group_size: int | None = None
     send_overhead: float = 0.0
+    reduce_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -187,6 +193,11 @@ class CostModel:
             )
         if not self.bandwidth > 0:
             raise ValueError(f"cost model: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if self.reduce_bandwidth is not None and not self.reduce_bandwidth > 0:
+            raise ValueError(
+                f"cost model: reduce_bandwidth must be None or > 0 bytes/s, got "
+                f"{self.reduce_bandwidth}"
+            )
         if not (self.contention >= 1 and math.isfinite(self.contention)):
             raise ValueError(
                 f"cost model: contention must be a finite number >= 1, got {self.contention}; "
@@ -223,6 +234,7 @@ class CostModel:
         weight_concat: Mapping[int, float] | None = None,
         contention: float = 1.0,
         send_overhead: float = 0.0,
+        reduce_bandwidth: float | None = None,
     ) -> CostModel:
         """The same costs for every stage.
 
@@ -237,6 +249,8 @@ class CostModel:
             contention: slowdown of a compute action while every rank
                 computes at once (see :class:`CostModel`).
             send_overhead: the sender's own time per transfer to another rank.
+            reduce_bandwidth: bytes per second per rank of a ring all-reduce
+                (``None``: ``bandwidth``).
 
         Returns:
             The cost model.
@@ -264,6 +278,7 @@ class CostModel:
             parameter_bytes=rep(parameter_bytes),
             contention=contention,
             send_overhead=send_overhead,
+            reduce_bandwidth=reduce_bandwidth,
         )
 
     def w_time(self, stage: int, n_microbatches: int) -> float:
@@ -377,11 +392,10 @@ class CostModel:
             ValueError: if ``gradient_bytes`` has not one entry per stage.
         """
         sizes = _per_stage("gradient_bytes", gradient_bytes, self.n_stages)
+        bandwidth = self.bandwidth if self.reduce_bandwidth is None else self.reduce_bandwidth
         return replace(
             self,
-            reduce=tuple(
-                allreduce_time(b, replicas, self.bandwidth, self.send_latency) for b in sizes
-            ),
+            reduce=tuple(allreduce_time(b, replicas, bandwidth, self.send_latency) for b in sizes),
         )
 
     def for_schedule(self, n_stages: int, n_pipelines: int = 1) -> CostModel:

@@ -195,6 +195,53 @@ def link_speed(
     return small, bandwidth
 
 
+def allreduce_speed(world: Membership, device: torch.device, nbytes: int) -> float:
+    """Bytes per second each rank of a ring all-reduce over ``world`` moves. Collective.
+
+    Every rank all-reduces a small tensor and one of ``nbytes``,
+    :data:`LINK_REPEATS` times each; the difference of the two median times is
+    solved for the bandwidth of :func:`twobp.sim.costs.allreduce_time`
+    (``2 (n - 1)`` steps of ``nbytes / n``). On CPU ranks this is well below
+    a point-to-point message's bandwidth: the ranks also sum and copy. The
+    figure of the group's rank 0 is returned on every rank.
+
+    Args:
+        world: the group whose ranks reduce together.
+        device: where the tensors live.
+        nbytes: the size of the large all-reduce (a stage's gradients).
+
+    Returns:
+        Bytes per second (``inf`` without a group of two ranks, or if not measurable).
+    """
+    if world.group is None or world.size < 2:
+        return math.inf
+    small = _allreduce_time(world, torch.zeros(2, device=device))
+    large = _allreduce_time(world, torch.zeros(max(2, nbytes // 4), device=device))
+    steps = 2 * (world.size - 1)
+    extra = large - small
+    if extra <= 0 or nbytes <= 8:
+        return math.inf
+    return steps * (nbytes - 8) / (world.size * extra)
+
+
+def _allreduce_time(world: Membership, tensor: torch.Tensor) -> float:
+    """The median time of an all-reduce of ``tensor`` over ``world``, rank 0's on every rank."""
+    group = world.group
+    times = []
+    dist.all_reduce(tensor, group=group)
+    for _ in range(LINK_REPEATS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - start)
+        tensor.zero_()
+    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=tensor.device)
+    dist.broadcast(shared, world.global_rank(0), group=group)
+    return float(shared)
+
+
 def _one_way(world: Membership, peers: tuple[int, int], message: torch.Tensor) -> float:
     """The median one-way time of ``message`` between ``peers``, on every rank."""
     group = world.group
