@@ -116,7 +116,7 @@ class CostModel:
         reduce_bandwidth: bytes per second that each rank of a ring all-reduce
             moves, as :meth:`with_reduction` costs it (``None``: ``bandwidth``).
             Measured apart from ``bandwidth`` because an all-reduce also sums
-            and copies: over gloo on CPU ranks it moved 1.5 GB/s where a
+            and copies: over gloo on CPU ranks it moved 1.4-2.1 GB/s where a
             point-to-point message of a stage boundary moved 2.4-49 GB/s.
         contention: how many times longer a compute action takes while every
             rank of the pipeline computes at once than while its rank
