@@ -1,5 +1,6 @@
 """From rank records to figures, targets, markdown and chart, on made-up timings."""
 
+import dataclasses
 import json
 import math
 
@@ -7,13 +8,18 @@ import pytest
 import torch
 from torch import nn
 
+from twobp.partition.profiler import BlockCost
+from twobp.schedule import generate
+from twobp.schedule.two_bp import apply_two_bp
 from twobp_bench import matrix
 from twobp_bench.analysis import analyse_regime, gradient_error
 from twobp_bench.config import Regime
 from twobp_bench.job import RankReport, VariantRecord
+from twobp_bench.profile import RankProfile
 from twobp_bench.report import GRAD_TOLERANCE, MIB, render_markdown
 from twobp_bench.run import write_outputs
 from twobp_bench.runner import gradient_sketch
+from twobp_bench.simcheck import replayed_step
 from twobp_bench.targets import evaluate
 
 # Step seconds of each variant in three rounds (m = 2, batch 2 * 4 = 8 samples).
@@ -324,3 +330,57 @@ def test_memory_table_compares_a_peak_only_with_a_variant_without_2bp():
     preset = "| preset (4 samples/micro-batch) |"
     assert f"{preset} 1f1b | 2 | on | - | 8.0 | 1501.0 | 1.50x | 3.0 | 2.0 |" in text
     assert f"{preset} zb-v | 2 | on | - | 8.0 | 1201.0 | n/a | 3.0 | 2.0 |" in text
+
+
+def test_the_time_outside_a_schedule_is_added_to_the_replay():
+    reports = _reports("large")
+    run = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+    seconds = {"0:F:1": [0.1], "0:B:1": [0.2], "1:F:1": [0.1], "1:B:1": [0.2]}
+    for report in reports:
+        for rec in report.records:
+            if rec.variant.framework == "twobp":
+                # The first rank's figures count: the ranks wait for each other at the end.
+                rec.outside_seconds = [0.01, 0.02, 0.03] if report.rank == 0 else [9.0] * 3
+                rec.run_actions, rec.action_seconds = run, seconds
+    group = analyse_regime(reports, 2)["groups"][0]
+    assert group["step_overhead_s"] == pytest.approx(0.02)
+    schedule_only = replayed_step(run, (0, 1), 2, seconds, (0.0, math.inf)).makespan
+    replayed = [v for v in group["variants"] if v["framework"] == "twobp"]
+    assert len(replayed) == 2
+    for v in replayed:
+        assert v["replay_step_s"] == pytest.approx(schedule_only + 0.02)
+
+
+def test_the_time_outside_a_schedule_is_added_to_the_simulated_step():
+    reports = _reports("large")
+    blocks = tuple(BlockCost(i, "Block", 0.1, 0.1, 0.1, 0.2, 0, 0, 0, 0) for i in range(6))
+    profile = RankProfile(blocks, tuple({1: 0.1} for _ in blocks), 0.0, math.inf)
+    for report in reports:
+        report.profiles[2] = profile
+        for rec in report.records:
+            if rec.variant.framework == "twobp":
+                fused = generate("1f1b", 2, 2)
+                rec.schedule = apply_two_bp(fused) if rec.variant.two_bp else fused
+                rec.outside_seconds = [0.05]
+    without = {
+        v["label"]: v["sim_step_s"]
+        for v in analyse_regime(_reports_with(reports, 0.0), 2)["groups"][0]["variants"]
+        if v.get("sim_step_s") is not None
+    }
+    group = analyse_regime(reports, 2)["groups"][0]
+    simulated = [v for v in group["variants"] if v.get("sim_step_s") is not None]
+    assert len(simulated) == 2
+    for v in simulated:
+        assert v["sim_step_s"] == pytest.approx(without[v["label"]] + 0.05)
+
+
+def _reports_with(reports: list[RankReport], outside: float) -> list[RankReport]:
+    """The same reports, every twobp step ``outside`` seconds outside its schedule."""
+    out = []
+    for report in reports:
+        records = [dataclasses.replace(r) for r in report.records]
+        for rec in records:
+            if rec.variant.framework == "twobp":
+                rec.outside_seconds = [outside]
+        out.append(dataclasses.replace(report, records=records))
+    return out

@@ -91,6 +91,10 @@ class VariantRecord:
             (twobp only): activations, stash, parameters, optimizer, peak.
         send_seconds: per timed round, this rank's time per send to another
             rank (``Pipeline.step_times``; twobp only, rounds with sends).
+        outside_seconds: per timed round, the step's time outside its schedule:
+            the wall time less the end of the last action of any rank, timed
+            from the step's opening all-reduce (splitting the batch, settling
+            the loss; twobp only).
     """
 
     variant: matrix.Variant
@@ -112,6 +116,7 @@ class VariantRecord:
     run_actions: dict[int, list[str]] = field(default_factory=dict)
     memory: dict[str, int] | None = None
     send_seconds: list[float] = field(default_factory=list)
+    outside_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -262,6 +267,9 @@ def _run_group(
                 record.busy_seconds.append(figures["busy_s"])
                 if figures.get("send_s", -1.0) >= 0:
                     record.send_seconds.append(figures["send_s"])
+                if runner.last_spans:
+                    last = max(s.end for s in runner.last_spans)
+                    record.outside_seconds.append(max(0.0, seconds - last))
                 _record_actions(record, runner.last_spans, plan.n_ranks)
             if profiler is not None and index == len(runners) - 1:
                 # Once per timed round, under the load the round's steps saw.

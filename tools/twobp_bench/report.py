@@ -310,6 +310,16 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
                 + ". The simulator charges it to the action whose result crosses.",
                 "",
             ]
+        outside = [g.get("step_overhead_s") for g in regime["groups"]]
+        if any(outside):
+            lines += [
+                "A step spends time outside its schedule (the all-reduce that opens it, "
+                "splitting the batch, settling the loss; median of twobp's variants and "
+                "rounds), per micro-batch count: "
+                + ", ".join(f"{(t or 0) * 1e3:.1f} ms" for t in outside)
+                + ". The simulator check and the replay add it to the schedule's makespan.",
+                "",
+            ]
         reduce = [
             (g.get("profile") or {}).get("reduce_bandwidth_bytes_per_s") for g in regime["groups"]
         ]
