@@ -181,3 +181,20 @@ def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
     )
     assert main(["plan", "--recompute", "some"]) == 2
     assert "argument --recompute: invalid choice: 'some'" in capsys.readouterr().err
+
+
+def test_simulate_reduces_replicated_stages(capsys):
+    def run(*extra):
+        assert main(["simulate", "--stages", "2", "--microbatches", "4", *extra]) == 0
+        return capsys.readouterr().out
+
+    costs = ["--costs", "F=1,I=1,W=1,param=4,bandwidth=1"]
+    # Chimera holds each stage on both ranks: its R all-reduce 4 bytes at 1 byte/s, after
+    # the compute (14) ends.
+    chimera = run("--schedule", "chimera", *costs)
+    assert chimera.splitlines()[0].startswith("chimera: makespan 20,")
+    assert "gradient all-reduces (R, in the background, not drawn) end at: rank 0 20" in chimera
+    # One pipeline reduces only with copies.
+    assert "all-reduces" not in run("--schedule", "1f1b", *costs)
+    copies = run("--schedule", "1f1b", "--data-parallel", "2", *costs)
+    assert "gradient all-reduces (R, in the background, not drawn) end at:" in copies

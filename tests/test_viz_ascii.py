@@ -74,3 +74,15 @@ def test_communication_spans_are_not_drawn():
 def test_too_narrow():
     with pytest.raises(ValueError, match="too narrow"):
         render_ascii(GPIPE_2X2, width=5)
+
+
+def test_a_background_reduction_counts_in_the_makespan_but_hides_nothing():
+    # Rank 0's all-reduce of stage 0 runs from 3 to 8, under its F1 and B1.
+    spans = spans_of(
+        {
+            0: [("0F0", 0, 1), ("0B0", 1, 3), ("0R0-1", 3, 8), ("0F1", 3, 4), ("0B1", 4, 6)],
+        }
+    )
+    assert render_ascii(spans) == (
+        "makespan 8, bubble ratio 25.0% (1 column = 1)\nrank 0 | F0 B0~~~ F1 B1~~~ .  ."
+    )

@@ -57,7 +57,8 @@ class PlanConfig:
     )
     data_parallel: int = doc(
         "copies of the pipeline D (D x stages ranks); each stage's gradients are all-reduced "
-        "over its copies in the background after its last W, at the cost model's bandwidth, "
+        "over its copies in the background after its last W, at the cost model's "
+        "reduce_bandwidth (else bandwidth), "
         "taking its parameter bytes as the gradient size",
         1,
     )

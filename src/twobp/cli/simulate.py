@@ -19,9 +19,11 @@ from typing import Any
 from twobp.cli.errors import UsageError, check_at_least
 from twobp.config import add_arguments, check_writable, doc, from_namespace
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule
+from twobp.schedule.action import Kind
 from twobp.sim.cost_io import format_amount, load_costs, parse_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP, build_schedule
+from twobp.sim.reduction import with_reductions
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
 from twobp.sim.steady import steady_state
 from twobp.viz.ascii import render_ascii
@@ -55,6 +57,13 @@ class SimulateConfig:
     costs: str = doc(COSTS_HELP, "F=1,I=1,W=1")
     costs_file: str | None = doc(
         "a cost profile JSON (format: twobp.sim.costs); replaces --costs", None
+    )
+    data_parallel: int = doc(
+        "copies of the pipeline D (D x stages ranks); each replicated stage (every stage "
+        "with D > 1, and Chimera's, held by both pipelines) all-reduces its gradients in the "
+        "background after its last W (the R action), at the cost model's reduce_bandwidth "
+        "(else bandwidth), taking its parameter bytes as the gradient size",
+        1,
     )
     png: str | None = doc("also draw the timeline to this PNG file", None)
     trace: str | None = doc("also write a Chrome/Perfetto trace JSON to this file", None)
@@ -112,6 +121,13 @@ def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:
             f"{r:>4}  {result.busy[r]:>8.4g}  {result.idle[r]:>8.4g}  "
             f"{result.bubble_ratios[r]:>7.1%}  {format_amount(result.peak_memory[r]):>11}"
         )
+    reductions = [s for s in result.spans if s.action.kind is Kind.REDUCE]
+    if reductions:
+        ends = ", ".join(
+            f"rank {r} {max(s.end for s in reductions if s.rank == r):.4g}"
+            for r in sorted({s.rank for s in reductions})
+        )
+        lines += ["", f"gradient all-reduces (R, in the background, not drawn) end at: {ends}"]
     return "\n".join(lines)
 
 
@@ -125,6 +141,7 @@ def check_options(config: SimulateConfig) -> None:
         stages=(config.stages, 1),
         microbatches=(config.microbatches, 1),
         stages_per_rank=(config.stages_per_rank, 1),
+        data_parallel=(config.data_parallel, 1),
     )
     for option, path in (("--png", config.png), ("--trace", config.trace)):
         if path:
@@ -153,6 +170,7 @@ def run(config: SimulateConfig) -> int:
         )
     except ValueError as exc:
         raise ValueError(f"--schedule {config.schedule}: {exc}") from exc
+    schedule, fitted = with_reductions(schedule, fitted, config.data_parallel)
     result = simulate(schedule, fitted)
     try:
         grid = render_ascii(

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 
 from twobp.timeline import Span, bubble_ratio, makespan
-from twobp.viz.labels import action_label, compute_spans, several_stages_per_rank
+from twobp.viz.labels import action_label, compute_spans, drawn_spans, several_stages_per_rank
 
 IDLE = "."
 CONTINUED = "~"
@@ -39,7 +39,8 @@ def render_ascii(
 
     Args:
         spans: the timeline, simulated or measured (communication spans are
-            ignored).
+            ignored; gradient reductions count in the makespan but are not
+            drawn: they run in the background).
         title: a label for the header line (e.g. the schedule name).
         width: the most characters a line may have; time is scaled to fit.
         n_ranks: draw this many rows even if some ranks ran nothing
@@ -52,10 +53,12 @@ def render_ascii(
     Raises:
         ValueError: if ``width`` leaves no room for a single column.
     """
-    work = compute_spans(spans)
-    rows = n_ranks if n_ranks is not None else max((s.rank for s in work), default=-1) + 1
-    total = makespan(work)
-    ratio = bubble_ratio(work) if work else 0.0
+    timed = compute_spans(spans)
+    # Background reductions count in the makespan but are not drawn.
+    work = drawn_spans(timed)
+    rows = n_ranks if n_ranks is not None else max((s.rank for s in timed), default=-1) + 1
+    total = makespan(timed)
+    ratio = bubble_ratio(timed) if timed else 0.0
     header = f"{title + ': ' if title else ''}makespan {total:.4g}, bubble ratio {ratio:.1%}"
     if not work or total <= 0:
         return "\n".join([header] + [f"rank {r} |" for r in range(rows)])
@@ -78,7 +81,7 @@ def render_ascii(
     # action edges when costs are round numbers.
     column = shortest * math.ceil(total / shortest / max_columns - 1e-9)
     n_columns = math.ceil(total / column - 1e-9)
-    origin = min(s.start for s in work)
+    origin = min(s.start for s in timed)
 
     hidden = ", some actions hidden" if column > shortest * 1.001 else ""
     lines = [f"{header} (1 column = {column:.4g}{hidden})"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from twobp.schedule.action import format_microbatches
 from twobp.schedule.kinds import KINDS, Kind, kind_spec
 from twobp.timeline import Span, bubble_ratio, kind_label, makespan
-from twobp.viz.labels import compute_spans, several_stages_per_rank
+from twobp.viz.labels import compute_spans, drawn_spans, several_stages_per_rank
 
 # For a kind whose table entry names no colour.
 _NEUTRAL_COLOUR = "#BBBBBB"
@@ -67,15 +67,17 @@ def render_png(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    work = compute_spans(spans)
-    rows = n_ranks if n_ranks is not None else max((s.rank for s in work), default=0) + 1
+    timed = compute_spans(spans)
+    # Background reductions count in the makespan but are not drawn.
+    work = drawn_spans(timed)
+    rows = n_ranks if n_ranks is not None else max((s.rank for s in timed), default=0) + 1
     width_px, height_px = size if size is not None else default_size(rows)
     figure = Figure(figsize=(width_px / dpi, height_px / dpi), dpi=dpi)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
 
-    total = makespan(work)
-    origin = min((s.start for s in work), default=0.0)
+    total = makespan(timed)
+    origin = min((s.start for s in timed), default=0.0)
     with_stage = several_stages_per_rank(work)
     # Pixels per time unit of the plotting area (about 85% of the width).
     px_per_time = 0.85 * width_px / total if total > 0 else 0.0
@@ -118,7 +120,7 @@ def render_png(
     axes.set_ylim(rows - 0.5, -0.5)
     axes.set_xlim(0, total if total > 0 else 1)
     axes.set_xlabel(f"time ({time_unit})")
-    ratio = bubble_ratio(work) if work else 0.0
+    ratio = bubble_ratio(timed) if timed else 0.0
     axes.set_title(
         f"{title + ': ' if title else ''}bubble ratio {ratio:.1%}, makespan {total:.4g} {time_unit}"
     )
