@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -15,6 +16,9 @@ from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
 from twobp.runtime.setup.group import join_world
+from twobp.schedule.action import Kind
+from twobp.schedule.lowering import has_reductions
+from twobp.sim import simulate
 from twobp.sim.costs import allreduce_time
 
 
@@ -118,6 +122,36 @@ def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) ->
         assert pipe.plan is not None
         costs = pipe.plan.costs
         return costs.send_latency, costs.bandwidth, costs.send_overhead
+
+
+def plan_with_copies(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple:
+    """What ``schedule="auto"`` planned for ``data_parallel`` copies: the all-reduce
+    bandwidth it measured, whether its schedule reduces, its predicted step time, and
+    that of its schedule simulated without the reductions. It runs a step first."""
+    inputs, targets = make_batch(model, 0, batch_size)
+    with Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=60.0,
+        data_parallel=data_parallel,
+    ) as pipe:
+        plan = pipe.plan
+        assert plan is not None
+        own = slice(pipe.dp_rank * batch_size // 2, (pipe.dp_rank + 1) * batch_size // 2)
+        assert math.isfinite(pipe.step(inputs[own], targets[own]))
+        reduces = has_reductions(plan.schedule)
+        plain = plan.schedule.with_actions(
+            {
+                rank: [a for a in acts if a.kind is not Kind.REDUCE]
+                for rank, acts in plan.schedule.actions.items()
+            }
+        )
+        bare = simulate(plain, plan.costs.for_schedule(plain.n_stages)).makespan
+        return plan.costs.reduce_bandwidth, reduces, plan.predicted_step_time, bare
 
 
 def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from auto_schedule_workers import allreduce_figures, link_figures, measured_link
+from auto_schedule_workers import allreduce_figures, link_figures, measured_link, plan_with_copies
 from twobp.runtime import launch
 from twobp.runtime.setup.cost_measurement import allreduce_speed
 from twobp.runtime.setup.group import Membership
@@ -28,6 +28,18 @@ def test_copies_of_a_one_rank_pipeline_have_no_link_between_stages_to_measure():
     # reduction, not a stage boundary's activation.
     links = launch(measured_link, 2, "mlp", 4, 8, 2, threads_per_rank=1, timeout=90)
     assert links == [(0.0, math.inf, 0.0)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_auto_plans_copies_with_their_gradient_all_reduce():
+    # Two copies of a one-rank pipeline: every candidate all-reduces its stage's gradients
+    # over the copies, at the all-reduce bandwidth measured between them.
+    plans = launch(plan_with_copies, 2, "mlp", 4, 8, 2, threads_per_rank=1, timeout=90)
+    assert plans[0] == plans[1]
+    bandwidth, reduces, predicted, bare = plans[0]
+    assert bandwidth is not None and 0 < bandwidth < math.inf
+    assert reduces
+    assert predicted > bare
 
 
 @pytest.mark.timeout(120)

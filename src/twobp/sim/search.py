@@ -114,6 +114,7 @@ def simulate_option(
     n_microbatches: int,
     costs_for: CostsFor,
     memory_limit: float | None = None,
+    data_parallel: int = 1,
 ) -> tuple[Candidate, Schedule | None]:
     """Build and simulate one option (:func:`twobp.sim.candidate.simulate_candidate`).
 
@@ -128,10 +129,12 @@ def simulate_option(
         costs_for: the cost model of the model cut into a given number of
             stages; a schedule of several pipelines gets it once per pipeline.
         memory_limit: memory per rank, or None.
+        data_parallel: copies of the pipeline; with more than one, each
+            stage's gradients are all-reduced over them (the ``R`` action).
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run) and its
-        schedule (None on error).
+        schedule (None on error), with its reductions.
     """
     return simulate_candidate(
         option.schedule,
@@ -142,6 +145,7 @@ def simulate_option(
         stages_per_rank=option.stages_per_rank,
         group_size=option.group_size,
         memory_limit=memory_limit,
+        data_parallel=data_parallel,
     )
 
 
@@ -151,15 +155,20 @@ def search(
     n_microbatches: int,
     costs_for: CostsFor,
     memory_limit: float | None = None,
+    data_parallel: int = 1,
 ) -> list[Candidate]:
     """Simulate every option; those that fit first, fastest first.
+
+    With ``data_parallel`` copies, every option reduces its stages' gradients
+    over them (:func:`simulate_option`).
 
     Returns:
         The candidates that fit ``memory_limit`` by makespan, then those over
         it, then those that could not be simulated (with their ``error``).
     """
     done = [
-        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit)[0] for o in choices
+        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel)[0]
+        for o in choices
     ]
 
     def order(c: Candidate) -> tuple[int, float, float]:

@@ -15,6 +15,7 @@ cost model given (``costs=``), nothing is measured.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -196,7 +197,7 @@ def plan_auto(
     if world.rank == 0:
         try:
             if costs is None:
-                figures, tables, contention, link, problem = measured
+                figures, tables, contention, link, reduce_bandwidth, problem = measured
                 if problem:
                     raise PipelineConfigError(problem)
                 # Measured, the blocks split by their costs unless the caller chose.
@@ -211,6 +212,7 @@ def plan_auto(
                     send_latency=link[0],
                     bandwidth=link[1],
                     send_overhead=link[2],
+                    reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
                 )
             else:
                 if partition == "balanced":
@@ -240,6 +242,7 @@ def plan_auto(
                 len(ranks),
                 n_microbatches,
                 memory_limit,
+                max(1, world.size // len(ranks)),
             )
         except (ValueError, PipelineConfigError) as exc:
             answer[0] = f"schedule='auto': {exc}"
@@ -260,18 +263,21 @@ def _choose(
     n_ranks: int,
     n_microbatches: int,
     memory_limit: float | None,
+    data_parallel: int = 1,
 ) -> AutoPlan:
     def fitted(n_stages: int) -> CostModel:
         sizes_for(n_stages)  # raises if the blocks do not split into n_stages
         return costs_for(n_stages)
 
-    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit)
+    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit, data_parallel)
     try:
         best = choose(ranking, memory_limit)
     except NothingFitsError as exc:
         raise PipelineConfigError(str(exc)) from None
     option = next(o for o in choices if _same(o, best))
-    candidate, schedule = simulate_option(option, n_ranks, n_microbatches, fitted, memory_limit)
+    candidate, schedule = simulate_option(
+        option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel
+    )
     assert schedule is not None and candidate == best
     return AutoPlan(
         best,

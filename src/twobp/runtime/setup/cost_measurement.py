@@ -5,7 +5,8 @@ several micro-batches at once) in rounds, the others waiting; then all
 ranks measure together how much slower they compute at once than alone, and
 the one-way latency and bandwidth between pipeline ranks 0 and 1 of the
 first copy of the pipeline, and how long the first is held by posting a
-boundary's message while the second computes (gloo copies it in the caller).
+boundary's message while the second computes (gloo copies it in the caller),
+and with several copies of the pipeline the bandwidth of an all-reduce.
 Collective.
 """
 
@@ -41,8 +42,12 @@ CONTENTION_ROUNDS = 5
 """Rounds of alone and together runs the contention is the median of."""
 LINK_REPEATS = 20
 """Ping-pongs per message size when measuring a link between two ranks."""
+REDUCE_BYTES = 64 * 2**20
+"""The most bytes an all-reduce measurement moves (a stage's gradients, up to this)."""
 
-Measured = tuple[list[BlockCost], list[dict[int, float]], float, tuple[float, float, float], str]
+Measured = tuple[
+    list[BlockCost], list[dict[int, float]], float, tuple[float, float, float], float, str
+]
 
 
 def measure(
@@ -54,13 +59,16 @@ def measure(
     pipeline_ranks: Sequence[int],
 ) -> Measured:
     """Rank 0's block profile and W table; the contention and the link of all ranks
-    (latency, bandwidth, the sender's time per message; collective); what went
-    wrong on rank 0 while profiling (``""`` if nothing).
+    (latency, bandwidth, the sender's time per message; collective); the
+    all-reduce bandwidth where the group holds several copies of the pipeline
+    (``inf`` otherwise); what went wrong on rank 0 while profiling (``""`` if
+    nothing).
 
     The link is the one between the first two of ``pipeline_ranks`` (the group
     ranks of one copy of the pipeline, by pipeline rank): two stages that
     exchange activations, not two copies of the pipeline that only reduce
-    gradients.
+    gradients. The all-reduce runs over the whole group, on about one stage's
+    gradients (the model's parameter bytes over the pipeline's ranks).
     """
     homes = [device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
@@ -80,13 +88,18 @@ def measure(
             dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
         problem = str(shared[0])
         if problem:
-            return figures, tables, 1.0, (0.0, math.inf, 0.0), problem
+            return figures, tables, 1.0, (0.0, math.inf, 0.0), math.inf, problem
         contention = _contention(moved, example, world)
         link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
+        reduce_bandwidth = math.inf
+        if world.size > len(pipeline_ranks):
+            total = sum(p.numel() * p.element_size() for b in moved for p in b.parameters())
+            stage = min(REDUCE_BYTES, max(2**20, total // max(1, len(pipeline_ranks))))
+            reduce_bandwidth = allreduce_speed(world, device, stage)
     finally:
         for block, home in zip(blocks, homes, strict=True):
             block.to(home)
-    return figures, tables, contention, link, problem
+    return figures, tables, contention, link, reduce_bandwidth, problem
 
 
 def _profile_rounds(
