@@ -106,10 +106,10 @@ def allreduce_figures(nbytes: int, check_bytes: int) -> tuple[float, float, floa
     return bandwidth, predicted, statistics.median(times)
 
 
-def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:
-    """The link ``schedule="auto"`` measured: latency, bandwidth and the sender's overhead."""
+def _auto_copies(model: str, n_mb: int, batch_size: int, data_parallel: int) -> Pipeline:
+    """A ``schedule="auto"`` pipeline of ``data_parallel`` copies, planned on ``model``."""
     inputs, _ = make_batch(model, 0, batch_size)
-    with Pipeline(
+    return Pipeline(
         build_blocks(model),
         loss_fn(model),
         schedule="auto",
@@ -118,7 +118,12 @@ def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) ->
         device="cpu",
         timeout=60.0,
         data_parallel=data_parallel,
-    ) as pipe:
+    )
+
+
+def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:
+    """The link ``schedule="auto"`` measured: latency, bandwidth and the sender's overhead."""
+    with _auto_copies(model, n_mb, batch_size, data_parallel) as pipe:
         assert pipe.plan is not None
         costs = pipe.plan.costs
         return costs.send_latency, costs.bandwidth, costs.send_overhead
@@ -129,16 +134,7 @@ def plan_with_copies(model: str, n_mb: int, batch_size: int, data_parallel: int)
     bandwidth it measured, whether its schedule reduces, its predicted step time, and
     that of its schedule simulated without the reductions. It runs a step first."""
     inputs, targets = make_batch(model, 0, batch_size)
-    with Pipeline(
-        build_blocks(model),
-        loss_fn(model),
-        schedule="auto",
-        n_microbatches=n_mb,
-        example_input=inputs[: batch_size // n_mb],
-        device="cpu",
-        timeout=60.0,
-        data_parallel=data_parallel,
-    ) as pipe:
+    with _auto_copies(model, n_mb, batch_size, data_parallel) as pipe:
         plan = pipe.plan
         assert plan is not None
         own = slice(pipe.dp_rank * batch_size // 2, (pipe.dp_rank + 1) * batch_size // 2)

@@ -44,9 +44,9 @@ def test_auto_plans_copies_with_their_gradient_all_reduce():
 
 @pytest.mark.timeout(120)
 def test_the_all_reduce_bandwidth_predicts_an_all_reduce_of_another_size():
-    # Measured on 4 MiB, checked on 16 MiB, within the noise of a shared machine: a
+    # Measured on 4 MiB, checked on 8 MiB, within the noise of a shared machine: a
     # bytes/elements mix-up would be off by 4x.
-    figures = launch(allreduce_figures, 2, 4 * 2**20, 16 * 2**20, threads_per_rank=1, timeout=90)
+    figures = launch(allreduce_figures, 2, 4 * 2**20, 8 * 2**20, threads_per_rank=1, timeout=90)
     assert figures[0][0] == figures[1][0]
     bandwidth, predicted, measured = figures[0]
     assert 0 < bandwidth < math.inf

@@ -36,6 +36,7 @@ from torch import nn
 from twobp.models import ModelSpec, build_model
 from twobp.runtime import Pipeline
 from twobp.runtime.execution.microbatch import Batch, split_batch
+from twobp.runtime.setup.cost_measurement import stage_gradient_bytes
 from twobp.runtime.setup.group import default_device
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio
@@ -46,7 +47,6 @@ from twobp_bench.profile import (
     BlockProfiler,
     RankProfile,
     boundary_bytes,
-    gradient_bytes,
     measure_allreduce,
     measure_link,
 )
@@ -171,7 +171,9 @@ def run_regime(plan: BenchPlan, regime: Regime) -> RankReport:
     if plan.simulate:
         example = _batch(spec, regime, 1, plan.seed)[0]
         link = measure_link(boundary_bytes(spec.blocks, example), device)
-        reduce_bandwidth = measure_allreduce(gradient_bytes(spec.blocks, plan.n_ranks), device)
+        reduce_bandwidth = measure_allreduce(
+            stage_gradient_bytes(spec.blocks, plan.n_ranks), device
+        )
     records: list[VariantRecord] = []
     profiles: dict[int, RankProfile] = {}
     for m in plan.microbatch_counts:

@@ -270,16 +270,13 @@ def measure_allreduce(nbytes: int, device: torch.device) -> float:
     """
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return math.inf
+    return allreduce_speed(_default_world(), device, nbytes)
+
+
+def _default_world() -> Membership:
+    """The default group, every rank on this machine (the bench's local ranks)."""
     size = dist.get_world_size()
-    world = Membership.of(dist.get_rank(), size, size, dist.group.WORLD, str(dist.get_backend()))
-    return allreduce_speed(world, device, nbytes)
-
-
-def gradient_bytes(blocks: Sequence[nn.Module], n_stages: int) -> int:
-    """About one stage's gradient bytes: the model's parameter bytes over ``n_stages``,
-    kept between 1 MiB and 64 MiB (a measurement, not a model of every stage)."""
-    total = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
-    return int(min(64 * 2**20, max(2**20, total // max(1, n_stages))))
+    return Membership.of(dist.get_rank(), size, size, dist.group.WORLD, str(dist.get_backend()))
 
 
 def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
@@ -296,6 +293,4 @@ def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
     """
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return 0.0, float("inf")
-    size = dist.get_world_size()
-    world = Membership.of(dist.get_rank(), size, size, dist.group.WORLD, str(dist.get_backend()))
-    return link_speed(world, (0, 1), device, nbytes)
+    return link_speed(_default_world(), (0, 1), device, nbytes)

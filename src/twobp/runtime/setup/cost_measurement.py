@@ -93,8 +93,7 @@ def measure(
         link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
         reduce_bandwidth = math.inf
         if world.size > len(pipeline_ranks):
-            total = sum(p.numel() * p.element_size() for b in moved for p in b.parameters())
-            stage = min(REDUCE_BYTES, max(2**20, total // max(1, len(pipeline_ranks))))
+            stage = stage_gradient_bytes(moved, len(pipeline_ranks))
             reduce_bandwidth = allreduce_speed(world, device, stage)
     finally:
         for block, home in zip(blocks, homes, strict=True):
@@ -235,6 +234,14 @@ def allreduce_speed(world: Membership, device: torch.device, nbytes: int) -> flo
     if extra <= 0 or nbytes <= 8:
         return math.inf
     return steps * (nbytes - 8) / (world.size * extra)
+
+
+def stage_gradient_bytes(blocks: Sequence[nn.Module], n_stages: int) -> int:
+    """About one stage's gradient bytes, the size to measure an all-reduce on: the
+    model's parameter bytes over ``n_stages``, between 4 MiB (smaller all-reduces
+    are mostly latency, too noisy to tell a bandwidth) and :data:`REDUCE_BYTES`."""
+    total = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    return int(min(REDUCE_BYTES, max(4 * 2**20, total // max(1, n_stages))))
 
 
 def _allreduce_time(world: Membership, tensor: torch.Tensor) -> float:
