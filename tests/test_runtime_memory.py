@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -78,3 +80,48 @@ def test_every_microbatch_counts_what_the_watched_forward_saved():
     one = _activations_of_gpipe(1)
     assert one > 0
     assert _activations_of_gpipe(4) == 4 * one
+
+
+def _watched_gpipe() -> tuple[Any, list[int]]:
+    """A one-process GPipe pipeline of 4 micro-batches, and the count of forwards its
+    meter watched with the saved-tensor hook, kept up to date."""
+    from twobp.runtime import Pipeline
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(2)]
+    pipe = Pipeline(blocks, nn.functional.mse_loss, schedule="gpipe", n_microbatches=4)
+    meter = next(iter(pipe.stages.values())).memory
+    watched = [0]
+    watch = meter.saved
+
+    def counted(found):
+        watched[0] += 1
+        return watch(found)
+
+    meter.saved = counted
+    return pipe, watched
+
+
+def test_the_meter_watches_a_forward_once_for_all_steps_of_the_same_shapes():
+    # The hook costs a Python call per saved tensor: it runs once, not once per step.
+    pipe, watched = _watched_gpipe()
+    figures = []
+    for _ in range(3):
+        pipe.step(torch.randn(8, 16), torch.randn(8, 16))
+        figures.append(pipe.memory_stats()["activations"])
+    assert watched[0] == 1
+    assert figures[0] > 0 and figures == [figures[0]] * 3
+
+
+def test_the_meter_watches_again_when_the_shapes_or_the_trained_parameters_change():
+    pipe, watched = _watched_gpipe()
+    pipe.step(torch.randn(8, 16), torch.randn(8, 16))
+    full = pipe.memory_stats()["activations"]
+    pipe.step(torch.randn(16, 16), torch.randn(16, 16))  # micro-batches twice as large
+    assert watched[0] == 2
+    assert pipe.memory_stats()["activations"] == 2 * full
+    # A frozen first block builds no graph: its forward saves nothing.
+    next(iter(pipe.stages.values())).module[0].requires_grad_(False)
+    pipe.step(torch.randn(8, 16), torch.randn(8, 16))
+    assert watched[0] == 3
+    assert pipe.memory_stats()["activations"] < full

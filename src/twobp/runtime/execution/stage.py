@@ -24,7 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from twobp.runtime.execution.backward import StageGradients
-from twobp.runtime.execution.memory import ACTIVATIONS, STASH, MemoryMeter, storages
+from twobp.runtime.execution.memory import (
+    ACTIVATIONS,
+    STASH,
+    MemoryMeter,
+    Signature,
+    forward_signature,
+    storages,
+)
 from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
 from twobp.runtime.execution.recompute import BufferCheck, RngState
 from twobp.sim.recompute import Mode, recomputes_activations, recomputes_derivatives
@@ -140,7 +147,12 @@ class Stage:
         if training and self.recompute is not None and inputs:
             rng = RngState.capture(inputs[0].device)
         saved: dict[Any, int] = {}
-        beyond = self.memory.saved_beyond(self.index)
+        beyond: int | None = None
+        signature: Signature = ()
+        if training:
+            targets = flatten(target, "the targets")[0] if target is not None else ()
+            signature = forward_signature((*inputs, *targets), self.module, self.recompute)
+            beyond = self.memory.saved_beyond(self.index, signature)
         if not training or recomputes_activations(self.recompute):
             context: contextlib.AbstractContextManager[Any] = torch.no_grad()
         else:
@@ -172,10 +184,9 @@ class Stage:
                 kept.outputs = tuple(t for t in tensors if t.requires_grad)
             self._kept[mb] = kept
             # The target too: the stage keeps it until the backward.
-            targets = flatten(target, "the targets")[0] if target is not None else ()
             held = storages((*inputs, *kept.outputs, *targets))
             if beyond is None:
-                self.memory.learn_saved(self.index, saved, held)
+                self.memory.learn_saved(self.index, signature, saved, held)
                 held = {**saved, **held}
             else:
                 # Same shapes as the watched forward: as many bytes saved.
