@@ -87,9 +87,8 @@ def _reports(name: str) -> list[RankReport]:
     ]
 
 
-@pytest.fixture
-def results():
-    regimes = [analyse_regime(_reports("large"), 2)]
+def _results(regimes: list[dict]) -> dict:
+    """The results document of a bench run of ``regimes`` on 2 ranks."""
     return {
         "command": "twobp bench --test",
         "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
@@ -102,6 +101,11 @@ def results():
         "regimes": regimes,
         "targets": evaluate(regimes, 2),
     }
+
+
+@pytest.fixture
+def results():
+    return _results([analyse_regime(_reports("large"), 2)])
 
 
 def test_figures_of_a_group(results):
@@ -384,3 +388,13 @@ def _reports_with(reports: list[RankReport], outside: float) -> list[RankReport]
                 rec.outside_seconds = [outside]
         out.append(dataclasses.replace(report, records=records))
     return out
+
+
+def test_the_report_gives_the_measured_all_reduce_bandwidth_once():
+    reports = _reports("large")
+    blocks = tuple(BlockCost(i, "Block", 0.1, 0.1, 0.1, 0.2, 0, 0, 0, 0) for i in range(6))
+    profile = RankProfile(blocks, tuple({1: 0.1} for _ in blocks), 0.0, math.inf, 1, 1.0, 1.5e9)
+    for report in reports:
+        report.profiles[2] = profile
+    text = render_markdown(_results([analyse_regime(reports, 2)]))
+    assert text.count("An all-reduce over every rank moved 1.50 GB/s per rank") == 1

@@ -320,16 +320,18 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
                 + ". The simulator check and the replay add it to the schedule's makespan.",
                 "",
             ]
-        reduce = [
-            (g.get("profile") or {}).get("reduce_bandwidth_bytes_per_s") for g in regime["groups"]
+        measured = [
+            b
+            for g in regime["groups"]
+            if isinstance(b := (g.get("profile") or {}).get("reduce_bandwidth_bytes_per_s"), float)
+            and math.isfinite(b)
         ]
-        if any(isinstance(b, (int, float)) and math.isfinite(b) for b in reduce):
+        if measured:
+            # Measured once per regime: every micro-batch count has the same figure.
             lines += [
-                "An all-reduce over every rank moved "
-                + ", ".join(f"{b / 1e9:.2f}" for b in reduce if b is not None)
-                + " GB/s per rank (per micro-batch count; a point-to-point message is faster: "
-                "the ranks also sum and copy). The simulator costs the R of replicated stages "
-                "with it.",
+                f"An all-reduce over every rank moved {measured[0] / 1e9:.2f} GB/s per rank "
+                "(a point-to-point message is faster: the ranks also sum and copy). The "
+                "simulator costs the R of replicated stages with it.",
                 "",
             ]
     for group in regime["groups"]:
