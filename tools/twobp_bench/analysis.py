@@ -16,15 +16,11 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from twobp.sim.reduction import with_reductions
 from twobp_bench import matrix
 from twobp_bench.job import RankReport, VariantRecord
 from twobp_bench.profile import RankProfile
-from twobp_bench.simcheck import (
-    replayed_step,
-    simulated_step,
-    stage_costs,
-    with_replica_reductions,
-)
+from twobp_bench.simcheck import replayed_step, simulated_step, stage_costs
 from twobp_bench.stats import Summary, speedup, summarize
 
 
@@ -301,7 +297,7 @@ def _variant(
             link = (profiles[0].link_latency, profiles[0].link_bandwidth)
             model = stage_costs(profiles, lead.partition, lead.stage_ranks)
             if lead.schedule is not None:
-                model = with_replica_reductions(model, lead.schedule, data_parallel)
+                model = with_reductions(lead.schedule, model, data_parallel)[1]
             send_bytes, reduce = model.send_bytes, model.reduce
         replayed = replayed_step(
             lead.run_actions,

@@ -23,9 +23,9 @@ from typing import Protocol
 
 from twobp.partition.solver import stage_ranges
 from twobp.schedule import Action, Schedule
-from twobp.schedule.lowering import has_reductions
 from twobp.sim import CostModel, SimResult, simulate
 from twobp.sim.from_profile import BlockFigures, stage_cost_model
+from twobp.sim.reduction import with_reductions
 
 
 class ProfileLike(Protocol):
@@ -121,21 +121,8 @@ def simulated_step(
     n_pipelines`` replicas at the measured link, as the planner counts it.
     """
     costs = stage_costs(profiles, partition, schedule.placement, send_overhead)
-    return simulate(schedule, with_replica_reductions(costs, schedule, data_parallel))
-
-
-def with_replica_reductions(costs: CostModel, schedule: Schedule, data_parallel: int) -> CostModel:
-    """``costs`` with the all-reduce time of every replicated stage of ``schedule``.
-
-    Unchanged where the schedule has no ``R`` actions. A stage's gradients
-    are its parameter bytes, reduced in a ring over ``data_parallel x
-    n_pipelines`` replicas (:meth:`twobp.sim.CostModel.with_reduction`).
-    """
-    replicas = data_parallel * schedule.n_pipelines
-    if replicas == 1 or not has_reductions(schedule):
-        return costs
-    assert costs.parameter_bytes is not None
-    return costs.with_reduction(replicas, costs.parameter_bytes)
+    # The schedule ran with its R actions: only their time is added.
+    return simulate(schedule, with_reductions(schedule, costs, data_parallel)[1])
 
 
 def replayed_step(
