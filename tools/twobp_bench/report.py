@@ -10,7 +10,7 @@ rank's bubble, CPU time and compute per action kind. This module imports no torc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 MIB = 1024 * 1024
@@ -297,7 +297,7 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
             lines += [
                 "Contention (the same block's F and B on all ranks at once / on each alone, "
                 "median of the rounds), per micro-batch count: "
-                + ", ".join(f"{c:.2f}" for c in contention)
+                + _per_count(contention, lambda c: f"{c:.2f}")
                 + ".",
                 "",
             ]
@@ -306,7 +306,7 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
             lines += [
                 "A send to another rank holds its sender (twobp's own sends, median of every "
                 "variant, rank and round), per micro-batch count: "
-                + ", ".join(f"{(s or 0) * 1e6:.0f} us" for s in sends)
+                + _per_count(sends, lambda t: f"{t * 1e6:.0f} us")
                 + ". The simulator charges it to the action whose result crosses.",
                 "",
             ]
@@ -316,20 +316,15 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
                 "A step spends time outside its schedule (the all-reduce that opens it, "
                 "splitting the batch, settling the loss; median of twobp's variants and "
                 "rounds), per micro-batch count: "
-                + ", ".join(f"{(t or 0) * 1e3:.1f} ms" for t in outside)
+                + _per_count(outside, lambda t: f"{t * 1e3:.1f} ms")
                 + ". The simulator check and the replay add it to the schedule's makespan.",
                 "",
             ]
-        measured = [
-            b
-            for g in regime["groups"]
-            if isinstance(b := (g.get("profile") or {}).get("reduce_bandwidth_bytes_per_s"), float)
-            and math.isfinite(b)
-        ]
-        if measured:
-            # Measured once per regime: every micro-batch count has the same figure.
+        # Measured once per regime: every micro-batch count has the same figure.
+        reduce = profile.get("reduce_bandwidth_bytes_per_s")
+        if isinstance(reduce, float) and math.isfinite(reduce):
             lines += [
-                f"An all-reduce over every rank moved {measured[0] / 1e9:.2f} GB/s per rank "
+                f"An all-reduce over every rank moved {reduce / 1e9:.2f} GB/s per rank "
                 "(a point-to-point message is faster: the ranks also sum and copy). The "
                 "simulator costs the R of replicated stages with it.",
                 "",
@@ -337,6 +332,11 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
     for group in regime["groups"]:
         lines += _group(group, n_ranks)
     return lines
+
+
+def _per_count(values: Sequence[float | None], shown: Callable[[float], str]) -> str:
+    """One figure per micro-batch count, comma-separated (a missing one as 0)."""
+    return ", ".join(shown(v or 0.0) for v in values)
 
 
 def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
