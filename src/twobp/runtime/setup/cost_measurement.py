@@ -257,9 +257,7 @@ def _allreduce_time(world: Membership, tensor: torch.Tensor) -> float:
             torch.cuda.synchronize(tensor.device)
         times.append(time.perf_counter() - start)
         tensor.zero_()
-    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=tensor.device)
-    dist.broadcast(shared, world.global_rank(0), group=group)
-    return float(shared)
+    return _shared(world, statistics.median(times), 0, tensor.device)
 
 
 def _one_way(world: Membership, peers: tuple[int, int], message: torch.Tensor) -> float:
@@ -277,9 +275,7 @@ def _one_way(world: Membership, peers: tuple[int, int], message: torch.Tensor) -
             dist.recv(message, first, group=group)
             dist.send(message, first, group=group)
         times.append((time.perf_counter() - start) / 2)
-    shared = torch.tensor([statistics.median(times)], dtype=torch.float64, device=message.device)
-    dist.broadcast(shared, first, group=group)
-    return float(shared)
+    return _shared(world, statistics.median(times), peers[0], message.device)
 
 
 def _link(
@@ -318,6 +314,11 @@ def _posting(world: Membership, peers: tuple[int, int], message: torch.Tensor) -
         if work is not None:
             work.wait()
     figure = statistics.median(times) if times else 0.0
-    shared = torch.tensor([figure], dtype=torch.float64, device=message.device)
-    dist.broadcast(shared, first, group=group)
+    return _shared(world, figure, peers[0], message.device)
+
+
+def _shared(world: Membership, figure: float, source: int, device: torch.device) -> float:
+    """``figure`` as group rank ``source`` measured it, on every rank."""
+    shared = torch.tensor([figure], dtype=torch.float64, device=device)
+    dist.broadcast(shared, world.global_rank(source), group=world.group)
     return float(shared)
