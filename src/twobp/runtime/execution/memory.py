@@ -89,23 +89,13 @@ class MemoryMeter:
     def saved(self, found: dict[StorageKey, int]) -> Iterator[None]:
         """Add to ``found`` the storages of the tensors autograd saves inside the block."""
         excluded = self._excluded
-        names: dict[torch.device, str] = {}
 
         def pack(t: Tensor) -> Tensor:
+            for key, size in storages((t,)).items():
+                if key not in excluded:
+                    found[key] = size
+            # Detached: a saved output must not hold its own graph node (a cycle).
             with torch._C.DisableTorchFunction():
-                try:
-                    storage = t.untyped_storage()
-                except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-                    storage = None
-                if storage is not None:
-                    device = t.device
-                    name = names.get(device)
-                    if name is None:
-                        name = names[device] = str(device)
-                    key = (name, storage.data_ptr())
-                    if key not in excluded:
-                        found[key] = storage.nbytes()
-                # Detached: a saved output must not hold its own graph node (a cycle).
                 return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
