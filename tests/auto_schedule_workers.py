@@ -69,16 +69,7 @@ def changed_by_planning(model: str, n_mb: int, batch_size: int) -> list[str]:
     blocks = build_blocks(model)
     whole = nn.Sequential(*blocks)
     before = {k: v.clone() for k, v in whole.state_dict().items()}
-    inputs, _ = make_batch(model, 0, batch_size)
-    Pipeline(
-        blocks,
-        loss_fn(model),
-        schedule="auto",
-        n_microbatches=n_mb,
-        example_input=inputs[: batch_size // n_mb],
-        device="cpu",
-        timeout=60.0,
-    ).close()
+    _auto_pipeline(model, n_mb, batch_size, blocks=blocks).close()
     after = whole.state_dict()
     grads = [n for n, p in whole.named_parameters() if p.grad is not None]
     return sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads
@@ -106,11 +97,19 @@ def allreduce_figures(nbytes: int, check_bytes: int) -> tuple[float, float, floa
     return bandwidth, predicted, statistics.median(times)
 
 
-def _auto_copies(model: str, n_mb: int, batch_size: int, data_parallel: int) -> Pipeline:
-    """A ``schedule="auto"`` pipeline of ``data_parallel`` copies, planned on ``model``."""
+def _auto_pipeline(
+    model: str,
+    n_mb: int,
+    batch_size: int,
+    *,
+    blocks: list[nn.Module] | None = None,
+    data_parallel: int | None = None,
+) -> Pipeline:
+    """A ``schedule="auto"`` pipeline of ``model`` (of ``blocks`` if given, else freshly
+    built), planned on one micro-batch of its batch, in ``data_parallel`` copies."""
     inputs, _ = make_batch(model, 0, batch_size)
     return Pipeline(
-        build_blocks(model),
+        build_blocks(model) if blocks is None else blocks,
         loss_fn(model),
         schedule="auto",
         n_microbatches=n_mb,
@@ -123,7 +122,7 @@ def _auto_copies(model: str, n_mb: int, batch_size: int, data_parallel: int) -> 
 
 def measured_link(model: str, n_mb: int, batch_size: int, data_parallel: int) -> tuple[float, ...]:
     """The link ``schedule="auto"`` measured: latency, bandwidth and the sender's overhead."""
-    with _auto_copies(model, n_mb, batch_size, data_parallel) as pipe:
+    with _auto_pipeline(model, n_mb, batch_size, data_parallel=data_parallel) as pipe:
         assert pipe.plan is not None
         costs = pipe.plan.costs
         return costs.send_latency, costs.bandwidth, costs.send_overhead
@@ -134,7 +133,7 @@ def plan_with_copies(model: str, n_mb: int, batch_size: int, data_parallel: int)
     bandwidth it measured, whether its schedule reduces, its predicted step time, and
     that of its schedule simulated without the reductions. It runs a step first."""
     inputs, targets = make_batch(model, 0, batch_size)
-    with _auto_copies(model, n_mb, batch_size, data_parallel) as pipe:
+    with _auto_pipeline(model, n_mb, batch_size, data_parallel=data_parallel) as pipe:
         plan = pipe.plan
         assert plan is not None
         own = slice(pipe.dp_rank * batch_size // 2, (pipe.dp_rank + 1) * batch_size // 2)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -181,16 +182,28 @@ def _baseline_reports() -> list[RankReport]:
         "baseline 1f1b+2bp": [1.6, 1.5],
     }
     variants = matrix.build_variants(["1f1b"], [], ["paper"], references=(), baseline=True)
+
+    def fill(rec: VariantRecord, rank: int) -> None:
+        rec.step_seconds = list(times[rec.variant.label])
+        rec.cpu_seconds = [0.5 + rank, 0.7 + rank]
+        rec.rank_bubble_ratios = [[0.1, 0.3], [0.2, 0.4]]
+        # Two timed rounds: per step, stage 0 (rank 0) F 10 ms, stage 1 (rank 1) F 20 ms.
+        rec.action_seconds = {"0:F:1": [0.005] * 4, "1:F:1": [0.01] * 4, "1:W:2": [0.03] * 2}
+
+    return _preset_reports(variants, fill)
+
+
+def _preset_reports(
+    variants: list[matrix.Variant], fill: Callable[[VariantRecord, int], None]
+) -> list[RankReport]:
+    """The reports of 2 ranks that ran ``variants`` (3-3 partition, 2 micro-batches) on a
+    preset model, each record given its figures by ``fill(record, rank)``."""
     reports = []
     for rank in range(2):
         records = []
         for v in variants:
             rec = VariantRecord(v, 2, (3, 3), matrix.placement(v, 2))
-            rec.step_seconds = list(times[v.label])
-            rec.cpu_seconds = [0.5 + rank, 0.7 + rank]
-            rec.rank_bubble_ratios = [[0.1, 0.3], [0.2, 0.4]]
-            # Two timed rounds: per step, stage 0 (rank 0) F 10 ms, stage 1 (rank 1) F 20 ms.
-            rec.action_seconds = {"0:F:1": [0.005] * 4, "1:F:1": [0.01] * 4, "1:W:2": [0.03] * 2}
+            fill(rec, rank)
             records.append(rec)
         reports.append(
             RankReport(rank, Regime("preset", "a preset", {}, 4), {}, [], records, {}, 0, "cpu", 1)
@@ -292,19 +305,13 @@ def _memory_reports() -> list[RankReport]:
     peaks = {"twobp 1f1b": 1000, "twobp 1f1b+2bp": 1500, "twobp zb-v": 1200}
     variants = matrix.build_variants(["1f1b", "zb-v"], [], ["paper"], references=())
     assert [v.label for v in variants] == list(peaks)
-    reports = []
-    for rank in range(2):
-        records = []
-        for v in variants:
-            rec = VariantRecord(v, 2, (3, 3), matrix.placement(v, 2))
-            rec.step_seconds = [1.0, 1.0]
-            rec.peak_step_bytes = peaks[v.label] * MIB + rank * MIB
-            rec.memory = {"activations": (2 + rank) * MIB, "stash": (1 + rank) * MIB}
-            records.append(rec)
-        reports.append(
-            RankReport(rank, Regime("preset", "a preset", {}, 4), {}, [], records, {}, 0, "cpu", 1)
-        )
-    return reports
+
+    def fill(rec: VariantRecord, rank: int) -> None:
+        rec.step_seconds = [1.0, 1.0]
+        rec.peak_step_bytes = peaks[rec.variant.label] * MIB + rank * MIB
+        rec.memory = {"activations": (2 + rank) * MIB, "stash": (1 + rank) * MIB}
+
+    return _preset_reports(variants, fill)
 
 
 def test_memory_table_compares_a_peak_only_with_a_variant_without_2bp():
