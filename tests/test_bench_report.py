@@ -88,8 +88,8 @@ def _reports(name: str) -> list[RankReport]:
     ]
 
 
-def _results(regimes: list[dict]) -> dict:
-    """The results document of a bench run of ``regimes`` on 2 ranks."""
+def _results(regimes: list[dict], **fields: object) -> dict:
+    """The results document of a bench run of ``regimes`` on 2 ranks, with ``fields`` changed."""
     return {
         "command": "twobp bench --test",
         "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
@@ -101,7 +101,7 @@ def _results(regimes: list[dict]) -> dict:
         "wall_s": 1.0,
         "regimes": regimes,
         "targets": evaluate(regimes, 2),
-    }
+    } | fields
 
 
 @pytest.fixture
@@ -230,19 +230,7 @@ def test_baseline_and_rank_figures_reach_the_report():
     assert group["best"]["twobp"] == "twobp 1f1b+2bp"
 
     text = render_markdown(
-        {
-            "command": "twobp bench --baseline abc123",
-            "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
-            | {"load_after": [1, 1, 1]},
-            "n_ranks": 2,
-            "threads": 1,
-            "rounds": 2,
-            "warmup": 1,
-            "wall_s": 1.0,
-            "baseline": "abc123",
-            "regimes": [regime],
-            "targets": evaluate([regime], 2),
-        }
+        _results([regime], command="twobp bench --baseline abc123", rounds=2, baseline="abc123")
     )
     assert "## twobp against its baseline (git revision `abc123`)" in text
     row = "| preset (4 samples/micro-batch) | 2 | twobp 1f1b+2bp | baseline 1f1b+2bp | 1.55x"
@@ -324,20 +312,7 @@ def test_memory_table_compares_a_peak_only_with_a_variant_without_2bp():
     assert peaks["twobp 1f1b+2bp"]["stash_bytes"] == 2 * MIB
     # zb-v splits its backward by itself: no variant of it runs without 2BP.
     assert peaks["twobp zb-v"]["step_vs_no_2bp"] is None
-    text = render_markdown(
-        {
-            "command": "twobp bench",
-            "machine": {"cpu": "CPU", "cores": 2, "torch": "x", "load_before": [1, 1, 1]}
-            | {"load_after": [1, 1, 1]},
-            "n_ranks": 2,
-            "threads": 1,
-            "rounds": 2,
-            "warmup": 1,
-            "wall_s": 1.0,
-            "regimes": [regime],
-            "targets": evaluate([regime], 2),
-        }
-    )
+    text = render_markdown(_results([regime], command="twobp bench", rounds=2))
     preset = "| preset (4 samples/micro-batch) |"
     assert f"{preset} 1f1b | 2 | on | - | 8.0 | 1501.0 | 1.50x | 3.0 | 2.0 |" in text
     assert f"{preset} zb-v | 2 | on | - | 8.0 | 1201.0 | n/a | 3.0 | 2.0 |" in text
