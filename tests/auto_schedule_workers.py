@@ -50,6 +50,8 @@ def chosen_and_trained(
         "partition": pipe.plan.partition,
         "send_overhead": pipe.plan.costs.send_overhead,
         "shown": str(pipe.plan),
+        "contenders": [c.candidate for c in pipe.plan.contenders],
+        "trial_times": pipe.plan.trial_times,
         "loss": loss,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
     }
@@ -151,13 +153,16 @@ def plan_with_copies(model: str, n_mb: int, batch_size: int, data_parallel: int)
 
 def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str:
     """The error ``schedule="auto"`` raises when only rank 1 gives no example input
-    (``wrong="example_input"``) or a memory limit that is no amount (``"memory_limit"``)."""
+    (``wrong="example_input"``), a memory limit that is no amount (``"memory_limit"``)
+    or a negative count of trials (``"auto_trials"``)."""
     inputs, _ = make_batch(model, 0, batch_size)
     example = inputs[: batch_size // n_mb]
     limit = None
+    trials = 6
     if dist.get_rank() == 1:
         example = None if wrong == "example_input" else example
         limit = "a lot" if wrong == "memory_limit" else None
+        trials = -1 if wrong == "auto_trials" else trials
     try:
         Pipeline(
             build_blocks(model),
@@ -168,6 +173,7 @@ def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str
             device="cpu",
             timeout=20.0,
             memory_limit=limit,
+            auto_trials=trials,
         )
     except PipelineConfigError as exc:
         return str(exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from auto_schedule_workers import (
@@ -36,6 +38,16 @@ def test_every_rank_runs_the_one_schedule_rank_0_chose(profiled):
     # Over gloo, posting a boundary's message holds the sender: measured, and simulated.
     assert profiled[0]["send_overhead"] == profiled[1]["send_overhead"]
     assert 0 < profiled[0]["send_overhead"] < 0.1
+
+
+def test_trial_steps_time_the_contenders_alike_on_every_rank_and_keep_the_fastest(profiled):
+    times = profiled[0]["trial_times"]
+    assert times == profiled[1]["trial_times"]
+    assert len(times) == len(profiled[0]["contenders"]) >= 2
+    assert all(0 < t < math.inf for t in times)
+    chosen = profiled[0]["contenders"].index(profiled[0]["choice"])
+    assert times[chosen] == min(times)
+    assert "in trial steps, the fastest of" in profiled[0]["shown"]
 
 
 def test_the_chosen_schedule_gives_the_single_process_gradients(profiled):
@@ -101,7 +113,12 @@ def test_planning_leaves_the_running_statistics_and_gradients_as_they_were():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("wrong", "said"), [("example_input", "need example_input="), ("memory_limit", "'a lot'")]
+    ("wrong", "said"),
+    [
+        ("example_input", "need example_input="),
+        ("memory_limit", "'a lot'"),
+        ("auto_trials", "auto_trials=-1"),
+    ],
 )
 def test_a_rank_that_cannot_plan_stops_every_rank_before_the_measurements(wrong, said):
     messages = launch(refused_on_rank_1, 2, "mlp", N_MB, BATCH, wrong, timeout=60)

@@ -121,6 +121,8 @@ def test_a_memory_limit_is_checked_and_needs_schedule_auto(tmp_path):
         check_config(TrainConfig(memory_limit="2GiB", out=out))
     with pytest.raises(ValueError, match="--memory-limit lots: cannot read"):
         check_config(TrainConfig(schedule="auto", memory_limit="lots", out=out))
+    with pytest.raises(ValueError, match="--auto-trials must be >= 0, got -1"):
+        check_config(TrainConfig(schedule="auto", auto_trials=-1, out=out))
 
 
 def test_images_are_counted_in_samples_only():

@@ -25,6 +25,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,10 +53,18 @@ from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.pipeline_steps import PipelineSteps
 from twobp.runtime.setup.agreement import agree, small_buffer
+from twobp.runtime.setup.auto_schedule import CONTENDERS, Contender
+from twobp.runtime.setup.auto_trials import run_trials, stand_in_loss
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
-from twobp.runtime.setup.group import default_device, device_for, join_world, set_threads_per_rank
+from twobp.runtime.setup.group import (
+    Membership,
+    default_device,
+    device_for,
+    join_world,
+    set_threads_per_rank,
+)
 from twobp.runtime.setup.host_memory import retain_freed_memory
-from twobp.runtime.setup.pipeline_plan import CostsArgument, plan_pipeline
+from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
@@ -66,6 +75,7 @@ from twobp.schedule.lowering import (
     add_reductions,
     forward_only,
     has_reductions,
+    is_split,
     split_stages,
 )
 from twobp.schedule.schedule import Schedule
@@ -149,6 +159,14 @@ class Pipeline(PipelineState, PipelineSteps):
             :mod:`twobp.runtime.setup.host_memory`). A setting of the whole
             process, like ``num_threads``; the resident memory stays at its
             peak. False leaves the allocator as it is.
+        auto_trials: for ``schedule="auto"`` on measured costs, how many
+            schedules run a few trial steps before the pipeline settles on
+            the fastest measured: the simulator's choice and the fastest
+            simulated candidate of each other schedule and stage count (see
+            :mod:`twobp.runtime.setup.auto_trials`; the times show in
+            :attr:`plan`). The simulator cannot tell apart schedules within a
+            few per cent of each other; the trials can. 0 or 1: run the
+            simulator's choice. Rank 0's count counts.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -187,6 +205,7 @@ class Pipeline(PipelineState, PipelineSteps):
         recompute: str | Sequence[str | None] | None = None,
         memory_limit: float | str | None = None,
         retain_host_memory: bool = True,
+        auto_trials: int = CONTENDERS,
     ) -> None:
         self._closed = False
         _check_recompute(recompute)
@@ -232,6 +251,22 @@ class Pipeline(PipelineState, PipelineSteps):
             costs=costs,
             pipeline_ranks=grid[0],
             memory_limit=memory_limit,
+            auto_trials=auto_trials,
+            trials=_trials(
+                all_blocks,
+                example_input,
+                members,
+                self.device,
+                timeout=timeout,
+                weight_group_size=weight_group_size,
+                group=group,
+                num_threads=num_threads,
+                autocast=autocast,
+                data_parallel=data_parallel,
+                mesh=mesh,
+                recompute=recompute,
+                retain_host_memory=retain_host_memory,
+            ),
         )
         self.plan = plan.auto
         """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
@@ -350,7 +385,8 @@ class Pipeline(PipelineState, PipelineSteps):
         Every step completes its own transfers, so between steps nothing is in
         flight; after a step that failed part-way, the transfers it posted are
         abandoned here, and the weight-gradient work it left is dropped. The
-        parameters and their gradients stay as they are. Later calls of
+        parameters and their gradients stay as they are, and the blocks are
+        released: another pipeline may be built on them. Later calls of
         ``step``, ``eval_step``, ``timeline``, ``save``, ``load`` and
         ``clip_grad_norm_`` raise :class:`PipelineClosedError`. Idempotent;
         the runtime closes every pipeline still open when the interpreter exits.
@@ -362,6 +398,8 @@ class Pipeline(PipelineState, PipelineSteps):
         forget(self)
         for stage in self.stages.values():
             stage.abandon_step()
+            # The blocks are free again: another pipeline may be built on them.
+            stage.gradients.restore()
         if self._reducer is not None:
             self._reducer.abandon()
         self._layouts = {}
@@ -554,6 +592,41 @@ class Pipeline(PipelineState, PipelineSteps):
             for r, a, start, end in spans
         ]
         return sorted(merged, key=lambda s: (s.rank, s.start))
+
+
+def _trials(
+    blocks: list[nn.Module],
+    example_input: Batch | None,
+    members: Membership,
+    device: torch.device,
+    **options: Any,
+) -> Trials | None:
+    """The trial steps of ``schedule="auto"``: each contender a pipeline with the given
+    options (None without an example input to run them on)."""
+    if example_input is None:
+        return None
+
+    def build(contender: Contender) -> Pipeline:
+        return Pipeline(
+            blocks,
+            stand_in_loss,
+            contender.schedule,
+            two_bp=is_split(contender.schedule),
+            partition=list(contender.partition),
+            device=device,
+            nonfinite="skip",
+            auto_trials=0,
+            **options,
+        )
+
+    return partial(
+        run_trials,
+        build=build,
+        blocks=blocks,
+        example_input=example_input,
+        world=members,
+        device=device,
+    )
 
 
 def _check_recompute(recompute: object) -> None:

@@ -40,6 +40,12 @@ class TrainConfig:
         "gradients, activations and stored W inputs as the simulator counts them",
         None,
     )
+    auto_trials: int = doc(
+        "with --schedule auto, how many schedules run a few trial steps before the fastest "
+        "measured is kept: the simulator's choice and the fastest of each other schedule "
+        "(0: the simulator's choice)",
+        6,
+    )
     two_bp: bool = doc("split every backward into I and W (2-stage backpropagation)", True)
     policy: str = doc(
         "2BP placement policy of W: eager, paper or fill", "paper", choices=tuple(TWO_BP_POLICIES)

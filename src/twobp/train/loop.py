@@ -122,6 +122,7 @@ def train_rank(
         ),
         data_parallel=cfg.data_parallel,
         memory_limit=cfg.memory_limit,
+        auto_trials=cfg.auto_trials,
     )
     if pipe.plan is not None and pipe.rank == 0:
         print(pipe.plan, file=progress_stream or sys.stderr)

@@ -78,6 +78,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         "data_parallel": (cfg.data_parallel, 1),
         "steps": (cfg.steps, 1),
         "microbatches": (cfg.microbatches, 1),
+        "auto_trials": (cfg.auto_trials, 0),
         "batch_size": (cfg.batch_size, 1),
         "seq_len": (cfg.seq_len, 1),
         "stages_per_rank": (cfg.stages_per_rank, 1),

@@ -71,6 +71,10 @@ class StageGradients(Protocol):
         """Bytes kept for W, per micro-batch of this step."""
         ...
 
+    def restore(self) -> None:
+        """Let go of the module: drop pending work; another stage may then be built on it."""
+        ...
+
 
 class AutogradGradients:
     """Plain autograd: ``B`` is one ``torch.autograd.backward`` call.
@@ -136,6 +140,9 @@ class AutogradGradients:
 
     def stashed_tensors(self, mb: int) -> list[Tensor]:
         return []
+
+    def restore(self) -> None:
+        self._pending.clear()
 
     def finish_step(self) -> None:
         if self._pending:

@@ -8,8 +8,11 @@ the link between ranks (:mod:`twobp.runtime.setup.cost_measurement`). Rank
 0 simulates every schedule, 2BP policy, W group cap and number of stages per
 rank (:mod:`twobp.sim.search`) under those costs, takes the fastest whose
 peak memory fits ``memory_limit``, and sends its schedule and partition to
-every rank, so that all run the same one whatever their own timings. With a
-cost model given (``costs=``), nothing is measured.
+every rank, so that all run the same one whatever their own timings. With it
+go the *contenders*: the fastest simulated candidate of each other schedule
+and stage count, up to ``contenders`` in all, that trial steps
+(:mod:`twobp.runtime.setup.auto_trials`) measure before the pipeline settles.
+With a cost model given (``costs=``), nothing is measured.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ from twobp.sim.search import (
     Option,
     choose,
     describe,
+    fits,
     options,
     search,
     simulate_option,
@@ -49,8 +53,29 @@ PARAMETER_FACTOR = 2.0
 """Bytes counted per parameter byte against ``memory_limit``: the weights and their gradients."""
 SHOWN = 10
 """Candidates :meth:`AutoPlan.table` lists."""
+CONTENDERS = 6
+"""Schedules ``schedule="auto"`` runs for a few trial steps before it settles (``auto_trials``)."""
+CONTENDER_WINDOW = 0.25
+"""How much slower than the choice a simulated step may be for its schedule to contend."""
 
 log = logging.getLogger("twobp")
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A simulated candidate, built: what a pipeline runs if it is chosen.
+
+    Args:
+        candidate: the simulated candidate.
+        schedule: its compute schedule, W placed.
+        partition: blocks per stage.
+        costs: the cost model of its stages.
+    """
+
+    candidate: Candidate
+    schedule: Schedule
+    partition: tuple[int, ...]
+    costs: CostModel
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,14 @@ class AutoPlan:
         partition: blocks per stage.
         costs: the cost model of the choice's stages (seconds and bytes).
         memory_limit: the limit per rank in bytes, or None.
+        contenders: the schedules trial steps measure before the pipeline
+            settles: the simulator's choice first, then the fastest simulated
+            candidate of each other schedule, stage count and 2BP or not,
+            fastest first (distinct schedules only, each within
+            :data:`CONTENDER_WINDOW` of the choice); empty without trials.
+        trial_times: the measured step time of each contender in seconds (the
+            slowest rank's median over the rounds it ran; ``inf`` if it
+            failed), empty until the trials ran. The choice is the fastest.
     """
 
     choice: Candidate
@@ -73,6 +106,42 @@ class AutoPlan:
     partition: tuple[int, ...]
     costs: CostModel
     memory_limit: float | None
+    contenders: tuple[Contender, ...] = ()
+    trial_times: tuple[float, ...] = ()
+
+    def settled(self, trial_times: Sequence[float]) -> AutoPlan:
+        """The plan of the contender the trial steps measured fastest.
+
+        Args:
+            trial_times: the measured step time of each contender (``inf``: failed).
+
+        Returns:
+            This plan with the fastest finite contender as its choice and the
+            times kept; the simulator's choice if none ran.
+        """
+        if len(trial_times) != len(self.contenders):
+            raise ValueError(
+                f"{len(trial_times)} trial times for {len(self.contenders)} contenders"
+            )
+        finite = [i for i, t in enumerate(trial_times) if math.isfinite(t)]
+        if not finite:
+            return replace(self, trial_times=tuple(trial_times))
+        best = self.contenders[min(finite, key=lambda i: trial_times[i])]
+        return replace(
+            self,
+            choice=best.candidate,
+            schedule=best.schedule,
+            partition=best.partition,
+            costs=best.costs,
+            trial_times=tuple(trial_times),
+        )
+
+    def trial_time(self, candidate: Candidate) -> float | None:
+        """The measured step time of a candidate in the trial steps, or None if not tried."""
+        for contender, t in zip(self.contenders, self.trial_times, strict=False):
+            if contender.candidate == candidate:
+                return t
+        return None
 
     @property
     def predicted_step_time(self) -> float:
@@ -80,11 +149,18 @@ class AutoPlan:
         return self.choice.makespan
 
     def summary(self) -> str:
-        """One line: what runs and the predicted step time."""
+        """One line: what runs, the predicted (and measured) step time."""
         limit = "" if self.memory_limit is None else f", limit {format_amount(self.memory_limit)}"
+        measured = self.trial_time(self.choice)
+        tried = sum(math.isfinite(t) for t in self.trial_times)
+        trials = (
+            ""
+            if measured is None or not math.isfinite(measured)
+            else f", measured {measured * 1e3:.4g} ms in trial steps, the fastest of {tried} tried"
+        )
         return (
             f"schedule='auto' chose {describe(self.choice)}: predicted step "
-            f"{self.predicted_step_time * 1e3:.4g} ms, peak memory "
+            f"{self.predicted_step_time * 1e3:.4g} ms{trials}, peak memory "
             f"{format_amount(self.choice.peak_memory)} per rank{limit}; partition "
             f"{list(self.partition)}; best of {sum(c.ok for c in self.ranking)} simulated "
             f"(contention {self.costs.contention:.2f})"
@@ -92,15 +168,24 @@ class AutoPlan:
 
     def table(self, rows: int = SHOWN) -> str:
         """The fastest ``rows`` candidates: step time, against the choice (``*``), bubble
-        and memory."""
-        lines = [f"{'#':>4}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} memory"]
-        for i, c in enumerate([c for c in self.ranking if c.ok][:rows], 1):
+        and memory; and the step time measured in the trial steps of those tried."""
+        lines = [
+            f"{'#':>4}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} "
+            f"{'memory':<10} {'trial ms':>8}"
+        ]
+        ran = [c for c in self.ranking if c.ok]
+        best = min(c.makespan for c in ran)
+        shown = ran[:rows] + [c.candidate for c in self.contenders if c.candidate not in ran[:rows]]
+        for c in shown:
             over = self.memory_limit is not None and c.peak_memory > self.memory_limit
             mark = "*" if c == self.choice else " "
+            tried = self.trial_time(c)
+            trial = "" if tried is None else "failed" if math.isinf(tried) else f"{tried * 1e3:.4g}"
             lines.append(
-                f"{mark}{i:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
-                f"{c.makespan / self.choice.makespan:7.2f}x {c.bubble_ratio:7.1%} "
-                f"{format_amount(c.peak_memory)}{' (over the limit)' if over else ''}"
+                f"{mark}{ran.index(c) + 1:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
+                f"{c.makespan / best:7.2f}x {c.bubble_ratio:7.1%} "
+                f"{format_amount(c.peak_memory):<10} {trial:>8}"
+                f"{' (over the limit)' if over else ''}"
             )
         return "\n".join(lines)
 
@@ -158,6 +243,7 @@ def plan_auto(
     schedules: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
     pipeline_ranks: Sequence[int] | None = None,
+    contenders: int = 1,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -179,6 +265,8 @@ def plan_auto(
         pipeline_ranks: the group ranks of the first copy of the pipeline, by
             pipeline rank (None: the whole group); the link is measured between
             its first two.
+        contenders: how many schedules, the choice included, the plan keeps for
+            trial steps (:attr:`AutoPlan.contenders`); 1 or less: none.
 
     Returns:
         The plan, identical on every rank.
@@ -243,6 +331,7 @@ def plan_auto(
                 n_microbatches,
                 memory_limit,
                 max(1, world.size // len(ranks)),
+                contenders,
             )
         except (ValueError, PipelineConfigError) as exc:
             answer[0] = f"schedule='auto': {exc}"
@@ -251,8 +340,6 @@ def plan_auto(
     plan = answer[0]
     if not isinstance(plan, AutoPlan):
         raise PipelineConfigError(str(plan))
-    if world.rank == 0:
-        log.info("%s", plan.summary())
     return plan
 
 
@@ -264,29 +351,59 @@ def _choose(
     n_microbatches: int,
     memory_limit: float | None,
     data_parallel: int = 1,
+    contenders: int = 1,
 ) -> AutoPlan:
     def fitted(n_stages: int) -> CostModel:
         sizes_for(n_stages)  # raises if the blocks do not split into n_stages
         return costs_for(n_stages)
+
+    def built(c: Candidate) -> Contender:
+        option = next(o for o in choices if _same(o, c))
+        candidate, schedule = simulate_option(
+            option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel
+        )
+        assert schedule is not None and candidate == c
+        n_stages = schedule.n_stages
+        return Contender(c, schedule, sizes_for(n_stages), costs_for(n_stages))
 
     ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit, data_parallel)
     try:
         best = choose(ranking, memory_limit)
     except NothingFitsError as exc:
         raise PipelineConfigError(str(exc)) from None
-    option = next(o for o in choices if _same(o, best))
-    candidate, schedule = simulate_option(
-        option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel
-    )
-    assert schedule is not None and candidate == best
+    chosen = built(best)
+    shortlist = [chosen]
+    kinds = {_kind(best)}
+    for c in ranking:
+        if len(shortlist) >= contenders or not fits(c, memory_limit):
+            break
+        if _kind(c) in kinds or c.makespan > best.makespan * (1 + CONTENDER_WINDOW):
+            continue
+        contender = built(c)
+        kinds.add(_kind(c))
+        if all(_differ(contender, other) for other in shortlist):
+            shortlist.append(contender)
     return AutoPlan(
         best,
         tuple(ranking),
-        schedule,
-        sizes_for(schedule.n_stages),
-        costs_for(schedule.n_stages),
+        chosen.schedule,
+        chosen.partition,
+        chosen.costs,
         memory_limit,
+        tuple(shortlist) if len(shortlist) > 1 else (),
     )
+
+
+def _kind(c: Candidate) -> tuple[str, int | None, bool]:
+    """What makes schedules worth trying apart: the schedule, its stages per rank, and
+    2BP or not (the policies and W caps of one schedule differ less)."""
+    return c.schedule, c.stages_per_rank, c.policy == NO_TWO_BP
+
+
+def _differ(a: Contender, b: Contender) -> bool:
+    """True unless two contenders run the same actions on the same partition."""
+    same = replace(a.schedule, name="") == replace(b.schedule, name="")
+    return not (same and a.partition == b.partition)
 
 
 def _same(option: Option, c: Candidate) -> bool:

@@ -10,8 +10,9 @@ deadlocking in the first step.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,12 @@ PROFILE = "profile"
 NONFINITE_POLICIES = ("raise", "skip")
 """What a pipeline does when a step's mean loss is NaN or infinite."""
 
+Trials = Callable[[AutoPlan], AutoPlan]
+"""Runs the trial steps of ``schedule="auto"``'s contenders and settles the plan
+(:func:`twobp.runtime.setup.auto_trials.run_trials`, bound to the pipeline's arguments)."""
+
+log = logging.getLogger("twobp")
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -94,12 +101,16 @@ def plan_pipeline(
     costs: CostsArgument = None,
     pipeline_ranks: Sequence[int] | None = None,
     memory_limit: float | str | None = None,
+    auto_trials: int = 0,
+    trials: Trials | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
     Collective: every rank calls it. The arguments are those of
     :class:`twobp.runtime.Pipeline`; ``pipeline_ranks`` are the group ranks of
-    the first copy of the pipeline, by pipeline rank (None: the whole group).
+    the first copy of the pipeline, by pipeline rank (None: the whole group);
+    ``trials`` measures the contenders of ``schedule="auto"`` (rank 0's
+    ``auto_trials`` of them; every rank needs it), None: the simulator's choice.
 
     Returns:
         The layout, the same on every rank.
@@ -114,7 +125,9 @@ def plan_pipeline(
     auto = None
     if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
         fixed = schedule != AUTO
-        limit, model = _auto_arguments(world, device, timeout, memory_limit, costs, example_input)
+        limit, model = _auto_arguments(
+            world, device, timeout, memory_limit, costs, example_input, auto_trials
+        )
         auto = plan_auto(
             blocks,
             world,
@@ -133,7 +146,13 @@ def plan_pipeline(
             schedules=[schedule] if fixed else None,
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
             pipeline_ranks=pipeline_ranks,
+            # Trial steps run on the example input: not with a cost model given.
+            contenders=auto_trials if model is None and trials is not None and not fixed else 1,
         )
+        if trials is not None and auto.contenders:
+            auto = trials(auto)
+        if world.rank == 0:
+            log.info("%s", auto.summary())
         schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
         two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
     elif costs == PROFILE:
@@ -188,17 +207,24 @@ def _auto_arguments(
     memory_limit: float | str | None,
     costs: CostsArgument,
     example_input: Batch | None,
+    auto_trials: int,
 ) -> tuple[float | None, CostModel | None]:
     """The memory limit and the cost model ``schedule="auto"`` plans with, checked on
     every rank before any measures (collective).
 
     Raises:
-        PipelineConfigError: on every rank, if any rank's limit, cost model or
-            example input does not do.
+        PipelineConfigError: on every rank, if any rank's limit, cost model,
+            example input or count of trials does not do.
     """
     problem: PipelineConfigError | None = None
     limit = model = None
     try:
+        if isinstance(auto_trials, bool) or not isinstance(auto_trials, int) or auto_trials < 0:
+            raise PipelineConfigError(
+                f"auto_trials={auto_trials!r}: give how many schedules schedule='auto' runs "
+                "for a few trial steps before it settles (an int >= 0; 0 or 1: none, the "
+                "simulator's choice)"
+            )
         limit = read_memory_limit(memory_limit)
         model = None if costs == PROFILE else _auto_costs(costs)
         if model is None:

@@ -1,0 +1,238 @@
+"""Trial steps: run ``schedule="auto"``'s contenders for a few steps, keep the fastest.
+
+The simulator ranks schedules by the blocks' profiled costs. On a real
+machine, schedules it puts within a few per cent of each other can differ by
+10-20% (time between actions, caches, messages it does not model), and the
+one it puts first is not always the fastest. So, before the pipeline
+settles, every rank builds a pipeline of each contender of the plan
+(:attr:`twobp.runtime.setup.auto_schedule.AutoPlan.contenders`: the fastest
+simulated candidate of each schedule and stage count), one after the other
+(the 2BP engine defers a module for one pipeline at a time), and runs it on
+the example micro-batch repeated to a batch: a warm-up step, then
+:data:`TRIAL_STEPS` measured steps. After this pass, the contenders more
+than :data:`DROP` slower than the fastest leave, and a second pass takes the
+rest in the reverse order, so that a steady change of the machine's load
+weighs on all alike (:data:`TRIAL_ROUNDS` passes in all). A contender's time
+is the median of its steps on the slowest rank, the same figure on every
+rank, so every rank keeps the same schedule.
+
+The steps are real steps with a stand-in loss (the mean of the last block's
+outputs; the blocks are timed without the loss when profiled too); their
+gradients are dropped, and the blocks' gradients, buffers (BatchNorm's
+running statistics) and the random state are left as they were. A
+contender that cannot be built or whose step fails leaves the trial
+(``inf``); if none runs, the simulator's choice stays, and its first step
+raises what went wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from twobp.partition.profiler import restored
+from twobp.runtime.communication.collective import all_gather_objects
+from twobp.runtime.errors import PeerError, PeerStepFailedError, PipelineConfigError
+from twobp.runtime.execution.microbatch import Batch, concat_microbatches
+from twobp.runtime.setup.auto_schedule import AutoPlan, Contender
+from twobp.runtime.setup.group import Membership
+from twobp.schedule import ScheduleError
+from twobp.sim.search import describe
+
+TRIAL_ROUNDS = 2
+"""Passes over the contenders that stay in the trial."""
+TRIAL_STEPS = 2
+"""Measured steps of a contender in each pass (after one warm-up step)."""
+DROP = 0.10
+"""A contender this much slower than the fastest leaves the trial after a pass."""
+
+log = logging.getLogger("twobp")
+
+
+class TrialPipeline(Protocol):
+    """What a trial runs: a pipeline of one contender."""
+
+    def step(self, inputs: Batch | None, targets: Batch | None) -> float: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Build = Callable[[Contender], TrialPipeline]
+"""Builds a contender's pipeline (collective; raises ``PipelineConfigError`` or
+``ScheduleError`` on every rank if it cannot)."""
+
+
+def stand_in_loss(output: Batch, target: Batch) -> Tensor:
+    """The loss of a trial step: the mean of every float output that needs a gradient."""
+    tensors = output if isinstance(output, tuple) else (output,)
+    means = [t.float().mean() for t in tensors if t.is_floating_point() and t.requires_grad]
+    if not means:
+        raise PipelineConfigError(
+            "the last block returns no float tensor that needs a gradient, so a trial step "
+            "has nothing to differentiate; pass auto_trials=0"
+        )
+    return torch.stack(means).sum()
+
+
+def run_trials(
+    plan: AutoPlan,
+    build: Build,
+    blocks: Sequence[nn.Module],
+    example_input: Batch,
+    world: Membership,
+    device: torch.device,
+    rounds: int = TRIAL_ROUNDS,
+    clock: Callable[[], float] | None = None,
+) -> AutoPlan:
+    """Measure the plan's contenders in trial steps; the plan of the fastest.
+
+    Collective: every rank calls it with the same plan.
+
+    Args:
+        plan: what ``schedule="auto"`` simulated, with its contenders.
+        build: builds a contender's pipeline (of ``blocks``, with :func:`stand_in_loss`).
+        blocks: the whole model's blocks (their state is restored afterwards).
+        example_input: one micro-batch of model inputs; a step takes it
+            ``n_microbatches`` times (as inputs and as the ignored targets).
+        world: the group.
+        device: where the ranks compute (the clock waits for it).
+        rounds: passes over the contenders (see :func:`trial_times`).
+        clock: seconds now (None: ``time.perf_counter`` once the device's queued work is done).
+
+    Returns:
+        :meth:`AutoPlan.settled` by the measured times (the plan as it is
+        without contenders).
+    """
+    if len(plan.contenders) < 2:
+        return plan
+    batch = concat_microbatches([example_input] * plan.schedule.n_microbatches)
+    with _left_as_found(blocks, device):
+        times = trial_times(plan.contenders, build, batch, world, clock or _clock(device), rounds)
+    for contender, t in zip(plan.contenders, times, strict=True):
+        log.debug(
+            "schedule='auto' trial: %s, predicted %.4g ms, measured %s",
+            describe(contender.candidate),
+            contender.candidate.makespan * 1e3,
+            f"{t * 1e3:.4g} ms" if math.isfinite(t) else "nothing (it failed)",
+        )
+    return plan.settled(times)
+
+
+def trial_times(
+    contenders: Sequence[Contender],
+    build: Build,
+    batch: Batch,
+    world: Membership,
+    clock: Callable[[], float],
+    rounds: int = TRIAL_ROUNDS,
+) -> list[float]:
+    """The step time of each contender: the slowest rank's median of its measured steps.
+
+    In each of ``rounds`` passes, one contender after the other is built,
+    runs a warm-up step and :data:`TRIAL_STEPS` measured steps, and is
+    closed (which releases the blocks for the next: the 2BP engine defers a
+    module for one pipeline at a time). After each pass those more than
+    :data:`DROP` slower than the fastest leave; the next pass takes the rest
+    in the reverse order, so that a steady change of the machine's load
+    weighs on all alike. ``inf`` for one that could not be built or whose
+    step failed.
+    """
+    steps: list[list[float]] = [[] for _ in contenders]
+    failed: set[int] = set()
+    agreed = [math.inf] * len(contenders)
+    live = list(range(len(contenders)))
+    for r in range(rounds):
+        for i in live if r % 2 == 0 else live[::-1]:
+            if not _measure(contenders[i], build, batch, clock, steps[i]):
+                failed.add(i)
+        # Every rank learns every rank's figures: all keep and drop alike.
+        mine = ([statistics.median(s) if s else 0.0 for s in steps], sorted(failed))
+        figures = all_gather_objects(world, mine)
+        gone = {i for _, lost in figures for i in lost}
+        agreed = [
+            math.inf if i in gone else max(medians[i] for medians, _ in figures)
+            for i in range(len(contenders))
+        ]
+        live = [i for i in live if i not in gone]
+        fastest = min((agreed[i] for i in live), default=math.inf)
+        live = [i for i in live if agreed[i] <= fastest * (1 + DROP)]
+        if len(live) < 2:
+            break
+    return agreed
+
+
+def _measure(
+    contender: Contender,
+    build: Build,
+    batch: Batch,
+    clock: Callable[[], float],
+    steps: list[float],
+) -> bool:
+    """Build the contender's pipeline, run a warm-up step and :data:`TRIAL_STEPS` measured
+    ones (added to ``steps``), close it. False if it could not be built or a step failed
+    (on every rank alike)."""
+    try:
+        pipe = build(contender)
+    except (PipelineConfigError, ScheduleError) as exc:
+        log.debug("schedule='auto' trial: %s not built: %s", contender.schedule, exc)
+        return False
+    try:
+        for n in range(TRIAL_STEPS + 1):
+            elapsed = _timed_step(pipe, batch, clock)
+            if math.isinf(elapsed):
+                return False
+            if n:  # the first warms up
+                steps.append(elapsed)
+    finally:
+        pipe.close()
+    return True
+
+
+def _timed_step(pipe: TrialPipeline, batch: Batch, clock: Callable[[], float]) -> float:
+    """Seconds of one step of ``pipe``, ``inf`` if it failed (on this rank or a peer)."""
+    start = clock()
+    try:
+        pipe.step(batch, batch)
+    except PeerError as exc:
+        if not isinstance(exc, PeerStepFailedError):
+            raise  # a peer is gone: nothing more can run
+        return math.inf
+    except Exception as exc:  # the contender fails, the others go on
+        log.debug("schedule='auto' trial step failed: %s", exc)
+        return math.inf
+    finally:
+        pipe.zero_grad(set_to_none=True)
+    return clock() - start
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """A clock that first waits for the device's queued work (CUDA runs asynchronously)."""
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+@contextmanager
+def _left_as_found(blocks: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """Run with the blocks' gradients, buffers and the random state restored afterwards."""
+    with ExitStack() as stack:
+        stack.enter_context(
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        )
+        for block in blocks:
+            stack.enter_context(restored(block))
+        yield
