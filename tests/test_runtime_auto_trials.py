@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from twobp.engine import TwoStageBackwardError
 from twobp.runtime import Pipeline
 from twobp.runtime.errors import PeerStepFailedError, PeerTimeoutError, PipelineConfigError
 from twobp.runtime.setup.auto_schedule import CONTENDER_WINDOW, AutoPlan, Contender, _choose
 from twobp.runtime.setup.auto_trials import (
     TRIAL_ROUNDS,
-    TRIAL_STEPS,
     run_trials,
     stand_in_loss,
     trial_times,
@@ -42,19 +42,39 @@ class Clock:
 
 
 class FakePipeline:
-    """A contender's pipeline whose steps take ``seconds`` each on ``clock``."""
+    """A contender's pipeline whose steps take ``seconds`` each on ``clock``; it records
+    its steps in ``log`` by name, and checks that it holds the blocks when it steps."""
 
-    def __init__(self, clock: Clock, seconds: float, fails: BaseException | None) -> None:
-        self.clock, self.seconds, self.fails = clock, seconds, fails
-        self.steps = 0
+    def __init__(
+        self,
+        name: str,
+        clock: Clock,
+        seconds: float,
+        fails: BaseException | None,
+        log: list[str],
+        holder: list[str | None],
+    ) -> None:
+        self.name, self.clock, self.seconds, self.fails = name, clock, seconds, fails
+        self.log, self.holder = log, holder
         self.closed = False
+        assert holder[0] is None, f"{name} built while {holder[0]} holds the blocks"
+        holder[0] = name
 
     def step(self, inputs: object, targets: object) -> float:
-        self.steps += 1
+        assert self.holder[0] == self.name, f"{self.name} steps without the blocks"
+        self.log.append(self.name)
         if self.fails is not None:
             raise self.fails
         self.clock.now += self.seconds
         return 0.0
+
+    def release_blocks(self) -> None:
+        assert self.holder[0] == self.name
+        self.holder[0] = None
+
+    def claim_blocks(self) -> None:
+        assert self.holder[0] is None, f"{self.name} claims while {self.holder[0]} holds"
+        self.holder[0] = self.name
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
@@ -86,19 +106,20 @@ def plan_of(shortlist: tuple[Contender, ...]) -> AutoPlan:
 
 
 def builder(clock: Clock, seconds: dict[str, float], fails: dict[str, BaseException] = {}):  # noqa: B006
+    """A build of fake pipelines; the pipelines built, and the names of the steps run."""
     built: list[FakePipeline] = []
-    names: list[str] = []
+    steps: list[str] = []
+    holder: list[str | None] = [None]
 
     def build(contender: Contender) -> FakePipeline:
         name = contender.candidate.schedule
         if isinstance(fails.get(name), PipelineConfigError):
             raise fails[name]
-        pipe = FakePipeline(clock, seconds.get(name, 1.0), fails.get(name))
+        pipe = FakePipeline(name, clock, seconds.get(name, 1.0), fails.get(name), steps, holder)
         built.append(pipe)
-        names.append(name)
         return pipe
 
-    return build, built, names
+    return build, built, steps
 
 
 def test_the_fastest_measured_contender_is_chosen_not_the_first_simulated():
@@ -115,14 +136,16 @@ def test_the_fastest_measured_contender_is_chosen_not_the_first_simulated():
     assert all(p.closed for p in built)
 
 
-def test_those_far_behind_leave_after_a_pass_and_the_rest_run_again_in_reverse():
+def test_contenders_take_turns_and_those_far_behind_leave_from_the_second_round():
     clock = Clock()
-    build, built, names = builder(clock, {"a": 0.30, "b": 0.20, "c": 0.21})
+    build, built, steps = builder(clock, {"a": 0.30, "b": 0.20, "c": 0.21})
     times = trial_times(contenders("a", "b", "c"), build, None, ALONE, clock, TRIAL_ROUNDS)
     assert times == pytest.approx([0.30, 0.20, 0.21])
-    # "a" is more than 10% behind "b" after the first pass: it is not built again.
-    assert names == ["a", "b", "c", "c", "b"]
-    assert all(p.steps == TRIAL_STEPS + 1 for p in built)
+    # A warm-up round in reverse, measured rounds alternating; "a", more than 10% behind
+    # "b", leaves after the second measured round.
+    rounds = ["cba", "abc", "cba", "bc", "cb"]
+    assert steps == [name for r in rounds[: TRIAL_ROUNDS + 1] for name in r]
+    assert all(p.closed for p in built)
 
 
 def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it():
@@ -147,8 +170,9 @@ def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it():
     assert "failed" in plan.table()
     lost = PeerTimeoutError("rank 1 did not answer", 0, 1)
     failed = PeerStepFailedError("rank 1 failed in its F", 0, 1)
-    build, _, _ = builder(clock, {"a": 0.3, "b": 0.1}, {"b": failed})
+    build, _, steps = builder(clock, {"a": 0.3, "b": 0.1}, {"b": failed})
     assert trial_times(contenders("a", "b"), build, None, ALONE, clock, TRIAL_ROUNDS)[1] == math.inf
+    assert steps == ["b", "a", "a"]  # "b" fails its warm-up; "a" alone stops after a round
     build, _, _ = builder(clock, {}, {"b": lost})
     with pytest.raises(PeerTimeoutError):
         trial_times(contenders("a", "b"), build, None, ALONE, clock, TRIAL_ROUNDS)
@@ -210,3 +234,28 @@ def test_the_contenders_are_the_choice_and_the_fastest_of_each_other_schedule():
     limit = plan.choice.peak_memory
     bounded = _choose(options(m), costs_for, sizes_for, 2, m, limit, contenders=6).contenders
     assert bounded and all(c.candidate.peak_memory <= limit for c in bounded)
+
+
+def test_pipelines_on_one_model_take_turns_by_releasing_and_claiming_the_blocks():
+    torch.manual_seed(0)
+    blocks = [nn.Linear(4, 4) for _ in range(2)]
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    first = Pipeline(blocks, nn.MSELoss(), "1f1b", n_microbatches=2, device="cpu")
+    with pytest.raises(TwoStageBackwardError, match="already deferred"):
+        Pipeline(blocks, nn.MSELoss(), "gpipe", n_microbatches=2, device="cpu")
+    first.release_blocks()
+    with pytest.raises(PipelineConfigError, match="call claim_blocks"):
+        first.step(x, y)
+    second = Pipeline(blocks, nn.MSELoss(), "gpipe", n_microbatches=2, device="cpu")
+    with pytest.raises(TwoStageBackwardError, match="already deferred"):
+        first.claim_blocks()
+    second.step(x, y)
+    by_second = [p.grad.clone() for p in second.parameters()]
+    second.zero_grad()
+    second.release_blocks()
+    first.claim_blocks()
+    first.step(x, y)
+    for p, expected in zip(first.parameters(), by_second, strict=True):
+        torch.testing.assert_close(p.grad, expected)
+    first.close()
+    second.close()

@@ -2,10 +2,12 @@
 
 Two local ranks (one thread each, gloo) build the LLaMA-like model of a
 ``twobp bench`` regime (``large``: 256 rows per GEMM, ``small``: 32), then one
-pipeline per variant: ``schedule="auto"`` (it profiles the blocks and
-simulates every schedule, 2BP policy, W group cap and stage count) and the
-fixed schedules with and without 2BP. The variants take turns, one step each
-per round, so that a change of machine load touches them all alike. Prints
+pipeline per variant: ``schedule="auto"`` (it profiles the blocks,
+simulates every schedule, 2BP policy, W group cap and stage count, and runs
+the fastest few in trial steps), the same with ``auto_trials=0`` (the
+simulator's choice), and the fixed schedules with and without 2BP. The
+variants take turns, one step each per round, so that a change of machine
+load touches them all alike. Prints
 per variant the median step time and samples/s, each variant against the
 best fixed one, and what ``auto`` chose and predicted. The fixed variants
 get the bench's partition (body blocks split evenly, embedding and head
@@ -26,6 +28,7 @@ import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
+from twobp.runtime.setup.auto_schedule import CONTENDERS
 from twobp_bench.config import REGIMES
 from twobp_bench.matrix import TWOBP, Variant, model_stages, stage_partition
 
@@ -45,6 +48,8 @@ PROFILED = (
     Variant(TWOBP, "zb-v", two_bp=True, policy="fill"),
 )
 """Split schedules whose W the measured costs place, grouped (``costs="profile"``)."""
+UNTRIED = "auto, no trials"
+"""``schedule="auto"`` with ``auto_trials=0``: the simulator's choice, unmeasured."""
 
 
 def _label(variant: Variant) -> str:
@@ -59,18 +64,21 @@ def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> di
     inputs, targets = spec.make_batch(info.microbatch_size * m, 0)
     example = inputs[: info.microbatch_size]
     pipes: dict[str, Pipeline] = {}
-    started = time.perf_counter()
-    pipes["auto"] = Pipeline(
-        copy.deepcopy(spec.blocks),
-        spec.loss_fn,
-        schedule="auto",
-        n_microbatches=m,
-        example_input=example,
-        memory_limit=memory_limit,
-        device="cpu",
-        num_threads=1,
-    )
-    planning = time.perf_counter() - started
+    planning: dict[str, float] = {}
+    for name, trials in (("auto", CONTENDERS), (UNTRIED, 0)):
+        started = time.perf_counter()
+        pipes[name] = Pipeline(
+            copy.deepcopy(spec.blocks),
+            spec.loss_fn,
+            schedule="auto",
+            n_microbatches=m,
+            example_input=example,
+            memory_limit=memory_limit,
+            device="cpu",
+            num_threads=1,
+            auto_trials=trials,
+        )
+        planning[name] = time.perf_counter() - started
     kinds = [k.value for k in spec.block_kinds]
     for variant in (*FIXED, *PROFILED):
         # The bench's partition: body blocks split evenly, embedding and head at the ends.
@@ -100,14 +108,15 @@ def _rank_main(regime: str, m: int, rounds: int, memory_limit: str | None) -> di
             if r:  # round 0 warms up
                 times[name].append(time.perf_counter() - start)
             pipe.zero_grad()
-    plan = pipes["auto"].plan
-    assert plan is not None
+    plan, untried = pipes["auto"].plan, pipes[UNTRIED].plan
+    assert plan is not None and untried is not None
     return {
         "times": times,
         "plan": str(plan),
         "predicted": plan.predicted_step_time,
         "planning_s": planning,
         "schedule": str(pipes["auto"].schedule),
+        "untried": untried.summary(),
     }
 
 
@@ -131,10 +140,14 @@ def main() -> None:
     out = results[0]
     samples = REGIMES[args.regime].microbatch_size * args.microbatches
     medians = {n: statistics.median(t) for n, t in out["times"].items()}
-    best_fixed = min((t, n) for n, t in medians.items() if n != "auto")
+    best_fixed = min((t, n) for n, t in medians.items() if not n.startswith("auto"))
     print(out["plan"])
-    print(f"planning (profile + search) took {out['planning_s']:.1f} s on rank 0")
+    print(
+        f"planning took {out['planning_s']['auto']:.1f} s on rank 0 (profile, search, trial "
+        f"steps); {out['planning_s'][UNTRIED]:.1f} s without trial steps"
+    )
     print(f"auto runs: {out['schedule']}")
+    print(f"{UNTRIED}: {out['untried']}")
     print()
     print(f"regime {args.regime}, m = {args.microbatches}, {args.rounds} rounds, medians")
     print(f"{'variant':<30} {'step ms':>9} {'samples/s':>10} {'vs best fixed':>14}")
@@ -142,7 +155,8 @@ def main() -> None:
         print(f"{name:<30} {t * 1e3:9.1f} {samples / t:10.1f} {best_fixed[0] / t:13.3f}x")
     print(
         f"auto predicted {out['predicted'] * 1e3:.1f} ms, measured {medians['auto'] * 1e3:.1f} ms; "
-        f"auto / best fixed ({best_fixed[1]}): {best_fixed[0] / medians['auto']:.3f}x throughput"
+        f"auto / best fixed ({best_fixed[1]}): {best_fixed[0] / medians['auto']:.3f}x "
+        f"throughput; {UNTRIED}: {best_fixed[0] / medians[UNTRIED]:.3f}x"
     )
 
 

@@ -506,15 +506,32 @@ class WeightGradStore:
         observed = self._seen_forward and self._capture is not None
         return format_report(self.routes(), self._label, observed)
 
-    def restore(self) -> None:
-        """Stop deferring: later forwards run as plain autograd, and the module may get a new store.
+    def release(self) -> None:
+        """Let another store defer the module until :meth:`claim`, keeping what this one learnt.
 
-        Stashed work is dropped; call it between steps.
+        For two stores that take turns on one module (two schedules compared
+        step by step); call it between steps, and :meth:`claim` before this
+        store's next forward.
         """
         for m in self._module.modules():
             owner = m.__dict__.get(_OWNER)
             if owner is not None and owner() is self:
                 del m.__dict__[_OWNER]
+
+    def claim(self) -> None:
+        """Defer the module again after :meth:`release`.
+
+        Raises:
+            TwoStageBackwardError: if another live store defers it now.
+        """
+        self._marked = self._mark(self._module)
+
+    def restore(self) -> None:
+        """Stop deferring: later forwards run as plain autograd, and the module may get a new store.
+
+        Stashed work is dropped; call it between steps.
+        """
+        self.release()
         self._capture = None
         self._seen_forward = False
         self._stash.clear()

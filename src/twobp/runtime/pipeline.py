@@ -208,6 +208,7 @@ class Pipeline(PipelineState, PipelineSteps):
         auto_trials: int = CONTENDERS,
     ) -> None:
         self._closed = False
+        self._released = False
         _check_recompute(recompute)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
@@ -405,6 +406,39 @@ class Pipeline(PipelineState, PipelineSteps):
         self._layouts = {}
         self._forward_plan = None
 
+    def release_blocks(self) -> None:
+        """Let another pipeline on the same blocks run its steps until :meth:`claim_blocks`.
+
+        The 2BP engine defers a module for one pipeline at a time: a second
+        pipeline on the same blocks is refused while the first holds them. To
+        compare two schedules on one model step by step, build the first,
+        release it, build the second, and have each claim the blocks for its
+        steps. Not collective; between steps only. :meth:`step` refuses to run
+        until the blocks are claimed again.
+        """
+        self._check_open()
+        for stage in self.stages.values():
+            stage.gradients.release()
+        self._released = True
+
+    def claim_blocks(self) -> None:
+        """Hold the blocks again after :meth:`release_blocks`.
+
+        Raises:
+            twobp.engine.TwoStageBackwardError: if another open pipeline holds them.
+        """
+        self._check_open()
+        claimed: list[Stage] = []
+        try:
+            for stage in self.stages.values():
+                stage.gradients.claim()
+                claimed.append(stage)
+        except Exception:
+            for stage in claimed:
+                stage.gradients.release()
+            raise
+        self._released = False
+
     def __enter__(self) -> Pipeline:
         return self
 
@@ -457,6 +491,11 @@ class Pipeline(PipelineState, PipelineSteps):
                 (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
         self._check_open()
+        if self._released:
+            raise PipelineConfigError(
+                f"rank {self.rank}: this pipeline released its blocks (release_blocks()); "
+                "call claim_blocks() before its next step"
+            )
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
         _, loss, first_bad, bad_rank = self._run_step(
             self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True

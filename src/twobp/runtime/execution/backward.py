@@ -75,6 +75,14 @@ class StageGradients(Protocol):
         """Let go of the module: drop pending work; another stage may then be built on it."""
         ...
 
+    def release(self) -> None:
+        """Let another stage defer the module until :meth:`claim` (between steps)."""
+        ...
+
+    def claim(self) -> None:
+        """Take the module back after :meth:`release`."""
+        ...
+
 
 class AutogradGradients:
     """Plain autograd: ``B`` is one ``torch.autograd.backward`` call.
@@ -143,6 +151,12 @@ class AutogradGradients:
 
     def restore(self) -> None:
         self._pending.clear()
+
+    def release(self) -> None:
+        pass  # plain autograd holds nothing of the module
+
+    def claim(self) -> None:
+        pass
 
     def finish_step(self) -> None:
         if self._pending:

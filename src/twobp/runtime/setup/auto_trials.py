@@ -6,15 +6,16 @@ machine, schedules it puts within a few per cent of each other can differ by
 one it puts first is not always the fastest. So, before the pipeline
 settles, every rank builds a pipeline of each contender of the plan
 (:attr:`twobp.runtime.setup.auto_schedule.AutoPlan.contenders`: the fastest
-simulated candidate of each schedule and stage count), one after the other
-(the 2BP engine defers a module for one pipeline at a time), and runs it on
-the example micro-batch repeated to a batch: a warm-up step, then
-:data:`TRIAL_STEPS` measured steps. After this pass, the contenders more
-than :data:`DROP` slower than the fastest leave, and a second pass takes the
-rest in the reverse order, so that a steady change of the machine's load
-weighs on all alike (:data:`TRIAL_ROUNDS` passes in all). A contender's time
-is the median of its steps on the slowest rank, the same figure on every
-rank, so every rank keeps the same schedule.
+simulated candidate of each schedule and stage count) on the same blocks,
+and they take turns, one step each per round, on the example micro-batch
+repeated to a batch: a warm-up round, then :data:`TRIAL_ROUNDS` measured
+rounds, every other one in the reverse order, so that a change of the
+machine's load weighs on all alike. (The 2BP engine defers a module for one
+pipeline at a time: each claims the blocks for its step and releases them
+after.) From the second measured round, the contenders more than
+:data:`DROP` slower than the fastest leave. A contender's time is the median
+of its steps on the slowest rank, the same figure on every rank, so every
+rank keeps the same schedule.
 
 The steps are real steps with a stand-in loss (the mean of the last block's
 outputs; the blocks are timed without the loss when profiled too); their
@@ -47,12 +48,10 @@ from twobp.runtime.setup.group import Membership
 from twobp.schedule import ScheduleError
 from twobp.sim.search import describe
 
-TRIAL_ROUNDS = 2
-"""Passes over the contenders that stay in the trial."""
-TRIAL_STEPS = 2
-"""Measured steps of a contender in each pass (after one warm-up step)."""
+TRIAL_ROUNDS = 4
+"""Measured rounds of the trial (after a warm-up round): steps of a contender that stays."""
 DROP = 0.10
-"""A contender this much slower than the fastest leaves the trial after a pass."""
+"""A contender this much slower than the fastest leaves the trial (from the second round)."""
 
 log = logging.getLogger("twobp")
 
@@ -61,6 +60,10 @@ class TrialPipeline(Protocol):
     """What a trial runs: a pipeline of one contender."""
 
     def step(self, inputs: Batch | None, targets: Batch | None) -> float: ...
+
+    def release_blocks(self) -> None: ...
+
+    def claim_blocks(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
@@ -138,64 +141,57 @@ def trial_times(
 ) -> list[float]:
     """The step time of each contender: the slowest rank's median of its measured steps.
 
-    In each of ``rounds`` passes, one contender after the other is built,
-    runs a warm-up step and :data:`TRIAL_STEPS` measured steps, and is
-    closed (which releases the blocks for the next: the 2BP engine defers a
-    module for one pipeline at a time). After each pass those more than
-    :data:`DROP` slower than the fastest leave; the next pass takes the rest
-    in the reverse order, so that a steady change of the machine's load
-    weighs on all alike. ``inf`` for one that could not be built or whose
-    step failed.
+    Every contender's pipeline is built (and releases the blocks for the
+    next: the 2BP engine defers a module for one pipeline at a time); then
+    they take turns, one step each per round, claiming the blocks for it: a
+    warm-up round, then ``rounds`` measured ones, every other one in the
+    reverse order. From the second measured round, those more than
+    :data:`DROP` slower than the fastest leave. ``inf`` for one that could
+    not be built or whose step failed.
     """
+    pipes: dict[int, TrialPipeline] = {}
     steps: list[list[float]] = [[] for _ in contenders]
     failed: set[int] = set()
     agreed = [math.inf] * len(contenders)
-    live = list(range(len(contenders)))
-    for r in range(rounds):
-        for i in live if r % 2 == 0 else live[::-1]:
-            if not _measure(contenders[i], build, batch, clock, steps[i]):
+    try:
+        for i, contender in enumerate(contenders):
+            try:
+                pipe = build(contender)
+            except (PipelineConfigError, ScheduleError) as exc:
+                log.debug("schedule='auto' trial: %s not built: %s", contender.schedule, exc)
                 failed.add(i)
-        # Every rank learns every rank's figures: all keep and drop alike.
-        mine = ([statistics.median(s) if s else 0.0 for s in steps], sorted(failed))
-        figures = all_gather_objects(world, mine)
-        gone = {i for _, lost in figures for i in lost}
-        agreed = [
-            math.inf if i in gone else max(medians[i] for medians, _ in figures)
-            for i in range(len(contenders))
-        ]
-        live = [i for i in live if i not in gone]
-        fastest = min((agreed[i] for i in live), default=math.inf)
-        live = [i for i in live if agreed[i] <= fastest * (1 + DROP)]
-        if len(live) < 2:
-            break
-    return agreed
-
-
-def _measure(
-    contender: Contender,
-    build: Build,
-    batch: Batch,
-    clock: Callable[[], float],
-    steps: list[float],
-) -> bool:
-    """Build the contender's pipeline, run a warm-up step and :data:`TRIAL_STEPS` measured
-    ones (added to ``steps``), close it. False if it could not be built or a step failed
-    (on every rank alike)."""
-    try:
-        pipe = build(contender)
-    except (PipelineConfigError, ScheduleError) as exc:
-        log.debug("schedule='auto' trial: %s not built: %s", contender.schedule, exc)
-        return False
-    try:
-        for n in range(TRIAL_STEPS + 1):
-            elapsed = _timed_step(pipe, batch, clock)
-            if math.isinf(elapsed):
-                return False
-            if n:  # the first warms up
-                steps.append(elapsed)
+                continue
+            pipe.release_blocks()
+            pipes[i] = pipe
+        live = sorted(pipes)
+        for r in range(rounds + 1):
+            for i in live if r % 2 else live[::-1]:
+                pipe = pipes[i]
+                pipe.claim_blocks()
+                elapsed = _timed_step(pipe, batch, clock)
+                pipe.release_blocks()
+                if math.isinf(elapsed):  # on every rank alike: the step failed on all
+                    failed.add(i)
+                elif r:  # round 0 warms up
+                    steps[i].append(elapsed)
+            # Every rank learns every rank's figures: all keep and drop alike.
+            mine = ([statistics.median(s) if s else 0.0 for s in steps], sorted(failed))
+            figures = all_gather_objects(world, mine)
+            gone = {i for _, lost in figures for i in lost}
+            agreed = [
+                math.inf if i in gone else max(medians[i] for medians, _ in figures)
+                for i in range(len(contenders))
+            ]
+            live = [i for i in live if i not in gone]
+            if r >= 2 and live:
+                fastest = min(agreed[i] for i in live)
+                live = [i for i in live if agreed[i] <= fastest * (1 + DROP)]
+            if len(live) < 2 and r >= 1:
+                break
     finally:
-        pipe.close()
-    return True
+        for pipe in pipes.values():
+            pipe.close()
+    return agreed
 
 
 def _timed_step(pipe: TrialPipeline, batch: Batch, clock: Callable[[], float]) -> float:
