@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from replica_workers import N_MB, PART, errors, load_tied, save_and_load, train_many, unequal_parts
+from replica_workers import (
+    N_MB,
+    PART,
+    errors,
+    groups_around_a_pipeline,
+    load_tied,
+    save_and_load,
+    train_many,
+    unequal_parts,
+)
 from runtime_models import build_blocks, make_batch, train_reference
 from twobp.runtime import launch
 from twobp.schedule import SCHEDULES
@@ -200,3 +209,11 @@ def test_two_copies_of_chimera_on_four_ranks_each_match_one_process():
     # Model stage k is held by 4 ranks: k and 3-k of each copy.
     results = launch(_eight, 8, timeout=600)
     _check(EIGHT, [r[repr(EIGHT)] for r in results])
+
+
+def test_a_closed_pipeline_destroys_the_groups_of_its_reductions():
+    results = launch(groups_around_a_pipeline, 2, timeout=120)
+    for before, built, closed, loss in results:
+        assert built > before  # the tied weight's reduction has a group of its own
+        assert closed == before
+        assert math.isfinite(loss)
