@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -167,8 +167,9 @@ class AutoPlan:
         )
 
     def table(self, rows: int = SHOWN) -> str:
-        """The fastest ``rows`` candidates: step time, against the choice (``*``), bubble
-        and memory; and the step time measured in the trial steps of those tried."""
+        """The fastest ``rows`` candidates and the contenders: step time, against the
+        fastest simulated, bubble, memory, and the step time measured in the trial steps
+        of those tried; ``*`` marks what runs."""
         lines = [
             f"{'#':>4}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} "
             f"{'memory':<10} {'trial ms':>8}"
@@ -371,18 +372,8 @@ def _choose(
         best = choose(ranking, memory_limit)
     except NothingFitsError as exc:
         raise PipelineConfigError(str(exc)) from None
-    chosen = built(best)
-    shortlist = [chosen]
-    kinds = {_kind(best)}
-    for c in ranking:
-        if len(shortlist) >= contenders or not fits(c, memory_limit):
-            break
-        if _kind(c) in kinds or c.makespan > best.makespan * (1 + CONTENDER_WINDOW):
-            continue
-        contender = built(c)
-        kinds.add(_kind(c))
-        if all(_differ(contender, other) for other in shortlist):
-            shortlist.append(contender)
+    shortlist = _shortlist(best, ranking, built, contenders, memory_limit)
+    chosen = shortlist[0]
     return AutoPlan(
         best,
         tuple(ranking),
@@ -392,6 +383,29 @@ def _choose(
         memory_limit,
         tuple(shortlist) if len(shortlist) > 1 else (),
     )
+
+
+def _shortlist(
+    best: Candidate,
+    ranking: Sequence[Candidate],
+    built: Callable[[Candidate], Contender],
+    count: int,
+    memory_limit: float | None,
+) -> list[Contender]:
+    """The choice, then the fastest fitting candidate of each other kind (:func:`_kind`)
+    within :data:`CONTENDER_WINDOW` of it, each running something new; ``count`` at most."""
+    shortlist = [built(best)]
+    kinds = {_kind(best)}
+    for c in ranking:
+        if len(shortlist) >= count or not fits(c, memory_limit):
+            break
+        if _kind(c) in kinds or c.makespan > best.makespan * (1 + CONTENDER_WINDOW):
+            continue
+        kinds.add(_kind(c))
+        contender = built(c)
+        if all(_differ(contender, other) for other in shortlist):
+            shortlist.append(contender)
+    return shortlist
 
 
 def _kind(c: Candidate) -> tuple[str, int | None, bool]:
