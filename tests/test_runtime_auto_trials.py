@@ -148,7 +148,7 @@ def test_contenders_take_turns_and_those_far_behind_leave_from_the_second_round(
     assert all(p.closed for p in built)
 
 
-def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it():
+def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it(caplog):
     clock = Clock()
     build, _, _ = builder(
         clock,
@@ -168,6 +168,10 @@ def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it():
     assert math.isinf(plan.trial_times[1]) and math.isinf(plan.trial_times[2])
     assert plan.choice.schedule == "a"
     assert "failed" in plan.table()
+    assert "a trial step failed: RuntimeError: out of memory" in caplog.text
+    assert "the trial pipeline of c with 2BP (paper) was not built: no such partition" in (
+        caplog.text
+    )
     lost = PeerTimeoutError("rank 1 did not answer", 0, 1)
     failed = PeerStepFailedError("rank 1 failed in its F", 0, 1)
     build, _, steps = builder(clock, {"a": 0.3, "b": 0.1}, {"b": failed})

@@ -22,8 +22,8 @@ outputs; the blocks are timed without the loss when profiled too); their
 gradients are dropped, and the blocks' gradients, buffers (BatchNorm's
 running statistics) and the random state are left as they were. A
 contender that cannot be built or whose step fails leaves the trial
-(``inf``); if none runs, the simulator's choice stays, and its first step
-raises what went wrong.
+(``inf``, with a warning on the ``twobp`` logger saying why); if none runs,
+the simulator's choice stays, and its first step raises what went wrong.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run_trials(
             ``n_microbatches`` times (as inputs and as the ignored targets).
         world: the group.
         device: where the ranks compute (the clock waits for it).
-        rounds: passes over the contenders (see :func:`trial_times`).
+        rounds: measured rounds (see :func:`trial_times`).
         clock: seconds now (None: ``time.perf_counter`` once the device's queued work is done).
 
     Returns:
@@ -158,7 +158,11 @@ def trial_times(
             try:
                 pipe = build(contender)
             except (PipelineConfigError, ScheduleError) as exc:
-                log.debug("schedule='auto' trial: %s not built: %s", contender.schedule, exc)
+                log.warning(
+                    "schedule='auto': the trial pipeline of %s was not built: %s",
+                    describe(contender.candidate),
+                    exc,
+                )
                 failed.add(i)
                 continue
             pipe.release_blocks()
@@ -202,9 +206,10 @@ def _timed_step(pipe: TrialPipeline, batch: Batch, clock: Callable[[], float]) -
     except PeerError as exc:
         if not isinstance(exc, PeerStepFailedError):
             raise  # a peer is gone: nothing more can run
+        log.warning("schedule='auto': a trial step failed on a peer: %s", exc)
         return math.inf
     except Exception as exc:  # the contender fails, the others go on
-        log.debug("schedule='auto' trial step failed: %s", exc)
+        log.warning("schedule='auto': a trial step failed: %s: %s", type(exc).__name__, exc)
         return math.inf
     finally:
         pipe.zero_grad(set_to_none=True)
