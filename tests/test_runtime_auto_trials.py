@@ -15,6 +15,7 @@ from twobp.runtime import Pipeline
 from twobp.runtime.errors import PeerStepFailedError, PeerTimeoutError, PipelineConfigError
 from twobp.runtime.setup.auto_schedule import CONTENDER_WINDOW, AutoPlan, Contender, _choose
 from twobp.runtime.setup.auto_trials import (
+    MAX_TRIAL_ROUNDS,
     TRIAL_ROUNDS,
     run_trials,
     stand_in_loss,
@@ -146,6 +147,14 @@ def test_contenders_take_turns_and_those_far_behind_leave_from_the_second_round(
     rounds = ["cba", "abc", "cba", "bc", "cb"]
     assert steps == [name for r in rounds[: TRIAL_ROUNDS + 1] for name in r]
     assert all(p.closed for p in built)
+
+
+def test_contenders_too_close_to_tell_apart_run_more_rounds():
+    clock = Clock()
+    build, _, steps = builder(clock, {"a": 0.200, "b": 0.201})
+    times = trial_times(contenders("a", "b"), build, None, ALONE, clock, TRIAL_ROUNDS)
+    assert times == pytest.approx([0.200, 0.201])
+    assert steps.count("a") == steps.count("b") == MAX_TRIAL_ROUNDS + 1
 
 
 def test_a_contender_that_fails_leaves_the_trial_and_a_lost_peer_stops_it(caplog):

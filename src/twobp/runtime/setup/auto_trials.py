@@ -9,7 +9,8 @@ settles, every rank builds a pipeline of each contender of the plan
 simulated candidate of each schedule and stage count) on the same blocks,
 and they take turns, one step each per round, on the example micro-batch
 repeated to a batch: a warm-up round, then :data:`TRIAL_ROUNDS` measured
-rounds, every other one in the reverse order, so that a change of the
+rounds (up to :data:`MAX_TRIAL_ROUNDS` while the two fastest are within
+:data:`CLOSE`), every other one in the reverse order, so that a change of the
 machine's load weighs on all alike. (The 2BP engine defers a module for one
 pipeline at a time: each claims the blocks for its step and releases them
 after.) From the second measured round, the contenders more than
@@ -50,8 +51,12 @@ from twobp.sim.search import describe
 
 TRIAL_ROUNDS = 4
 """Measured rounds of the trial (after a warm-up round): steps of a contender that stays."""
+MAX_TRIAL_ROUNDS = 8
+"""The most measured rounds, while the two fastest are within :data:`CLOSE` of each other."""
 DROP = 0.10
 """A contender this much slower than the fastest leaves the trial (from the second round)."""
+CLOSE = 0.03
+"""Two contenders this close after :data:`TRIAL_ROUNDS` rounds run more, to tell them apart."""
 
 log = logging.getLogger("twobp")
 
@@ -145,9 +150,11 @@ def trial_times(
     next: the 2BP engine defers a module for one pipeline at a time); then
     they take turns, one step each per round, claiming the blocks for it: a
     warm-up round, then ``rounds`` measured ones, every other one in the
-    reverse order. From the second measured round, those more than
-    :data:`DROP` slower than the fastest leave. ``inf`` for one that could
-    not be built or whose step failed.
+    reverse order, and more (up to :data:`MAX_TRIAL_ROUNDS` in all) while
+    the second fastest is within :data:`CLOSE` of the fastest. From the
+    second measured round, those more than :data:`DROP` slower than the
+    fastest leave. ``inf`` for one that could not be built or whose step
+    failed.
     """
     pipes: dict[int, TrialPipeline] = {}
     steps: list[list[float]] = [[] for _ in contenders]
@@ -168,7 +175,7 @@ def trial_times(
             pipe.release_blocks()
             pipes[i] = pipe
         live = sorted(pipes)
-        for r in range(rounds + 1):
+        for r in range(max(rounds, MAX_TRIAL_ROUNDS) + 1):
             for i in live if r % 2 else live[::-1]:
                 pipe = pipes[i]
                 pipe.claim_blocks()
@@ -192,6 +199,10 @@ def trial_times(
                 live = [i for i in live if agreed[i] <= fastest * (1 + DROP)]
             if len(live) < 2 and r >= 1:
                 break
+            if r >= rounds:
+                first, second = sorted(agreed[i] for i in live)[:2]
+                if second > first * (1 + CLOSE):
+                    break
     finally:
         for pipe in pipes.values():
             pipe.close()
