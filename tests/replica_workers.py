@@ -117,17 +117,15 @@ def load_tied(folder: str) -> dict[str, Any]:
 
 
 def groups_around_a_pipeline() -> tuple[int, int, int, float]:
-    """Process groups alive before a tied pipeline, once built and stepped, after its
-    close; then the loss of a second one built on the same blocks."""
+    """Process groups alive before a tied pipeline, once built and stepped, and once a
+    second pipeline is built on the same blocks after its close; the second's loss."""
     torch.set_num_threads(1)
     groups = torch.distributed.distributed_c10d._world.pg_map
     before = len(groups)
     blocks = build_blocks("tied")
     inputs, targets = make_batch("tied", 0, PART)
-    first = Pipeline(blocks, loss_fn("tied"), "1f1b", n_microbatches=N_MB, timeout=30.0)
-    first.step(inputs, targets)
-    built = len(groups)
-    first.close()
-    closed = len(groups)
+    with Pipeline(blocks, loss_fn("tied"), "1f1b", n_microbatches=N_MB, timeout=30.0) as first:
+        first.step(inputs, targets)
+        built = len(groups)
     with Pipeline(blocks, loss_fn("tied"), "1f1b", n_microbatches=N_MB, timeout=30.0) as second:
-        return before, built, closed, second.step(inputs, targets)
+        return before, built, len(groups), second.step(inputs, targets)

@@ -387,9 +387,7 @@ class Pipeline(PipelineState, PipelineSteps):
         flight; after a step that failed part-way, the transfers it posted are
         abandoned here, and the weight-gradient work it left is dropped. The
         parameters and their gradients stay as they are, and the blocks are
-        released: another pipeline may be built on them. The process groups
-        the pipeline made for its gradient reductions (data parallel, Chimera,
-        tied weights) are destroyed. Later calls of
+        released: another pipeline may be built on them. Later calls of
         ``step``, ``eval_step``, ``timeline``, ``save``, ``load`` and
         ``clip_grad_norm_`` raise :class:`PipelineClosedError`. Idempotent;
         the runtime closes every pipeline still open when the interpreter exits.
@@ -404,7 +402,7 @@ class Pipeline(PipelineState, PipelineSteps):
             # The blocks are free again: another pipeline may be built on them.
             stage.gradients.restore()
         if self._reducer is not None:
-            self._reducer.release()
+            self._reducer.abandon()
         self._layouts = {}
         self._forward_plan = None
 

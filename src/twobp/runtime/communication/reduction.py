@@ -180,19 +180,6 @@ class GradientReducer:
         self._running = []
         self._started.clear()
 
-    def release(self) -> None:
-        """Forget the step's reductions and destroy the process groups made for them.
-
-        For a closed pipeline: a group holds its backend's threads, sockets
-        (gloo) or device buffers (NCCL) until destroyed. A group already
-        destroyed (with the whole world) is skipped.
-        """
-        self.abandon()
-        groups = {id(g): g for bs in self._by_stage.values() for b in bs if (g := b.group())}
-        self._by_stage = {}
-        for group in groups.values():
-            dist.destroy_process_group(group)
-
 
 def _grad(p: nn.Parameter) -> Tensor:
     return p.grad.detach() if p.grad is not None else torch.zeros_like(p)

@@ -9,6 +9,7 @@ pipeline of ``P`` ranks: copy ``d`` runs pipeline rank ``r`` on group rank
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -24,6 +25,10 @@ from twobp.schedule.schedule import Schedule
 
 MESH_DIMS = ("dp", "pp")
 """The names a 2-D ``DeviceMesh`` must give its dims: data parallel, then pipeline."""
+
+_made: dict[tuple[str, tuple[int, ...], float], weakref.ref[dist.ProcessGroup]] = {}
+"""The reduction groups made so far in this process, by key, global ranks and timeout
+(held weakly: torch's registry owns them until the world is destroyed)."""
 
 
 def data_parallel_grid(
@@ -80,6 +85,30 @@ def _group_rank(members: Membership, global_rank: int) -> int:
     return int(dist.get_group_rank(group, global_rank))
 
 
+def reduction_group(key: str, ranks: list[int], timeout: float) -> dist.ProcessGroup:
+    """The process group of one reduction over ``ranks`` (global ranks), made once.
+
+    Collective over ``ranks`` the first time. Pipelines built one after the
+    other (the trial pipelines of ``schedule="auto"``, then the one that
+    runs) share the group of a reduction with the same key and ranks instead
+    of each making one that lives until the world is destroyed. Their steps
+    never overlap, and each waits for its reductions, so they never meet on
+    it out of order. Every rank of ``ranks`` builds the same pipelines in the
+    same order, so all find the group made, or all make it.
+    """
+    index = (key, tuple(ranks), timeout)
+    ref = _made.get(index)
+    group = ref() if ref is not None else None
+    if group is None:
+        group = dist.new_group(
+            ranks,
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=True,
+        )
+        _made[index] = weakref.ref(group)
+    return group
+
+
 def make_reducer(
     members: Membership,
     topology: Topology,
@@ -108,11 +137,8 @@ def make_reducer(
     made: dict[str, dist.ProcessGroup] = {}
     for group in groups:
         if members.rank in group.ranks:
-            made[group.key] = dist.new_group(
-                [members.global_rank(r) for r in group.ranks],
-                timeout=datetime.timedelta(seconds=timeout),
-                use_local_synchronization=True,
-            )
+            ranks = [members.global_rank(r) for r in group.ranks]
+            made[group.key] = reduction_group(group.key, ranks, timeout)
     # The R of a parameter: the last of its stages here, in this rank's order.
     order = [
         a.stage
