@@ -170,24 +170,26 @@ class AutoPlan:
         """The fastest ``rows`` candidates and the contenders: step time, against the
         fastest simulated, bubble, memory, and the step time measured in the trial steps
         of those tried; ``*`` marks what runs."""
-        lines = [
-            f"{'#':>4}  {'candidate':<52} {'step ms':>9} {'vs best':>8} {'bubble':>7} "
-            f"{'memory':<10} {'trial ms':>8}"
-        ]
         ran = [c for c in self.ranking if c.ok]
         best = min(c.makespan for c in ran)
         shown = ran[:rows] + [c.candidate for c in self.contenders if c.candidate not in ran[:rows]]
+        width = max(52, *(len(describe(c)) for c in shown))
+        lines = [
+            f"{'#':>4}  {'candidate':<{width}} {'step ms':>9} {'vs best':>8} {'bubble':>7} "
+            f"{'memory':<10} {'trial ms':>8}"
+        ]
         for c in shown:
             over = self.memory_limit is not None and c.peak_memory > self.memory_limit
             mark = "*" if c == self.choice else " "
             tried = self.trial_time(c)
             trial = "" if tried is None else "failed" if math.isinf(tried) else f"{tried * 1e3:.4g}"
-            lines.append(
-                f"{mark}{ran.index(c) + 1:>3}  {describe(c):<52} {c.makespan * 1e3:9.4g} "
+            line = (
+                f"{mark}{ran.index(c) + 1:>3}  {describe(c):<{width}} {c.makespan * 1e3:9.4g} "
                 f"{c.makespan / best:7.2f}x {c.bubble_ratio:7.1%} "
                 f"{format_amount(c.peak_memory):<10} {trial:>8}"
                 f"{' (over the limit)' if over else ''}"
             )
+            lines.append(line.rstrip())
         return "\n".join(lines)
 
     def __str__(self) -> str:
