@@ -90,7 +90,7 @@ def contenders(*names: str) -> tuple[Contender, ...]:
     return tuple(
         Contender(
             Candidate(name, "paper", makespan=1.0 + i),
-            generate("1f1b", 2, 4).with_actions(generate("1f1b", 2, 4).actions, name=name),
+            replace(generate("1f1b", 2, 4), name=name),
             (1, 1),
             costs,
         )
