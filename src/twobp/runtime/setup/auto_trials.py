@@ -7,11 +7,12 @@ one it puts first is not always the fastest. So, before the pipeline
 settles, every rank builds a pipeline of each contender of the plan
 (:attr:`twobp.runtime.setup.auto_schedule.AutoPlan.contenders`: the fastest
 simulated candidate of each schedule and stage count) on the same blocks,
-and they take turns, one step each per round, on the example micro-batch
-repeated to a batch: a warm-up round, then :data:`TRIAL_ROUNDS` measured
-rounds (up to :data:`MAX_TRIAL_ROUNDS` while the two fastest are within
-:data:`CLOSE`), every other one in the reverse order, so that a change of the
-machine's load weighs on all alike. (The 2BP engine defers a module for one
+and they take turns, one step each per round (the ranks meet at a barrier
+before each), on the example micro-batch repeated to a batch: a warm-up
+round, then :data:`TRIAL_ROUNDS` measured rounds (up to
+:data:`MAX_TRIAL_ROUNDS` while the two fastest are within :data:`CLOSE`),
+every other one in the reverse order, so that a change of the machine's
+load weighs on all alike. (The 2BP engine defers a module for one
 pipeline at a time: each claims the blocks for its step and releases them
 after.) From the second measured round, the contenders more than
 :data:`DROP` slower than the fastest leave. A contender's time is the median
@@ -38,6 +39,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.partition.profiler import restored
@@ -179,6 +181,8 @@ def trial_times(
             for i in live if r % 2 else live[::-1]:
                 pipe = pipes[i]
                 pipe.claim_blocks()
+                # The ranks start together: the last step's tail on one rank is not this one's.
+                _barrier(world)
                 elapsed = _timed_step(pipe, batch, clock)
                 pipe.release_blocks()
                 if math.isinf(elapsed):  # on every rank alike: the step failed on all
@@ -225,6 +229,12 @@ def _timed_step(pipe: TrialPipeline, batch: Batch, clock: Callable[[], float]) -
     finally:
         pipe.zero_grad(set_to_none=True)
     return clock() - start
+
+
+def _barrier(world: Membership) -> None:
+    """Wait for every rank of ``world`` (nothing in a single process world)."""
+    if world.group is not None:
+        dist.barrier(group=world.group)
 
 
 def _clock(device: torch.device) -> Callable[[], float]:
