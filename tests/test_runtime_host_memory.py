@@ -62,4 +62,6 @@ def test_a_cpu_pipeline_retains_freed_memory_unless_told_not_to():
     kept = launch(faults_after_pipeline, 1, True, timeout=120)[0]
     released = launch(faults_after_pipeline, 1, False, timeout=120)[0]
     assert released > PAGES, released
-    assert kept < PAGES // 8, kept
+    # After a pipeline, up to 3 of the 24 blocks are faulted in again now and then (0-3,073
+    # faults over 24 runs); without the setting every round faults them all (> 24,576).
+    assert kept < PAGES // 4, kept
