@@ -665,6 +665,7 @@ def _trials(
         example_input=example_input,
         world=members,
         device=device,
+        timeout=options["timeout"],
     )
 
 

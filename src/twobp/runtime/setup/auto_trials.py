@@ -39,11 +39,10 @@ from contextlib import ExitStack, contextmanager
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.partition.profiler import restored
-from twobp.runtime.communication.collective import all_gather_objects
+from twobp.runtime.communication.collective import all_gather_objects, barrier
 from twobp.runtime.errors import PeerError, PeerStepFailedError, PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, concat_microbatches
 from twobp.runtime.setup.auto_schedule import AutoPlan, Contender
@@ -103,6 +102,7 @@ def run_trials(
     device: torch.device,
     rounds: int = TRIAL_ROUNDS,
     clock: Callable[[], float] | None = None,
+    timeout: float = 300.0,
 ) -> AutoPlan:
     """Measure the plan's contenders in trial steps; the plan of the fastest.
 
@@ -118,6 +118,7 @@ def run_trials(
         device: where the ranks compute (the clock waits for it).
         rounds: measured rounds (see :func:`trial_times`).
         clock: seconds now (None: ``time.perf_counter`` once the device's queued work is done).
+        timeout: seconds a rank waits for the others at the barrier before a timed step.
 
     Returns:
         :meth:`AutoPlan.settled` by the measured times (the plan as it is
@@ -127,7 +128,9 @@ def run_trials(
         return plan
     batch = concat_microbatches([example_input] * plan.schedule.n_microbatches)
     with _left_as_found(blocks, device):
-        times = trial_times(plan.contenders, build, batch, world, clock or _clock(device), rounds)
+        times = trial_times(
+            plan.contenders, build, batch, world, clock or _clock(device), rounds, timeout
+        )
     for contender, t in zip(plan.contenders, times, strict=True):
         log.debug(
             "schedule='auto' trial: %s, predicted %.4g ms, measured %s",
@@ -145,6 +148,7 @@ def trial_times(
     world: Membership,
     clock: Callable[[], float],
     rounds: int = TRIAL_ROUNDS,
+    timeout: float = 300.0,
 ) -> list[float]:
     """The step time of each contender: the slowest rank's median of its measured steps.
 
@@ -182,7 +186,7 @@ def trial_times(
                 pipe = pipes[i]
                 pipe.claim_blocks()
                 # The ranks start together: the last step's tail on one rank is not this one's.
-                _barrier(world)
+                barrier(world, timeout, "before a trial step of schedule='auto'")
                 elapsed = _timed_step(pipe, batch, clock)
                 pipe.release_blocks()
                 if math.isinf(elapsed):  # on every rank alike: the step failed on all
@@ -229,12 +233,6 @@ def _timed_step(pipe: TrialPipeline, batch: Batch, clock: Callable[[], float]) -
     finally:
         pipe.zero_grad(set_to_none=True)
     return clock() - start
-
-
-def _barrier(world: Membership) -> None:
-    """Wait for every rank of ``world`` (nothing in a single process world)."""
-    if world.group is not None:
-        dist.barrier(group=world.group)
 
 
 def _clock(device: torch.device) -> Callable[[], float]:
