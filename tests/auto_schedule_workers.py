@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -178,3 +179,40 @@ def refused_on_rank_1(model: str, n_mb: int, batch_size: int, wrong: str) -> str
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
+
+
+class StallsInTrialSteps(nn.Module):
+    """A block that, on rank 1, never returns from a forward of ``schedule="auto"``'s
+    trial steps (and runs as ``inner`` everywhere else)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Any) -> Any:
+        if dist.get_rank() == 1 and _inside("trial_times"):
+            time.sleep(3600)
+        return self.inner(x)
+
+
+def _inside(function: str) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def stalled_in_trials(model: str, n_mb: int, batch_size: int, timeout: float) -> None:
+    """``schedule="auto"`` whose rank 1 stalls in its first trial step."""
+    inputs, _ = make_batch(model, 0, batch_size)
+    Pipeline(
+        [StallsInTrialSteps(b) for b in build_blocks(model)],
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        device="cpu",
+        timeout=timeout,
+    )

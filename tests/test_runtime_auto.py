@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -11,9 +12,10 @@ from auto_schedule_workers import (
     chosen_and_trained,
     refused,
     refused_on_rank_1,
+    stalled_in_trials,
 )
 from runtime_models import train_reference
-from twobp.runtime import launch
+from twobp.runtime import LaunchError, launch
 from twobp.sim import CostModel
 
 N_MB = 4
@@ -124,3 +126,29 @@ def test_a_rank_that_cannot_plan_stops_every_rank_before_the_measurements(wrong,
     messages = launch(refused_on_rank_1, 2, "mlp", N_MB, BATCH, wrong, timeout=60)
     assert messages[1].startswith("rank 1: ") and said in messages[1]
     assert messages[0].startswith("rank 1 reported: ") and said in messages[0]
+
+
+def test_a_rank_stuck_in_a_trial_step_stops_the_others_within_the_timeout():
+    timeout = 8.0
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(
+            stalled_in_trials,
+            2,
+            "transformer",
+            N_MB,
+            BATCH,
+            timeout,
+            threads_per_rank=1,
+            grace_period=1.0,
+            timeout=150,
+        )
+    elapsed = time.monotonic() - start
+    by_rank = {f.rank: f for f in info.value.failures}
+    waiting, stuck = by_rank[0], by_rank[1]
+    assert waiting.error_type == "PeerTimeoutError", waiting.message
+    assert f"waited more than {timeout:g} s" in waiting.message
+    assert "rank 1 is stuck, slow or gone" in waiting.message
+    assert stuck.stuck
+    # Planning (a few seconds here), the timeout and the grace period, not the group's 300 s.
+    assert elapsed < 120
