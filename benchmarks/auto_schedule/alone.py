@@ -22,6 +22,7 @@ import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
+from twobp.sim.search import describe
 from twobp_bench.config import REGIMES
 from twobp_bench.matrix import stage_partition
 
@@ -30,31 +31,36 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "interleaved-1f1b+2bp (V=2)": {"schedule": "interleaved-1f1b", "stages_per_rank": 2},
     "1f1b+2bp": {"schedule": "1f1b"},
     "gpipe+2bp": {"schedule": "gpipe"},
+    "auto": {"schedule": "auto"},
 }
 """The variants, as ``Pipeline`` options (2BP on, ``paper`` unless said)."""
 WARM = 2
 """Steps left out of the median."""
 
 
-def _rank_main(regime: str, m: int, name: str, steps: int) -> float:
+def _rank_main(regime: str, m: int, name: str, steps: int) -> tuple[float, str]:
     torch.set_num_threads(1)
     info = REGIMES[regime]
     spec = build_model("llama", "tiny", seed=0, **dict(info.overrides))
     inputs, targets = spec.make_batch(info.microbatch_size * m, 0)
     options = dict(VARIANTS[name])
-    if options.get("costs") == "profile":
+    if options.get("costs") == "profile" or options["schedule"] == "auto":
         options["example_input"] = inputs[: info.microbatch_size]
-    n_stages = 2 * options.get("stages_per_rank", 1)
-    kinds = [k.value for k in spec.block_kinds]
+    if options["schedule"] != "auto":  # auto chooses its own partition
+        n_stages = 2 * options.get("stages_per_rank", 1)
+        kinds = [k.value for k in spec.block_kinds]
+        options["partition"] = list(stage_partition(kinds, n_stages))
     pipe = Pipeline(
         spec.blocks,
         spec.loss_fn,
         n_microbatches=m,
-        partition=list(stage_partition(kinds, n_stages)),
         device="cpu",
         num_threads=1,
         **options,
     )
+    ran = ""
+    if options["schedule"] == "auto":
+        ran = f"{describe(pipe.plan.choice)}, partition {list(pipe.plan.partition)}"
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-4)
     times = []
     for _ in range(steps):
@@ -63,7 +69,7 @@ def _rank_main(regime: str, m: int, name: str, steps: int) -> float:
         optimizer.step()
         pipe.zero_grad()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[WARM:])
+    return statistics.median(times[WARM:]), ran
 
 
 def main() -> None:
@@ -74,6 +80,7 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()
     found: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    chosen: list[str] = []
     for _ in range(args.launches):
         for name in VARIANTS:
             result = launch(
@@ -86,11 +93,15 @@ def main() -> None:
                 threads_per_rank=1,
                 timeout=900,
             )
-            found[name].append(result[0])
+            found[name].append(result[0][0])
+            if result[0][1]:
+                chosen.append(result[0][1])
     print(f"regime {args.regime}, m = {args.microbatches}, one pipeline per launch, medians (ms)")
     for name, times in sorted(found.items(), key=lambda kv: statistics.median(kv[1])):
         each = " ".join(f"{t * 1e3:6.1f}" for t in times)
         print(f"{name:<28} {each}   median {statistics.median(times) * 1e3:6.1f}")
+    for i, choice in enumerate(chosen, 1):
+        print(f"auto, launch {i}: {choice}")
 
 
 if __name__ == "__main__":
