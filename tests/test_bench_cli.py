@@ -137,3 +137,26 @@ def test_recompute_variants_fill_the_memory_table(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Memory: schedule x 2BP x recompute (twobp)" in report
     assert "| 1f1b | 4 | on | derivatives |" in report
+
+
+def test_quick_bench_measures_auto_against_the_fixed_schedules(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "1f1b,auto", "--torch-schedules", "",
+            "--no-references", "--microbatches", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    assert list(variants) == ["twobp 1f1b", "twobp 1f1b+2bp", "twobp auto"]
+    auto = variants["twobp auto"]
+    assert auto["skipped"] is None and auto["step_s"]["median"] > 0
+    # What it chose, as it ran: its partition covers the model, a rank per stage.
+    assert auto["chose"] and sum(auto["partition"]) == sum(variants["twobp 1f1b"]["partition"])
+    assert set(auto["stage_ranks"]) == {0, 1}
+    assert auto["grad_rel_error"] < 1e-4
+    assert auto["sim_step_s"] > 0
+    assert group["auto"]["best_fixed"] in ("twobp 1f1b", "twobp 1f1b+2bp")
+    assert group["auto"]["speedup"]["median"] > 0
+    (target,) = [t for t in results["targets"] if t["target"] == "best fixed twobp / auto"]
+    assert target["value"] == group["auto"]["speedup"]["median"]
+    assert f"`twobp auto` ran {auto['chose']}" in (out / "report.md").read_text()

@@ -142,7 +142,63 @@ def test_targets_report_met_and_missed(results):
     assert by_name["efficiency vs whole-batch"]["value"] == pytest.approx(0.9)
     assert by_name["efficiency vs whole-batch"]["met"] is False
     # No profile, no simulator figure: no verdict.
-    assert by_name["largest |simulator error|"]["met"] is None
+    assert by_name["share within 10% of the simulator"]["met"] is None
+
+
+def _with_auto(times: list[float]) -> list[RankReport]:
+    """The reports of the large regime with a ``schedule="auto"`` variant that took ``times``."""
+    reports = _reports("large")
+    for r, report in enumerate(reports):
+        auto = VariantRecord(matrix.Variant("twobp", "auto"), 2, (3, 3), (0, 1))
+        auto.step_seconds = list(times)
+        auto.grad_sketch = _sketch(auto.variant, r)
+        auto.peak_step_bytes = 1500
+        auto.chose = "zb-h2 with 2BP (fill)"
+        report.records.append(auto)
+    return reports
+
+
+@pytest.mark.parametrize(
+    ("times", "value", "met"),
+    # Against twobp 1f1b+2bp (1.0, 1.0, 1.1 s), round by round.
+    [([1.02, 1.02, 1.1], 1.0 / 1.02, True), ([1.2, 1.25, 1.3], 1.0 / 1.2, False)],
+)
+def test_auto_is_measured_against_the_fastest_fixed_twobp_variant(times, value, met):
+    results = _results([analyse_regime(_with_auto(times), 2)])
+    group = results["regimes"][0]["groups"][0]
+    assert group["auto"]["best_fixed"] == "twobp 1f1b+2bp"
+    assert group["auto"]["chose"] == "zb-h2 with 2BP (fill)"
+    by_name = {t["target"]: t for t in results["targets"]}
+    target = by_name["best fixed twobp / auto"]
+    assert target["value"] == pytest.approx(value)
+    assert target["threshold"] == 0.97 and target["met"] is met
+    text = render_markdown(results)
+    assert "`twobp auto` ran zb-h2 with 2BP (fill); the fastest fixed variant" in text
+    # Without auto in the run there is no such target.
+    assert "best fixed twobp / auto" not in {
+        t["target"] for t in _results([analyse_regime(_reports("large"), 2)])["targets"]
+    }
+
+
+def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
+    group = {
+        "n_microbatches": 8,
+        "variants": [
+            {"label": f"twobp v{i}", "framework": "twobp", "sim_error": e}
+            for i, e in enumerate([0.05, -0.09, -0.2, 0.1])
+        ],
+        "best": {"twobp": None, "torch": None},
+        "reference_bounds_s": {},
+        "two_bp_speedups": [],
+    }
+    (simulator,) = [
+        t
+        for t in evaluate([{"name": "small", "groups": [group]}], 2)
+        if t["target"].startswith("share within")
+    ]
+    assert simulator["value"] == pytest.approx(0.75)
+    assert simulator["threshold"] == 0.9 and simulator["met"] is False
+    assert simulator["detail"] == "3 of 4 within 10%; worst 20.0% (m=8 twobp v2)"
 
 
 def test_targets_carry_the_bound_the_run_allows(results):

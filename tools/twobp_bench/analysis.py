@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from twobp.schedule import is_split
 from twobp.sim.reduction import with_reductions
 from twobp_bench import matrix
 from twobp_bench.job import RankReport, VariantRecord
@@ -135,6 +136,7 @@ def _group(
         "against_baseline": _against_baseline(times),
         "same_schedule": _same_schedule(times),
         "best": _best(variants, times),
+        "auto": _auto_against_fixed(variants, times),
     }
 
 
@@ -240,10 +242,12 @@ def _variant(
         "label": v.label,
         "framework": v.framework,
         "schedule": v.schedule,
-        "two_bp": v.two_bp,
+        # auto's is what it chose.
+        "two_bp": is_split(lead.schedule) if matrix.is_auto(v) and lead.schedule else v.two_bp,
         "policy": v.policy,
         "partition": list(lead.partition),
         "stage_ranks": list(lead.stage_ranks),
+        "chose": lead.chose,
         "skipped": lead.skipped,
     }
     if lead.skipped is not None or not lead.step_seconds:
@@ -267,7 +271,7 @@ def _variant(
     if lead.action_seconds:
         entry["rank_compute_s"] = _rank_compute(lead, n_ranks)
     entry["peak_step_bytes"] = [r.peak_step_bytes for r in records]
-    entry["stashed_bytes"] = [r.stashed_bytes for r in records] if v.two_bp else None
+    entry["stashed_bytes"] = [r.stashed_bytes for r in records] if entry["two_bp"] else None
     entry["parameter_bytes"] = [r.parameter_bytes for r in records]
     entry["recompute"] = v.recompute
     if any(r.memory for r in records):
@@ -343,7 +347,9 @@ def _memory_peaks(
     that of the same schedule run without 2BP and without recomputation (None where
     no such variant ran: a natively split schedule has none)."""
     v = records[0].variant
-    plain = records_of.get(matrix.Variant(v.framework, v.schedule).label)
+    plain = (
+        None if matrix.is_auto(v) else records_of.get(matrix.Variant(v.framework, v.schedule).label)
+    )
     peak = _max_bytes(records)
     plain_peak = None if plain is None or plain[0].variant.two_bp else _max_bytes(plain)
     stats = [r.memory for r in records if r.memory]
@@ -451,6 +457,25 @@ def _best(
     if ours and theirs:
         out["speedup"] = speedup(times[theirs["label"]], times[ours["label"]]).as_dict()
     return out
+
+
+def _auto_against_fixed(
+    variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
+) -> dict[str, Any] | None:
+    """``schedule="auto"`` against the fastest twobp variant of a given schedule: the
+    fixed variant's time over auto's, round by round (None unless both ran)."""
+    ran = [v for v in variants if v["framework"] == matrix.TWOBP and "step_s" in v]
+    auto = next((v for v in ran if v["schedule"] == matrix.AUTO), None)
+    fixed = [v for v in ran if v["schedule"] != matrix.AUTO]
+    if auto is None or not fixed:
+        return None
+    best = min(fixed, key=lambda v: v["step_s"]["median"])
+    return {
+        "auto": auto["label"],
+        "chose": auto.get("chose"),
+        "best_fixed": best["label"],
+        "speedup": speedup(times[best["label"]], times[auto["label"]]).as_dict(),
+    }
 
 
 def summary_of(data: Mapping[str, Any] | None) -> Summary | None:

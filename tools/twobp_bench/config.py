@@ -22,6 +22,7 @@ from typing import Any
 
 from twobp.config import doc
 from twobp_bench.matrix import (
+    AUTO,
     REFERENCE_MICROBATCHED,
     REFERENCE_WHOLE_BATCH,
     REFERENCES,
@@ -148,7 +149,9 @@ class BenchConfig:
         "micro-batch counts m (default: p, 2p and 8)", None
     )
     schedules: list[str] = doc(  # noqa: RUF009
-        "twobp schedules (see `twobp simulate --help`)", DEFAULT_SCHEDULES
+        "twobp schedules (see `twobp simulate --help`); 'auto': schedule='auto', which "
+        "chooses the schedule, 2BP policy and partition itself",
+        DEFAULT_SCHEDULES,
     )
     torch_schedules: list[str] = doc(  # noqa: RUF009
         "torch.distributed.pipelining schedules, without the 'Schedule' prefix",
@@ -407,8 +410,10 @@ def _check(cfg: BenchConfig) -> None:
     if cfg.microbatch_size is not None and cfg.microbatch_size < 1:
         raise ValueError(f"--microbatch-size must be >= 1, got {cfg.microbatch_size}")
     for name in cfg.schedules:
-        if name not in SCHEDULES:
-            raise ValueError(f"--schedules: unknown {name!r}; choose from {', '.join(SCHEDULES)}")
+        if name not in SCHEDULES and name != AUTO:
+            raise ValueError(
+                f"--schedules: unknown {name!r}; choose from {', '.join([*SCHEDULES, AUTO])}"
+            )
     for name in cfg.torch_schedules:
         if name not in TORCH_SCHEDULES:
             raise ValueError(

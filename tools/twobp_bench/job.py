@@ -39,6 +39,7 @@ from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.runtime.setup.cost_measurement import stage_gradient_bytes
 from twobp.runtime.setup.group import default_device
 from twobp.schedule import Schedule
+from twobp.sim.search import describe
 from twobp.timeline import Span, bubble_ratio
 from twobp_bench import baseline, matrix
 from twobp_bench.config import BenchPlan, Regime
@@ -95,6 +96,8 @@ class VariantRecord:
             the wall time less the end of the last action of any rank, timed
             from the step's opening all-reduce (splitting the batch, settling
             the loss; twobp only).
+        chose: what ``auto`` chose: schedule, stages per rank, 2BP policy
+            (:func:`twobp.sim.search.describe`; None for the other variants).
     """
 
     variant: matrix.Variant
@@ -117,6 +120,7 @@ class VariantRecord:
     memory: dict[str, int] | None = None
     send_seconds: list[float] = field(default_factory=list)
     outside_seconds: list[float] = field(default_factory=list)
+    chose: str | None = None
 
 
 @dataclass
@@ -223,7 +227,9 @@ def _run_group(
     runners: list[tuple[VariantRecord, StepRunner]] = []
     for variant in _variants(plan, regime):
         stage_ranks = matrix.placement(variant, plan.n_ranks)
-        partition = matrix.stage_partition(kinds, matrix.model_stages(variant, plan.n_ranks))
+        partition: tuple[int, ...] = ()  # auto chooses its own, once built
+        if not matrix.is_auto(variant):
+            partition = matrix.stage_partition(kinds, matrix.model_stages(variant, plan.n_ranks))
         record = VariantRecord(variant, m, partition, stage_ranks)
         runner: StepRunner | None = None
         reason = matrix.twobp_refusal(variant, plan.n_ranks, m)
@@ -244,6 +250,10 @@ def _run_group(
             # process that gathers the records cannot import.
             if isinstance(runner, TwobpRunner) and variant.framework == matrix.TWOBP:
                 record.schedule = runner.schedule
+                if runner.pipe.plan is not None and matrix.is_auto(variant):
+                    record.partition = tuple(runner.pipe.plan.partition)
+                    record.stage_ranks = runner.schedule.placement
+                    record.chose = describe(runner.pipe.plan.choice)
             runners.append((record, runner))
     profiler = None
     if plan.simulate and any(isinstance(r, TwobpRunner) for _, r in runners):

@@ -24,6 +24,9 @@ BASELINE = "baseline"
 TORCH = "torch"
 REFERENCE = "reference"
 PIPELINES_OF_TWOBP = (TWOBP, BASELINE)
+AUTO = "auto"
+"""``schedule="auto"``: twobp chooses the schedule, 2BP policy and partition itself
+(its placement is known once it is built)."""
 
 REFERENCE_MICROBATCHED = "microbatched"
 """Reference (a): one process runs F and B of all m micro-batches of the whole model."""
@@ -143,6 +146,9 @@ def twobp_variants(
     """
     out: list[Variant] = []
     for name in schedules:
+        if name == AUTO:  # it chooses its own policy; without recomputation
+            out.append(Variant(TWOBP, AUTO))
+            continue
         for mode in recomputes:
             if SCHEDULES[name].natively_split:
                 out.append(Variant(TWOBP, name, two_bp=True, recompute=mode))
@@ -188,7 +194,7 @@ def build_variants(
             out.extend(
                 replace(v, framework=BASELINE)
                 for v in ours
-                if v.schedule == name and v.recompute is None
+                if v.schedule == name and v.recompute is None and v.schedule != AUTO
             )
         out.extend(v for v in theirs if v.schedule == SAME_SCHEDULE.get(name))
     out.extend(v for v in theirs if v not in out)
@@ -200,8 +206,16 @@ def build_variants(
     return out
 
 
+def is_auto(variant: Variant) -> bool:
+    """Whether twobp chooses the variant's schedule (``schedule="auto"``)."""
+    return variant.framework in PIPELINES_OF_TWOBP and variant.schedule == AUTO
+
+
 def stages_per_rank(variant: Variant) -> int:
-    """Stages each rank holds (1 for references: they hold the whole model)."""
+    """Stages each rank holds (1 for references: they hold the whole model, and for
+    ``auto`` until it has chosen)."""
+    if is_auto(variant):
+        return 1
     if variant.framework in PIPELINES_OF_TWOBP:
         return SCHEDULES[variant.schedule].default_stages_per_rank
     if variant.framework == TORCH:
@@ -219,11 +233,13 @@ def _twobp_schedule(variant: Variant, n_ranks: int) -> Schedule:
 
 
 def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
-    """The rank of each stage.
+    """The rank of each stage (empty for ``auto``: it chooses when it is built).
 
     Raises:
         ValueError: if the twobp schedule does not exist for ``n_ranks``.
     """
+    if is_auto(variant):
+        return ()
     if variant.framework in PIPELINES_OF_TWOBP:
         return _twobp_schedule(variant, n_ranks).placement
     if variant.framework == REFERENCE:
@@ -236,7 +252,10 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
 
 
 def model_stages(variant: Variant, n_ranks: int) -> int:
-    """Stages the model is cut into: those of one pipeline (Chimera runs two over them)."""
+    """Stages the model is cut into: those of one pipeline (Chimera runs two over them);
+    0 for ``auto`` until it has chosen."""
+    if is_auto(variant):
+        return 0
     if variant.framework in PIPELINES_OF_TWOBP:
         return _twobp_schedule(variant, n_ranks).pipeline_stages
     return len(placement(variant, n_ranks))
@@ -249,7 +268,7 @@ def stages_of_rank(stage_ranks: Sequence[int], rank: int) -> list[int]:
 
 def twobp_refusal(variant: Variant, n_ranks: int, n_microbatches: int) -> str | None:
     """Why twobp cannot build this schedule for ``p`` ranks and ``m`` micro-batches (or None)."""
-    if variant.framework not in PIPELINES_OF_TWOBP:
+    if variant.framework not in PIPELINES_OF_TWOBP or is_auto(variant):
         return None
     try:
         generate(variant.schedule, n_ranks, n_microbatches)

@@ -143,7 +143,7 @@ def _memory_table(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = [
         [
             _model_name(regime),
-            v["schedule"],
+            f"auto: {v['chose']}" if v.get("chose") else v["schedule"],
             str(group["n_microbatches"]),
             "on" if v["two_bp"] else "off",
             v.get("recompute") or "-",
@@ -389,6 +389,15 @@ def _group(group: Mapping[str, Any], n_ranks: int) -> list[str]:
     if bounds:
         lines += [f"Reference time / p (p = {n_ranks}): {bound_text}.", ""]
     lines += _table(head, rows)
+    auto = group.get("auto")
+    if auto:
+        lines += [
+            "",
+            f"`{auto['auto']}` ran {auto['chose'] or 'an unrecorded choice'}; the fastest "
+            f"fixed variant, {auto['best_fixed']}, took "
+            f"{_ratio(auto['speedup'])} its step time, round by round.",
+            "",
+        ]
     if skipped:
         lines += ["Skipped:", "", *skipped, ""]
     lines += _per_rank(group)

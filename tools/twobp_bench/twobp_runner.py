@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from twobp.runtime import Pipeline
-from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.runtime.execution.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
-from twobp_bench.matrix import Variant
+from twobp_bench.matrix import AUTO, Variant
 
 
 class TwobpRunner:
@@ -23,8 +23,8 @@ class TwobpRunner:
         blocks: a fresh copy of the whole model's blocks (only this rank's are kept).
         loss_fn: the model's loss (a mean over a micro-batch).
         n_microbatches: micro-batches per step.
-        partition: blocks per stage.
-        inputs: the whole batch of model inputs.
+        partition: blocks per stage (ignored by ``auto``, which chooses its own).
+        inputs: the whole batch of model inputs (``auto`` profiles its first micro-batch).
         targets: the whole batch of targets.
         device: this rank's device.
         threads: torch threads of this rank.
@@ -65,14 +65,18 @@ class TwobpRunner:
             options["recompute"] = variant.recompute
         if weight_group_size is not None and variant.two_bp:
             options["weight_group_size"] = weight_group_size
+        if variant.schedule == AUTO:
+            # It profiles the blocks on one micro-batch and chooses the rest.
+            options["example_input"] = split_batch(inputs, n_microbatches)[0]
+        else:
+            options["two_bp"] = variant.two_bp
+            options["partition"] = list(partition)
+            options["two_bp_policy"] = variant.policy or "paper"
         self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
             schedule=variant.schedule,
             n_microbatches=n_microbatches,
-            two_bp=variant.two_bp,
-            partition=list(partition),
-            two_bp_policy=variant.policy or "paper",
             device=device,
             timeout=timeout,
             num_threads=threads,
