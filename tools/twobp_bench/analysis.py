@@ -462,8 +462,8 @@ def _best(
 def _auto_against_fixed(
     variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
 ) -> dict[str, Any] | None:
-    """``schedule="auto"`` against the fastest twobp variant of a given schedule: the
-    fixed variant's time over auto's, round by round (None unless both ran)."""
+    """``schedule="auto"`` against the fastest twobp variant of a schedule given by name:
+    that variant's time over auto's, round by round (None unless both ran)."""
     ran = [v for v in variants if v["framework"] == matrix.TWOBP and "step_s" in v]
     auto = next((v for v in ran if v["schedule"] == matrix.AUTO), None)
     fixed = [v for v in ran if v["schedule"] != matrix.AUTO]

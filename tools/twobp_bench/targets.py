@@ -2,8 +2,9 @@
 
 Targets of the two LLaMA regimes, on 2 CPU cores with 1 thread per rank:
 
-* best twobp against best torch.distributed.pipelining at the largest ``m``:
-  >= 1.2x (large micro-batches), >= 1.4x (small);
+* best twobp (``auto`` among them, when it ran) against best
+  torch.distributed.pipelining at the largest ``m``: >= 1.2x (large micro-batches),
+  >= 1.4x (small);
 * 1F1B with 2BP against without, at ``m = p``: >= 1.2x;
 * efficiency of the best twobp variant at the largest ``m``: >= 0.95 against
   the whole-batch reference (large), >= 0.9 against the 2BP limit (small);
