@@ -160,3 +160,19 @@ def test_quick_bench_measures_auto_against_the_fixed_schedules(tmp_path):
     (target,) = [t for t in results["targets"] if t["target"] == "best fixed twobp / auto"]
     assert target["value"] == group["auto"]["speedup"]["median"]
     assert f"`twobp auto` ran {auto['chose']}" in (out / "report.md").read_text()
+
+
+def test_twobp_variants_can_take_turns_on_one_copy_of_the_model(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "1f1b,zb-v,auto", "--torch-schedules", "1F1B",
+            "--share-model", "--no-simulate", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    variants = {v["label"]: v for v in group["variants"]}
+    for label in ("twobp 1f1b", "twobp 1f1b+2bp", "twobp zb-v", "twobp auto", "torch 1F1B"):
+        v = variants[label]
+        assert v["skipped"] is None, label
+        # Each step starts from the weights as they were and leaves no gradient to the next.
+        assert v["grad_rel_error"] < 1e-4, label
+    assert results["share_model"] is True

@@ -171,6 +171,12 @@ class BenchConfig:
         "derivatives, rebuilds) at once; default: no cap",
         None,
     )
+    share_model: bool = doc(
+        "run every twobp variant of this twobp on one copy of the model, each claiming it "
+        "for its steps (Pipeline.claim_blocks), as a training run holds one model; torch "
+        "variants, references and the baseline keep a copy each",
+        False,
+    )
     rounds: int = doc("timed rounds; each round runs every variant once, in turn", 5)
     warmup: int = doc("untimed rounds first (the last one also probes memory)", 1)
     references: bool = doc("measure the single-process references (efficiency)", True)
@@ -231,6 +237,7 @@ class BenchPlan:
         cprofile_dir: where the ranks write the cProfile statistics.
         recomputes: the recompute modes of the twobp variants (None: none).
         weight_group_size: the cap on the micro-batches of one W (None: none).
+        share_model: this twobp's variants run on one copy of the model.
     """
 
     size: str
@@ -256,6 +263,7 @@ class BenchPlan:
     data_parallel: int = 1
     recomputes: tuple[str | None, ...] = (None,)
     weight_group_size: int | None = None
+    share_model: bool = False
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -346,6 +354,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         data_parallel=cfg.data_parallel,
         recomputes=_recomputes(cfg),
         weight_group_size=cfg.weight_group_size,
+        share_model=cfg.share_model,
     )
 
 

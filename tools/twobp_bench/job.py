@@ -225,6 +225,8 @@ def _run_group(
     kinds = [k.value for k in spec.block_kinds]
     records: list[VariantRecord] = []
     runners: list[tuple[VariantRecord, StepRunner]] = []
+    # With --share-model, this twobp's variants take turns on one copy.
+    shared = copy.deepcopy(spec.blocks) if plan.share_model else None
     for variant in _variants(plan, regime):
         stage_ranks = matrix.placement(variant, plan.n_ranks)
         partition: tuple[int, ...] = ()  # auto chooses its own, once built
@@ -239,7 +241,9 @@ def _run_group(
             reason = tie_refusal(spec.blocks, partition, stage_ranks)
         if reason is None:
             try:
-                runner = _build(plan, variant, spec, m, partition, inputs, targets, rank, device)
+                runner = _build(
+                    plan, variant, spec, m, partition, inputs, targets, rank, device, shared
+                )
             except ValueError as exc:  # torch's and twobp's refusals are ValueErrors
                 reason = f"{type(exc).__name__}: {exc}"
         record.skipped = _agree(reason)
@@ -333,8 +337,14 @@ def _build(
     targets: Batch,
     rank: int,
     device: torch.device,
+    shared: list[nn.Module] | None = None,
 ) -> StepRunner:
-    blocks: list[nn.Module] = copy.deepcopy(spec.blocks)
+    share = variant.framework == matrix.TWOBP and shared is not None
+    blocks: list[nn.Module] = (
+        shared
+        if variant.framework == matrix.TWOBP and shared is not None
+        else copy.deepcopy(spec.blocks)
+    )
     if variant.framework in matrix.PIPELINES_OF_TWOBP:
         pipeline_class = Pipeline
         if variant.framework == matrix.BASELINE:
@@ -353,6 +363,7 @@ def _build(
             pipeline_class=pipeline_class,
             data_parallel=plan.data_parallel,
             weight_group_size=plan.weight_group_size,
+            shared=share,
         )
     if variant.framework == matrix.TORCH:
         return TorchRunner(

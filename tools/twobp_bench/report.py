@@ -47,6 +47,16 @@ def _header(results: Mapping[str, Any]) -> list[str]:
         f"wall time {results['wall_s']:.0f} s.",
         "",
         *_copies(results),
+        *(
+            [
+                "Shared model: this twobp's variants take turns on one copy of the model, each "
+                "claiming it for its steps, as a training run holds one; torch variants and "
+                "references have a copy each.",
+                "",
+            ]
+            if results.get("share_model")
+            else []
+        ),
     ]
 
 

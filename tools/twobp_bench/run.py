@@ -88,6 +88,7 @@ def run_bench(
         "machine": _machine(load_before),
         "n_ranks": plan.n_ranks,
         "data_parallel": plan.data_parallel,
+        "share_model": plan.share_model,
         "threads": plan.threads,
         "rounds": plan.rounds,
         "warmup": plan.warmup,

@@ -33,6 +33,8 @@ class TwobpRunner:
             baseline revision's (which takes the same arguments).
         data_parallel: copies of the pipeline (each rank passes its own copy's batch).
         weight_group_size: the cap on the micro-batches of one W (None: none).
+        shared: ``blocks`` serve other pipelines too: this one claims them for each
+            step and releases them after (and right after it is built).
 
     Raises:
         twobp.runtime.PipelineConfigError: if the schedule does not fit.
@@ -56,6 +58,7 @@ class TwobpRunner:
         pipeline_class: Callable[..., Pipeline] = Pipeline,
         data_parallel: int = 1,
         weight_group_size: int | None = None,
+        shared: bool = False,
     ) -> None:
         # Only when set: a baseline revision may not know the option.
         options: dict[str, object] = {}
@@ -82,6 +85,9 @@ class TwobpRunner:
             num_threads=threads,
             **options,
         )
+        self._shared = shared
+        if shared:
+            self.pipe.release_blocks()
         self.last_spans: list[Span] = []
         """The compute spans of every rank in the last step (after :meth:`after_step`)."""
         # Only the ranks of the first and last stage need the batch, as a user would pass it.
@@ -95,7 +101,14 @@ class TwobpRunner:
         return self.pipe.schedule
 
     def step(self) -> None:
-        self.pipe.step(self._inputs, self._targets)
+        if not self._shared:
+            self.pipe.step(self._inputs, self._targets)
+            return
+        self.pipe.claim_blocks()
+        try:
+            self.pipe.step(self._inputs, self._targets)
+        finally:
+            self.pipe.release_blocks()
 
     def zero_grad(self) -> None:
         self.pipe.zero_grad()
