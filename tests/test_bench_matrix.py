@@ -19,6 +19,8 @@ def test_default_plan_is_the_two_llama_regimes_at_p_2p_and_8():
     assert (large.overrides["dim"], small.overrides["dim"]) == (256, 512)
     # The 2BP limit reference is measured where W concatenation matters: small micro-batches.
     assert "2bp-limit" in small.references and "2bp-limit" not in large.references
+    # schedule="auto" runs too: its target is evaluated by default.
+    assert "auto" in plan.schedules
 
 
 def test_quick_plan_is_tiny_and_overrides_reach_every_regime():
