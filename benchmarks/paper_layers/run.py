@@ -38,8 +38,7 @@ import json
 import math
 import platform
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from torch import Tensor, nn
 
 from twobp.engine import defer_weight_grads
 from twobp.models.llama import DecoderBlock, LlamaConfig
-from twobp.partition.profiler import profile_blocks, weight_group_times
+from twobp.partition.profiler import profile_blocks, synchronizer, weight_group_times
 from twobp.sim.candidate import simulate_candidate
 from twobp.sim.from_profile import partition_for, profiled_costs
 
@@ -58,15 +57,6 @@ POLICIES = ("off", "paper", "fill")
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 """Largest relative difference allowed between the three weight gradients (the sums
 round differently in each)."""
-
-
-def _clock(device: torch.device) -> Callable[[], float]:
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
 
 
 def _relative(a: Tensor, b: Tensor) -> float:
@@ -131,7 +121,7 @@ def weight_pass_times(
                 f"{name} W of a {d_in} -> {d_out} layer differs from the separate products "
                 f"by {error:.2e} (relative)"
             )
-        clock = _clock(device)
+        clock = synchronizer([layer.weight])
         ways = {"separate": separate, "concatenated": concatenated, "engine": engine}
         times: dict[str, list[float]] = {name: [] for name in ways}
         for rep in range(repeats + 1):  # the first round warms up
