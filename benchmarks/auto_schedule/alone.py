@@ -5,8 +5,9 @@ one process; a training run holds one. This script launches two local ranks
 (one thread each, gloo) per variant, trains the LLaMA-like model of a bench
 regime for ``--steps`` steps with SGD, and keeps the median step after the
 first two; the variants' launches alternate, ``--launches`` times each.
-Prints each launch's median and the median over launches. The variants get
-the bench's partition.
+Prints each launch's median and the median over launches, and what
+``schedule="auto"`` chose in each of its launches. The fixed variants get the
+bench's partition; ``auto`` chooses its own.
 
     PYTHONPATH=src:tools .venv/bin/python benchmarks/auto_schedule/alone.py --regime small
 """
