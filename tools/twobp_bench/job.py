@@ -339,12 +339,13 @@ def _build(
     device: torch.device,
     shared: list[nn.Module] | None = None,
 ) -> StepRunner:
-    share = variant.framework == matrix.TWOBP and shared is not None
+    # Only this twobp's variants take turns on the shared copy.
     blocks: list[nn.Module] = (
         shared
-        if variant.framework == matrix.TWOBP and shared is not None
+        if shared is not None and variant.framework == matrix.TWOBP
         else copy.deepcopy(spec.blocks)
     )
+    share = blocks is shared
     if variant.framework in matrix.PIPELINES_OF_TWOBP:
         pipeline_class = Pipeline
         if variant.framework == matrix.BASELINE:

@@ -211,18 +211,6 @@ def is_auto(variant: Variant) -> bool:
     return variant.framework in PIPELINES_OF_TWOBP and variant.schedule == AUTO
 
 
-def stages_per_rank(variant: Variant) -> int:
-    """Stages each rank holds (1 for references: they hold the whole model, and for
-    ``auto`` until it has chosen)."""
-    if is_auto(variant):
-        return 1
-    if variant.framework in PIPELINES_OF_TWOBP:
-        return SCHEDULES[variant.schedule].default_stages_per_rank
-    if variant.framework == TORCH:
-        return TORCH_SCHEDULES[variant.schedule].stages_per_rank
-    return 1
-
-
 def _twobp_schedule(variant: Variant, n_ranks: int) -> Schedule:
     """The twobp schedule of a variant for ``n_ranks`` (its layout does not depend on ``m``).
 

@@ -20,7 +20,8 @@ class TwobpRunner:
 
     Args:
         variant: the twobp schedule, 2BP on or off, and the policy.
-        blocks: a fresh copy of the whole model's blocks (only this rank's are kept).
+        blocks: the whole model's blocks (only this rank's are kept): a copy of its own,
+            unless ``shared``.
         loss_fn: the model's loss (a mean over a micro-batch).
         n_microbatches: micro-batches per step.
         partition: blocks per stage (ignored by ``auto``, which chooses its own).
