@@ -172,6 +172,9 @@ def test_auto_is_measured_against_the_fastest_fixed_twobp_variant(times, value, 
     target = by_name["best fixed twobp / auto"]
     assert target["value"] == pytest.approx(value)
     assert target["threshold"] == 0.97 and target["met"] is met
+    ratio = group["auto"]["speedup"]
+    assert target["detail"].endswith(f"rounds' IQR {ratio['q1']:.3f}-{ratio['q3']:.3f}")
+    assert ratio["q1"] < ratio["q3"]
     text = render_markdown(results)
     assert "`twobp auto` ran zb-h2 with 2BP (fill); the fastest fixed variant" in text
     # Without auto in the run there is no such target.
@@ -199,6 +202,37 @@ def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
     assert simulator["value"] == pytest.approx(0.75)
     assert simulator["threshold"] == 0.9 and simulator["met"] is False
     assert simulator["detail"] == "3 of 4 within 10%; worst 20.0% (m=8 twobp v2)"
+
+
+def test_the_simulator_target_says_what_the_replays_and_busy_times_make_of_its_errors():
+    # (simulator error, replay error, measured busy, simulated busy)
+    figures = [(0.05, 0.02, 1.0, 1.0), (-0.2, -0.04, 1.2, 1.0), (-0.15, -0.12, 1.1, 1.0)]
+    group = {
+        "n_microbatches": 8,
+        "variants": [
+            {
+                "label": f"twobp v{i}",
+                "framework": "twobp",
+                "sim_error": e,
+                "replay_error": r,
+                "busy_s": busy,
+                "sim_busy_s": sim_busy,
+            }
+            for i, (e, r, busy, sim_busy) in enumerate(figures)
+        ],
+        "best": {"twobp": None, "torch": None},
+        "reference_bounds_s": {},
+        "two_bp_speedups": [],
+    }
+    (simulator,) = [
+        t
+        for t in evaluate([{"name": "small", "groups": [group]}], 2)
+        if t["target"].startswith("share within")
+    ]
+    assert simulator["detail"] == (
+        "1 of 3 within 10%; worst 20.0% (m=8 twobp v1); replay with the steps' own action "
+        "times: 2 of 3 within; compute in steps 1.00-1.20x the profiled"
+    )
 
 
 def test_targets_carry_the_bound_the_run_allows(results):
