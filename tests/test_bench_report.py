@@ -239,6 +239,10 @@ def test_targets_carry_the_bound_the_run_allows(results):
     by_name = {t["target"]: t for t in results["targets"]}
     # torch 1F1B (median 2.0 s) against the whole-batch reference / p (0.9 s).
     assert by_name["best twobp / best torch"]["bound"] == pytest.approx(2.0 / 0.9)
+    # Over the same micro-batches: the 2BP limit / p (1.0 s), faster than microbatched (1.5 s).
+    assert by_name["best twobp / best torch"]["detail"].endswith(
+        "; over the same micro-batches: 2.000"
+    )
     # Without a profile there is no simulated ratio to bound 2BP's gain.
     assert by_name["1f1b: 2BP / no 2BP"]["bound"] is None
     assert "| 2.222 |" in render_markdown(results)
