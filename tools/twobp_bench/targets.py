@@ -13,14 +13,14 @@ Targets of the two LLaMA regimes, on 2 CPU cores with 1 thread per rank:
   auto's >= 0.97);
 * simulator: at least 90 % of the twobp variants within 10 % of their measured step.
 
-Where a target is missed, its detail says what the run's own figures make of
-it. The ``auto`` target gives the interquartile range of its round-by-round
-ratio: a margin of 3 % inside that range is within this machine's noise. The
-simulator target gives the share of variants whose *replay* (the same
-schedule walked with the step's own action times) is within 10 %, and how
-much longer the steps computed than the simulator's profiled costs say: a
-replay within 10 % where the simulation is not puts the error in the
-profiled costs, not in the schedule's model.
+Each target's detail also says what the run's own figures make of it. The
+``auto`` target gives the interquartile range of its round-by-round ratio: a
+margin of 3 % inside that range is within this machine's noise. The
+simulator target gives how many variants' *replays* (the same schedule
+walked with the step's own action times) are within 10 %, and the range of
+the steps' compute over the simulator's (from the profiled costs): a replay
+within 10 % where the simulation is not puts the error in the profiled
+costs, not in the schedule's model.
 
 Each speedup target also gets a *bound*: the most the measured figures allow
 it to be. Over torch: the best torch step time over the regime's efficiency
