@@ -183,12 +183,12 @@ def test_auto_is_measured_against_the_fastest_fixed_twobp_variant(times, value, 
     }
 
 
-def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
+def _simulator_target(variants: list[dict]) -> dict:
+    """The simulator target of a small-regime group of twobp variants (figures as given)."""
     group = {
         "n_microbatches": 8,
         "variants": [
-            {"label": f"twobp v{i}", "framework": "twobp", "sim_error": e}
-            for i, e in enumerate([0.05, -0.09, -0.2, 0.1])
+            {"label": f"twobp v{i}", "framework": "twobp", **v} for i, v in enumerate(variants)
         ],
         "best": {"twobp": None, "torch": None},
         "reference_bounds_s": {},
@@ -199,6 +199,11 @@ def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
         for t in evaluate([{"name": "small", "groups": [group]}], 2)
         if t["target"].startswith("share within")
     ]
+    return simulator
+
+
+def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
+    simulator = _simulator_target([{"sim_error": e} for e in [0.05, -0.09, -0.2, 0.1]])
     assert simulator["value"] == pytest.approx(0.75)
     assert simulator["threshold"] == 0.9 and simulator["met"] is False
     assert simulator["detail"] == "3 of 4 within 10%; worst 20.0% (m=8 twobp v2)"
@@ -207,28 +212,12 @@ def test_the_simulator_target_is_the_share_of_variants_within_ten_percent():
 def test_the_simulator_target_says_what_the_replays_and_busy_times_make_of_its_errors():
     # (simulator error, replay error, measured busy, simulated busy)
     figures = [(0.05, 0.02, 1.0, 1.0), (-0.2, -0.04, 1.2, 1.0), (-0.15, -0.12, 1.1, 1.0)]
-    group = {
-        "n_microbatches": 8,
-        "variants": [
-            {
-                "label": f"twobp v{i}",
-                "framework": "twobp",
-                "sim_error": e,
-                "replay_error": r,
-                "busy_s": busy,
-                "sim_busy_s": sim_busy,
-            }
-            for i, (e, r, busy, sim_busy) in enumerate(figures)
-        ],
-        "best": {"twobp": None, "torch": None},
-        "reference_bounds_s": {},
-        "two_bp_speedups": [],
-    }
-    (simulator,) = [
-        t
-        for t in evaluate([{"name": "small", "groups": [group]}], 2)
-        if t["target"].startswith("share within")
-    ]
+    simulator = _simulator_target(
+        [
+            {"sim_error": e, "replay_error": r, "busy_s": busy, "sim_busy_s": sim_busy}
+            for e, r, busy, sim_busy in figures
+        ]
+    )
     assert simulator["detail"] == (
         "1 of 3 within 10%; worst 20.0% (m=8 twobp v1); replay with the steps' own action "
         "times: 2 of 3 within; compute in steps 1.00-1.20x the profiled"
