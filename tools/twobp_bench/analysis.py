@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from twobp.schedule import is_split
@@ -440,16 +440,20 @@ def _same_schedule(times: Mapping[str, list[float]]) -> list[dict[str, Any]]:
     return out
 
 
+def _fastest(
+    variants: Sequence[Mapping[str, Any]], keep: Callable[[Mapping[str, Any]], bool]
+) -> Mapping[str, Any] | None:
+    """The variant of least median step time among those that ran and ``keep`` takes."""
+    ran = [v for v in variants if "step_s" in v and keep(v)]
+    return min(ran, key=lambda v: v["step_s"]["median"], default=None)
+
+
 def _best(
     variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
 ) -> dict[str, Any]:
     """The fastest twobp and torch variants and twobp's speedup over torch."""
-
-    def fastest(framework: str) -> Mapping[str, Any] | None:
-        ran = [v for v in variants if v["framework"] == framework and "step_s" in v]
-        return min(ran, key=lambda v: v["step_s"]["median"], default=None)
-
-    ours, theirs = fastest(matrix.TWOBP), fastest(matrix.TORCH)
+    ours = _fastest(variants, lambda v: v["framework"] == matrix.TWOBP)
+    theirs = _fastest(variants, lambda v: v["framework"] == matrix.TORCH)
     out: dict[str, Any] = {
         "twobp": ours["label"] if ours else None,
         "torch": theirs["label"] if theirs else None,
@@ -464,12 +468,14 @@ def _auto_against_fixed(
 ) -> dict[str, Any] | None:
     """``schedule="auto"`` against the fastest twobp variant of a schedule given by name:
     that variant's time over auto's, round by round (None unless both ran)."""
-    ran = [v for v in variants if v["framework"] == matrix.TWOBP and "step_s" in v]
-    auto = next((v for v in ran if v["schedule"] == matrix.AUTO), None)
-    fixed = [v for v in ran if v["schedule"] != matrix.AUTO]
-    if auto is None or not fixed:
+
+    def twobp(v: Mapping[str, Any], auto: bool) -> bool:
+        return v["framework"] == matrix.TWOBP and (v["schedule"] == matrix.AUTO) is auto
+
+    auto = _fastest(variants, lambda v: twobp(v, True))
+    best = _fastest(variants, lambda v: twobp(v, False))
+    if auto is None or best is None:
         return None
-    best = min(fixed, key=lambda v: v["step_s"]["median"])
     return {
         "auto": auto["label"],
         "chose": auto.get("chose"),

@@ -12,7 +12,7 @@ from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.runtime.execution.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
-from twobp_bench.matrix import AUTO, Variant
+from twobp_bench.matrix import Variant, is_auto
 
 
 class TwobpRunner:
@@ -69,7 +69,7 @@ class TwobpRunner:
             options["recompute"] = variant.recompute
         if weight_group_size is not None and variant.two_bp:
             options["weight_group_size"] = weight_group_size
-        if variant.schedule == AUTO:
+        if is_auto(variant):
             # It profiles the blocks on one micro-batch and chooses the rest.
             options["example_input"] = split_batch(inputs, n_microbatches)[0]
         else:
