@@ -161,7 +161,12 @@ def _with_auto(times: list[float]) -> list[RankReport]:
 @pytest.mark.parametrize(
     ("times", "value", "met"),
     # Against twobp 1f1b+2bp (1.0, 1.0, 1.1 s), round by round.
-    [([1.02, 1.02, 1.1], 1.0 / 1.02, True), ([1.2, 1.25, 1.3], 1.0 / 1.2, False)],
+    # Faster than every fixed variant: still measured against them, not against itself.
+    [
+        ([1.02, 1.02, 1.1], 1.0 / 1.02, True),
+        ([1.2, 1.25, 1.3], 1.0 / 1.2, False),
+        ([0.8, 0.85, 0.9], 1.1 / 0.9, True),
+    ],
 )
 def test_auto_is_measured_against_the_fastest_fixed_twobp_variant(times, value, met):
     results = _results([analyse_regime(_with_auto(times), 2)])
