@@ -68,6 +68,7 @@ from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeli
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
+from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action
 from twobp.schedule.lowering import (
@@ -333,6 +334,7 @@ class Pipeline(PipelineState, PipelineSteps):
         self._step_times = StepTimes()
         self._failure: Failure | None = None
         self._peak_stashed_bytes = 0
+        self._earlier_gradients = EarlierGradients()
         self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
@@ -462,8 +464,14 @@ class Pipeline(PipelineState, PipelineSteps):
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:
         """Run one training step: forward and backward of every micro-batch.
 
-        Gradients are accumulated into ``.grad`` of this rank's parameters (call
-        :meth:`zero_grad` between steps). Collective: every rank calls it.
+        The step's gradients are added to ``.grad`` of this rank's parameters,
+        so that steps without :meth:`zero_grad` between them accumulate exactly
+        as ``backward`` does in plain PyTorch, replicated and tied parameters
+        included: each step reduces only its own part. While a step runs, the
+        gradients of earlier steps are held aside beside the step's own
+        (memory: one more set of gradients while accumulating; more
+        micro-batches per step accumulate at no memory cost). Collective:
+        every rank calls it.
 
         Args:
             inputs: the batch of model inputs; only the rank of stage 0 needs it
@@ -481,12 +489,13 @@ class Pipeline(PipelineState, PipelineSteps):
                 does not split on any rank, the inputs and targets disagree on
                 the batch size, or the ranks are not at the same step.
             NonFiniteLossError: on every rank, if the mean loss is not finite
-                (with ``nonfinite="raise"``); the gradients were dropped.
+                (with ``nonfinite="raise"``); the step's gradients were dropped,
+                the earlier steps' are kept (so with ``nonfinite="skip"``).
             ShapeMismatchError: if activations change shape after the first step.
             PeerStepFailedError: on every other rank, when the step failed on
                 one rank (in a block, the loss, a shape check); that rank raises
-                its own error. The step's gradients are dropped on every rank and
-                the pipeline can run the next step.
+                its own error. The step's gradients are dropped on every rank (the
+                earlier steps' are kept) and the pipeline can run the next step.
             PeerError: if a peer is gone or times out; then end the process
                 (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
@@ -505,10 +514,12 @@ class Pipeline(PipelineState, PipelineSteps):
         self.last_step_skipped = not math.isfinite(loss)
         if self.last_step_skipped:
             # Every rank learnt the loss from the last stage: all drop the step alike.
-            self.zero_grad(set_to_none=True)
+            self._earlier_gradients.put_back()
             if self.nonfinite == "raise":
                 raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
             self.skipped_steps.append(step)
+        else:
+            self._earlier_gradients.add_back()
         return loss
 
     @torch.no_grad()
@@ -599,10 +610,13 @@ class Pipeline(PipelineState, PipelineSteps):
             ``parameters``: parameters, gradients and buffers; ``optimizer``;
             ``peak``: on CUDA ``torch.cuda.max_memory_allocated`` since the
             step started, elsewhere ``parameters + optimizer`` plus the most
-            held at once between passes. Tensors are counted by storage, each
-            once (see :mod:`twobp.runtime.execution.memory`).
+            held at once between passes and, when gradients are accumulated
+            over steps, the earlier steps' gradients held aside. Tensors are
+            counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
         """
-        return memory_stats(self._memory, self.module, optimizer)
+        return memory_stats(
+            self._memory, self.module, optimizer, self._earlier_gradients.last_nbytes
+        )
 
     @property
     def local_spans(self) -> list[Span]:

@@ -10,8 +10,10 @@ loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
 from twobp.runtime.communication.reduction import GradientReducer
@@ -22,6 +24,7 @@ from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
 from twobp.runtime.execution.step_run import StepResult, StepRun, StepTimes
 from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
@@ -43,8 +46,9 @@ class PipelineSteps:
     _spans: list[Span]
     _step_times: StepTimes
     _peak_stashed_bytes: int
+    _earlier_gradients: EarlierGradients
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         # PipelineState's, which comes first in the pipeline's bases.
         raise NotImplementedError
 
@@ -129,26 +133,35 @@ class PipelineSteps:
         Returns:
             The step's result, the mean loss (None without targets), the
             first micro-batch whose loss is not finite and the rank that
-            computed it (-1 and -1 if none).
+            computed it (-1 and -1 if none). In training, the earlier steps'
+            gradients are still set aside: the caller adds them back (or puts
+            them back, if it drops the step).
 
         Raises:
             Exception: on the rank where the step failed, its own error; on the
                 others, :class:`PeerStepFailedError` naming it. A lost peer
                 (``PeerError``) is raised at once: there is nobody to settle with.
+                In training, the step's gradients are dropped and the earlier
+                steps' restored, on every rank.
         """
         failure: Exception | None = None
         result = StepResult()
+        if training:
+            # This step reduces and settles its own gradients only (see accumulation).
+            self._earlier_gradients.set_aside(self.parameters())
         try:
             result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
         except Exception as exc:
             for stage in self.stages.values():
                 stage.abandon_step()
             if lost_peer(exc) or self.topology.is_single:
+                self._drop_step_gradients(training)
                 raise
             failure = exc
         except BaseException:
             for stage in self.stages.values():
                 stage.abandon_step()
+            self._drop_step_gradients(training)
             raise
         else:
             if training:
@@ -160,12 +173,20 @@ class PipelineSteps:
             recorded = self._failure
             known = recorded is not None and recorded.error is failure
             mine = recorded if known else Failure(failure, None, time.time())
-        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
+        try:
+            end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
+        except BaseException:
+            self._drop_step_gradients(training)
+            raise
         if failure is not None or end.error is not None:
-            if training:
-                self.zero_grad(set_to_none=True)
+            self._drop_step_gradients(training)
             if end.error is not None:
                 raise end.error
             assert failure is not None
             raise failure
         return result, end.loss, end.first_bad, end.bad_rank
+
+    def _drop_step_gradients(self, training: bool) -> None:
+        """Forget the step's gradients; the earlier steps' are ``.grad`` again."""
+        if training:
+            self._earlier_gradients.put_back()

@@ -177,7 +177,10 @@ def _unpack(t: Tensor) -> Tensor:
 
 
 def memory_stats(
-    meter: MemoryMeter, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    meter: MemoryMeter,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    aside: int = 0,
 ) -> dict[str, int]:
     """The memory figures of one rank for its last step, in bytes.
 
@@ -185,6 +188,8 @@ def memory_stats(
         meter: the rank's meter.
         module: the rank's blocks.
         optimizer: its optimizer, whose state is counted; None counts none.
+        aside: bytes of earlier steps' gradients held aside during the step
+            (gradient accumulation), counted in the peak.
 
     Returns:
         ``activations`` and ``stash`` (peaks, see :class:`MemoryMeter`);
@@ -192,7 +197,8 @@ def memory_stats(
         ``optimizer``: the optimizer's state tensors; ``peak``: on CUDA the
         most memory allocated on the device since the step started
         (``torch.cuda.max_memory_allocated``), elsewhere ``parameters +
-        optimizer`` plus the most held at once between passes.
+        optimizer`` plus the most held at once between passes and the
+        earlier steps' gradients held aside (``aside``).
     """
     tensors: list[Tensor] = [*module.parameters(), *module.buffers()]
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
@@ -205,7 +211,7 @@ def memory_stats(
     if meter.device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(meter.device))
     else:
-        peak = parameters + optimizer_bytes + meter.peaks[""]
+        peak = parameters + optimizer_bytes + meter.peaks[""] + aside
     return {
         "activations": meter.peaks[ACTIVATIONS],
         "stash": meter.peaks[STASH],
