@@ -10,7 +10,10 @@ from twobp.schedule import (
     DeadlockError,
     Kind,
     KindSpec,
+    MemoryChange,
+    Moment,
     Need,
+    Role,
     Schedule,
     ScheduleError,
     dry_run,
@@ -19,16 +22,24 @@ from twobp.schedule import (
     validate,
 )
 from twobp.schedule.dependencies import produces, requires
+from twobp.schedule.kinds import ACTIVATIONS, STORED_DERIVATIVES, held_change, pool_change
 from twobp.sim.costs import CostModel
+from twobp.sim.memory import memory_timeline
 from twobp.sim.simulate import simulate
 from twobp.timeline import kind_label
 from twobp.viz.ascii import render_ascii
 from twobp.viz.png import render_png
 
 # A recomputation of a stage's forward output: after its own F, and after
-# that of the stage before it (on another rank: a transfer away).
+# that of the stage before it (on another rank: a transfer away). It holds
+# the activations it recomputes while it runs.
 RECOMPUTE = KindSpec(
-    "X", "recompute", needs=(Need("F"), Need("X", -1)), makes=("X",), cost="forward"
+    "X",
+    "recompute",
+    needs=(Need("F"), Need("X", -1)),
+    makes=("X",),
+    cost="forward",
+    memory=(MemoryChange(ACTIVATIONS, +1, Moment.START), MemoryChange(ACTIVATIONS, -1)),
 )
 
 
@@ -52,10 +63,25 @@ def test_every_built_in_kind_has_one_entry():
     for code, spec in KINDS.items():
         assert spec.code == code
         assert spec.is_compute == (spec.cost is not None) == (spec.link is None), code
-        assert spec.background == (code == "R"), code
+        assert spec.background == (code == "R") == (spec.role is Role.BACKGROUND), code
+        assert (spec.role is Role.SEND) == code.startswith("SEND_"), code
+        assert (spec.role is Role.RECEIVE) == code.startswith("RECV_"), code
         assert spec.cost is None or spec.cost in cost_fields, code
         assert all(need.tag in made for need in spec.needs), code
         assert all(need.via is None or need.via in KINDS for need in spec.needs), code
+
+
+def test_memory_read_from_the_table():
+    # A micro-batch is held from its F through its I (activations become
+    # stored derivatives) to its W, or from its F to its fused B.
+    held = {code: held_change(code) for code in KINDS}
+    assert held == {"F": 1, "I": 0, "W": -1, "B": -1, "R": 0} | dict.fromkeys(
+        ["SEND_F", "RECV_F", "SEND_B", "RECV_B"], 0
+    )
+    assert [pool_change(k, ACTIVATIONS) for k in "FIWB"] == [1, -1, 0, -1]
+    assert [pool_change(k, STORED_DERIVATIVES) for k in "FIWB"] == [0, 1, -1, 0]
+    assert Action.parse("2W0-3").held_change() == -4
+    assert Action.parse("1I0").held_change(ACTIVATIONS) == -1
 
 
 def test_rules_read_from_the_table():
@@ -97,6 +123,16 @@ def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(reco
         ("1X0", 2.5, 3.5),
         ("1B0", 3.5, 5.5),
     ]
+    # X holds a second copy of the activations while it runs: its memory is
+    # simulated from its entry alone (1 unit each for F and X, parameters 0).
+    assert result.peak_memory == (2.0, 2.0)
+    assert memory_timeline(result.spans, costs, s.placement)[0] == [
+        (0.0, 0.0),
+        (0.0, 1.0),  # 0F0 starts
+        (1.0, 2.0),  # 0X0 starts
+        (2.0, 1.0),  # 0X0 ends
+        (8.0, 0.0),  # 0B0 ends
+    ]
     shared = simulate(s, dataclasses.replace(costs, contention=1.5))
     assert {str(x.action) for x in shared.spans} == {"0F0", "0X0", "0B0", "1F0", "1X0", "1B0"}
     assert shared.makespan > result.makespan
@@ -122,6 +158,18 @@ def test_registering_checks_the_entry_and_unregistering_forgets_it():
         register_kind(dataclasses.replace(RECOMPUTE, code="r"))
     with pytest.raises(ValueError, match="cost of kind X"):
         register_kind(dataclasses.replace(RECOMPUTE, cost="recompute"))
+    with pytest.raises(ValueError, match="role compute and link 1"):
+        register_kind(dataclasses.replace(RECOMPUTE, link=+1))
+    with pytest.raises(ValueError, match="role send and link None"):
+        register_kind(dataclasses.replace(RECOMPUTE, role=Role.SEND))
+    with pytest.raises(ValueError, match="pool must be one of"):
+        register_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange("act", +1),)))
+    with pytest.raises(ValueError, match="change must be"):
+        register_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange(ACTIVATIONS, 2),)))
+    with pytest.raises(ValueError, match="cap must be"):
+        register_kind(
+            dataclasses.replace(RECOMPUTE, memory=(MemoryChange(ACTIVATIONS, 1, cap="forward"),))
+        )
     with pytest.raises(ValueError, match="built in"):
         unregister_kind(Kind.FORWARD)
     kind = register_kind(RECOMPUTE)

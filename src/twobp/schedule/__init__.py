@@ -2,7 +2,8 @@
 
 A schedule is a :class:`Schedule`: for each rank, its ordered list of
 :class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). What each kind of
-action needs, makes and costs is one table (:data:`KINDS`, extended by
+action is (its :class:`Role`), needs, makes, costs and holds in memory
+(:class:`MemoryChange`) is one table (:data:`KINDS`, extended by
 :func:`register_kind`); :func:`walk` runs a schedule in time by that table.
 Generators build the named schedules (:func:`generate`, :data:`SCHEDULES`);
 passes turn one schedule into another (:func:`resolve_schedule`,
@@ -15,7 +16,16 @@ and :func:`save_csv` / :func:`load_csv` store one in
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.csv_io import from_rows, load_csv, save_csv, to_rows
 from twobp.schedule.errors import DeadlockError
-from twobp.schedule.kinds import KINDS, KindSpec, Need, register_kind, unregister_kind
+from twobp.schedule.kinds import (
+    KINDS,
+    KindSpec,
+    MemoryChange,
+    Moment,
+    Need,
+    Role,
+    register_kind,
+    unregister_kind,
+)
 from twobp.schedule.lowering import (
     add_communication,
     compute_only,
@@ -41,7 +51,10 @@ __all__ = [
     "DeadlockError",
     "Kind",
     "KindSpec",
+    "MemoryChange",
+    "Moment",
     "Need",
+    "Role",
     "Run",
     "Schedule",
     "ScheduleConfigError",

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from twobp.schedule.kinds import KINDS, Kind, kind_spec
+from twobp.schedule.kinds import KINDS, Kind, held_change, kind_spec, pool_change
 
 __all__ = ["Action", "Kind", "format_microbatches", "parse_microbatches"]
 
@@ -76,6 +76,17 @@ class Action:
         if len(self.microbatches) != 1:
             raise ValueError(f"{self} covers several micro-batches")
         return self.microbatches[0]
+
+    def held_change(self, pool: str | None = None) -> int:
+        """How many more micro-batches its rank holds once this action has run.
+
+        Read from the memory entries of the kind table, for every micro-batch
+        covered: those held in ``pool`` (one of
+        :data:`twobp.schedule.kinds.MEMORY_POOLS`), or in any pool
+        (``F`` +1, ``I`` 0, ``W`` and ``B`` -1 each).
+        """
+        per = held_change(self.kind) if pool is None else pool_change(self.kind, pool)
+        return per * len(self.microbatches)
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{format_microbatches(self.microbatches)}"

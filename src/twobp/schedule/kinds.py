@@ -12,23 +12,47 @@ entry, a :class:`KindSpec`:
   schedule is lowered (a transfer it implies: ``F`` of stage ``s`` implies a
   ``SEND_F`` on stage ``s - 1`` and a ``RECV_F`` on ``s`` when the two stages
   are on different ranks);
-* ``link``: for a transfer action, the stage at the other end (its offset);
+* ``role``: what it is to its rank (a :class:`Role`): compute, a send or a
+  receive between ranks, or work in the background;
+* ``link``: for a send or receive, the stage at the other end (its offset);
 * ``cost``: the field of ``twobp.sim.CostModel`` that holds its time
   (``None``: it takes no time);
+* ``memory``: what it takes and gives back, per micro-batch it covers, as
+  :class:`MemoryChange` entries: a pool of memory (the ``CostModel`` field of
+  its bytes per micro-batch on the stage), ``+1`` or ``-1``, at its start or
+  its end;
 * ``label`` and ``colour``: how legends and pictures show it.
 
 The table, with ``S`` stages, ``s`` a stage, ``m`` a micro-batch::
 
-    kind    needs                              makes      cost
-    F       F(s-1, m) via RECV_F               F          forward
-    I       F(s, m), BI(s+1, m) via RECV_B     BI         backward_input
-    W       BI(s, m) for each m covered        W          backward_weight
-    B       as I                               BI, W      backward_full
-    SEND_F  F(s, m)                            SEND_F     -   (link s+1)
-    RECV_F  SEND_F(s-1, m)                     RECV_F     -   (link s-1)
-    SEND_B  BI(s, m)                           SEND_B     -   (link s-1)
-    RECV_B  SEND_B(s+1, m)                     RECV_B     -   (link s+1)
-    R       W(s, m) for each m covered         R          reduce  (in the background)
+    kind    role        needs                            makes    cost
+    F       compute     F(s-1, m) via RECV_F             F        forward
+    I       compute     F(s, m), BI(s+1, m) via RECV_B   BI       backward_input
+    W       compute     BI(s, m) for each m covered      W        backward_weight
+    B       compute     as I                             BI, W    backward_full
+    R       background  W(s, m) for each m covered       R        reduce
+    SEND_F  send        F(s, m)                          SEND_F   -   (link s+1)
+    RECV_F  receive     SEND_F(s-1, m)                   RECV_F   -   (link s-1)
+    SEND_B  send        BI(s, m)                         SEND_B   -   (link s-1)
+    RECV_B  receive     SEND_B(s+1, m)                   RECV_B   -   (link s+1)
+
+and its memory, per micro-batch covered (the pools are named by their
+``CostModel`` fields; a transfer and ``R`` hold nothing)::
+
+    kind    at its start                   at its end
+    F       + activation_bytes
+    I                                      - activation_bytes, + weight_grad_bytes
+    W       + weight_rebuild_bytes (*)     - weight_rebuild_bytes (*), - weight_grad_bytes
+    B                                      - activation_bytes
+
+    (*) for at most ``weight_group_size`` micro-batches: the engine
+        rebuilds one concatenated group at a time.
+
+So a micro-batch holds its activations from its ``F`` to its ``I`` (or
+``B``), then what its ``W`` needs (the stored derivatives) until that ``W``.
+The simulator's memory model, the memory bound of the 2BP ``fill`` policy
+and the micro-batches a rank holds are read from these entries
+(:func:`pool_change`, :func:`held_change`).
 
 ``R`` reduces a stage's weight gradients over the ranks that hold a replica
 of it (data parallel, Chimera's two pipelines, weights tied across stages):
@@ -38,7 +62,8 @@ once while the all-reduce proceeds.
 
 ``BI`` is the gradient with respect to a stage's input. A new kind is one
 entry: :func:`register_kind` adds it, after which actions of that kind parse,
-validate, simulate and draw. This module imports no torch.
+validate, simulate (its time and its memory) and draw; the runtime needs a
+handler for it too. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -74,15 +99,73 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        """True for F, B, I, W (and declared kinds that are no transfer); False for transfers."""
+        """True for F, B, I, W, R (and declared kinds that are no transfer); False for transfers."""
         return kind_spec(self).is_compute
+
+    @property
+    def role(self) -> Role:
+        """What the kind is to its rank (from the table)."""
+        return kind_spec(self).role
 
     def __str__(self) -> str:
         return self.value
 
 
+class Role(str, Enum):
+    """What an action of a kind is to the rank that runs it."""
+
+    COMPUTE = "compute"
+    """Work that holds its rank for its time (F, I, W, B)."""
+    SEND = "send"
+    """Hands a result of this rank to the stage at ``link`` on another rank."""
+    RECEIVE = "receive"
+    """Takes a result from the stage at ``link`` on another rank."""
+    BACKGROUND = "background"
+    """Runs beside its rank's compute (an asynchronous collective, R): the rank
+    goes on at once, and its result is there ``cost`` later."""
+
+
+class Moment(str, Enum):
+    """When, in an action's run, a change of memory happens."""
+
+    START = "start"
+    END = "end"
+
+
 COST_FIELDS = ("forward", "backward_input", "backward_weight", "backward_full", "reduce")
 """The times per stage of ``twobp.sim.CostModel`` that a kind may take."""
+
+ACTIVATIONS = "activation_bytes"
+"""The pool of a micro-batch's activations, from its forward to its input gradient."""
+STORED_DERIVATIVES = "weight_grad_bytes"
+"""The pool of what a micro-batch's weight pass needs, from its ``I`` to its ``W``."""
+REBUILT_STASH = "weight_rebuild_bytes"
+"""The pool of what a ``W`` rebuilds and holds while it runs (derivative checkpointing)."""
+MEMORY_POOLS = (ACTIVATIONS, STORED_DERIVATIVES, REBUILT_STASH)
+"""The memory pools a kind may take or give back: fields of ``twobp.sim.CostModel``
+holding bytes per micro-batch and stage."""
+
+COUNT_CAPS = ("weight_group_size",)
+"""The fields of ``twobp.sim.CostModel`` that may cap the micro-batches a change counts."""
+
+
+@dataclass(frozen=True)
+class MemoryChange:
+    """What an action does to its rank's memory, for every micro-batch it covers.
+
+    Args:
+        pool: the memory, named by the ``CostModel`` field of its bytes per
+            micro-batch on the stage (one of :data:`MEMORY_POOLS`).
+        change: ``+1`` takes those bytes, ``-1`` gives them back.
+        at: at the action's start or its end.
+        cap: a ``CostModel`` field (one of :data:`COUNT_CAPS`) that caps the
+            micro-batches counted, or ``None``: every micro-batch covered.
+    """
+
+    pool: str
+    change: int
+    at: Moment = Moment.END
+    cap: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,13 +196,14 @@ class KindSpec:
         makes: the tags of the results it produces.
         cost: the ``CostModel`` field of its time (one of
             :data:`COST_FIELDS`), or ``None`` if it takes no time.
-        link: for a transfer action, the offset of the stage at the other
-            end; ``None`` for compute.
+        link: for a send or receive, the offset of the stage at the other
+            end; ``None`` for the other roles.
         several: whether one action may cover several micro-batches.
         colour: its colour in pictures, or ``None`` for a neutral one.
-        background: the kind runs beside its rank's compute (an asynchronous
-            collective): the rank goes on at once, and its result is there
-            ``cost`` later.
+        role: what it is to its rank; a send or receive has a ``link``, no
+            other role has one.
+        memory: what it takes and gives back, per micro-batch it covers
+            (nothing by default).
     """
 
     code: str
@@ -130,25 +214,44 @@ class KindSpec:
     link: int | None = None
     several: bool = False
     colour: str | None = None
-    background: bool = False
+    role: Role = Role.COMPUTE
+    memory: tuple[MemoryChange, ...] = ()
 
     @property
     def is_compute(self) -> bool:
-        """True unless the kind is a transfer between ranks."""
-        return self.link is None
+        """True unless the kind is a transfer between ranks (a send or a receive)."""
+        return self.role not in (Role.SEND, Role.RECEIVE)
+
+    @property
+    def background(self) -> bool:
+        """True if the kind runs beside its rank's compute (:attr:`Role.BACKGROUND`)."""
+        return self.role is Role.BACKGROUND
 
 
 _BACKWARD_NEEDS = (Need("F"), Need("BI", +1, via="RECV_B"))
+_SEND, _RECEIVE, _BACKGROUND = Role.SEND, Role.RECEIVE, Role.BACKGROUND
 
 # Colour-blind-safe (Okabe-Ito) colours for the compute kinds.
 _TABLE: dict[str, KindSpec] = {
     spec.code: spec
     for spec in (
         KindSpec(
-            "F", "forward", (Need("F", -1, via="RECV_F"),), ("F",), "forward", colour="#56B4E9"
+            "F",
+            "forward",
+            (Need("F", -1, via="RECV_F"),),
+            ("F",),
+            "forward",
+            colour="#56B4E9",
+            memory=(MemoryChange(ACTIVATIONS, +1, Moment.START),),
         ),
         KindSpec(
-            "I", "backward-p1 (I)", _BACKWARD_NEEDS, ("BI",), "backward_input", colour="#E69F00"
+            "I",
+            "backward-p1 (I)",
+            _BACKWARD_NEEDS,
+            ("BI",),
+            "backward_input",
+            colour="#E69F00",
+            memory=(MemoryChange(ACTIVATIONS, -1), MemoryChange(STORED_DERIVATIVES, +1)),
         ),
         KindSpec(
             "W",
@@ -158,8 +261,21 @@ _TABLE: dict[str, KindSpec] = {
             "backward_weight",
             several=True,
             colour="#009E73",
+            memory=(
+                MemoryChange(REBUILT_STASH, +1, Moment.START, cap="weight_group_size"),
+                MemoryChange(REBUILT_STASH, -1, cap="weight_group_size"),
+                MemoryChange(STORED_DERIVATIVES, -1),
+            ),
         ),
-        KindSpec("B", "backward", _BACKWARD_NEEDS, ("BI", "W"), "backward_full", colour="#CC79A7"),
+        KindSpec(
+            "B",
+            "backward",
+            _BACKWARD_NEEDS,
+            ("BI", "W"),
+            "backward_full",
+            colour="#CC79A7",
+            memory=(MemoryChange(ACTIVATIONS, -1),),
+        ),
         KindSpec(
             "R",
             "gradient reduction (R)",
@@ -168,12 +284,12 @@ _TABLE: dict[str, KindSpec] = {
             "reduce",
             several=True,
             colour="#D55E00",
-            background=True,
+            role=_BACKGROUND,
         ),
-        KindSpec("SEND_F", "send_f", (Need("F"),), ("SEND_F",), link=+1),
-        KindSpec("RECV_F", "recv_f", (Need("SEND_F", -1),), ("RECV_F",), link=-1),
-        KindSpec("SEND_B", "send_b", (Need("BI"),), ("SEND_B",), link=-1),
-        KindSpec("RECV_B", "recv_b", (Need("SEND_B", +1),), ("RECV_B",), link=+1),
+        KindSpec("SEND_F", "send_f", (Need("F"),), ("SEND_F",), link=+1, role=_SEND),
+        KindSpec("RECV_F", "recv_f", (Need("SEND_F", -1),), ("RECV_F",), link=-1, role=_RECEIVE),
+        KindSpec("SEND_B", "send_b", (Need("BI"),), ("SEND_B",), link=-1, role=_SEND),
+        KindSpec("RECV_B", "recv_b", (Need("SEND_B", +1),), ("RECV_B",), link=+1, role=_RECEIVE),
     )
 }
 
@@ -197,6 +313,41 @@ def kind_spec(kind: Kind | str) -> KindSpec:
     return spec
 
 
+def pool_change(kind: Kind | str, pool: str) -> int:
+    """How one action of ``kind`` changes what ``pool`` holds, per micro-batch it covers.
+
+    Start and end together: ``F`` takes activations (+1), ``I`` and ``B``
+    give them back (-1), a ``W`` gives back the stored derivatives (-1), and
+    what an action holds only while it runs counts 0.
+
+    Raises:
+        ValueError: if no kind has that code.
+    """
+    return sum(e.change for e in kind_spec(kind).memory if e.pool == pool)
+
+
+def held_change(kind: Kind | str) -> int:
+    """How one action of ``kind`` changes the micro-batches its rank holds, per micro-batch.
+
+    A micro-batch is held while some pool holds memory of it: from its ``F``
+    (+1) through its ``I`` (0: activations become stored derivatives) to its
+    ``W`` or ``B`` (-1).
+
+    Raises:
+        ValueError: if no kind has that code.
+    """
+    return sum(pool_change(kind, pool) for pool in MEMORY_POOLS)
+
+
+def held_pools() -> tuple[str, ...]:
+    """The pools that hold memory between actions: one kind takes them, another gives them back.
+
+    With the built-in kinds, the activations and the stored derivatives;
+    what an action holds only while it runs (a rebuilt stash) is not among them.
+    """
+    return tuple(p for p in MEMORY_POOLS if any(pool_change(k, p) for k in _TABLE))
+
+
 def register_kind(spec: KindSpec) -> Kind:
     """Add a kind to the table; from then on ``Kind(spec.code)`` is that kind.
 
@@ -212,8 +363,11 @@ def register_kind(spec: KindSpec) -> Kind:
         over ``Kind`` (which lists the built-in kinds).
 
     Raises:
-        ValueError: if the code is taken or malformed, or ``cost`` is not one
-            of :data:`COST_FIELDS`.
+        ValueError: if the code is taken or malformed, ``cost`` is not one
+            of :data:`COST_FIELDS`, the ``role`` and ``link`` disagree (a
+            send or receive has a link, nothing else has one), or a memory
+            entry names another pool than :data:`MEMORY_POOLS`, a change
+            other than ``+1``/``-1`` or a cap other than :data:`COUNT_CAPS`.
     """
     if spec.code in _TABLE:
         raise ValueError(f"action kind {spec.code!r} exists already")
@@ -221,6 +375,18 @@ def register_kind(spec: KindSpec) -> Kind:
         raise ValueError(f"an action kind's code is upper-case letters and _, got {spec.code!r}")
     if spec.cost is not None and spec.cost not in COST_FIELDS:
         raise ValueError(f"cost of kind {spec.code} must be one of {COST_FIELDS} or None")
+    if (spec.link is None) != spec.is_compute:
+        raise ValueError(
+            f"kind {spec.code} has role {spec.role.value} and link {spec.link}: a send or "
+            "receive needs the offset of the stage at its other end, no other role has one"
+        )
+    for entry in spec.memory:
+        if entry.pool not in MEMORY_POOLS:
+            raise ValueError(f"memory of kind {spec.code}: pool must be one of {MEMORY_POOLS}")
+        if entry.change not in (-1, +1):
+            raise ValueError(f"memory of kind {spec.code}: change must be +1 or -1")
+        if entry.cap is not None and entry.cap not in COUNT_CAPS:
+            raise ValueError(f"memory of kind {spec.code}: cap must be one of {COUNT_CAPS}")
     # Enum has no public way to add a member; this is how Flag makes its
     # pseudo-members: an instance looked up by value like any member.
     member = str.__new__(Kind, spec.code)

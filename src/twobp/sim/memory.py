@@ -1,25 +1,35 @@
 """Memory over time, from a timeline and the memory sizes of a cost model.
 
-The model (see :mod:`twobp.sim.costs`): a micro-batch's activations on a
-stage are allocated when its ``F`` starts and freed when its ``I`` (or fused
-``B``) ends; ``I`` leaves behind what the weight pass needs, freed when the
-``W`` that covers the micro-batch ends; parameters are held throughout; other
-kinds (declared in the kind table) hold nothing. It
-reads only spans, so it applies to simulated and measured timelines alike.
-:func:`microbatch_limit` turns a memory limit into the number of micro-batches
-a rank may hold, the unit the 2BP ``fill`` policy bounds. This module imports
-no torch.
+What each action takes and gives back is read from the kind table
+(:mod:`twobp.schedule.kinds`, its ``memory`` entries): a micro-batch's
+activations on a stage are taken when its ``F`` starts and given back when
+its ``I`` (or fused ``B``) ends; ``I`` leaves behind what the weight pass
+needs, given back when the ``W`` that covers the micro-batch ends; a ``W``
+that rebuilds its stash holds it while it runs; parameters are held
+throughout. A kind declared in the table holds what its entry says. The
+model reads only spans, so it applies to simulated and measured timelines
+alike. :func:`microbatch_limit` turns a memory limit into the number of
+micro-batches a rank may hold, the unit the 2BP ``fill`` policy bounds. This
+module imports no torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 
-from twobp.schedule.action import Action, Kind
+from twobp.schedule.action import Action
+from twobp.schedule.kinds import (
+    ACTIVATIONS,
+    MemoryChange,
+    Moment,
+    held_pools,
+    kind_spec,
+)
 from twobp.schedule.schedule import Schedule
 from twobp.sim.cost_io import format_amount
-from twobp.sim.costs import CostModel
+from twobp.sim.costs import CostModel, PerStage
 from twobp.timeline import Span
 
 
@@ -44,8 +54,6 @@ def memory_timeline(
     Raises:
         ValueError: if a span names a stage the cost model does not have.
     """
-    assert costs.activation_bytes is not None
-    assert costs.weight_grad_bytes is not None
     assert costs.parameter_bytes is not None
     n_ranks = max(placement) + 1
     changes: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n_ranks)}
@@ -57,20 +65,13 @@ def memory_timeline(
             raise ValueError(
                 f"{a} on rank {span.rank}: the cost model has only {costs.n_stages} stages"
             )
-        act = costs.activation_bytes[a.stage]
-        grad = costs.weight_grad_bytes[a.stage]
-        if a.kind is Kind.FORWARD:
-            changes[span.rank].append((span.start, act))
-        elif a.kind is Kind.BACKWARD_INPUT:
-            changes[span.rank].append((span.end, grad - act))
-        elif a.kind is Kind.FULL_BACKWARD:
-            changes[span.rank].append((span.end, -act))
-        elif a.kind is Kind.BACKWARD_WEIGHT:
-            rebuilt = costs.weight_rebuild_peak(a.stage, len(a.microbatches))
-            if rebuilt:
-                changes[span.rank].append((span.start, rebuilt))
-                changes[span.rank].append((span.end, -rebuilt))
-            changes[span.rank].append((span.end, -grad * len(a.microbatches)))
+        # What an action does at one moment counts as one change.
+        at = {Moment.START: 0.0, Moment.END: 0.0}
+        for entry in kind_spec(a.kind).memory:
+            at[entry.at] += entry.change * _entry_bytes(entry, a, costs)
+        for moment, time in ((Moment.START, span.start), (Moment.END, span.end)):
+            if at[moment]:
+                changes[span.rank].append((time, at[moment]))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}
     for rank in range(n_ranks):
@@ -166,23 +167,31 @@ def fill_limit(schedule: Schedule, costs: CostModel, memory_limit: float) -> int
     return held
 
 
+def _entry_bytes(entry: MemoryChange, action: Action, costs: CostModel) -> float:
+    """The bytes one memory entry of the kind table moves for ``action``."""
+    sizes: PerStage | None = getattr(costs, entry.pool)
+    assert sizes is not None, f"the cost model has no {entry.pool}"
+    count = len(action.microbatches)
+    cap: int | None = getattr(costs, entry.cap) if entry.cap is not None else None
+    return (count if cap is None else min(cap, count)) * sizes[action.stage]
+
+
 def _rank_memory(schedule: Schedule, costs: CostModel, rank: int) -> tuple[float, float]:
-    """What a rank holds all the time, and per micro-batch of its largest stage."""
+    """What a rank holds all the time, and per micro-batch of its largest stage.
+
+    A held micro-batch is in one pool of the kind table at a time (its
+    activations, then its stored derivatives): the largest of them counts.
+    """
     assert costs.parameter_bytes is not None
-    assert costs.activation_bytes is not None and costs.weight_grad_bytes is not None
+    sizes = [getattr(costs, pool) for pool in held_pools()]
+    assert all(size is not None for size in sizes)
     stages = [s for s, r in enumerate(schedule.placement) if r == rank]
     fixed = sum(costs.parameter_bytes[s] for s in stages)
-    per_mb = max(max(costs.activation_bytes[s], costs.weight_grad_bytes[s]) for s in stages)
+    per_mb = max((size[s] for size in sizes for s in stages), default=0.0)
     return fixed, per_mb
 
 
 def _most_before_input(actions: Sequence[Action]) -> int:
-    """The most micro-batches whose ``F`` has run and whose ``I`` (or ``B``) has not."""
-    waiting = most = 0
-    for a in actions:
-        if a.kind is Kind.FORWARD:
-            waiting += 1
-        elif a.kind in (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD):
-            waiting -= 1
-        most = max(most, waiting)
-    return most
+    """The most micro-batches whose ``F`` has run and whose ``I`` (or ``B``) has not:
+    those whose activations (the table's ``activation_bytes``) are held."""
+    return max([0, *accumulate(a.held_change(ACTIVATIONS) for a in actions)])
