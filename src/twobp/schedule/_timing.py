@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.kinds import kind_spec
+from twobp.schedule.kinds import STORED_DERIVATIVES, kind_spec
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import produced_transfer
 from twobp.schedule.walk import Run, Walker, walk
@@ -226,7 +226,7 @@ class _WeightSlots:
         forced = (
             self._memory_limit is not None
             and following is not None
-            and following.kind is Kind.FORWARD
+            and following.held_change() > 0
             and self._held[rank] >= self._memory_limit
         )
         group = self._group_in(stored, walker.earliest_start(rank) - walker.free_at(rank))
@@ -253,22 +253,28 @@ class _WeightSlots:
 
     def stored(self, rank: int, runs: Sequence[Run]) -> list[Action]:
         """The ``W`` of ``rank`` not run yet, one per micro-batch, once ``runs``
-        (what it ran) are counted."""
+        (what it ran) are counted.
+
+        Both counts read the kind table's memory entries: an action that
+        takes stored derivatives (``I``) leaves a ``W`` per micro-batch to
+        run, one that gives them back (``W``) runs them; the micro-batches
+        held go up at ``F`` and down at ``W``.
+        """
         stored = self._stored[rank]
         for run in runs[self._seen[rank] :]:
             action = run.action
+            self._held[rank] += action.held_change()
             if action.kind is Kind.FORWARD:
-                self._held[rank] += 1
                 self._forwards_left[rank] -= 1
-            elif action.kind is Kind.BACKWARD_INPUT:
+            derivatives = action.held_change(STORED_DERIVATIVES)
+            if derivatives > 0:
                 stored.extend(
                     Action(action.stage, Kind.BACKWARD_WEIGHT, (mb,)) for mb in action.microbatches
                 )
-            elif action.kind is Kind.BACKWARD_WEIGHT:
+            elif derivatives < 0:
                 done = set(action.microbatches)
                 stored[:] = [
                     w for w in stored if w.stage != action.stage or w.microbatches[0] not in done
                 ]
-                self._held[rank] -= len(done)
         self._seen[rank] = len(runs)
         return stored

@@ -54,11 +54,13 @@ This module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import accumulate
 from types import MappingProxyType
 
 from twobp.schedule._timing import Costs, make_timing, place_weights
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import is_lowered
+from twobp.schedule.kinds import ACTIVATIONS
 from twobp.schedule.lowering import add_reductions, backwards_as, without_reductions
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.validate import validate
@@ -159,24 +161,18 @@ def _eager(acts: tuple[Action, ...]) -> list[Action]:
 
 
 def _check_memory_limit(schedule: Schedule, memory_limit: int) -> None:
-    """Raise if the ``F``/``I`` order alone holds more than ``memory_limit``."""
+    """Raise if the ``F``/``I`` order alone holds more than ``memory_limit``.
+
+    What it holds whatever the ``W`` placement: the micro-batches whose
+    activations are held (the kind table's memory entries).
+    """
     for rank, acts in schedule.actions.items():
-        waiting = 0
-        for a in acts:
-            waiting += 1 if a.kind is Kind.FORWARD else -1
-            if waiting > memory_limit:
-                need = _peak_waiting(acts)
+        waiting = list(accumulate(a.held_change(ACTIVATIONS) for a in acts))
+        for a, held in zip(acts, waiting, strict=True):
+            if held > memory_limit:
                 raise ValueError(
                     f"memory_limit={memory_limit} is below what rank {rank} needs: after {a} "
-                    f"it holds {waiting} micro-batches whose I has not run, whatever the W "
-                    f"placement; use memory_limit >= {need}, or a schedule with a shorter "
-                    "warm-up"
+                    f"it holds {held} micro-batches whose I has not run, whatever the W "
+                    f"placement; use memory_limit >= {max(waiting)}, or a schedule with a "
+                    "shorter warm-up"
                 )
-
-
-def _peak_waiting(acts: tuple[Action, ...]) -> int:
-    waiting = peak = 0
-    for a in acts:
-        waiting += 1 if a.kind is Kind.FORWARD else -1
-        peak = max(peak, waiting)
-    return peak
