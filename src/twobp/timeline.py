@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from twobp.schedule.action import Action
-from twobp.schedule.kinds import Kind, kind_spec
+from twobp.schedule.kinds import Kind, Role, kind_spec
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,9 @@ class Span:
 
 
 def busy_time(spans: Iterable[Span], rank: int) -> float:
-    """Total compute time (F, B, I, W) of ``rank``; communication does not count."""
-    return sum(
-        s.duration
-        for s in spans
-        if s.rank == rank and s.action.kind.is_compute and not kind_spec(s.action.kind).background
-    )
+    """Total compute time (F, B, I, W: the kinds whose role is compute) of ``rank``;
+    communication and background work (R) do not count."""
+    return sum(s.duration for s in spans if s.rank == rank and s.action.kind.role is Role.COMPUTE)
 
 
 def makespan(spans: Sequence[Span]) -> float:

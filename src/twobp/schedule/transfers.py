@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.kinds import KINDS, kind_spec
+from twobp.schedule.kinds import KINDS, Role, kind_spec
 from twobp.schedule.schedule import Schedule, neighbour
 from twobp.schedule.validate import dry_run
 
@@ -149,16 +149,20 @@ def produced_transfer(
 def produced_by(
     action: Action, placement: tuple[int, ...], n_pipelines: int = 1
 ) -> list[tuple[Kind, Transfer]]:
-    """Each transfer ``action`` produces, with the send kind that carries it across ranks."""
+    """Each transfer ``action`` produces, with the send kind that carries it across ranks.
+
+    Read from the table: a send carries the result it needs (``SEND_F`` the
+    ``F`` of its stage) to the stage at its ``link``.
+    """
     s = action.stage
     spec = kind_spec(action.kind)
     out = []
     for code, sender in KINDS.items():
-        link = sender.link
-        if link is None or not sender.needs or sender.needs[0].offset != 0:
-            continue  # not a send
-        other = neighbour(s, link, len(placement), n_pipelines)
-        if sender.needs[0].tag in spec.makes and other is not None:
+        if sender.role is not Role.SEND:
+            continue
+        assert sender.link is not None
+        other = neighbour(s, sender.link, len(placement), n_pipelines)
+        if any(need.tag in spec.makes for need in sender.needs) and other is not None:
             out.append((Kind(code), _between(s, other, action.microbatch, placement, into=other)))
     return out
 
@@ -177,7 +181,7 @@ def transfer_of(action: Action, placement: tuple[int, ...], n_pipelines: int = 1
     other = neighbour(s, spec.link, len(placement), n_pipelines)
     if other is None:
         raise ValueError(f"{action} moves nothing: stage {action.stage} has no such neighbour")
-    sends = bool(spec.needs) and spec.needs[0].offset == 0
+    sends = spec.role is Role.SEND
     return _between(s, other, action.microbatch, placement, into=other if sends else s)
 
 

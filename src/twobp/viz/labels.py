@@ -9,19 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from twobp.schedule.action import Action, Kind, format_microbatches
+from twobp.schedule.action import Action, format_microbatches
+from twobp.schedule.kinds import Role
 from twobp.timeline import Span
 
 
 def compute_spans(spans: Iterable[Span]) -> list[Span]:
-    """The F, B, I and W spans, in (rank, start) order; communication is dropped."""
+    """The spans of compute and background kinds (F, B, I, W, R), in (rank, start)
+    order; communication (sends and receives) is dropped."""
     return sorted((s for s in spans if s.action.kind.is_compute), key=lambda s: (s.rank, s.start))
 
 
 def drawn_spans(spans: Iterable[Span]) -> list[Span]:
-    """:func:`compute_spans` less the gradient reductions (``R``), which run in the
-    background under the compute they overlap and would hide it in a picture."""
-    return [s for s in compute_spans(spans) if s.action.kind is not Kind.REDUCE]
+    """:func:`compute_spans` less the background kinds (the gradient reductions ``R``),
+    which run under the compute they overlap and would hide it in a picture."""
+    return [s for s in compute_spans(spans) if s.action.kind.role is not Role.BACKGROUND]
 
 
 def several_stages_per_rank(spans: Sequence[Span]) -> bool:

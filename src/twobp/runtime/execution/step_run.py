@@ -27,6 +27,7 @@ from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.kinds import Role
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
 from twobp.timeline import Span
 
@@ -186,13 +187,14 @@ class StepRun:
         takes their compute out.
         """
         times = self.result.times
+        role = action.kind.role
         if action.kind.is_compute:
             times.dispatch += seconds
             times.compute_actions += 1
-        elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+        elif role is Role.SEND:
             times.sending += seconds
             times.sends += 1
-        elif action.kind in (Kind.RECV_F, Kind.RECV_B):
+        elif role is Role.RECEIVE:
             times.receiving += seconds
             times.receives += 1
 
@@ -287,12 +289,12 @@ def compute_served(actions: Sequence[Action]) -> list[Action]:
     for i, action in enumerate(actions):
         if action.kind.is_compute:
             last = action
-        elif action.kind in (Kind.SEND_F, Kind.SEND_B) and last is not None:
+        elif action.kind.role is Role.SEND and last is not None:
             served[i] = last
     following: Action | None = None
     for i in range(len(actions) - 1, -1, -1):
         if actions[i].kind.is_compute:
             following = actions[i]
-        elif actions[i].kind in (Kind.RECV_F, Kind.RECV_B) and following is not None:
+        elif actions[i].kind.role is Role.RECEIVE and following is not None:
             served[i] = following
     return served
