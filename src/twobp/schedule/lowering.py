@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.kinds import kind_spec
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import needed_by, produced_by
 
@@ -186,11 +187,10 @@ def add_reductions(schedule: Schedule, stages: Iterable[int] | None = None) -> S
         The schedule with its reductions, under the same name.
     """
     wanted = set(range(schedule.n_stages) if stages is None else stages)
-    makes_w = {Kind.FULL_BACKWARD, Kind.BACKWARD_WEIGHT}
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
         kept = [a for a in acts if a.kind is not Kind.REDUCE]
-        last = {a.stage: i for i, a in enumerate(kept) if a.kind in makes_w}
+        last = {a.stage: i for i, a in enumerate(kept) if makes_weight_gradients(a.kind)}
         out: list[Action] = []
         for i, a in enumerate(kept):
             out.append(a)
@@ -198,6 +198,12 @@ def add_reductions(schedule: Schedule, stages: Iterable[int] | None = None) -> S
                 out.append(Action(a.stage, Kind.REDUCE, tuple(schedule.microbatches_of(a.stage))))
         actions[rank] = out
     return schedule.with_actions(actions)
+
+
+def makes_weight_gradients(kind: Kind) -> bool:
+    """True if actions of ``kind`` make weight gradients (the tag ``W``: ``W`` and ``B``),
+    by the kind table."""
+    return "W" in kind_spec(kind).makes
 
 
 def without_reductions(schedule: Schedule) -> Schedule:

@@ -20,7 +20,7 @@ from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.replicas import SharedParameter, reduction_groups
 from twobp.runtime.setup.topology import Topology
-from twobp.schedule.action import Kind
+from twobp.schedule.lowering import makes_weight_gradients
 from twobp.schedule.schedule import Schedule
 
 MESH_DIMS = ("dp", "pp")
@@ -140,11 +140,7 @@ def make_reducer(
             ranks = [members.global_rank(r) for r in group.ranks]
             made[group.key] = reduction_group(group.key, ranks, timeout)
     # The R of a parameter: the last of its stages here, in this rank's order.
-    order = [
-        a.stage
-        for a in schedule.actions[topology.pp_rank]
-        if a.kind in (Kind.FULL_BACKWARD, Kind.BACKWARD_WEIGHT)
-    ]
+    order = [a.stage for a in schedule.actions[topology.pp_rank] if makes_weight_gradients(a.kind)]
     last = {s: max(i for i, x in enumerate(order) if x == s) for s in stage_modules}
     chosen: dict[int, tuple[int, str, nn.Parameter]] = {}
     for stage, module in stage_modules.items():
