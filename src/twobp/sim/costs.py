@@ -6,7 +6,9 @@ schedules). The weight pass ``W`` may concatenate several micro-batches, and
 its time for ``n`` of them is either ``n`` times the one-micro-batch time or
 read from a measured table, so that the gain of concatenation can be modelled.
 
-Memory (bytes, or any unit) follows a deliberately small model:
+Memory (bytes, or any unit) follows a deliberately small model, which the
+memory entries of the kind table (:mod:`twobp.schedule.kinds`) state and the
+simulator reads from there:
 
 * ``activation_bytes[s]`` per micro-batch are held on stage ``s`` from the
   start of its forward until the end of its backward-input ``I`` (or full
