@@ -306,6 +306,26 @@ def _resume_with_dropout(root: Path, rank: int, timeout: float) -> dict[str, Any
     return out
 
 
+def _damaged_copies(saved: Path, root: Path) -> None:
+    """Copies of ``saved`` with rank 1's file damaged.
+
+    ``damaged``: a folder of checkpoints whose latest (step 2) lost the end of
+    that file, after an intact step 1. ``altered``: one byte of it flipped, in
+    the middle of a tensor's data, so that its size is as saved.
+    """
+    import shutil
+
+    shutil.copytree(saved, root / "damaged" / "step-00000001")
+    shutil.copytree(saved, root / "damaged" / "step-00000002")
+    data = root / "damaged" / "step-00000002" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    shutil.copytree(saved, root / "altered")
+    data = root / "altered" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
 def checkpoint_session(folder: str, timeout: float, one_process: str) -> None:
     """Save, load into the same and another layout, fail to load, then die while saving.
 
@@ -361,6 +381,11 @@ def checkpoint_session(folder: str, timeout: float, one_process: str) -> None:
     dist.barrier()
     before = _state(b)
     out["file of rank 1 missing"] = outcome_of(lambda: b.load(root / "broken", opt_b))
+    if rank == 0:
+        _damaged_copies(Path(out["saved path"]), root)
+    dist.barrier()
+    out["truncated"] = outcome_of(lambda: b.load(root / "damaged", opt_b))
+    out["altered"] = outcome_of(lambda: b.load(root / "altered", opt_b))
     out["unchanged after failed load"] = all(
         torch.equal(before[k], v) for k, v in b.state_dict().items()
     )

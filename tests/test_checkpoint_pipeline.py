@@ -29,6 +29,7 @@ from twobp.cli.checkpoint import main as checkpoint_cli
 from twobp.runtime import LaunchError, launch
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
+from twobp.runtime.state.checkpoint_integrity import crc32
 from twobp.runtime.state.checkpoint_storage import tensor_shapes
 from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
@@ -124,6 +125,11 @@ def test_layout_of_a_checkpoint(session):
     assert "optimizer.state.9.weight.exp_avg" in stored and "rng.1.torch" in stored
     groups = manifest["ranks"][1]["optimizer"]["param_groups"]
     assert groups[0]["lr"] == 1e-2 and groups[0]["betas"] == {"tuple": [0.9, 0.999]}
+    # Each rank recorded the files it wrote; rank 0 the metadata too.
+    assert manifest["files"] == {
+        name: {"bytes": (path / name).stat().st_size, "crc32": crc32(path / name)}
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp")
+    }
 
 
 def test_same_layout_resumes_bitwise(session):
@@ -155,7 +161,9 @@ def test_another_schedule_and_partition_loads_by_name(session):
         ("missing", "nothing-here does not exist"),
         ("optimizer class", "holds the state of a AdamW, not of a SGD"),
         ("foreign parameter", "the optimizer holds a parameter of shape [3]"),
-        ("file of rank 1 missing", "__1_0.distcp"),
+        ("file of rank 1 missing", "broken/__1_0.distcp is missing"),
+        ("truncated", "damaged/step-00000002/__1_0.distcp is truncated: "),
+        ("altered", "altered/__1_0.distcp is damaged: its CRC-32 is "),
     ],
 )
 def test_a_bad_checkpoint_fails_on_every_rank(session, case, text):
@@ -165,9 +173,17 @@ def test_a_bad_checkpoint_fails_on_every_rank(session, case, text):
         name, message = out[case]
         assert name == "CheckpointError" and text in message, (rank, message)
     assert "0.0.weight is [8, 8] here but [4, 3, 3, 3]" in outcomes[0]["other model"][1]
-    # Rank 0 could read its own file, but learnt of rank 1's failure.
-    assert outcomes[0]["file of rank 1 missing"][1].startswith("rank 1 reported:")
     assert all(out["unchanged after failed load"] for out in outcomes)
+
+
+def test_a_damaged_checkpoint_names_the_previous_intact_one(session):
+    folder, outcomes, *_ = session
+    previous = folder / "damaged" / "step-00000001"
+    for out in outcomes:
+        assert out["truncated"][1].endswith(f"; the previous intact checkpoint is {previous}")
+    # The ranks split the CRC-32s: rank 0 read rank 1's file, and told rank 1.
+    assert outcomes[1]["altered"][1].startswith("rank 0 reported: ")
+    assert "when saved (the file changed since)" in outcomes[1]["altered"][1]
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(session):
@@ -239,7 +255,12 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_when_saved(sessi
     for out in outcomes:
         assert out["async waited"] == out["async path"] == str(folder / "async" / "step-00000007")
         assert out["nothing to wait for"] is None
-    merged = merge(folder / "async")
+    merged = merge(folder / "async")  # its files checked against what rank 0 recorded
+    assert sorted(read_manifest(folder / "async")["files"]) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     want = _union(outcomes, "async state")
     assert set(merged) == set(want)
     assert all(torch.equal(merged[k], want[k]) for k in want)
@@ -384,11 +405,23 @@ def test_dcp_metadata_with_other_objects_is_refused(tmp_path):
     path = pipe.save(tmp_path)
     marker = tmp_path / "unpickled"
     (path / ".metadata").write_bytes(pickle.dumps(_MakesAFolder(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata is truncated: [\d,]+ bytes of the"):
+        conv(5.0).load(tmp_path)
+    # Without the sizes of its files in the manifest (as twobp wrote it before), the
+    # metadata is unpickled, through the allow-list.
+    _forget_file_sizes(path)
     with pytest.raises(CheckpointError, match="mkdir is not part of DCP's metadata"):
         conv(5.0).load(tmp_path)
     with pytest.raises(CheckpointError, match="mkdir is not part of DCP's metadata"):
         merge(tmp_path)
     assert not marker.exists()
+
+
+def _forget_file_sizes(path: Path) -> None:
+    """Drop the files' sizes and checksums from a manifest, as twobp wrote it before."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_a_value_that_dcp_pickled_is_not_loaded(tmp_path):
@@ -403,6 +436,7 @@ def test_a_value_that_dcp_pickled_is_not_loaded(tmp_path):
         (path / name).unlink()
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
         dcp.save(state, checkpoint_id=path, no_dist=True)
+    _forget_file_sizes(path)  # the files are DCP's own, not those saved
     with pytest.raises(CheckpointError, match=r"its DCP metadata has no model\.0\.0\.weight"):
         conv(5.0).load(tmp_path)
     assert not marker.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,9 @@ import pytest
 import torch
 
 import twobp
+from reliability_workers import conv
 from twobp.cli.main import main
 from twobp.runtime.state.checkpoint import merge, read_manifest
-from twobp.runtime.state.checkpoint_files import FORMAT, MANIFEST, VERSION
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig
 from twobp.train.preflight import check_config
@@ -121,12 +122,8 @@ def test_resume_is_checked_before_any_rank_starts(uninterrupted, tmp_path):
 
 
 def _saved(tmp_path: Path, config: dict) -> Path:
-    """A checkpoint folder whose manifest holds ``config`` as a run's options."""
-    folder = tmp_path / "step-00000003"
-    folder.mkdir()
-    manifest = {"format": FORMAT, "version": VERSION, "step": 3, "meta": {"config": config}}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return folder
+    """A checkpoint (of another model) whose manifest holds ``config`` as a run's options."""
+    return conv(5.0).save(tmp_path, step=3, meta={"config": config})
 
 
 def test_resume_refuses_a_hugging_face_checkpoint_for_another_model(tmp_path):
@@ -144,3 +141,61 @@ def test_resume_reads_a_manifest_without_hf_config_as_a_plain_model(tmp_path):
     check_resume(TrainConfig(resume=checkpoint, steps=9, seq_len=16))
     with pytest.raises(ValueError, match=r"--hf-config None \(this run: gpt2\)"):
         check_resume(TrainConfig(hf_config="gpt2", resume=checkpoint, steps=9, seq_len=16))
+
+
+def _copy_checkpoints(uninterrupted: Path, out: Path, steps: range) -> Path:
+    """A copy of the reference run's checkpoints of ``steps`` in ``out``; returns the folder."""
+    root = out / "checkpoints"
+    for step in steps:
+        name = f"step-{step:08d}"
+        shutil.copytree(uninterrupted / "checkpoints" / name, root / name)
+    return root
+
+
+def test_a_damaged_checkpoint_is_refused_before_any_rank_starts(uninterrupted, tmp_path, capsys):
+    source = tmp_path / "c"
+    root = _copy_checkpoints(uninterrupted, source, range(4, 7))
+    manifest = root / "step-00000006" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:11])
+    args = [*OPTIONS, "--steps", "9", "--resume", str(source), "--out", str(tmp_path / "d")]
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err == (
+        f"twobp train: error: --resume {source}: {manifest} is damaged: it is not valid JSON "
+        f"(Expecting ':' delimiter at line 2 column 10); the previous intact checkpoint is "
+        f"{root / 'step-00000005'}\n"
+    )
+    # A named checkpoint does not fall back: its damage, and the one before it, are named.
+    data = root / "step-00000005" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-1])
+    with pytest.raises(
+        ValueError, match=f"{data} is truncated: .*checkpoint is {root}/step-00000004"
+    ):
+        check_resume(TrainConfig(resume=str(data.parent), steps=9, seq_len=16, dtype="float64"))
+
+
+def test_resume_auto_passes_over_damaged_checkpoints_with_a_warning(
+    uninterrupted, tmp_path, capsys
+):
+    out = tmp_path / "e"
+    root = _copy_checkpoints(uninterrupted, out, range(1, 6))
+    # Step 5 with a flipped bit (only its CRC-32 tells), step 4 truncated: step 3 loads.
+    altered = root / "step-00000005" / "__1_0.distcp"
+    raw = bytearray(altered.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    altered.write_bytes(bytes(raw))
+    truncated = root / "step-00000004" / "__0_0.distcp"
+    truncated.write_bytes(truncated.read_bytes()[:-1])
+    assert main(["train", *OPTIONS, "--resume", "auto", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: --resume auto: {altered} is damaged: its CRC-32 is " in err
+    assert f"warning: --resume auto: {truncated} is truncated: " in err
+    assert err.count(f"; resuming from {root / 'step-00000003'}\n") == 2
+    metrics = _metrics(out)
+    assert metrics["resumed_from_step"] == 3
+    assert metrics["losses"] == _metrics(uninterrupted)["losses"]
+    _same_weights(out / "checkpoints", uninterrupted / "checkpoints")
+    # All damaged: nothing to resume from, and nothing started afresh over them.
+    for folder in root.iterdir():
+        (folder / "manifest.json").write_text("{")
+    with pytest.raises(ValueError, match=f"no checkpoint in {root} is intact"):
+        check_resume(TrainConfig(resume="auto", out=str(out), steps=9, seq_len=16))

@@ -19,7 +19,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Checkpoints of Pipeline.save / twobp train hold their tensors in "
             "torch.distributed.checkpoint format and a JSON manifest. 'info' prints the "
-            "manifest; 'merge' writes the single-process state dict that "
+            "manifest and checks every file's size and CRC-32 (exit code 2 if one is "
+            "damaged); 'merge' writes the single-process state dict that "
             "nn.Sequential(*blocks).load_state_dict takes; 'convert' turns a checkpoint of "
             "twobp's first format (a pickle per rank) into the current one."
         ),
@@ -29,7 +30,9 @@ def register(subparsers: Any) -> None:
 
 def _add_actions(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    info = actions.add_parser("info", help="print what a checkpoint holds")
+    info = actions.add_parser(
+        "info", help="print what a checkpoint holds, and check that its files are intact"
+    )
     info.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
     info.set_defaults(func=_guarded(_info))
     merge = actions.add_parser("merge", help="write the single-process state dict (torch.save)")
@@ -62,13 +65,33 @@ def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
 
 def _info(args: argparse.Namespace) -> int:
-    from twobp.runtime.state.checkpoint import read_manifest
+    from pathlib import Path
 
-    manifest = read_manifest(args.path)
+    from twobp.runtime.state import checkpoint_integrity as integrity
+
+    manifest = integrity.checked_manifest(args.path)
+    _print_manifest(manifest)
+    folder = Path(manifest["path"])
+    files = manifest.get("files")
+    if files is None:
+        print("  files: saved before twobp recorded their sizes: checked against DCP's metadata")
+    else:
+        total = sum(entry["bytes"] for entry in files.values())
+        print(f"  files: {len(files)}, {total:,} bytes, each checked for its size and CRC-32")
+    damaged = integrity.damage(folder, manifest)
+    for line in damaged:
+        print(f"  damaged: {line}")
+    if damaged:
+        raise integrity.damaged_error(folder, damaged)
+    print("  intact")
+    return 0
+
+
+def _print_manifest(manifest: dict[str, Any]) -> None:
     tensors = manifest["tensors"]
     n_values = sum(_numel(t["shape"]) for t in tensors.values())
     print(f"checkpoint {manifest['path']}")
-    print(f"  step {manifest['step']}, written {manifest['created']}")
+    print(f"  step {manifest['step']}, written {manifest.get('created', '?')}")
     print(
         f"  {manifest['world_size']} ranks, schedule {manifest['schedule']} with "
         f"{manifest['n_microbatches']} micro-batches, stages on ranks {manifest['placement']}"
@@ -76,8 +99,9 @@ def _info(args: argparse.Namespace) -> int:
     blocks = ", ".join(f"{a}-{b - 1}" for a, b in manifest["stage_blocks"])
     print(f"  blocks per stage: {blocks}")
     print(f"  {len(tensors)} tensors, {n_values:,} values; optimizer: {manifest['optimizer']}")
-    print(f"  format: twobp version {manifest['version']}, tensors in {manifest['storage']}")
-    return 0
+    print(
+        f"  format: twobp version {manifest['version']}, tensors in {manifest.get('storage', '?')}"
+    )
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -351,9 +351,9 @@ def held_pools() -> tuple[str, ...]:
 def register_kind(spec: KindSpec) -> Kind:
     """Add a kind to the table; from then on ``Kind(spec.code)`` is that kind.
 
-    Validation, the walker, the simulators, the cost model and the pictures
-    read the table, so the new kind needs nothing else. The runtime does
-    not run it.
+    Validation, the walker, the simulators (its time and its memory), the
+    cost model and the pictures read the table, so the new kind needs
+    nothing else there. The runtime does not run it without a handler.
 
     Args:
         spec: the new kind's entry.

@@ -40,13 +40,15 @@ def memory_timeline(
 
     Args:
         spans: the timeline (communication spans are ignored).
-        costs: memory sizes per stage (``activation_bytes``,
-            ``weight_grad_bytes``, ``parameter_bytes``).
+        costs: memory sizes per stage: ``parameter_bytes`` and the pools
+            the kind table's memory entries name (``activation_bytes``,
+            ``weight_grad_bytes``, ``weight_rebuild_bytes``).
         placement: the rank of each stage (``placement[s]``).
 
     Returns:
         For each rank, ``(time, bytes held)`` points in time order, starting
-        with the parameters at the earliest start time. When a free and an
+        with the parameters at the earliest start time; what one action
+        takes and gives back at one moment is one change. When a free and an
         allocation happen at the same instant the free is counted first: a
         rank runs one action at a time, so the next one starts after the
         previous one has released its memory.

@@ -12,6 +12,7 @@ with the same weights (bitwise on the CPU).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ import torch
 
 from twobp.runtime import Pipeline
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state.checkpoint import find_checkpoint, latest_checkpoint, read_manifest
+from twobp.runtime.state import checkpoint_integrity as integrity
+from twobp.runtime.state.checkpoint import find_checkpoint, read_manifest
+from twobp.runtime.state.checkpoint_files import complete_checkpoints
 from twobp.train.config import TrainConfig
 
 SAME_MODEL_OPTIONS = ("model", "hf_config", "size", "seq_len", "dtype", "autocast", "seed", "data")
@@ -56,28 +59,40 @@ def last_step(cfg: TrainConfig) -> int:
 def resume_source(cfg: TrainConfig) -> Path | None:
     """The checkpoint this run continues from, or None for a fresh start.
 
+    ``--resume auto`` takes the newest checkpoint of ``--out`` whose files
+    have their sizes (see :func:`.checkpoint_integrity.is_intact`).
+
     Raises:
         CheckpointError: if ``--resume`` names no complete checkpoint.
     """
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
-        return latest_checkpoint(checkpoint_root(cfg))
+        found = _intact_checkpoints(cfg)
+        return found[0] if found else None
     return find_checkpoint(cfg.resume)
+
+
+def _intact_checkpoints(cfg: TrainConfig) -> list[Path]:
+    return [c for c in complete_checkpoints(checkpoint_root(cfg)) if integrity.is_intact(c)]
 
 
 def check_resume(cfg: TrainConfig) -> None:
     """Refuse a resume that cannot continue the run, before any rank starts.
 
+    Reads the whole checkpoint once, to check its files' sizes and CRC-32s.
+    ``--resume auto`` passes over damaged checkpoints to the newest intact
+    one, with a warning on stderr; a named checkpoint that is damaged is refused.
+
     Raises:
-        ValueError: if the checkpoint is missing, comes from another model or
+        ValueError: if the checkpoint is missing or damaged (naming the file
+            and the previous intact checkpoint), comes from another model or
             data, or already reached the step this run would end at.
     """
     try:
-        source = resume_source(cfg)
+        source, manifest = _checked_source(cfg)
         if source is None:
             return
-        manifest = read_manifest(source)
     except CheckpointError as exc:
         raise ValueError(f"--resume {cfg.resume}: {exc}") from None
     saved = manifest.get("meta", {}).get("config")
@@ -104,17 +119,60 @@ def check_resume(cfg: TrainConfig) -> None:
         )
 
 
+def _checked_source(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any]]:
+    """The checkpoint to resume from and its manifest, its files checked in full."""
+    if cfg.resume != "auto":
+        source = resume_source(cfg)
+        return source, ({} if source is None else integrity.check(source))
+    found = complete_checkpoints(checkpoint_root(cfg))
+    problems = []
+    for source in found:
+        try:
+            manifest = read_manifest(source)
+            damaged = integrity.damage(source, manifest)
+        except CheckpointError as exc:
+            damaged = [str(exc)]
+        if damaged:
+            problems.append(damaged[0])
+            continue
+        for problem in problems:
+            print(f"warning: --resume auto: {problem}; resuming from {source}", file=sys.stderr)
+        return source, manifest
+    if problems:
+        raise CheckpointError(
+            f"no checkpoint in {checkpoint_root(cfg)} is intact ({problems[0]}); resume from "
+            "another folder, or move these checkpoints away to start afresh"
+        )
+    return None, {}
+
+
 def resume(pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> History:
     """Load the checkpoint ``--resume`` names into ``pipe`` and ``optimizer``. Collective.
+
+    Under ``--resume auto``, a checkpoint that fails to load (a file changed
+    since it was saved: the sizes were checked before, the CRC-32s only now)
+    gives way to the next older intact one, with a warning; every rank sees the
+    same failure, so all take the same one.
 
     Returns:
         The history of the run so far (empty for a fresh start).
     """
-    source = resume_source(cfg)
-    if source is None:
+    if cfg.resume is None:
         return History()
-    saved = pipe.load(source, optimizer)
-    return History(**saved)
+    if cfg.resume != "auto":
+        return History(**pipe.load(find_checkpoint(cfg.resume), optimizer))
+    found = _intact_checkpoints(cfg)
+    for i, source in enumerate(found):
+        try:
+            return History(**pipe.load(source, optimizer))
+        except CheckpointError as exc:
+            if i + 1 == len(found):
+                raise
+            if pipe.rank == 0:
+                print(
+                    f"warning: --resume auto: {exc}; resuming from {found[i + 1]}", file=sys.stderr
+                )
+    return History()
 
 
 def save_due(cfg: TrainConfig, done: int) -> bool:

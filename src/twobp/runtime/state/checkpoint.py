@@ -8,7 +8,7 @@ A folder of checkpoints holds one sub-folder per saved step::
         __1_0.distcp      format: weights and buffers, optimizer state, RNG states, by name
         .metadata         DCP's index of every tensor (written once all data is in place)
         manifest.json     written last: step, schedule, stages, optimizer groups, RNG
-                          rest, every rank's extra (JSON)
+                          rest, every rank's extra, each file's size and CRC-32 (JSON)
 
 The tensors are named as in the single-process model (``model.3.attn.q.weight``,
 ``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.checkpoint_entries`),
@@ -24,7 +24,10 @@ complete. With ``async_save=True`` the tensors are copied at once and written
 in the background; rank 0 completes the checkpoint when every rank's data is
 written, and the next ``save``, ``load`` or :func:`wait` reports how it went.
 
-Loading unpickles nothing from the checkpoint: tensors are read with
+Loading first checks the files against the manifest (sizes, and CRC-32s that
+the ranks split between them; see :mod:`.checkpoint_integrity`): a damaged
+checkpoint raises a :class:`CheckpointError` naming the file and the previous
+intact checkpoint. Loading unpickles nothing from the checkpoint: tensors are read with
 ``weights_only``, DCP's metadata through an allow-list of its own classes, and
 the rest is JSON. The folder must be on a file system every rank sees.
 """
@@ -45,6 +48,7 @@ from twobp.runtime.communication import collective
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.setup.agreement import agree
 from twobp.runtime.setup.topology import Topology
+from twobp.runtime.state import checkpoint_integrity as integrity
 from twobp.runtime.state import checkpoint_storage as storage
 from twobp.runtime.state.checkpoint_background import BackgroundSaves
 from twobp.runtime.state.checkpoint_entries import (
@@ -169,15 +173,24 @@ def save(
     every = collective.all_gather_objects(world, (pipe.pp_rank, part))
     manifest = _manifest(pipe, step, every, optimizer, meta) if pipe.rank == 0 else {}
     if async_save:
-        complete = (lambda: publish(partial, final, manifest, keep)) if pipe.rank == 0 else None
+        complete = (
+            (lambda: _publish_recorded(partial, final, manifest, keep)) if pipe.rank == 0 else None
+        )
         pipe.background_saves.start(world, timeout, tensors, partial, final, complete)
         return final
     problem = None
+    files: dict[str, Any] = {}
     try:
         storage.write(tensors, partial, world.group)
+        # Read back at once, from the page cache: each rank the files it wrote.
+        files = integrity.record(
+            partial, integrity.written_files(partial, tensors, coordinator=pipe.rank == 0)
+        )
     except storage.FAILURES as exc:
         problem = storage.own_error(exc, pipe.rank, "cannot write its part of the checkpoint")
     agree(world, device, timeout, problem, "writing a checkpoint")
+    for part_files in collective.all_gather_objects(world, files):
+        manifest.setdefault("files", {}).update(part_files)
     problem = None
     if pipe.rank == 0:
         problem = _attempt(
@@ -185,6 +198,12 @@ def save(
         )
     agree(world, device, timeout, problem, "completing a checkpoint")
     return final
+
+
+def _publish_recorded(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
+    """Record every file's size and CRC-32 (reading them back), then publish."""
+    files = integrity.record(partial, integrity.all_files(partial))
+    publish(partial, final, {**manifest, "files": files}, keep)
 
 
 def _entries(
@@ -309,11 +328,12 @@ def load(
     """Load a checkpoint into ``pipe`` (and ``optimizer``); returns the saved extra.
 
     Collective: every rank calls it. Every rank first reads and checks what it
-    needs; only when all ranks succeeded does any rank change its state.
-    See :meth:`Pipeline.load`.
+    needs (and its share of the files' CRC-32s); only when all ranks succeeded
+    does any rank change its state. See :meth:`Pipeline.load`.
 
     Raises:
-        CheckpointError: on every rank, if any rank cannot load.
+        CheckpointError: on every rank, if any rank cannot load, or a file of
+            the checkpoint is missing, truncated or changed since it was saved.
     """
     wait(pipe)
     world = pipe.topology.members
@@ -346,7 +366,9 @@ def _plan(
     pipe: Checkpointable, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
 ) -> _LoadPlan:
     """Read and check what this rank needs to load, changing nothing."""
-    manifest = read_manifest(path)
+    # Every rank checks the sizes, and computes the CRC-32s of its share of the files.
+    world = pipe.topology.members
+    manifest = integrity.check(path, share=(world.rank, world.size))
     folder = Path(manifest["path"])
     saved = manifest["tensors"]
     own = pipe.state_dict()
@@ -420,9 +442,11 @@ def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
 
     Raises:
-        CheckpointError: if there is no complete checkpoint, or it cannot be read.
+        CheckpointError: if there is no complete checkpoint, it is damaged (a
+            file missing, truncated or changed since it was saved: the message
+            names it), or it cannot be read.
     """
-    manifest = read_manifest(path)
+    manifest = integrity.check(path)
     folder = Path(manifest["path"])
     tensors = {
         MODEL + name: torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))

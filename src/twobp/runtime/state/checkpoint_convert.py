@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import CheckpointError
+from twobp.runtime.state import checkpoint_integrity as integrity
 from twobp.runtime.state import checkpoint_storage as storage
 from twobp.runtime.state.checkpoint_entries import (
     check_json,
@@ -100,6 +101,7 @@ def convert(old: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
     try:
         fresh_folder(partial)
         storage.write(tensors, partial, None)
+        new_manifest["files"] = integrity.record(partial, integrity.all_files(partial))
         publish(partial, final, new_manifest, keep=None)
     except storage.FAILURES as exc:
         own = storage.own_failure(exc, 0) or RuntimeError(str(exc))
@@ -118,6 +120,14 @@ def _read_rank_file(path: Path) -> dict[str, Any]:
             f"{path} holds objects other than tensors and plain data, which twobp does not "
             f"unpickle ({first}); load it with the twobp that wrote it and save its content "
             "as JSON"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # what a truncated or overwritten file raises: many classes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"{path} is damaged: it does not read as a torch.save file "
+            f"({type(exc).__name__}: {first})"
         ) from None
     return part
 

@@ -21,6 +21,11 @@ VERSION = 2
 """2: tensors in torch.distributed.checkpoint format, the rest in the manifest as JSON.
 1: one pickle per rank (``rank-00000.pt``); ``twobp checkpoint convert`` turns it into 2."""
 MANIFEST = "manifest.json"
+_MANIFEST_KEYS = (
+    "step", "world_size", "schedule", "n_microbatches", "placement", "stage_blocks",
+    "optimizer", "tensors", "ranks",
+)  # fmt: skip
+"""What every manifest of the current format holds (``files`` only since sizes were recorded)."""
 _STEP_FOLDER = re.compile(r"^(?:\.partial-|\.replaced-)?step-(\d+)$")
 
 
@@ -40,16 +45,32 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     Folders a crash left behind count if they are complete (a manifest is
     written only once every rank's file is in place).
     """
+    found = complete_checkpoints(root)
+    return found[0] if found else None
+
+
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoints in a folder of checkpoints, the highest step first.
+
+    Of two folders of one step (a crash between the renames of a save), the
+    published ``step-*`` one comes first.
+    """
     found: list[tuple[int, int, Path]] = []
     folder = Path(root)
     if not folder.is_dir():
-        return None
+        return []
     for child in folder.iterdir():
         match = _STEP_FOLDER.match(child.name)
         if match and is_checkpoint(child):
             preferred = 1 if child.name.startswith("step-") else 0
             found.append((int(match.group(1)), preferred, child))
-    return max(found)[2] if found else None
+    return [path for *_, path in sorted(found, reverse=True)]
+
+
+def step_of(folder: Path) -> int | None:
+    """The step of a checkpoint folder named as a save names it, else None."""
+    match = _STEP_FOLDER.match(folder.name)
+    return int(match.group(1)) if match else None
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -84,15 +105,21 @@ def read_manifest(path: str | os.PathLike[str], *, old: bool = False) -> dict[st
         old: accept a checkpoint of the first format too (version 1).
 
     Raises:
-        CheckpointError: if there is none, it is not a twobp manifest, or it is
-            of the first format (it names the command that converts it).
+        CheckpointError: if there is none, it is damaged (not JSON, a key missing),
+            not a twobp manifest, or of the first format (it names the command
+            that converts it).
     """
     folder = find_checkpoint(path)
-    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    manifest = _manifest_json(folder / MANIFEST)
     version = manifest.get("version", 0)
     if manifest.get("format") != FORMAT or not 1 <= version <= VERSION:
         raise CheckpointError(
             f"{folder / MANIFEST} is not a twobp checkpoint manifest of version <= {VERSION}"
+        )
+    lacking = [key for key in _MANIFEST_KEYS if key not in manifest] if version > 1 else []
+    if lacking:
+        raise CheckpointError(
+            f"{folder / MANIFEST} is damaged: it lacks {', '.join(map(repr, lacking))}"
         )
     if version == 1 and not old:
         raise CheckpointError(
@@ -101,6 +128,23 @@ def read_manifest(path: str | os.PathLike[str], *, old: bool = False) -> dict[st
             "NEW_FOLDER` (it reads tensors and plain data only)"
         )
     manifest["path"] = str(folder)
+    return manifest
+
+
+def _manifest_json(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{path} is damaged: it is not valid JSON ({exc.msg} at line {exc.lineno} "
+            f"column {exc.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is damaged: it is not text (not valid UTF-8)") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is damaged: it holds a {type(manifest).__name__}")
     return manifest
 
 

@@ -21,7 +21,7 @@ import datetime
 import io
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,10 @@ _ALLOWED_GLOBALS = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """The metadata names an object that is not DCP's (not damage: something else)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata and nothing else: its classes, torch dtypes, sizes, paths."""
 
@@ -75,7 +79,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+        raise _Refused(f"{module}.{name} is not part of DCP's metadata")
 
 
 class SafeReader(FileSystemReader):
@@ -85,18 +89,30 @@ class SafeReader(FileSystemReader):
         """The checkpoint's metadata, unpickled with DCP's metadata classes only.
 
         Raises:
-            CheckpointError: if the metadata holds any other object.
+            CheckpointError: if the metadata is missing, damaged (it does not
+                unpickle), or holds any other object.
         """
         path = Path(self.path) / METADATA
         try:
             with path.open("rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as exc:
+        except _Refused as exc:
             raise CheckpointError(
                 f"{path}: {exc}; twobp does not unpickle other objects: is it a DCP checkpoint?"
             ) from None
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except Exception as exc:  # what bytes that are not a pickle raise: any of many classes
+            raise CheckpointError(
+                f"{path} is damaged: it does not read as DCP's metadata "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+            raise CheckpointError(
+                f"{path} is damaged: it holds a {type(metadata).__name__}, not DCP's metadata"
+            )
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -116,8 +132,7 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[list[int], torch.dtype]]:
     """Every tensor of the checkpoint in ``folder``: its shape and dtype, from DCP's metadata.
 
     Raises:
-        CheckpointError: if the metadata is missing or not DCP's.
-        OSError: if it cannot be read.
+        CheckpointError: if the metadata is missing, damaged, not DCP's or unreadable.
     """
     metadata = SafeReader(folder).read_metadata()
     return {
@@ -224,6 +239,29 @@ def own_failure(error: BaseException, rank: int) -> Exception | None:
         return None
     found = mine[0]
     return found if isinstance(found, Exception) else RuntimeError(str(found))
+
+
+def file_extents(folder: Path) -> dict[str, int]:
+    """Each data file DCP's metadata points into, and the end of its last byte there.
+
+    Raises:
+        CheckpointError: as :meth:`SafeReader.read_metadata`.
+    """
+    metadata = SafeReader(folder).read_metadata()
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def files_of(folder: Path, names: Collection[str]) -> set[str]:
+    """The data files that hold the tensors ``names`` (written by the rank that had them)."""
+    metadata = SafeReader(folder).read_metadata()
+    return {
+        info.relative_path
+        for index, info in (metadata.storage_data or {}).items()
+        if index.fqn in names
+    }
 
 
 def dcp_files(folder: Path) -> list[str]:
