@@ -85,8 +85,12 @@ def test_plan_ranks_marks_and_recommends(capsys):
     assert ("zb-h1", "off") not in over
     assert (
         out.strip()
-        .splitlines()[-1]
+        .splitlines()[-2]
         .startswith("Recommended: zb-h1: the shortest simulated step (27")
+    )
+    # The last line: what schedule='auto' would run on these costs (one pipeline, no Chimera).
+    assert out.strip().splitlines()[-1].startswith(
+        "schedule='auto' on these costs would run zb-h1 (simulated step 27"
     )
 
 
@@ -95,7 +99,7 @@ def test_plan_recommends_two_bp_when_memory_allows(capsys):
         ["plan", "--stages", "4", "--microbatches", "4", "--schedules", "1f1b",
          "--policies", "off,eager,paper"]
     )  # fmt: skip
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    last = capsys.readouterr().out.strip().splitlines()[-2]
     assert code == 0
     # 1F1B 21 -> 15 with the paper placement: 1.40x.
     assert last == (
@@ -119,7 +123,7 @@ def test_plan_gives_fill_the_memory_limit(capsys):
     assert "over" in rows[("1f1b", "paper")]
     # GPipe's warm-up alone holds 8: the limit cannot be met, and the row says why.
     assert "needs at least 8 per rank, whatever the W placement" in out
-    assert out.strip().splitlines()[-1].startswith("Recommended: 1f1b with 2BP (fill)")
+    assert out.strip().splitlines()[-2].startswith("Recommended: 1f1b with 2BP (fill)")
 
 
 def test_plan_speaks_of_memory_in_the_limit_unit_per_rank(capsys):
@@ -134,7 +138,7 @@ def test_plan_speaks_of_memory_in_the_limit_unit_per_rank(capsys):
 
 def test_plan_nothing_fits(capsys):
     main(["plan", "--microbatches", "4", "--memory-limit", "0.5", "--schedules", "1f1b,gpipe"])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    last = capsys.readouterr().out.strip().splitlines()[-2]
     assert last.startswith("Nothing fits in 0.5 per rank: ")
 
 
@@ -174,7 +178,7 @@ def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
     assert "over" in rows[("off", "-")] and "over" not in rows[("derivatives", "1")]
     assert (
         out.strip()
-        .splitlines()[-1]
+        .splitlines()[-2]
         .startswith(
             "Recommended: 1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1"
         )

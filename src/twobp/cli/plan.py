@@ -8,7 +8,8 @@ Example::
 lists the candidates of :func:`twobp.sim.planner.evaluate` from the shortest
 step to the longest with their bubble ratio and peak memory, marks those over
 the per-rank memory limit, and prints the sentence of
-:func:`twobp.sim.planner.recommend`.
+:func:`twobp.sim.planner.recommend`, then what ``schedule="auto"`` would run on
+the same cost model (:func:`auto_choice`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from twobp.cli.simulate import COSTS_HELP, cost_model
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES
 from twobp.sim.cost_io import format_amount, parse_amount
+from twobp.sim.costs import CostModel
 from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES
+from twobp.sim.search import NothingFitsError, auto_options, choose, describe, search
 
 RECOMPUTE_CHOICES = (NO_RECOMPUTE, *RECOMPUTE_MODES)
 
@@ -170,7 +173,34 @@ def run(config: PlanConfig) -> int:
     print(format_table(candidates, limit, markdown=config.markdown))
     print()
     print(recommend(candidates, limit))
+    print(auto_choice(config, costs, limit))
     return 0
+
+
+def auto_choice(config: PlanConfig, costs: CostModel, limit: float | None) -> str:
+    """What ``Pipeline(schedule="auto", costs=<these costs>)`` would run, in one sentence.
+
+    The same options (:func:`twobp.sim.search.auto_options`: one pipeline per
+    schedule, every stage count, 2BP policy and W cap; no recompute), the same
+    ranking and the same chooser as the pipeline's, on this cost model.
+    """
+    choices = auto_options(
+        config.microbatches,
+        schedules=config.schedules,
+        policies=config.policies,
+        stages_per_rank=config.stages_per_rank,
+    )
+    ranking = search(
+        choices, config.stages, config.microbatches, costs.for_stages, limit, config.data_parallel
+    )
+    try:
+        best = choose(ranking, limit)
+    except NothingFitsError as exc:
+        return f"schedule='auto' on these costs: {exc}"
+    return (
+        f"schedule='auto' on these costs would run {describe(best)} "
+        f"(simulated step {best.makespan:.4g}, peak memory {format_amount(best.peak_memory)})"
+    )
 
 
 def _main(args: argparse.Namespace) -> int:

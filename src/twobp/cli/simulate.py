@@ -23,7 +23,6 @@ from twobp.schedule.action import Kind
 from twobp.sim.cost_io import format_amount, load_costs, parse_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP, build_schedule
-from twobp.sim.reduction import with_reductions
 from twobp.sim.simulate import DeadlockError, SimResult, simulate
 from twobp.sim.steady import steady_state
 from twobp.viz.ascii import render_ascii
@@ -167,10 +166,10 @@ def run(config: SimulateConfig) -> int:
             config.stages_per_rank,
             config.two_bp,
             costs,
+            data_parallel=config.data_parallel,
         )
     except ValueError as exc:
         raise ValueError(f"--schedule {config.schedule}: {exc}") from exc
-    schedule, fitted = with_reductions(schedule, fitted, config.data_parallel)
     result = simulate(schedule, fitted)
     try:
         grid = render_ascii(

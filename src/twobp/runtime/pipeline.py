@@ -65,20 +65,13 @@ from twobp.runtime.setup.group import (
 )
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
-from twobp.runtime.setup.replicas import local_aliases, shared_parameters
+from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.model_state import PipelineState
-from twobp.schedule.action import Action
-from twobp.schedule.lowering import (
-    add_communication,
-    add_reductions,
-    forward_only,
-    has_reductions,
-    is_split,
-    split_stages,
-)
+from twobp.schedule.action import Action, Kind
+from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.sim.recompute import effective_modes, parse_recompute
@@ -269,6 +262,8 @@ class Pipeline(PipelineState, PipelineSteps):
                 recompute=recompute,
                 retain_host_memory=retain_host_memory,
             ),
+            data_parallel=len(grid),
+            tied=tied_across_blocks(all_blocks),
         )
         self.plan = plan.auto
         """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
@@ -318,8 +313,7 @@ class Pipeline(PipelineState, PipelineSteps):
             shared,
             self.timeout,
         )
-        if self._reducer is not None and not has_reductions(self.schedule):
-            self.schedule = add_reductions(self.schedule)
+        self._check_reductions_placed()
         self.written_blocks = frozenset(
             i for s in self.topology.written_stages for i in ranges[self.schedule.model_stage(s)]
         )
@@ -378,6 +372,25 @@ class Pipeline(PipelineState, PipelineSteps):
                 recompute=modes[s],
                 memory=self._memory,
                 label=f"rank {self.rank} stage {s}",
+            )
+
+    def _check_reductions_placed(self) -> None:
+        """Every stage that reduces gradients here has its ``R`` in the schedule.
+
+        The preparation pass places them (:func:`twobp.schedule.prepare.reduces`);
+        a stage whose ``R`` were missing would never start its all-reduce.
+
+        Raises:
+            PipelineConfigError: naming the stages, if a given schedule lacks them.
+        """
+        if self._reducer is None:
+            return
+        placed = {a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.REDUCE}
+        missing = sorted(set(self._reducer.stages) - placed)
+        if missing:
+            raise PipelineConfigError(
+                f"rank {self.rank}: stages {missing} hold gradients reduced over several "
+                f"ranks, but the schedule {self.schedule.name or ''} has no R for them"
             )
 
     # -- end of life -----------------------------------------------------------------

@@ -6,6 +6,8 @@ action is (its :class:`Role`), needs, makes, costs and holds in memory
 (:class:`MemoryChange`) is one table (:data:`KINDS`, extended by
 :func:`register_kind`); :func:`walk` runs a schedule in time by that table.
 Generators build the named schedules (:func:`generate`, :data:`SCHEDULES`);
+:func:`prepare` (:func:`source_schedule`, then :func:`finish_schedule`) is
+the one pass every user of a runnable schedule takes it from; smaller
 passes turn one schedule into another (:func:`resolve_schedule`,
 :func:`apply_two_bp`, :func:`fuse_first_stage_backward`,
 :func:`add_communication`, :func:`merge_backward`); :func:`validate` checks one
@@ -35,6 +37,7 @@ from twobp.schedule.lowering import (
     merge_backward,
     split_stages,
 )
+from twobp.schedule.prepare import finish_schedule, prepare, source_schedule
 from twobp.schedule.registry import SCHEDULES, ScheduleInfo, generate
 from twobp.schedule.resolve import DEFAULT_MICROBATCHES, ScheduleConfigError, resolve_schedule
 from twobp.schedule.schedule import Schedule
@@ -65,6 +68,7 @@ __all__ = [
     "apply_two_bp",
     "compute_only",
     "dry_run",
+    "finish_schedule",
     "format_grid",
     "forward_only",
     "from_rows",
@@ -73,9 +77,11 @@ __all__ = [
     "is_split",
     "load_csv",
     "merge_backward",
+    "prepare",
     "register_kind",
     "resolve_schedule",
     "save_csv",
+    "source_schedule",
     "split_stages",
     "to_rows",
     "unregister_kind",

@@ -3,10 +3,11 @@
 The planner (:mod:`twobp.sim.planner`) and the search
 (:mod:`twobp.sim.search`) both build and simulate their combinations here,
 so a schedule is costed the same way in both: :func:`build_schedule`
-generates it, fits the cost model of the model's stages to it (tiled over
-its pipelines, as Chimera runs two) and applies the 2BP policy;
-:func:`simulate_candidate` adds the gradient reductions of replicated stages,
-simulates, and reports a :class:`Candidate`, which :func:`describe` names.
+takes it from the preparation pass (:mod:`twobp.schedule.prepare`, as the
+runtime does), fitting the cost model of the model's stages to it (tiled
+over its pipelines, as Chimera runs two) before its 2BP placement, and times
+its gradient reductions; :func:`simulate_candidate` simulates it and reports
+a :class:`Candidate`, which :func:`describe` names.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, apply_two_bp, generate
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, is_split
+from twobp.schedule.prepare import finish_schedule, reduces, source_schedule
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
 from twobp.sim.memory import fill_limit
 from twobp.sim.recompute import NO_RECOMPUTE
-from twobp.sim.reduction import with_reductions
+from twobp.sim.reduction import reduction_costs
 from twobp.sim.simulate import DeadlockError, simulate
 
 NO_TWO_BP = "off"
@@ -123,8 +125,16 @@ def build_schedule(
     *,
     memory_limit: float | None = None,
     group_size: int | None = None,
+    data_parallel: int = 1,
+    tied: bool = False,
 ) -> tuple[Schedule, CostModel]:
-    """Generate a schedule, fit the costs to its stages and apply a 2BP policy.
+    """The schedule a pipeline would run, through the preparation pass, and its costs.
+
+    :func:`twobp.schedule.prepare.source_schedule` generates it, the costs
+    are fitted to its stages, and :func:`twobp.schedule.prepare.finish_schedule`
+    applies the 2BP policy with them, fuses the first stage's ``I`` and ``W``
+    and places the reductions: the same schedule, action for action, as
+    ``Pipeline(schedule=name, ...)`` runs with these options.
 
     Args:
         name: a name of :data:`twobp.schedule.SCHEDULES`.
@@ -138,25 +148,45 @@ def build_schedule(
         memory_limit: memory per rank; ``fill`` then keeps each rank to the
             micro-batches of :func:`twobp.sim.memory.fill_limit`. The other
             policies ignore it.
-        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        group_size: the most micro-batches one ``W`` action covers (None: no cap).
+        data_parallel: copies of the pipeline ``D``: with more than one (or
+            several pipelines), every stage reduces its gradients, timed by
+            :func:`twobp.sim.reduction.reduction_costs`.
+        tied: some weight is used by several blocks (its stages reduce it).
 
     Returns:
-        The schedule (without gradient reductions) and its fitted cost model.
+        The prepared schedule (with its reductions) and its fitted cost model.
 
     Raises:
         ValueError: if the schedule, the policy, the costs or the memory
             limit do not fit together.
     """
-    schedule = generate(name, n_ranks, n_microbatches, stages_per_rank=stages_per_rank)
-    fitted = fit_costs(costs.for_stages if isinstance(costs, CostModel) else costs, schedule)
-    if two_bp != NO_TWO_BP:
-        held = None
-        if two_bp == "fill" and memory_limit is not None:
-            held = fill_limit(schedule, fitted, memory_limit)
-        schedule = apply_two_bp(
-            schedule, two_bp, costs=fitted, memory_limit=held, group_size=group_size
+    if two_bp != NO_TWO_BP and two_bp not in TWO_BP_POLICIES:
+        raise ValueError(
+            f"unknown 2BP policy {two_bp!r}; use {NO_TWO_BP!r} or one of "
+            f"{', '.join(TWO_BP_POLICIES)}"
         )
-    return schedule, fitted
+    schedule = source_schedule(
+        name, n_ranks=n_ranks, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
+    )
+    fitted = fit_costs(costs.for_stages if isinstance(costs, CostModel) else costs, schedule)
+    held = None
+    if two_bp == "fill" and memory_limit is not None:
+        held = fill_limit(schedule, fitted, memory_limit)
+    # "off" runs the schedule as generated: fused stays fused, a zb-* keeps its own W;
+    # a policy places the W of any schedule, a zb-* included.
+    placed = two_bp != NO_TWO_BP
+    prepared = finish_schedule(
+        schedule,
+        two_bp=placed or is_split(schedule),
+        policy=two_bp if placed else "paper",
+        costs=fitted,
+        held=held,
+        group_size=group_size if placed else None,
+        reduce=reduces(schedule, data_parallel, tied),
+        place_split=placed,
+    )
+    return prepared, reduction_costs(prepared, fitted, data_parallel)
 
 
 def simulate_candidate(
@@ -170,22 +200,23 @@ def simulate_candidate(
     group_size: int | None = None,
     memory_limit: float | None = None,
     data_parallel: int = 1,
+    tied: bool = False,
 ) -> tuple[Candidate, Schedule | None]:
-    """Build one combination (:func:`build_schedule`), add its reductions and simulate it.
+    """Build one combination (:func:`build_schedule`) and simulate it.
 
     Each stage held by several ranks (``data_parallel`` copies, and the
-    pipelines of the schedule) all-reduces its gradients
-    (:func:`twobp.sim.reduction.with_reductions`). Contended costs are also
-    simulated without contention (``uncontended_makespan``).
+    pipelines of the schedule) all-reduces its gradients at its ``R``.
+    Contended costs are also simulated without contention
+    (``uncontended_makespan``).
 
     Args:
         name, policy, n_ranks, n_microbatches, costs, stages_per_rank,
-            group_size, memory_limit: as for :func:`build_schedule`.
-        data_parallel: copies of the pipeline ``D``.
+            group_size, memory_limit, data_parallel, tied: as for :func:`build_schedule`.
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run; with the
-        stages per rank it ran with) and its schedule (None on error).
+        stages per rank it ran with) and its schedule (None on error): the
+        schedule a pipeline with these options runs.
     """
     base = Candidate(name, policy, stages_per_rank=stages_per_rank, group_size=group_size)
     try:
@@ -198,8 +229,9 @@ def simulate_candidate(
             costs,
             memory_limit=memory_limit,
             group_size=group_size,
+            data_parallel=data_parallel,
+            tied=tied,
         )
-        schedule, fitted = with_reductions(schedule, fitted, data_parallel)
         result = simulate(schedule, fitted)
         alone = result if fitted.contention == 1 else simulate(schedule, uncontended(fitted))
     except (ValueError, DeadlockError) as exc:

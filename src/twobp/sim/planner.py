@@ -73,7 +73,7 @@ def evaluate(
             reports why it cannot.
         data_parallel: copies of the pipeline; each stage's gradients are
             all-reduced over its replicas by an ``R`` action (see
-            :func:`twobp.sim.reduction.with_reductions`).
+            :func:`twobp.sim.reduction.reduction_costs`).
         recomputes: ``off`` and/or modes of :data:`twobp.sim.recompute.RECOMPUTE_MODES`,
             applied to every stage (:func:`twobp.sim.recompute.with_recompute`).
         weight_group_sizes: caps on the micro-batches of one ``W`` group

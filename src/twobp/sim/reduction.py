@@ -5,9 +5,11 @@ inside each), every stage of the model is held by ``D * n_pipelines`` ranks,
 which all-reduce its weight gradients once per step. The schedule's ``R``
 action starts that all-reduce in the background right after the stage's last
 ``W`` (or ``B``), so that it overlaps the rank's remaining work;
-:func:`with_reductions` adds the actions and their time (a ring all-reduce
+:func:`reduction_costs` gives their time (a ring all-reduce
 of the stage's gradients, the size of its weights, at the cost model's
-bandwidth and latency). :func:`reductions_at_end` is the same reduction
+bandwidth and latency); the actions themselves are placed by the preparation
+pass (:mod:`twobp.schedule.prepare`), or by :func:`with_reductions` on a
+schedule built by hand. :func:`reductions_at_end` is the same reduction
 started only after the rank's last action, as a step without overlap would
 run it, for comparison. This module imports no torch.
 """
@@ -23,10 +25,34 @@ from twobp.sim.costs import CostModel
 from twobp.timeline import Span
 
 
+def reduction_costs(schedule: Schedule, costs: CostModel, data_parallel: int = 1) -> CostModel:
+    """The costs with the time of each stage's all-reduce over the ranks that hold it.
+
+    A stage is held by ``data_parallel * n_pipelines`` ranks, and its ``R``
+    all-reduces the size of its weights (``parameter_bytes``). A weight tied
+    across the stages of one pipeline (``D = 1``, one pipeline) has an ``R``
+    too, which this model does not time (one weight, in the background).
+
+    Raises:
+        ValueError: if ``data_parallel < 1``.
+    """
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+    replicas = data_parallel * schedule.n_pipelines
+    if replicas == 1:
+        return costs
+    assert costs.parameter_bytes is not None
+    return costs.with_reduction(replicas, costs.parameter_bytes)
+
+
 def with_reductions(
     schedule: Schedule, costs: CostModel, data_parallel: int = 1
 ) -> tuple[Schedule, CostModel]:
-    """The schedule with an ``R`` per stage and the costs with its time.
+    """A hand-built schedule with an ``R`` per stage and the costs with its time.
+
+    Schedules prepared by :func:`twobp.schedule.prepare.prepare` (and the
+    planner's, :mod:`twobp.sim.candidate`) have their ``R`` already; this is
+    for a schedule built or edited by hand.
 
     Args:
         schedule: a compute schedule.
@@ -40,13 +66,10 @@ def with_reductions(
     Raises:
         ValueError: if ``data_parallel < 1``.
     """
-    if data_parallel < 1:
-        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
-    replicas = data_parallel * schedule.n_pipelines
-    if replicas == 1:
+    timed = reduction_costs(schedule, costs, data_parallel)
+    if timed is costs:
         return schedule, costs
-    assert costs.parameter_bytes is not None
-    return add_reductions(schedule), costs.with_reduction(replicas, costs.parameter_bytes)
+    return add_reductions(schedule), timed
 
 
 def reductions_at_end(schedule: Schedule) -> Schedule:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from twobp.schedule import SCHEDULES, Schedule
 from twobp.sim.candidate import (
     ALL_POLICIES,
+    NO_TWO_BP,
     Candidate,
     describe,
     simulate_candidate,
@@ -36,6 +37,7 @@ __all__ = [
     "NEAR_TIE",
     "NothingFitsError",
     "Option",
+    "auto_options",
     "choose",
     "describe",
     "fits",
@@ -108,6 +110,42 @@ def options(
     return out
 
 
+def auto_options(
+    n_microbatches: int,
+    *,
+    two_bp: bool = True,
+    schedules: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+    stages_per_rank: int | None = None,
+) -> list[Option]:
+    """The combinations ``schedule="auto"`` tries, the same for ``twobp plan``.
+
+    One pipeline per schedule (the search cuts the model into the
+    schedule's stages; Chimera's two pipelines are not tried), among
+    ``schedules``; without ``two_bp`` only fused schedules, without 2BP.
+
+    Args:
+        n_microbatches: micro-batches per step.
+        two_bp: False tries only schedules that are not natively split, as generated.
+        schedules: the names to try (None: every one).
+        policies: ``off`` and/or 2BP policies (None: every one, or ``off`` without 2BP).
+        stages_per_rank: only this many stages per rank (None: any).
+    """
+    names = [
+        n
+        for n, info in SCHEDULES.items()
+        if (schedules is None or n in schedules)
+        and (two_bp or not info.natively_split)
+        and info.pipelines == 1
+    ]
+    tried = policies or (ALL_POLICIES if two_bp else (NO_TWO_BP,))
+    return [
+        o
+        for o in options(n_microbatches, schedules=names, policies=tried)
+        if stages_per_rank is None or o.stages_per_rank == stages_per_rank
+    ]
+
+
 def simulate_option(
     option: Option,
     n_ranks: int,
@@ -115,6 +153,7 @@ def simulate_option(
     costs_for: CostsFor,
     memory_limit: float | None = None,
     data_parallel: int = 1,
+    tied: bool = False,
 ) -> tuple[Candidate, Schedule | None]:
     """Build and simulate one option (:func:`twobp.sim.candidate.simulate_candidate`).
 
@@ -131,10 +170,12 @@ def simulate_option(
         memory_limit: memory per rank, or None.
         data_parallel: copies of the pipeline; with more than one, each
             stage's gradients are all-reduced over them (the ``R`` action).
+        tied: some weight is used by several blocks (its stages reduce it).
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run) and its
-        schedule (None on error), with its reductions.
+        schedule (None on error): the prepared schedule a pipeline with
+        these options runs, reductions and first-stage fusion included.
     """
     return simulate_candidate(
         option.schedule,
@@ -146,6 +187,7 @@ def simulate_option(
         group_size=option.group_size,
         memory_limit=memory_limit,
         data_parallel=data_parallel,
+        tied=tied,
     )
 
 
@@ -156,18 +198,19 @@ def search(
     costs_for: CostsFor,
     memory_limit: float | None = None,
     data_parallel: int = 1,
+    tied: bool = False,
 ) -> list[Candidate]:
     """Simulate every option; those that fit first, fastest first.
 
     With ``data_parallel`` copies, every option reduces its stages' gradients
-    over them (:func:`simulate_option`).
+    over them, and with ``tied`` weights their stages reduce them (:func:`simulate_option`).
 
     Returns:
         The candidates that fit ``memory_limit`` by makespan, then those over
         it, then those that could not be simulated (with their ``error``).
     """
     done = [
-        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel)[0]
+        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel, tied)[0]
         for o in choices
     ]
 

@@ -31,18 +31,18 @@ from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.setup.cost_measurement import measure
 from twobp.runtime.setup.group import Membership
-from twobp.schedule import SCHEDULES, Schedule
+from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor, SizesFor, partition_for, profiled_costs
-from twobp.sim.planner import ALL_POLICIES, NO_TWO_BP, Candidate
+from twobp.sim.planner import NO_TWO_BP, Candidate
 from twobp.sim.search import (
     NothingFitsError,
     Option,
+    auto_options,
     choose,
     describe,
     fits,
-    options,
     search,
     simulate_option,
 )
@@ -247,6 +247,7 @@ def plan_auto(
     policies: Sequence[str] | None = None,
     pipeline_ranks: Sequence[int] | None = None,
     contenders: int = 1,
+    tied: bool = False,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -270,6 +271,8 @@ def plan_auto(
             its first two.
         contenders: how many schedules, the choice included, the plan keeps for
             trial steps (:attr:`AutoPlan.contenders`); 1 or less: none.
+        tied: some weight is used by several blocks (its stages reduce it, as
+            the pipeline will: the simulated schedule is the one that runs).
 
     Returns:
         The plan, identical on every rank.
@@ -312,20 +315,13 @@ def plan_auto(
                         "to balance; give block counts or 'uniform'"
                     )
                 sizes_for, costs_for = partition_for(len(blocks), partition, None), costs.for_stages
-            # One pipeline per schedule: the search cuts the model into the schedule's stages.
-            names = [
-                n
-                for n, info in SCHEDULES.items()
-                if (schedules is None or n in schedules)
-                and (two_bp or not info.natively_split)
-                and info.pipelines == 1
-            ]
-            tried = policies or (ALL_POLICIES if two_bp else (NO_TWO_BP,))
-            choices = [
-                o
-                for o in options(n_microbatches, schedules=names, policies=tried)
-                if stages_per_rank is None or o.stages_per_rank == stages_per_rank
-            ]
+            choices = auto_options(
+                n_microbatches,
+                two_bp=two_bp,
+                schedules=schedules,
+                policies=policies,
+                stages_per_rank=stages_per_rank,
+            )
             answer[0] = _choose(
                 choices,
                 costs_for,
@@ -335,6 +331,7 @@ def plan_auto(
                 memory_limit,
                 max(1, world.size // len(ranks)),
                 contenders,
+                tied,
             )
         except (ValueError, PipelineConfigError) as exc:
             answer[0] = f"schedule='auto': {exc}"
@@ -355,6 +352,7 @@ def _choose(
     memory_limit: float | None,
     data_parallel: int = 1,
     contenders: int = 1,
+    tied: bool = False,
 ) -> AutoPlan:
     def fitted(n_stages: int) -> CostModel:
         sizes_for(n_stages)  # raises if the blocks do not split into n_stages
@@ -363,13 +361,13 @@ def _choose(
     def built(c: Candidate) -> Contender:
         option = next(o for o in choices if _same(o, c))
         candidate, schedule = simulate_option(
-            option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel
+            option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel, tied
         )
         assert schedule is not None and candidate == c
         n_stages = schedule.n_stages
         return Contender(c, schedule, sizes_for(n_stages), costs_for(n_stages))
 
-    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit, data_parallel)
+    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit, data_parallel, tied)
     try:
         best = choose(ranking, memory_limit)
     except NothingFitsError as exc:

@@ -36,17 +36,9 @@ from twobp.runtime.setup.stage_blocks import (
     example_input_needed,
     stage_counts,
 )
-from twobp.schedule import (
-    SCHEDULES,
-    Schedule,
-    ScheduleConfigError,
-    ScheduleError,
-    fuse_first_stage_backward,
-    resolve_schedule,
-)
+from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
 from twobp.schedule._timing import Costs
-from twobp.schedule.lowering import is_split
-from twobp.schedule.resolve import DEFAULT_MICROBATCHES
+from twobp.schedule.prepare import DEFAULT_MICROBATCHES, prepare
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
@@ -72,8 +64,10 @@ class PipelinePlan:
     """The schedule every rank runs and the blocks of every stage.
 
     Args:
-        schedule: the resolved, validated compute schedule, first-stage
-            backwards fused (:func:`twobp.schedule.fuse_first_stage_backward`).
+        schedule: the compute schedule from the preparation pass
+            (:func:`twobp.schedule.prepare.prepare`): 2BP placed, first-stage
+            backwards fused, reductions placed, validated; under
+            ``schedule="auto"``, the very schedule the search simulated.
         ranges: the block indices of every stage of the model (a schedule
             of several pipelines runs each model stage once per pipeline).
         auto: what ``schedule="auto"`` chose and from what; None for a given schedule.
@@ -103,6 +97,8 @@ def plan_pipeline(
     memory_limit: float | str | None = None,
     auto_trials: int = 0,
     trials: Trials | None = None,
+    data_parallel: int = 1,
+    tied: bool = False,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -110,7 +106,9 @@ def plan_pipeline(
     :class:`twobp.runtime.Pipeline`; ``pipeline_ranks`` are the group ranks of
     the first copy of the pipeline, by pipeline rank (None: the whole group);
     ``trials`` measures the contenders of ``schedule="auto"`` (rank 0's
-    ``auto_trials`` of them; every rank needs it), None: the simulator's choice.
+    ``auto_trials`` of them; every rank needs it), None: the simulator's choice;
+    ``data_parallel`` is the number of copies of the pipeline and ``tied`` says
+    whether a weight is used by several blocks (both place reductions).
 
     Returns:
         The layout, the same on every rank.
@@ -146,6 +144,7 @@ def plan_pipeline(
             schedules=[schedule] if fixed else None,
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
             pipeline_ranks=pipeline_ranks,
+            tied=tied,
             # Trial steps run on the example input: not with a cost model given.
             contenders=auto_trials if model is None and trials is not None and not fixed else 1,
         )
@@ -153,8 +152,7 @@ def plan_pipeline(
             auto = trials(auto)
         if world.rank == 0:
             log.info("%s", auto.summary())
-        schedule, n_microbatches, partition = auto.schedule, None, list(auto.partition)
-        two_bp, stages_per_rank, costs = is_split(auto.schedule), None, None
+        partition = list(auto.partition)
     elif costs == PROFILE:
         raise PipelineConfigError(
             "costs='profile' places W by the measured costs of a schedule given by name; "
@@ -174,8 +172,11 @@ def plan_pipeline(
                 f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
                 "'skip' (drop the step's gradients and go on)"
             )
-        resolved = fuse_first_stage_backward(
-            resolve_schedule(
+        if auto is not None:
+            # What the search simulated is what runs: nothing prepares it again.
+            resolved = auto.schedule
+        else:
+            resolved = prepare(
                 schedule,
                 n_ranks=world.size if pipeline_ranks is None else len(pipeline_ranks),
                 n_microbatches=n_microbatches,
@@ -183,8 +184,9 @@ def plan_pipeline(
                 policy=policy,
                 stages_per_rank=stages_per_rank,
                 costs=cost_model(costs),
+                data_parallel=data_parallel,
+                tied=tied,
             )
-        )
         counts = stage_counts(len(blocks), resolved.pipeline_stages, partition)
         if counts is None:
             example_input_needed(example_input)

@@ -64,6 +64,21 @@ def shared_parameters(
     }
 
 
+def tied_across_blocks(blocks: Sequence[nn.Module]) -> bool:
+    """True if some parameter is used by more than one block (a tied embedding and head).
+
+    Known before the model is cut into stages: the preparation pass places
+    reductions for such a model (:func:`twobp.schedule.prepare.reduces`); where
+    the blocks of a tie end up on one rank, its ``R`` has nothing to reduce.
+    """
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            if owner.setdefault(id(p), i) != i:
+                return True
+    return False
+
+
 @dataclass(frozen=True)
 class ReductionGroup:
     """Parameters whose gradients are summed over one set of ranks.
