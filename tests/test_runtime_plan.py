@@ -18,6 +18,7 @@ from twobp.schedule import (
     add_communication,
     apply_two_bp,
     forward_only,
+    fuse_first_stage_backward,
     generate,
     is_split,
     resolve_schedule,
@@ -209,9 +210,13 @@ def test_resolve_by_name_and_two_bp():
     fused = resolve_schedule("1f1b", n_ranks=2, n_microbatches=4, two_bp=False)
     assert _kinds(fused) == {"F", "B"} and fused.n_microbatches == 4
     split = resolve_schedule("1f1b", n_ranks=2, n_microbatches=4, two_bp=True, policy="eager")
-    assert _kinds(split) == {"F", "I", "W"} and split.name.endswith("+2bp:eager")
+    # Eager puts each W right after its I: the first stage's pair runs fused, as one B.
+    assert _kinds(split) == {"F", "I", "W", "B"} and split.name.endswith("+2bp:eager")
+    assert {a.kind.value for a in split.actions[0] if a.stage == 0} == {"F", "B"}
+    assert {a.kind.value for a in split.actions[1]} == {"F", "I", "W"}
     zb = resolve_schedule("zb-h1", n_ranks=2, n_microbatches=4, two_bp=True)
-    assert zb == generate("zb-h1", 2, 4)  # natively split: kept as generated
+    # Natively split: kept as generated, but for the first stage's fusion.
+    assert zb == fuse_first_stage_backward(generate("zb-h1", 2, 4))
     merged = resolve_schedule("zb-h1", n_ranks=2, n_microbatches=4, two_bp=False)
     assert not is_split(merged)
     assert (
