@@ -54,9 +54,11 @@ def test_a_run_writes_jsonl_and_tensorboard_and_a_resume_continues_them(tmp_path
     assert loss == {r["step"]: pytest.approx(r["loss"]) for r in records}
     assert _scalars(out, "optimizer/grad_norm")[6] == pytest.approx(records[-1]["grad_norm"])
     assert set(_scalars(out, "memory/peak_rss_mib/rank1")) == {2, 4, 6}
-    # Resumed from step 4 into the same folder, logging every step: steps 5 and 6 run again.
+    # Resumed from step 4 into the same folder, logging every step: steps 5 and 6 run again
+    # (--overwrite: the step-6 checkpoint is replaced).
     source = out / "checkpoints" / "step-00000004"
-    resumed = ["--resume", str(source), "--log-every", "1", "--grad-clip", "0", "--out", str(out)]
+    resumed = ["--resume", str(source), "--log-every", "1", "--grad-clip", "0", "--overwrite"]
+    resumed += ["--out", str(out)]
     assert main(["train", *OPTIONS, *resumed]) == 0
     again = read_records(out / "metrics.jsonl")
     assert [r["step"] for r in again] == [2, 4, 5, 6]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,14 @@ def register(subparsers: Any) -> None:
             "report: throughput, bubble ratio, peak memory per rank, loss curve and the last "
             "step's timeline. Defaults: the tiny LLaMA-like model as a byte-level language "
             "model on Python's own sources, 2 ranks, 1f1b with 2BP. Checkpoints go to "
-            "OUT/checkpoints; --resume OUT continues a run where it stopped (under torchrun "
-            "--max-restarts, pass --resume auto). Options are checked before any rank starts; "
-            "if a rank fails, the command prints one line per failed rank and writes the "
-            "tracebacks to OUT/errors.log (exit code 1). With --config FILE.toml the options "
+            "OUT/checkpoints, every --save-every steps and at the end; --resume OUT continues a "
+            "run where it stopped (under torchrun --max-restarts, pass --resume auto). A new run "
+            "into an OUT that holds checkpoints of another run is refused (--overwrite replaces "
+            "them). Ctrl-C or SIGTERM ends the run after the step in flight with a checkpoint "
+            "and prints the command that continues it (exit code 130); a second Ctrl-C stops at "
+            "once. Options are checked before any rank starts; if a rank fails, the command "
+            "prints one line per failed rank and writes the tracebacks to OUT/errors.log (exit "
+            "code 1). With --config FILE.toml the options "
             "come from a file (one key per option), and those given here override it; every "
             "run writes the options it ran with to OUT/config.toml."
         ),
@@ -65,40 +70,115 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]]
     }
 
 
+INTERRUPTED_EXIT_CODE = 130
+"""Exit code of a run stopped by Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it)."""
+
+
 def _run(args: argparse.Namespace) -> int:
     from twobp.runtime import LaunchError, PipelineError
     from twobp.train.failures import failure_summary
     from twobp.train.preflight import OptionError
-    from twobp.train.report import memory_line, throughput
     from twobp.train.run import run_training
+    from twobp.train.stopping import TrainingInterrupted
 
     cfg, from_file = train_config(args)
     try:
         summary = run_training(cfg)
     except OptionError as exc:
         raise UsageError(_name_the_file(str(exc), from_file, args.config)) from exc
+    except TrainingInterrupted as exc:
+        if exc.summary is not None:
+            _print_summary(cfg, exc.summary)
+            saved = f", saved in {exc.checkpoint}" if exc.checkpoint else "; nothing saved"
+            print(f"interrupted after step {exc.step} of {cfg.steps}{saved}")
+            if exc.checkpoint:
+                print(f"continue with: {_continue_with(cfg)}")
+        return INTERRUPTED_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        _print_resume_hint(cfg)
+        return INTERRUPTED_EXIT_CODE
     except LaunchError as exc:
         print(f"twobp train: {failure_summary(exc, Path(cfg.out), cfg.verbose)}", file=sys.stderr)
+        _print_resume_hint(cfg)
         return 1
     except PipelineError as exc:
         # This rank's error under torchrun, which then ends or restarts the group.
         print(f"twobp train: {exc}", file=sys.stderr)
         return 1
     if summary is not None:
-        print(
-            f"done: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
-            f"held-out {summary['eval_loss']:.3f}; {throughput(summary)}; "
-            f"bubble {summary['bubble_ratio']:.3f}; report in {cfg.out}/report.md"
-        )
-        memory = memory_line(summary.get("memory_per_rank", {}))
-        if memory is not None:
-            print(memory)
+        _print_summary(cfg, summary)
         if summary["steps_run"] < cfg.steps:
             print(
                 f"stopped after step {summary['steps_run']} of {cfg.steps}; continue with the "
                 f"same options and --resume {cfg.out}"
             )
     return 0
+
+
+def _print_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
+    from twobp.train.report import memory_line, throughput
+
+    print(
+        f"done: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+        f"held-out {summary['eval_loss']:.3f}; {throughput(summary)}; "
+        f"bubble {summary['bubble_ratio']:.3f}; report in {cfg.out}/report.md"
+    )
+    memory = memory_line(summary.get("memory_per_rank", {}))
+    if memory is not None:
+        print(memory)
+
+
+def _print_resume_hint(cfg: TrainConfig) -> None:
+    """After a failure or a hard stop: the latest checkpoint, and how to continue from it."""
+    from twobp.runtime.errors import CheckpointError
+    from twobp.runtime.state.checkpoint import latest_checkpoint, read_manifest
+    from twobp.train.checkpointing import checkpoint_root, last_step
+
+    latest = latest_checkpoint(checkpoint_root(cfg))
+    if latest is None:
+        return
+    try:
+        step = int(read_manifest(latest)["step"])
+    except (CheckpointError, KeyError, ValueError):
+        return
+    if step >= last_step(cfg):
+        return
+    print(
+        f"the latest checkpoint is {latest} (step {step}); continue with: {_continue_with(cfg)}",
+        file=sys.stderr,
+    )
+
+
+def _continue_with(cfg: TrainConfig) -> str:
+    from twobp.runtime.setup.group import launched_by_env
+
+    if launched_by_env():
+        return f"the same torchrun command with --resume {cfg.out} (or --resume auto)"
+    return resume_command(cfg)
+
+
+def resume_command(cfg: TrainConfig) -> str:
+    """The ``twobp train`` command that continues ``cfg``'s run from its latest checkpoint.
+
+    Every option that differs from its default, then ``--resume OUT``.
+    """
+    words = ["twobp", "train"]
+    for option in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, option.name)
+        if option.name in ("out", "resume", "overwrite") or value == option.default:
+            continue
+        flag = "--" + option.name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            words += [flag, str(value)]
+    if cfg.out != _DEFAULT_OUT:
+        words += ["--out", cfg.out]
+    return shlex.join([*words, "--resume", cfg.out])
+
+
+_DEFAULT_OUT = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "out")
 
 
 def _name_the_file(message: str, from_file: dict[str, Any], path: str | None) -> str:

@@ -185,12 +185,18 @@ def save_due(cfg: TrainConfig, done: int) -> bool:
 
 
 def save(
-    pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig, history: History
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    history: History,
+    *,
+    last: bool = False,
 ) -> Path:
     """Write this run's checkpoint after ``history.step`` steps. Collective.
 
     With ``--async-save`` it is written in the background, except the run's
-    last, which is complete when this returns (as is any earlier one).
+    last (at its last step, or ``last``: it stops early), which is complete
+    when this returns (as is any earlier one).
     """
     meta: dict[str, Any] = {"config": dataclasses.asdict(cfg), "step": history.step}
     return pipe.save(
@@ -200,5 +206,5 @@ def save(
         step=history.step,
         meta=meta,
         keep=cfg.keep_checkpoints,
-        async_save=cfg.async_save and history.step < last_step(cfg),
+        async_save=cfg.async_save and not last and history.step < last_step(cfg),
     )

@@ -115,8 +115,16 @@ class TrainConfig:
         choices=("raise", "skip"),
     )
     save: bool = doc("write checkpoints into OUT/checkpoints (the last step's, at least)", True)
-    save_every: int = doc("steps between checkpoints (0: only at the end of the run)", 0)
-    keep_checkpoints: int = doc("checkpoints kept in OUT/checkpoints, the newest", 1)
+    save_every: int = doc(
+        "steps between checkpoints, so that a crash loses at most this many steps (0: only at "
+        "the end of the run; Ctrl-C or SIGTERM saves the step reached in any case)",
+        100,
+    )
+    keep_checkpoints: int = doc(
+        "checkpoints kept in OUT/checkpoints, the newest of this run (and of the run it "
+        "continues with --resume)",
+        1,
+    )
     async_save: bool = doc(
         "write checkpoints in the background while the next steps run (the last one is "
         "complete before the run ends; a crash while one is written leaves the one before)",
@@ -127,6 +135,12 @@ class TrainConfig:
         "run's --out folder (its latest), or 'auto': this --out's latest if there is one, else "
         "start afresh (what a torchrun --max-restarts job needs)",
         None,
+    )
+    overwrite: bool = doc(
+        "let this run replace the checkpoints in OUT/checkpoints that it does not continue "
+        "(those of another run, or with --resume those after its checkpoint): they are deleted "
+        "when it starts. Without it such a run is refused",
+        False,
     )
     verbose: bool = doc(
         "when a rank fails, print every rank's full traceback here too (they always go to "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import resource
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -22,6 +23,7 @@ from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
+from twobp.train.stopping import StopSignals, agree_to_stop
 from twobp.train.task import Task, autocast_dtype, build_task
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
@@ -73,6 +75,8 @@ class RankResult:
     """Wall time of every checkpoint this run wrote."""
     checkpoint: str = ""
     """The last checkpoint this run wrote ("" if none)."""
+    interrupted: bool = False
+    """The run stopped early on a signal (at the same step on every rank)."""
 
 
 StepHook = Callable[[int, int], None]
@@ -88,17 +92,32 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 
 def train_rank(
-    cfg: TrainConfig, on_step: StepHook | None = None, progress_stream: TextIO | None = None
+    cfg: TrainConfig,
+    on_step: StepHook | None = None,
+    progress_stream: TextIO | None = None,
+    stop_signals: Sequence[int] = (signal.SIGINT,),
 ) -> RankResult:
     """Train on this rank of the current process group; returns its figures.
 
     Resumes from ``cfg.resume`` if given, and saves checkpoints as ``cfg`` says.
+    The first of ``stop_signals`` that reaches any rank ends the run after the
+    step in flight, on every rank, with a checkpoint (``result.interrupted``);
+    a second one raises ``KeyboardInterrupt`` (see :mod:`twobp.train.stopping`).
 
     Args:
         cfg: the run's options.
         on_step: called with ``(rank, step)`` before each step.
         progress_stream: where rank 0 writes its progress (default: stderr).
+        stop_signals: the signals that stop the run. Local ranks leave SIGTERM
+            to the launcher, which terminates a stuck rank with it.
     """
+    with StopSignals(stop_signals) as stop:
+        return _train_rank(cfg, on_step, progress_stream, stop)
+
+
+def _train_rank(
+    cfg: TrainConfig, on_step: StepHook | None, progress_stream: TextIO | None, stop: StopSignals
+) -> RankResult:
     task = build_task(cfg)
     pipe = Pipeline(
         task.spec.blocks,
@@ -144,7 +163,7 @@ def train_rank(
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
     progress, metrics = _reporters(pipe.rank, cfg, progress_stream, history.step)
     try:
-        _train_steps(pipe, optimizer, task, cfg, history, result, on_step, progress, metrics)
+        _train_steps(pipe, optimizer, task, cfg, history, result, on_step, progress, metrics, stop)
     finally:
         if progress is not None and metrics is not None:
             progress.close()
@@ -194,8 +213,13 @@ def _train_steps(
     on_step: StepHook | None,
     progress: Progress | None,
     metrics: MetricsLog | None,
+    stop: StopSignals,
 ) -> None:
-    """Run the steps from ``history.step`` to the run's last, saving as ``cfg`` says."""
+    """Run the steps from ``history.step`` to the run's last, saving as ``cfg`` says.
+
+    After every step the ranks agree whether one of them was asked to stop;
+    if so, they all save the step reached and end.
+    """
     logged = len(result.step_seconds)  # steps of this run before the last record
     end = checkpointing.last_step(cfg)
     for step in range(history.step, end):
@@ -236,10 +260,18 @@ def _train_steps(
                 metrics.write(record)
         if progress is not None:
             progress.update(step + 1, loss, samples, tokens)
-        if checkpointing.save_due(cfg, history.step):
+        stopping = agree_to_stop(pipe.topology.members, pipe.device, cfg.timeout, stop.requested)
+        if stopping and progress is not None:
+            saving = "saving a checkpoint" if cfg.save else "not saving (--no-save)"
+            progress.note(f"stopping after step {history.step}, as asked; {saving}")
+        if checkpointing.save_due(cfg, history.step) or (stopping and cfg.save):
             start = time.perf_counter()
-            result.checkpoint = str(checkpointing.save(pipe, optimizer, cfg, history))
+            saved = checkpointing.save(pipe, optimizer, cfg, history, last=stopping)
+            result.checkpoint = str(saved)
             result.save_seconds.append(time.perf_counter() - start)
+        if stopping:
+            result.interrupted = history.step < end
+            break
 
 
 def _samples_per_s(step_seconds: list[float], since: int, batch_size: int) -> float:

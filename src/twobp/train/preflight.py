@@ -7,8 +7,9 @@ themselves apply: the schedule is resolved as every rank will resolve it
 against the model's block count (:func:`twobp.runtime.setup.stage_blocks.stage_counts`,
 the model built on the meta device, which allocates nothing), the data file
 and the checkpoint to resume from are looked at, and the output folder must
-be writable. A mistake is then one :class:`OptionError` naming the option,
-not the same failure on every rank.
+be writable and hold no checkpoints of another run (see
+:mod:`twobp.train.out_folder`). A mistake is then one :class:`OptionError`
+naming the option, not the same failure on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from twobp.sim.cost_io import parse_amount
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition, run_name
 from twobp.train.data import check_text_file
+from twobp.train.out_folder import check_out_folder
 from twobp.train.task import AUTOCAST_DTYPES, DTYPES, model_overrides
 
 
@@ -68,6 +70,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
     try:
         check_writable("--out", cfg.out, folder=True)
         check_resume(cfg)
+        check_out_folder(cfg)
     except ValueError as exc:
         raise OptionError(str(exc)) from None
 

@@ -76,6 +76,14 @@ class Progress:
         )
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """Write one line of its own, below the bar on a terminal."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+            return
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         """End the bar (its last state stays on the terminal)."""
         if self._bar is not None:

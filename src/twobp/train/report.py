@@ -89,7 +89,10 @@ def write_config(cfg: TrainConfig, out: Path) -> Path:
         "The options of a twobp train run (options left out had no value).\n"
         f"Repeat it with: twobp train --config {path}"
     )
-    path.write_text(to_toml(dataclasses.asdict(cfg), header))
+    # --overwrite is a decision about the folder, not an option of the run: a repeat of the
+    # run into the same folder asks again.
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+    path.write_text(to_toml(options, header))
     return path
 
 

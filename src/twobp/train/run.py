@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,12 @@ from twobp.runtime.setup.group import launched_by_env
 from twobp.train.config import TrainConfig
 from twobp.train.failures import ERROR_LOG, RANK_LOGS, send_stderr_to, write_error_log
 from twobp.train.loop import RankResult, StepHook, train_rank
+from twobp.train.out_folder import delete_foreign_checkpoints
 from twobp.train.preflight import check_config
 from twobp.train.report import write_config, write_report
+from twobp.train.stopping import StopSignals, TrainingInterrupted
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str, Any] | None:
@@ -25,7 +32,12 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
     return None). Otherwise ``cfg.ranks`` local processes are started; unless
     ``cfg.verbose``, their stderr goes to ``OUT/logs/rank<N>.log``, and if
     any fails, every failed rank's traceback goes to ``OUT/errors.log`` (see
-    :mod:`twobp.train.failures`).
+    :mod:`twobp.train.failures`). With ``cfg.overwrite``, the checkpoints of
+    ``OUT/checkpoints`` that this run does not continue are deleted first.
+
+    SIGINT and SIGTERM end the run after the step in flight, with a
+    checkpoint and the report; a second one stops at once (see
+    :mod:`twobp.train.stopping`).
 
     Args:
         cfg: the run's options.
@@ -36,6 +48,9 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
         twobp.runtime.LaunchError: if a local rank failed (it names the rank).
         twobp.train.preflight.OptionError: on options that cannot work (before
             any rank starts).
+        twobp.train.stopping.TrainingInterrupted: on every rank, after the
+            report, if a signal stopped the run early.
+        KeyboardInterrupt: on a second signal.
     """
     if dist.is_initialized():
         n_ranks = dist.get_world_size()
@@ -47,40 +62,82 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
     out = Path(cfg.out)
     if launched_by_env() or dist.is_initialized():
         if _global_rank() == 0:
+            delete_foreign_checkpoints(cfg)
             write_config(cfg, out)
-        mine = train_rank(cfg, on_step)
+        # Each rank is its own: torchrun forwards SIGINT and SIGTERM to every one.
+        mine = train_rank(cfg, on_step, stop_signals=STOP_SIGNALS)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        if dist.get_rank() != 0:
-            return None
-        return write_report(cfg, _by_rank(gathered), out)
+        summary = write_report(cfg, _by_rank(gathered), out) if dist.get_rank() == 0 else None
+        _raise_if_interrupted(mine, summary)
+        return summary
+    delete_foreign_checkpoints(cfg)
     write_config(cfg, out)
     logs = out / RANK_LOGS
     logs.mkdir(parents=True, exist_ok=True)
     (out / ERROR_LOG).unlink(missing_ok=True)
+    stop = StopSignals(STOP_SIGNALS, on_first=_tell_the_ranks)
     try:
-        results = launch(
-            train_rank if cfg.verbose else _train_rank_logged,
-            cfg.ranks,
-            cfg,
-            on_step,
-            *(() if cfg.verbose else (str(logs),)),
-            threads_per_rank=cfg.threads,
-            group_timeout=cfg.timeout,
-        )
+        with stop:
+            results = launch(
+                _train_local_rank,
+                cfg.ranks,
+                cfg,
+                on_step,
+                None if cfg.verbose else str(logs),
+                threads_per_rank=cfg.threads,
+                group_timeout=cfg.timeout,
+            )
     except LaunchError as exc:
         write_error_log(exc, out)
+        if stop.requested and _only_interrupted(exc):
+            raise KeyboardInterrupt from None  # Ctrl-C while the ranks were starting
         raise
-    return write_report(cfg, _by_rank(results), out)
+    by_rank = _by_rank(results)
+    summary = write_report(cfg, by_rank, out)
+    _raise_if_interrupted(by_rank[0], summary)
+    return summary
 
 
-def _train_rank_logged(cfg: TrainConfig, on_step: StepHook | None, logs: str) -> RankResult:
-    """:func:`train_rank` with this rank's stderr in ``logs/rank<N>.log``."""
+def _train_local_rank(cfg: TrainConfig, on_step: StepHook | None, logs: str | None) -> RankResult:
+    """:func:`train_rank` on a local rank; unless ``logs`` is None, its stderr goes there."""
+    if logs is None:
+        return train_rank(cfg, on_step)
     terminal = send_stderr_to(Path(logs) / f"rank{dist.get_rank()}.log")
     try:
         return train_rank(cfg, on_step, progress_stream=terminal)
     finally:
         terminal.close()
+
+
+def _tell_the_ranks(number: int) -> None:
+    """Pass a stop signal that reached this launcher on to its ranks, as SIGINT.
+
+    Ctrl-C reaches the ranks by itself (it signals the terminal's whole
+    process group); ``kill`` or a job scheduler may signal this process only.
+    """
+    print(
+        "twobp train: stopping after the step in flight, then saving a checkpoint "
+        "(Ctrl-C again to stop at once)",
+        file=sys.stderr,
+    )
+    for child in multiprocessing.active_children():
+        # The launcher names its ranks so; other children of this process are not ours.
+        if child.name.startswith("twobp-rank-") and child.pid is not None:
+            os.kill(child.pid, signal.SIGINT)
+
+
+def _only_interrupted(error: LaunchError) -> bool:
+    """True if no rank failed other than by the interrupt, or through a peer that did."""
+    return all(f.error_type in ("", "KeyboardInterrupt", *_PEER_ERRORS) for f in error.failures)
+
+
+_PEER_ERRORS = ("PeerError", "PeerFailedError", "PeerTimeoutError")
+
+
+def _raise_if_interrupted(result: RankResult, summary: dict[str, Any] | None) -> None:
+    if result.interrupted:
+        raise TrainingInterrupted(len(result.losses), result.checkpoint, summary)
 
 
 def _global_rank() -> int:

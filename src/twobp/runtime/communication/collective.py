@@ -4,11 +4,27 @@ Every wait goes through :func:`wait_work`, which turns a backend timeout or a
 closed connection into :class:`PeerTimeoutError` / :class:`PeerFailedError`
 naming this rank, where it was and the peer. In a single process world the
 collectives are the identity.
+
+A collective returns only once the backend has let go of its tensors
+(:func:`complete`). A gloo worker thread wakes the caller when an operation is
+done and drops its own reference to it a moment later. If Python has dropped
+the operation's tensor by then, that last drop frees the tensor's Python
+object, which takes the interpreter lock. After the last collective of a
+script the interpreter may already be finalising; the thread is then ended
+inside a destructor and the C++ runtime aborts the process ("terminate called
+without an active exception", SIGABRT) after the rank's work is done. This
+happens whether or not the group is destroyed: a group whose default group
+object torch still holds (``torch.distributed.nn.functional`` keeps it in its
+default arguments when imported after ``init_process_group``, as
+``torch.distributed.checkpoint`` does) outlives ``destroy_process_group``.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +32,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.errors import PeerFailedError, PeerTimeoutError
-from twobp.runtime.setup.group import Membership
+from twobp.runtime.setup.group import Membership, device_for
+
+RELEASE_WAIT = 5.0
+"""Seconds :func:`complete` waits at most for the backend to let go of a finished
+operation's tensor (it takes microseconds unless the backend's thread is kept off
+the CPU)."""
+
+_RELEASE_POLL = 1e-4
 
 
 def wait_work(
@@ -70,9 +93,15 @@ def broadcast(world: Membership, tensor: Tensor, src: int, timeout: float, what:
     """``tensor`` of rank ``src`` on every rank (in place; returned for convenience)."""
     if world.group is None:
         return tensor
-    work = dist.broadcast(tensor, src=world.global_rank(src), group=world.group, async_op=True)
-    wait_work(
-        work, rank=world.rank, peer=src, where="at the end of the step", what=what, timeout=timeout
+    group, root = world.group, world.global_rank(src)
+    complete(
+        lambda: dist.broadcast(tensor, src=root, group=group, async_op=True),
+        tensor,
+        rank=world.rank,
+        peer=src,
+        where="at the end of the step",
+        what=what,
+        timeout=timeout,
     )
     return tensor
 
@@ -81,18 +110,79 @@ def all_reduce(world: Membership, tensor: Tensor, op: Any, timeout: float, what:
     """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``)."""
     if world.group is None:
         return tensor
-    work = dist.all_reduce(tensor, op=op, group=world.group, async_op=True)
-    wait_work(work, rank=world.rank, peer=None, where="in a collective", what=what, timeout=timeout)
+    group = world.group
+    complete(
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        tensor,
+        rank=world.rank,
+        peer=None,
+        where="in a collective",
+        what=what,
+        timeout=timeout,
+    )
     return tensor
 
 
-def all_gather_objects(world: Membership, value: Any) -> list[Any]:
-    """Each rank's ``value`` (picklable), indexed by rank."""
+def all_gather_objects(world: Membership, value: Any, timeout: float = 300.0) -> list[Any]:
+    """Each rank's ``value`` (picklable), indexed by rank.
+
+    Two all-reduces of tensors this function holds (the sizes, then the
+    bytes, each rank filling its own row of a zero table) instead of
+    ``dist.all_gather_object``, whose own tensors are dropped as it returns
+    (see the module's docstring).
+    """
     if world.group is None:
         return [value]
-    out: list[Any] = [None] * world.size
-    dist.all_gather_object(out, value, group=world.group)
-    return out
+    device = device_for(world)
+    data = pickle.dumps(value)
+    sizes = torch.zeros(world.size, dtype=torch.int64, device=device)
+    sizes[world.rank] = len(data)
+    all_reduce(world, sizes, dist.ReduceOp.SUM, timeout, "the sizes of the other ranks' values")
+    lengths = sizes.tolist()
+    table = torch.zeros(world.size, max(lengths), dtype=torch.uint8)
+    table[world.rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    table = table.to(device)
+    all_reduce(world, table, dist.ReduceOp.SUM, timeout, "the other ranks' values")
+    rows = table.cpu()
+    return [pickle.loads(bytes(rows[r, : lengths[r]].tolist())) for r in range(world.size)]
+
+
+def complete(
+    post: Callable[[], Any],
+    tensor: Tensor,
+    *,
+    rank: int,
+    peer: int | None,
+    where: str,
+    what: str,
+    timeout: float,
+) -> None:
+    """Post a collective on ``tensor``, wait for it, and wait until the backend lets go of it.
+
+    The caller still holds ``tensor`` when this returns, and the backend no
+    longer does, so that no backend thread is ever left to free a tensor's
+    Python object (see the module's docstring).
+
+    Args:
+        post: posts the operation (``async_op=True``) and returns its handle.
+        tensor: the tensor the operation reads and writes.
+        rank, peer, where, what, timeout: as :func:`wait_work`.
+
+    Raises:
+        PeerTimeoutError, PeerFailedError: as :func:`wait_work`.
+    """
+    holders = _holders(tensor)
+    work = post()
+    wait_work(work, rank=rank, peer=peer, where=where, what=what, timeout=timeout)
+    del work
+    deadline = time.monotonic() + RELEASE_WAIT
+    while _holders(tensor) > holders and time.monotonic() < deadline:
+        time.sleep(_RELEASE_POLL)  # lets the backend's thread run
+
+
+def _holders(tensor: Tensor) -> int:
+    """How many references to ``tensor``'s implementation exist (Python's counts once)."""
+    return int(tensor._use_count())  # type: ignore[attr-defined]
 
 
 def scalar(value: float, device: torch.device) -> Tensor:

@@ -82,9 +82,15 @@ def agree(
         tensor[world.rank] = torch.tensor(row, dtype=torch.int64)
         tensor = tensor.to(device)
         peer = 1 - world.rank if world.size == 2 else None
-        work = dist.all_reduce(tensor, group=world.group, async_op=True)
-        collective.wait_work(
-            work, rank=world.rank, peer=peer, where=where, what="the other ranks", timeout=timeout
+        group = world.group
+        collective.complete(
+            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            tensor,
+            rank=world.rank,
+            peer=peer,
+            where=where,
+            what="the other ranks",
+            timeout=timeout,
         )
         table = tensor.cpu().tolist()
     if any(r[0] for r in table):
@@ -143,9 +149,15 @@ def agree_small(
         shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
         tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
         peer = 1 - world.rank if size == 2 else None
-        work = dist.all_reduce(tensor, group=world.group, async_op=True)
-        collective.wait_work(
-            work, rank=world.rank, peer=peer, where=where, what="the other ranks", timeout=timeout
+        group = world.group
+        collective.complete(
+            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            tensor,
+            rank=world.rank,
+            peer=peer,
+            where=where,
+            what="the other ranks",
+            timeout=timeout,
         )
         packed = tensor.cpu().tolist()
         mask = (1 << _SLOT_BITS) - 1

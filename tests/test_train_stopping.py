@@ -1,0 +1,177 @@
+"""`twobp train` stopped early: Ctrl-C, SIGTERM, a second Ctrl-C, a killed rank.
+
+The first stop signal ends the run on every rank after the same step, with a
+checkpoint of that step, the report, and the command that continues it (exit
+code 130); a second one ends it at once. Real ranks and real signals: a run
+in a session of its own gets SIGINT on its whole process group, as from a
+terminal, and step hooks (tests/stopping_workers.py) signal one rank or the
+launcher alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stopping_workers
+import twobp.train.run
+from reliability_train_script import kill_once
+from twobp.cli.main import build_parser, main
+from twobp.cli.train import resume_command, train_config
+from twobp.runtime.state.checkpoint import read_manifest
+from twobp.train.config import TrainConfig
+from twobp.train.preflight import check_config
+from twobp.train.stopping import SAME_REQUEST_SECONDS, StopSignals
+
+OPTIONS = [
+    "--batch-size", "4", "--microbatches", "2", "--seq-len", "16", "--threads", "1",
+    "--timeout", "30",
+]  # fmt: skip
+INTERRUPTED = 130
+
+
+def _steps_in(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def _with_hook(monkeypatch, hook, stop_at: int) -> None:
+    monkeypatch.setenv("STOP_AT", str(stop_at))
+    hooked = functools.partial(twobp.train.run.run_training, on_step=hook)
+    monkeypatch.setattr(twobp.train.run, "run_training", hooked)
+
+
+def _continues(command: str, out: Path, step: int) -> None:
+    """``command`` is ``twobp train`` with the run's options and ``--resume OUT``, and may run."""
+    words = shlex.split(command)
+    assert words[:2] == ["twobp", "train"] and words[-2:] == ["--resume", str(out)]
+    cfg, _ = train_config(build_parser().parse_args(words[1:]))
+    saved = read_manifest(out)
+    assert saved["step"] == step
+    assert {**saved["meta"]["config"], "resume": str(out)} == vars(cfg) | {"resume": str(out)}
+    check_config(cfg)  # the checkpoint fits, and --out holds only this run's
+
+
+def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "twobp.cli.main", "train", *OPTIONS, "--steps", "5000",
+        "--log-every", "1", "--out", str(out),
+    ]  # fmt: skip
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert run.stderr is not None
+    for line in run.stderr:
+        if line.startswith("step "):  # the first step is done: the ranks are training
+            break
+    os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    printed, err = run.communicate(timeout=120)
+    assert run.returncode == INTERRUPTED, err
+    assert "stopping after the step in flight, then saving a checkpoint" in err
+    assert "Traceback" not in err
+    steps = json.loads((out / "metrics.json").read_text())["steps_run"]
+    assert 1 <= steps < 5000 and _steps_in(out) == [f"step-{steps:08d}"]
+    assert f"stopping after step {steps}, as asked; saving a checkpoint" in err
+    lines = printed.splitlines()
+    assert lines[-2] == (
+        f"interrupted after step {steps} of 5000, saved in {out}/checkpoints/step-{steps:08d}"
+    )
+    assert lines[-1].startswith("continue with: twobp train ")
+    _continues(lines[-1].removeprefix("continue with: "), out, steps)
+
+
+def test_ranks_stop_after_the_same_step_when_one_rank_is_signalled(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _with_hook(monkeypatch, stopping_workers.interrupt_this_rank, stop_at=2)
+    assert main(["train", *OPTIONS, "--steps", "10", "--out", str(out)]) == INTERRUPTED
+    # Rank 1 asked before step 2 (the third); both ranks saved after it, together.
+    assert _steps_in(out) == ["step-00000003"]
+    assert json.loads((out / "metrics.json").read_text())["steps_run"] == 3
+    printed = capsys.readouterr().out
+    assert f"interrupted after step 3 of 10, saved in {out}/checkpoints/step-00000003" in printed
+    _continues(printed.splitlines()[-1].removeprefix("continue with: "), out, 3)
+
+
+def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    _with_hook(monkeypatch, stopping_workers.terminate_the_launcher, stop_at=2)
+    args = ["train", *OPTIONS, "--steps", "10", "--no-async-save", "--out", str(out)]
+    assert main(args) == INTERRUPTED
+    assert _steps_in(out) == ["step-00000003"]
+    assert "stopping after the step in flight" in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    # The step in flight hangs for a minute: only a stop at once ends the run in time.
+    _with_hook(monkeypatch, stopping_workers.interrupt_the_launcher_twice, stop_at=2)
+    start = time.monotonic()
+    assert main(["train", *OPTIONS, "--steps", "10", "--out", str(out)]) == INTERRUPTED
+    assert time.monotonic() - start < 45
+    assert not (out / "checkpoints").exists()
+    err = capsys.readouterr().err
+    assert "stopping after the step in flight" in err and "interrupted" in err
+    assert "continue with" not in err  # there is no checkpoint to continue from
+
+
+def test_a_killed_rank_s_summary_prints_the_resume_command(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("KILL_AT", "4")  # rank 1 is killed before step 4, after its checkpoint
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(
+        twobp.train.run,
+        "run_training",
+        functools.partial(twobp.train.run.run_training, on_step=kill_once),
+    )
+    args = [*OPTIONS, "--steps", "6", "--save-every", "2", "--no-async-save", "--out", str(out)]
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1: killed by SIGKILL" in err
+    hint = err.splitlines()[-1]
+    assert hint.startswith(
+        f"the latest checkpoint is {out}/checkpoints/step-00000004 (step 4); continue with: "
+        "twobp train "
+    )
+    _continues(hint.split("continue with: ")[1], out, 4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"steps": 50, "two_bp": False, "lr": 1e-3, "out": "runs/x y", "stop_after": 20},
+        {"recompute": "all", "threads": 1, "async_save": False, "overwrite": True},
+    ],
+)
+def test_the_resume_command_repeats_every_option(options):
+    cfg = TrainConfig(**options)
+    words = shlex.split(resume_command(cfg))
+    again, _ = train_config(build_parser().parse_args(words[1:]))
+    assert vars(again) == {**vars(cfg), "resume": cfg.out, "overwrite": False}
+
+
+def test_a_signal_delivered_twice_is_one_request_and_a_later_one_stops_at_once():
+    called = []
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals([signal.SIGINT], on_first=called.append) as stop:
+        # Ctrl-C under a launcher that forwards it: the terminal's and the launcher's copy.
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pytest.fail("the second copy of one signal stopped at once")
+        assert stop.requested and called == [signal.SIGINT]
+        time.sleep(SAME_REQUEST_SECONDS + 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # the handler runs here at the latest
+    assert signal.getsignal(signal.SIGINT) is before
