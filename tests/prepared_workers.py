@@ -39,16 +39,14 @@ def auto_and_simulated(
         "costs": costs,
         "stages_per_rank": stages_per_rank,
     }
-    pipe = Pipeline(
-        build_blocks(model), loss_fn(model), schedule="auto", auto_trials=0, **options
-    )
+    pipe = Pipeline(build_blocks(model), loss_fn(model), schedule="auto", auto_trials=0, **options)
     assert pipe.plan is not None
     choice = pipe.plan.choice
     option = next(
         o
         for o in _options_of(choice.schedule)
-        if (o.policy, o.stages_per_rank, o.group_size)
-        == (choice.policy, choice.stages_per_rank, choice.group_size)
+        if (o.policy, o.stages_per_rank, o.microbatches_per_w)
+        == (choice.policy, choice.stages_per_rank, choice.microbatches_per_w)
     )
     tied = model == "tied"
     _, simulated = simulate_option(
@@ -77,7 +75,7 @@ def auto_and_simulated(
     }
     pipe.close()
     native = SCHEDULES[choice.schedule].natively_split
-    if choice.policy != "off" and choice.group_size is None and not native:
+    if choice.policy != "off" and choice.microbatches_per_w is None and not native:
         fixed = Pipeline(
             build_blocks(model),
             loss_fn(model),

@@ -82,7 +82,7 @@ def test_a_memory_limit_nothing_fits_says_what_the_least_needs():
     messages = launch(_refused_at_half_a_mib, 2, costs, threads_per_rank=1, timeout=120)
     assert messages[0] == messages[1]
     assert "no schedule fits memory_limit=512 KiB per rank" in messages[0]
-    assert "needs 1 MiB" in messages[0]
+    assert "needs the least (1 MiB)" in messages[0]
 
 
 def _refused_at_half_a_mib(costs: CostModel) -> str:

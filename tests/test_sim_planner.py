@@ -30,7 +30,9 @@ def test_a_memory_limit_bounds_fill_and_picks_what_fits():
 
 def test_nothing_that_fits_names_the_smallest():
     candidates = evaluate(UNIT, 4, 4, ["1f1b", "gpipe"], ["off"], memory_limit=0.5)
-    assert recommend(candidates, 0.5).startswith("Nothing fits in 0.5 per rank: 1f1b needs")
+    assert recommend(candidates, 0.5).startswith(
+        "No schedule fits memory_limit=0.5 per rank: 1f1b needs the least (4)"
+    )
     assert recommend([Candidate("1f1b", "off", error="no")], None).startswith("Nothing could")
 
 

@@ -134,7 +134,7 @@ def test_nothing_fits_says_how_much_the_best_needs():
     )
     least = min(c.peak_memory for c in candidates)
     text = recommend(candidates, least / 2)
-    assert text.startswith(f"Nothing fits in {least / 2:g} per rank")
+    assert text.startswith(f"No schedule fits memory_limit={least / 2:g} per rank")
     assert f"needs the least ({least:g})" in text and "recompute='all'" in text
 
 

@@ -45,7 +45,8 @@ class Candidate:
         weight_group_size: the cap on micro-batches per ``W`` group (None: none).
         stages_per_rank: stages per rank ``V`` it was built with (None: the
             schedule's default).
-        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        microbatches_per_w: the most micro-batches one ``W`` action covers
+            (None: no cap); not the engine's ``weight_group_size``.
         uncontended_makespan: simulated step time with ranks that do not
             slow each other (``contention = 1``); ``nan`` if not simulated.
     """
@@ -59,8 +60,13 @@ class Candidate:
     recompute: str = NO_RECOMPUTE
     weight_group_size: int | None = None
     stages_per_rank: int | None = None
-    group_size: int | None = None
+    microbatches_per_w: int | None = None
     uncontended_makespan: float = math.nan
+
+    @property
+    def group_size(self) -> int | None:
+        """The former name of :attr:`microbatches_per_w`."""
+        return self.microbatches_per_w
 
     @property
     def ok(self) -> bool:
@@ -85,7 +91,7 @@ def describe(c: Candidate) -> str:
     )
     label = f"{c.schedule} (V={c.stages_per_rank})" if shown_v else c.schedule
     if c.policy != NO_TWO_BP:
-        cap = "" if c.group_size is None else f", W groups <= {c.group_size}"
+        cap = "" if c.microbatches_per_w is None else f", W groups <= {c.microbatches_per_w}"
         label += f" with 2BP ({c.policy}{cap})"
     if c.recompute != NO_RECOMPUTE:
         label += f", recompute={c.recompute!r}"
@@ -218,7 +224,7 @@ def simulate_candidate(
         stages per rank it ran with) and its schedule (None on error): the
         schedule a pipeline with these options runs.
     """
-    base = Candidate(name, policy, stages_per_rank=stages_per_rank, group_size=group_size)
+    base = Candidate(name, policy, stages_per_rank=stages_per_rank, microbatches_per_w=group_size)
     try:
         schedule, fitted = build_schedule(
             name,

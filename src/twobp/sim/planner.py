@@ -2,9 +2,14 @@
 
 :func:`evaluate` simulates each schedule with each 2BP policy (``off``,
 ``eager``, ``paper``, ``fill``), and optionally each recompute mode and cap on
-``W`` groups (:mod:`twobp.sim.recompute`), on the same cost model and orders
-them from the shortest step to the longest; :func:`recommend` names the fastest whose peak
-memory fits a per-rank limit. With a memory limit, the ``fill`` policy is told
+``W`` groups (:mod:`twobp.sim.recompute`), on the same cost model. It is the
+search of ``schedule="auto"`` (:mod:`twobp.sim.search`) over another part of
+the one option space (:class:`twobp.sim.search.Option`: one stage count per
+schedule and no cap on ``W`` actions, but recompute modes and concatenation
+caps, and Chimera): the same simulation of each option, the same ranking
+(:func:`twobp.sim.search.rank`: those that fit first, fastest first) and the
+same chooser (:func:`twobp.sim.search.choose`), which :func:`recommend` words.
+With a memory limit, the ``fill`` policy is told
 how many micro-batches each rank may hold between their ``F`` and their ``W``
 (see :func:`twobp.sim.memory.microbatch_limit`), so that it runs a stored
 ``W`` early rather than go over the limit. ``twobp plan`` prints the result.
@@ -13,7 +18,6 @@ how many micro-batches each rank may hold between their ``F`` and their ``W``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from twobp.schedule import SCHEDULES
 from twobp.sim.candidate import (
@@ -22,11 +26,11 @@ from twobp.sim.candidate import (
     Candidate,
     build_schedule,
     describe,
-    simulate_candidate,
 )
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES, with_recompute
+from twobp.sim.search import NothingFitsError, Option, choose, rank, simulate_option
 
 __all__ = [
     "ALL_POLICIES",
@@ -80,9 +84,10 @@ def evaluate(
             (None: no cap); each is a candidate of its own.
 
     Returns:
-        The candidates ordered by makespan, then peak memory; those that could
-        not be built (e.g. ``m`` not a multiple of ``p`` for interleaved 1F1B)
-        come last with their ``error``.
+        The candidates in the order of :func:`twobp.sim.search.rank`: those
+        within the memory limit by makespan (then peak memory), then those
+        over it, then those that could not be built (e.g. ``m`` not a multiple
+        of ``p`` for interleaved 1F1B) with their ``error``.
 
     Raises:
         ValueError: on an unknown schedule, policy or recompute mode name, or
@@ -102,69 +107,38 @@ def evaluate(
             f"unknown recompute mode {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(modes)}"
         )
-    out = []
     for recompute in recomputes:
         for group in weight_group_sizes:
-            variant = with_recompute(costs, recompute, group)
-            for c in _evaluate_variant(
-                variant,
-                n_ranks,
-                n_microbatches,
-                schedules,
-                policies,
-                stages_per_rank,
-                memory_limit,
-                data_parallel,
-            ):
-                out.append(replace(c, recompute=recompute, weight_group_size=group))
-    return sorted(out, key=lambda c: (not c.ok, c.makespan, c.peak_memory))
-
-
-def _evaluate_variant(
-    costs: CostModel,
-    n_ranks: int,
-    n_microbatches: int,
-    schedules: Sequence[str],
-    policies: Sequence[str],
-    stages_per_rank: int | None,
-    memory_limit: float | None,
-    data_parallel: int = 1,
-) -> list[Candidate]:
-    """The candidates of one cost model (one recompute mode and W cap)."""
-    return [
-        simulate_candidate(
-            name,
-            policy,
-            n_ranks,
-            n_microbatches,
-            costs,
-            stages_per_rank=_stages_per_rank(name, stages_per_rank),
-            memory_limit=memory_limit,
-            data_parallel=data_parallel,
-        )[0]
+            with_recompute(costs, recompute, group)  # refuses a cap below 1 here
+    choices = [
+        Option(name, policy, _stages_per_rank(name, stages_per_rank), None, recompute, group)
+        for recompute in recomputes
+        for group in weight_group_sizes
         for name in schedules
         for policy in policies
     ]
+    done = [
+        simulate_option(o, n_ranks, n_microbatches, costs, memory_limit, data_parallel)[0]
+        for o in choices
+    ]
+    return rank(done, memory_limit)
 
 
 def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> str:
     """One sentence naming the candidate to use and why.
 
-    The fastest candidate whose peak memory fits ``memory_limit``; if none
-    fits, the one that needs the least memory.
+    The choice of :func:`twobp.sim.search.choose` (the fastest that fits
+    ``memory_limit``, near ties broken by the step without contention); if
+    none fits, its sentence naming the one that needs the least memory.
     """
     ran = [c for c in candidates if c.ok]
     if not ran:
         return "Nothing could be simulated; see the errors above."
-    fits = [c for c in ran if memory_limit is None or c.peak_memory <= memory_limit]
-    if not fits:
-        least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
-        return (
-            f"Nothing fits in {format_amount(memory_limit or 0)} per rank: {describe(least)} needs "
-            f"the least ({format_amount(least.peak_memory)}); use fewer micro-batches in flight, "
-            "more ranks or a higher limit."
-        )
-    best = fits[0]
+    try:
+        best = choose(candidates, memory_limit)
+    except NothingFitsError as exc:
+        text = str(exc)
+        return f"{text[:1].upper()}{text[1:]}."
     baseline = next(
         (
             c

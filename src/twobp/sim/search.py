@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twobp.schedule import SCHEDULES, Schedule
 from twobp.sim.candidate import (
@@ -28,7 +28,9 @@ from twobp.sim.candidate import (
     uncontended,
 )
 from twobp.sim.cost_io import format_amount
+from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
+from twobp.sim.recompute import NO_RECOMPUTE, with_recompute
 
 __all__ = [
     "GROUPED_POLICIES",
@@ -42,6 +44,7 @@ __all__ = [
     "describe",
     "fits",
     "options",
+    "rank",
     "search",
     "simulate_option",
     "uncontended",
@@ -59,19 +62,36 @@ GROUPED_POLICIES = ("paper", "fill")
 
 @dataclass(frozen=True)
 class Option:
-    """One combination to simulate.
+    """One combination to simulate: a point of the one option space of both planners.
+
+    Two caps read alike and are not the same: ``microbatches_per_w`` is how
+    many micro-batches one ``W`` *action* of the schedule may cover (the 2BP
+    placement's cap, a schedule option); ``weight_group_size`` is how many
+    micro-batches the 2BP *engine* concatenates (and, recomputing
+    derivatives, rebuilds) at once inside one ``W`` (the ``Pipeline``
+    argument of that name, a cost-model option).
 
     Args:
         schedule: a name of :data:`twobp.schedule.SCHEDULES`.
         policy: ``off`` or a 2BP policy.
-        stages_per_rank: stages per rank ``V``.
-        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        stages_per_rank: stages per rank ``V`` (None: the schedule's default).
+        microbatches_per_w: the most micro-batches one ``W`` action covers (None: no cap).
+        recompute: ``off`` or a recompute mode of every stage
+            (:data:`twobp.sim.recompute.RECOMPUTE_MODES`).
+        weight_group_size: the engine's concatenation cap (None: no cap).
     """
 
     schedule: str
     policy: str
-    stages_per_rank: int
-    group_size: int | None = None
+    stages_per_rank: int | None
+    microbatches_per_w: int | None = None
+    recompute: str = NO_RECOMPUTE
+    weight_group_size: int | None = None
+
+    @property
+    def group_size(self) -> int | None:
+        """The former name of :attr:`microbatches_per_w`."""
+        return self.microbatches_per_w
 
 
 class NothingFitsError(ValueError):
@@ -84,29 +104,35 @@ def options(
     schedules: Sequence[str] | None = None,
     policies: Sequence[str] = ALL_POLICIES,
     max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+    recomputes: Sequence[str] = (NO_RECOMPUTE,),
+    weight_group_sizes: Sequence[int | None] = (None,),
 ) -> list[Option]:
-    """Every combination of schedule, stage count, policy and ``W`` group cap.
+    """Every combination of schedule, stage count, policy, ``W`` cap and recompute mode.
 
     Args:
-        n_microbatches: micro-batches per step (group caps below it only).
+        n_microbatches: micro-batches per step (``W`` caps below it only).
         schedules: names to try (None: all of :data:`twobp.schedule.SCHEDULES`).
         policies: ``off`` and/or 2BP policies.
         max_stages_per_rank: the most stages per rank tried for schedules
             that take any number.
+        recomputes: recompute modes of every stage to try (``off``: none).
+        weight_group_sizes: the engine's concatenation caps to try (None: no cap).
 
     Returns:
         The options, in a fixed order.
     """
     out = []
-    for name in SCHEDULES if schedules is None else schedules:
-        info = SCHEDULES[name]
-        allowed = info.allowed_stages_per_rank
-        counts = range(1, max_stages_per_rank + 1) if allowed is None else allowed
-        caps = [None, *(g for g in GROUP_SIZES if g < n_microbatches)]
-        for v in counts:
-            for policy in policies:
-                for cap in caps if policy in GROUPED_POLICIES else [None]:
-                    out.append(Option(name, policy, v, cap))
+    for recompute in recomputes:
+        for concat in weight_group_sizes:
+            for name in SCHEDULES if schedules is None else schedules:
+                info = SCHEDULES[name]
+                allowed = info.allowed_stages_per_rank
+                counts = range(1, max_stages_per_rank + 1) if allowed is None else allowed
+                caps = [None, *(g for g in GROUP_SIZES if g < n_microbatches)]
+                for v in counts:
+                    for policy in policies:
+                        for cap in caps if policy in GROUPED_POLICIES else [None]:
+                            out.append(Option(name, policy, v, cap, recompute, concat))
     return out
 
 
@@ -150,7 +176,7 @@ def simulate_option(
     option: Option,
     n_ranks: int,
     n_microbatches: int,
-    costs_for: CostsFor,
+    costs: CostModel | CostsFor,
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
@@ -160,13 +186,16 @@ def simulate_option(
     ``fill`` under a memory limit keeps each rank to the micro-batches of
     :func:`twobp.sim.memory.microbatch_limit`; the other policies are
     simulated as they are and may go over it (:func:`choose` skips them).
+    The option's recompute mode and concatenation cap change the costs
+    (:func:`twobp.sim.recompute.with_recompute`).
 
     Args:
         option: the combination.
         n_ranks: number of ranks ``p``.
         n_microbatches: micro-batches per step ``m``.
-        costs_for: the cost model of the model cut into a given number of
-            stages; a schedule of several pipelines gets it once per pipeline.
+        costs: the cost model of the model's stages, or of the model cut into
+            a given number of stages; a schedule of several pipelines gets it
+            once per pipeline.
         memory_limit: memory per rank, or None.
         data_parallel: copies of the pipeline; with more than one, each
             stage's gradients are all-reduced over them (the ``R`` action).
@@ -177,25 +206,63 @@ def simulate_option(
         schedule (None on error): the prepared schedule a pipeline with
         these options runs, reductions and first-stage fusion included.
     """
-    return simulate_candidate(
+    variant: CostModel | CostsFor = costs
+    if option.recompute != NO_RECOMPUTE or option.weight_group_size is not None:
+        try:
+            variant = _recomputed(costs, option.recompute, option.weight_group_size)
+        except ValueError as exc:
+            return Candidate(option.schedule, option.policy, error=str(exc)), None
+    candidate, schedule = simulate_candidate(
         option.schedule,
         option.policy,
         n_ranks,
         n_microbatches,
-        costs_for,
+        variant,
         stages_per_rank=option.stages_per_rank,
-        group_size=option.group_size,
+        group_size=option.microbatches_per_w,
         memory_limit=memory_limit,
         data_parallel=data_parallel,
         tied=tied,
     )
+    return (
+        replace(candidate, recompute=option.recompute, weight_group_size=option.weight_group_size),
+        schedule,
+    )
+
+
+def _recomputed(
+    costs: CostModel | CostsFor, recompute: str, weight_group_size: int | None
+) -> CostModel | CostsFor:
+    if isinstance(costs, CostModel):
+        return with_recompute(costs, recompute, weight_group_size)
+
+    def costs_for(n_stages: int) -> CostModel:
+        return with_recompute(costs(n_stages), recompute, weight_group_size)
+
+    return costs_for
+
+
+def rank(candidates: Sequence[Candidate], memory_limit: float | None) -> list[Candidate]:
+    """The one ranking of both planners: those that fit first, fastest first.
+
+    Returns:
+        The candidates that fit ``memory_limit`` by makespan (then peak
+        memory), then those over it, then those that could not be simulated
+        (with their ``error``).
+    """
+
+    def order(c: Candidate) -> tuple[int, float, float]:
+        group = 2 if not c.ok else 0 if fits(c, memory_limit) else 1
+        return group, c.makespan, c.peak_memory
+
+    return sorted(candidates, key=order)
 
 
 def search(
     choices: Sequence[Option],
     n_ranks: int,
     n_microbatches: int,
-    costs_for: CostsFor,
+    costs_for: CostModel | CostsFor,
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
@@ -206,19 +273,13 @@ def search(
     over them, and with ``tied`` weights their stages reduce them (:func:`simulate_option`).
 
     Returns:
-        The candidates that fit ``memory_limit`` by makespan, then those over
-        it, then those that could not be simulated (with their ``error``).
+        The candidates in the order of :func:`rank`.
     """
     done = [
         simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel, tied)[0]
         for o in choices
     ]
-
-    def order(c: Candidate) -> tuple[int, float, float]:
-        group = 2 if not c.ok else 0 if fits(c, memory_limit) else 1
-        return group, c.makespan, c.peak_memory
-
-    return sorted(done, key=order)
+    return rank(done, memory_limit)
 
 
 def fits(candidate: Candidate, memory_limit: float | None) -> bool:
@@ -246,10 +307,9 @@ def choose(candidates: Sequence[Candidate], memory_limit: float | None) -> Candi
     if not fitting:
         least = min(ran, key=lambda c: (c.peak_memory, c.makespan))
         raise NothingFitsError(
-            f"no schedule fits memory_limit={format_amount(memory_limit or 0)} per rank: the "
-            f"one that needs the least, {describe(least)}, needs "
-            f"{format_amount(least.peak_memory)}; raise the limit to at least that, or use "
-            "fewer micro-batches or more ranks"
+            f"no schedule fits memory_limit={format_amount(memory_limit or 0)} per rank: "
+            f"{describe(least)} needs the least ({format_amount(least.peak_memory)}); raise "
+            "the limit to at least that, or use fewer micro-batches or more ranks"
         )
     fastest = min(c.makespan for c in fitting)
     tied = [c for c in fitting if c.makespan <= fastest * (1 + NEAR_TIE)]
