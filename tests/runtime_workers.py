@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline
+from twobp.schedule import Schedule, apply_two_bp, generate
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,18 @@ class Case:
     partition: tuple[int, ...] | None = None
     policy: str = "paper"
     weight_group_size: int | None = None
+    n_microbatches: int | None = None  # None: the launch's count
+    placed: bool = False  # a natively split schedule with its W placed again by the policy
 
     def __str__(self) -> str:
         parts = "uniform" if self.partition is None else "-".join(map(str, self.partition))
-        extra = f" policy={self.policy}" if self.policy != "paper" else ""
+        extra = f" policy={self.policy}" if self.policy != "paper" or self.placed else ""
+        if self.placed:
+            extra += " placed"
         if self.weight_group_size is not None:
             extra += f" group={self.weight_group_size}"
+        if self.n_microbatches is not None:
+            extra += f" m={self.n_microbatches}"
         return f"{self.model} {self.schedule} two_bp={self.two_bp} partition={parts}{extra}"
 
 
@@ -47,10 +54,15 @@ def needed_batches(pipe: Pipeline, inputs: Any, targets: Any) -> tuple[Any, Any]
 
 
 def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline:
+    n_mb = case.n_microbatches or n_mb
+    schedule: str | Schedule = case.schedule
+    if case.placed:
+        generated = generate(case.schedule, dist.get_world_size(), n_mb)
+        schedule = apply_two_bp(generated, case.policy)
     return Pipeline(
         build_blocks(case.model),
         loss_fn(case.model),
-        schedule=case.schedule,
+        schedule=schedule,
         n_microbatches=n_mb,
         two_bp=case.two_bp,
         partition=None if case.partition is None else list(case.partition),

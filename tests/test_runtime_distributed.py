@@ -32,7 +32,7 @@ from runtime_workers import (
     utilities,
 )
 from twobp.runtime import LaunchError, launch
-from twobp.schedule import SCHEDULES, generate
+from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, generate
 from twobp.timeline import bubble_ratio
 
 TOL = 1e-10
@@ -47,10 +47,20 @@ def _partitions(n_stages: int) -> list[tuple[int, ...] | None]:
     return [None, uneven[n_stages]]
 
 
+def _microbatches(name: str, n_ranks: int) -> int | None:
+    """None where the schedule takes the launch's N_MB; else 2 N_MB (DualPipe's m >= 2p)."""
+    try:
+        generate(name, n_ranks, N_MB)
+    except ValueError:
+        return 2 * N_MB
+    return None
+
+
 def _cases(n_ranks: int, models: tuple[str, ...]) -> list[Case]:
     cases = []
     for k, name in enumerate(SCHEDULES):
-        n_stages = generate(name, n_ranks, N_MB).pipeline_stages
+        m = _microbatches(name, n_ranks)
+        n_stages = generate(name, n_ranks, m or N_MB).pipeline_stages
         for two_bp in (False, True):
             for i, partition in enumerate(_partitions(n_stages)):
                 for j, model in enumerate(models):
@@ -59,7 +69,7 @@ def _cases(n_ranks: int, models: tuple[str, ...]) -> list[Case]:
                     # and without 2BP, to keep the test fast.
                     if n_ranks == 4 and (k + i + 2 * two_bp + j) % len(models) != 0:
                         continue
-                    cases.append(Case(model, name, two_bp, partition))
+                    cases.append(Case(model, name, two_bp, partition, n_microbatches=m))
     return cases
 
 
@@ -69,11 +79,16 @@ EXTRA_CASES = [
     Case("mlp", "gpipe", True, weight_group_size=1),
     # 1F1B with the paper policy ends with one W over every micro-batch: the cap splits it.
     Case("conv", "1f1b", True, weight_group_size=2),
+    # DualPipe's own W placed again by each policy (paper concatenates the last W).
+    *(Case("transformer", "dualpipev", True, policy=p, placed=True) for p in TWO_BP_POLICIES),
+    *(Case("mlp", "dualpipe", True, policy=p, placed=True) for p in TWO_BP_POLICIES),
 ]
 EXTRA_CASES_4 = [
     Case("transformer", "interleaved-1f1b", True, policy="eager"),
     Case("conv", "1f1b", True, policy="fill"),
     Case("mlp", "gpipe", True, weight_group_size=2),
+    Case("mlp", "dualpipev", True, policy="paper", placed=True, n_microbatches=2 * N_MB),
+    Case("transformer", "dualpipe", True, policy="fill", placed=True, n_microbatches=2 * N_MB),
 ]
 CASES = {2: _cases(2, MODELS) + EXTRA_CASES, 4: _cases(4, MODELS) + EXTRA_CASES_4}
 
@@ -82,8 +97,18 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, dict[str, Any]]:
-    return {m: train_reference(m, N_MB, BATCH) for m in MODELS}
+def references() -> dict[Any, dict[str, Any]]:
+    """By model for N_MB micro-batches, and by (model, m) for the cases of another m
+    (the conv model's BatchNorm statistics depend on the micro-batch)."""
+    out: dict[Any, dict[str, Any]] = {m: train_reference(m, N_MB, BATCH) for m in MODELS}
+    for case in CASES[2] + CASES[4]:
+        if case.n_microbatches is not None and _key(case) not in out:
+            out[_key(case)] = train_reference(case.model, case.n_microbatches, BATCH)
+    return out
+
+
+def _key(case: Case) -> Any:
+    return case.model if case.n_microbatches is None else (case.model, case.n_microbatches)
 
 
 # The launcher's parent sees this many cores while starting the two-rank session.
@@ -148,7 +173,7 @@ def _check_case(case: Case, per_rank: list[dict[str, Any]], reference: dict[str,
     for name, want in reference["grads"].items():
         torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
     for name, want in reference["state"].items():
-        if case.schedule == "chimera" and name not in reference["grads"]:
+        if SCHEDULES[case.schedule].pipelines > 1 and name not in reference["grads"]:
             # Each replica updates running statistics on its own micro-batches,
             # then they average: the same on both (checked above), not the
             # sequential update of one process.
@@ -158,12 +183,12 @@ def _check_case(case: Case, per_rank: list[dict[str, Any]], reference: dict[str,
 
 @pytest.mark.parametrize("case", CASES[2], ids=str)
 def test_two_ranks_match_single_process(case, two_rank_results, references):
-    _check_case(case, two_rank_results[0], references[case.model])
+    _check_case(case, two_rank_results[0], references[_key(case)])
 
 
 @pytest.mark.parametrize("case", CASES[4], ids=str)
 def test_four_ranks_match_single_process(case, four_rank_results, references):
-    _check_case(case, four_rank_results, references[case.model])
+    _check_case(case, four_rank_results, references[_key(case)])
 
 
 def test_four_ranks_train_every_model_with_and_without_two_bp():

@@ -1,11 +1,12 @@
 """Replicated stages on real gloo ranks, float64, against one process on the global batch.
 
-Data-parallel copies of every schedule (2 x 2 ranks), Chimera (its two
-pipelines hold a replica of every stage), and a weight tied across ranks (a
-token embedding read again by the output head); each trains 3 AdamW steps and
-must match, loss, every gradient and every parameter, one process running the
-whole global batch. Then the mistakes: a world that is not D x P, Chimera with
-an odd P or m, a mesh with other dim names, copies with batches of other sizes.
+Data-parallel copies of every schedule (2 x 2 ranks), Chimera and DualPipe
+(their two pipelines hold a replica of every stage), and a weight tied across
+ranks (a token embedding read again by the output head); each trains 3 AdamW
+steps and must match, loss, every gradient and every parameter, one process
+running the whole global batch. Then the mistakes: a world that is not D x P,
+Chimera with an odd P or m, DualPipe(V) with too few micro-batches or an odd P,
+a mesh with other dim names, copies with batches of other sizes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ FOUR = [
     ],
     ("tied", "1f1b", True, {"data_parallel": 2}),
     ("tied", "chimera", True, {"data_parallel": 2}),
+    ("tied", "dualpipe", True, {"data_parallel": 2}),
     ("mlp", "zb-h1", True, {"mesh_shape": (2, 2)}),
 ]
 TWO = [
@@ -51,12 +53,18 @@ TWO = [
     ("tied", "1f1b", False, {}),
     ("tied", "chimera", True, {}),
     ("mlp", "chimera", True, {"n_microbatches": 8}),
+    # DualPipe's tied weight lives on both ranks twice (two pipelines); DualPipeV's on rank 0.
+    ("tied", "dualpipe", True, {}),
+    ("tied", "dualpipe", False, {"n_microbatches": 8}),
+    ("tied", "dualpipev", True, {}),
 ]
 BAD = [
     {"data_parallel": 3},
     {"schedule": "chimera", "n_microbatches": 3},
     {"schedule": "chimera", "data_parallel": 2},
     {"mesh_names": ("a", "b")},
+    {"schedule": "dualpipev", "n_microbatches": 3},
+    {"schedule": "dualpipe", "n_microbatches": 6, "data_parallel": 2},
 ]
 
 
@@ -168,6 +176,8 @@ def test_a_tied_weight_is_listed_and_stored_once_under_its_first_name(two):
         (1, r"chimera needs an even number of micro-batches.*got 3"),
         (2, r"chimera needs an even number of ranks.*got 1"),
         (3, r"mesh= must be a 2-D DeviceMesh with dims \('dp', 'pp'\).*got dims \('a', 'b'\)"),
+        (4, r"PipelineConfigError: .*dualpipev needs at least 2p = 4 micro-batches on 2 ranks"),
+        (5, r"PipelineConfigError: .*dualpipe needs an even number of ranks.*got 1"),
     ],
 )
 def test_bad_replica_options_fail_clearly_on_every_rank(two, index, message):

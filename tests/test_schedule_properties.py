@@ -35,6 +35,11 @@ def schedules(draw: st.DrawFn) -> Schedule:
     p = draw(st.integers(1, 6))
     if name == "chimera":  # two pipelines: p and m even
         p, m = 2 * draw(st.integers(1, 3)), 2 * draw(st.integers(1, 8))
+    elif name == "dualpipe":  # two pipelines: p and m even, m >= 2p
+        p = 2 * draw(st.integers(1, 3))
+        m = 2 * draw(st.integers(p, 8))
+    elif name == "dualpipev":  # m >= 2p
+        m = draw(st.integers(2 * p, 16))
     elif name == "interleaved-1f1b":
         m = p * draw(st.integers(1, 16 // p))
     else:

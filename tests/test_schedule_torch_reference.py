@@ -103,3 +103,53 @@ def test_torch_zbv_file_for_p2_m2(tmp_path):
         "0F0,0F1,,3F0,3I0,3W0,3F1,3I1,3W1,0I0,0W0,,,,0I1,0W1,,\n"
         ",1F0,2F0,1F1,2F1,2I0,2W0,,1I0,1W0,,2I1,2W1,1I1,,,1W1,,\n"
     )
+
+
+def flattened(orders: dict[int, list]) -> list[list[str]]:
+    """Compute actions of every rank; torch's overlapped F and B as the two it runs, in order."""
+    return [
+        [str(s) for a in orders[r] if a is not None for s in (a.sub_actions or (a,))]
+        for r in sorted(orders)
+    ]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("extra", [0, 1, 2, 5, 8])
+def test_dualpipev_matches_torch(p, extra):
+    m = 2 * p + extra
+    assert ours("dualpipev", p, m) == flattened(torch_orders(schedules.ScheduleDualPipeV, p, m, 2))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("extra", [0, 2, 6])
+def test_each_dualpipe_rank_runs_torch_dualpipev_of_half_the_ranks(p, extra):
+    # Rank r and its mirror p-1-r run rank min(r, p-1-r) of DualPipeV over p/2 ranks
+    # and m/2 micro-batches: near stage (r's own pipeline entering at its end) and far one.
+    m = 2 * p + extra
+    half = torch_orders(schedules.ScheduleDualPipeV, p // 2, m // 2, 2)
+    s = generate("dualpipe", p, m)
+    for r in range(p):
+        h = min(r, p - 1 - r)
+        down, up = (r, 0), (2 * p - 1 - r, m // 2)
+        near, far = (down, up) if r < p // 2 else (up, down)
+        expected = []
+        for a in (x for x in half[h] if x is not None for x in (x.sub_actions or (x,))):
+            stage, first = near if a.stage_index == h else far
+            expected.append(f"{stage}{a.computation_type.value}{first + a.microbatch_index}")
+        assert [str(a) for a in s.actions[r]] == expected, r
+
+
+def test_reads_torch_dualpipev_csv_with_overlapped_cells(tmp_path):
+    path = tmp_path / "dualpipev.csv"
+    torch_schedule = SimpleNamespace(
+        pipeline_order=torch_orders(schedules.ScheduleDualPipeV, 2, 6, 2)
+    )
+    schedules.PipelineScheduleMulti._dump_csv(torch_schedule, path)
+    assert "OVERLAP_F_B" in path.read_text()
+    loaded = load_csv(path)
+    expected = generate("dualpipev", 2, 6)
+    assert (loaded.placement, loaded.n_microbatches, loaded.actions) == (
+        expected.placement,
+        expected.n_microbatches,
+        expected.actions,
+    )

@@ -33,7 +33,17 @@ from twobp_bench.matrix import (
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
-DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "chimera", "auto"]
+DEFAULT_SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zb-h1",
+    "zb-v",
+    "dualpipev",
+    "chimera",
+    "dualpipe",
+    "auto",
+]
 DEFAULT_TORCH_SCHEDULES = [
     "GPipe",
     "1F1B",

@@ -72,6 +72,7 @@ SAME_SCHEDULE: Mapping[str, str] = MappingProxyType(
         "1f1b": "1F1B",
         "interleaved-1f1b": "Interleaved1F1B",
         "zb-v": "ZBVZeroBubble",
+        "dualpipev": "DualPipeV",
     }
 )
 """twobp schedules and the torch schedule that runs the same order of F and B."""

@@ -46,7 +46,7 @@ class SimulateConfig:
     stages: int = doc("number of pipeline ranks p (one process each)", 4)
     microbatches: int = doc("micro-batches per training step m", 8)
     stages_per_rank: int | None = doc(
-        "stages per rank V (default: the schedule's own, 2 for interleaved-1f1b and zb-v)", None
+        "stages per rank V (default: the schedule's own, 2 for interleaved-1f1b and V shapes)", None
     )
     two_bp: str = doc(
         "2BP policy placing the weight passes: off (as generated), " + ", ".join(TWO_BP_POLICIES),

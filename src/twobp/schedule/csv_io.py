@@ -10,14 +10,17 @@ No header: the placement (stage ``s`` lives on the rank whose row lists it),
 the number of micro-batches (one more than the largest index) and of
 pipelines (the micro-batches over those stage 0 runs: 2 for Chimera) follow
 from the actions. This reads torch's compute-only CSVs, with looped or
-V-shaped placements alike, and writes files torch reads back, as long as the
-schedule has no concatenated ``W`` (``0W0-3`` is this project's extension).
+V-shaped placements alike (a cell of torch's overlapped forward and backward,
+``(0F1;3B0)OVERLAP_F_B`` in DualPipeV's, is its two actions in that order),
+and writes files torch reads back, as long as the schedule has no
+concatenated ``W`` (``0W0-3`` is this project's extension).
 This module imports no torch.
 """
 
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,7 +77,7 @@ def from_rows(
             if not cell.strip():
                 continue
             try:
-                parsed.append(Action.parse(cell))
+                parsed.extend(_cell_actions(cell))
             except ValueError as err:
                 raise ValueError(
                     f"{name or 'schedule'}: rank {rank}, cell {column}: {err}"
@@ -92,6 +95,17 @@ def from_rows(
     if len(placement) % pipelines:
         pipelines = 1
     return Schedule(tuple(placement), n_microbatches, actions, name, pipelines)
+
+
+_OVERLAPPED = re.compile(r"^\s*\((.*)\)OVERLAP_F_B\s*$")
+
+
+def _cell_actions(cell: str) -> list[Action]:
+    """The actions of one cell: one, or those of torch's ``(a;b)OVERLAP_F_B``, in order."""
+    overlapped = _OVERLAPPED.match(cell)
+    if overlapped is None:
+        return [Action.parse(cell)]
+    return [Action.parse(part) for part in overlapped.group(1).split(";")]
 
 
 def save_csv(schedule: Schedule, path: str | Path, *, aligned: bool = False) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from twobp.schedule import chimera, generators, zero_bubble
+from twobp.schedule import chimera, dualpipe, generators, zero_bubble
 from twobp.schedule.schedule import Schedule
 
 
@@ -113,6 +113,25 @@ SCHEDULES: Mapping[str, ScheduleInfo] = MappingProxyType(
                 (2,),
                 _single(zero_bubble.zb_v),
             ),
+            ScheduleInfo(
+                "dualpipev",
+                "DualPipeV (DeepSeek): DualPipe's order on the V of zb-v, zero bubble in warm-up "
+                "and cool-down; m >= 2p",
+                True,
+                2,
+                (2,),
+                _single(dualpipe.dualpipev),
+            ),
+            ScheduleInfo(
+                "dualpipe",
+                "DualPipe (DeepSeek-V3): two pipelines in opposite directions, each rank runs "
+                "DualPipeV's order over a stage of both; p and m even, m >= 2p",
+                True,
+                1,
+                (1,),
+                _single(dualpipe.dualpipe),
+                pipelines=2,
+            ),
         )
     }
 )
@@ -129,7 +148,7 @@ def generate(
         n_ranks: number of ranks ``p >= 1``.
         n_microbatches: number of micro-batches ``m >= 1``.
         stages_per_rank: stages per rank ``v``; ``None`` takes the schedule's
-            default (2 for ``interleaved-1f1b`` and ``zb-v``, else 1).
+            default (2 for ``interleaved-1f1b``, ``zb-v`` and ``dualpipev``, else 1).
 
     Returns:
         The schedule; its backward is fused (``B``) unless the schedule is
@@ -153,6 +172,6 @@ def generate(
         accepted = "any v >= 1" if allowed is None else " or ".join(map(str, allowed))
         raise ValueError(
             f"{name} takes stages_per_rank {accepted}, got {v}; schedules that take any "
-            f"stages_per_rank: {', '.join(flexible)}; zb-v takes 2"
+            f"stages_per_rank: {', '.join(flexible)}; zb-v and dualpipev take 2"
         )
     return info.build(n_ranks, n_microbatches, v)
