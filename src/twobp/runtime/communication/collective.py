@@ -93,9 +93,11 @@ def broadcast(world: Membership, tensor: Tensor, src: int, timeout: float, what:
     """``tensor`` of rank ``src`` on every rank (in place; returned for convenience)."""
     if world.group is None:
         return tensor
-    group, root = world.group, world.global_rank(src)
+    root = world.global_rank(src)
+    # The group is looked up when posted: no frame of a traceback may hold it (a pipeline
+    # must not keep a destroyed group alive).
     complete(
-        lambda: dist.broadcast(tensor, src=root, group=group, async_op=True),
+        lambda: dist.broadcast(tensor, src=root, group=world.group, async_op=True),
         tensor,
         rank=world.rank,
         peer=src,
@@ -110,9 +112,8 @@ def all_reduce(world: Membership, tensor: Tensor, op: Any, timeout: float, what:
     """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``)."""
     if world.group is None:
         return tensor
-    group = world.group
     complete(
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        lambda: dist.all_reduce(tensor, op=op, group=world.group, async_op=True),
         tensor,
         rank=world.rank,
         peer=None,
@@ -171,16 +172,25 @@ def complete(
     Raises:
         PeerTimeoutError, PeerFailedError: as :func:`wait_work`.
     """
-    holders = _holders(tensor)
+    holders = holders_of(tensor)
     work = post()
     wait_work(work, rank=rank, peer=peer, where=where, what=what, timeout=timeout)
     del work
+    wait_released(tensor, holders)
+
+
+def wait_released(tensor: Tensor, holders: int) -> None:
+    """Wait (at most :data:`RELEASE_WAIT`) until ``tensor`` has no more holders than ``holders``.
+
+    For a collective whose handle the caller has waited on and dropped: the
+    backend's thread lets go of the tensor a moment after it wakes the caller.
+    """
     deadline = time.monotonic() + RELEASE_WAIT
-    while _holders(tensor) > holders and time.monotonic() < deadline:
+    while holders_of(tensor) > holders and time.monotonic() < deadline:
         time.sleep(_RELEASE_POLL)  # lets the backend's thread run
 
 
-def _holders(tensor: Tensor) -> int:
+def holders_of(tensor: Tensor) -> int:
     """How many references to ``tensor``'s implementation exist (Python's counts once)."""
     return int(tensor._use_count())  # type: ignore[attr-defined]
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from twobp.runtime.communication.collective import wait_work
+from twobp.runtime.communication.collective import holders_of, wait_released, wait_work
 from twobp.runtime.errors import PipelineClosedError
 
 BUCKET_BYTES = 25 * 2**20
@@ -113,7 +113,7 @@ class GradientReducer:
         self._divisor = divisor
         self._timeout = timeout
         self._started: set[int] = set()
-        self._running: list[tuple[Bucket, Tensor, Any]] = []
+        self._running: list[tuple[Bucket, Tensor, Any, int]] = []
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -128,8 +128,9 @@ class GradientReducer:
         for bucket in self._by_stage.get(stage, ()):
             tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            holders = holders_of(flat)
             work = dist.all_reduce(flat, group=bucket.process_group(self._rank), async_op=True)
-            self._running.append((bucket, flat, work))
+            self._running.append((bucket, flat, work, holders))
 
     def drain(self) -> None:
         """Start every reduction not started in this step (after a failure)."""
@@ -145,7 +146,9 @@ class GradientReducer:
         """
         running, self._running = self._running, []
         self._started.clear()
-        for bucket, flat, work in running:
+        running.reverse()
+        while running:
+            bucket, flat, work, holders = running.pop()
             wait_work(
                 work,
                 rank=self._rank,
@@ -154,6 +157,10 @@ class GradientReducer:
                 what=f"the gradient reduction of {bucket.key}",
                 timeout=self._timeout,
             )
+            # Gloo's thread lets go of the bucket a moment after the wait: no thread of
+            # the backend may be left to free it (see twobp.runtime.communication.collective).
+            del work
+            wait_released(flat, holders)
             if not keep:
                 continue
             if bucket.buffers:

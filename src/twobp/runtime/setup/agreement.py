@@ -82,9 +82,8 @@ def agree(
         tensor[world.rank] = torch.tensor(row, dtype=torch.int64)
         tensor = tensor.to(device)
         peer = 1 - world.rank if world.size == 2 else None
-        group = world.group
         collective.complete(
-            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            lambda: dist.all_reduce(tensor, group=world.group, async_op=True),
             tensor,
             rank=world.rank,
             peer=peer,
@@ -149,9 +148,8 @@ def agree_small(
         shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
         tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
         peer = 1 - world.rank if size == 2 else None
-        group = world.group
         collective.complete(
-            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            lambda: dist.all_reduce(tensor, group=world.group, async_op=True),
             tensor,
             rank=world.rank,
             peer=peer,
