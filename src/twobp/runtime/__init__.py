@@ -32,6 +32,7 @@ from twobp.runtime.errors import (
     ShapeMismatchError,
 )
 from twobp.runtime.launch import launch
+from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline import Pipeline
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "PipelineClosedError",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineOptions",
     "RankFailure",
     "ShapeMismatchError",
     "launch",

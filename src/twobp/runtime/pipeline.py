@@ -25,6 +25,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -47,11 +48,11 @@ from twobp.runtime.execution.microbatch import (
     unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
-from twobp.runtime.execution.step_end import Failure
 from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.exit import close_at_exit, forget
-from twobp.runtime.pipeline_steps import PipelineSteps
+from twobp.runtime.options import PipelineOptions
+from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.auto_schedule import CONTENDERS, Contender
 from twobp.runtime.setup.auto_trials import run_trials, stand_in_loss
@@ -68,7 +69,6 @@ from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeli
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
-from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
@@ -78,7 +78,7 @@ from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.timeline import Span
 
 
-class Pipeline(PipelineState, PipelineSteps):
+class Pipeline(PipelineState):
     """A model run as a pipeline of stages over the ranks of a process group.
 
     Args:
@@ -162,6 +162,10 @@ class Pipeline(PipelineState, PipelineSteps):
             few per cent of each other; the trials can. 0 or 1: run the
             simulator's choice. Rank 0's count counts.
 
+    Every argument after ``loss_fn`` is a field of
+    :class:`twobp.runtime.options.PipelineOptions`, documented there too, and
+    :attr:`options` holds them.
+
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
     block's parameter names, shapes and dtypes; a sample of values only warns).
@@ -203,6 +207,34 @@ class Pipeline(PipelineState, PipelineSteps):
     ) -> None:
         self._closed = False
         self._released = False
+        given = PipelineOptions(
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            two_bp=two_bp,
+            partition=partition,
+            two_bp_policy=two_bp_policy,
+            stages_per_rank=stages_per_rank,
+            device=device,
+            timeout=timeout,
+            weight_group_size=weight_group_size,
+            group=group,
+            num_threads=num_threads,
+            example_input=example_input,
+            nonfinite=nonfinite,
+            costs=costs,
+            autocast=autocast,
+            data_parallel=data_parallel,
+            mesh=mesh,
+            recompute=recompute,
+            memory_limit=memory_limit,
+            retain_host_memory=retain_host_memory,
+            auto_trials=auto_trials,
+        )
+        # The pipeline keeps neither the process group nor a mesh of groups alive (destroying
+        # the group ends it, see close()), nor the example micro-batch.
+        self.options = replace(given, group=None, mesh=None, example_input=None)
+        """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`),
+        less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
         _check_recompute(recompute)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
@@ -247,21 +279,7 @@ class Pipeline(PipelineState, PipelineSteps):
             pipeline_ranks=grid[0],
             memory_limit=memory_limit,
             auto_trials=auto_trials,
-            trials=_trials(
-                all_blocks,
-                example_input,
-                members,
-                self.device,
-                timeout=timeout,
-                weight_group_size=weight_group_size,
-                group=group,
-                num_threads=num_threads,
-                autocast=autocast,
-                data_parallel=data_parallel,
-                mesh=mesh,
-                recompute=recompute,
-                retain_host_memory=retain_host_memory,
-            ),
+            trials=_trials(all_blocks, given, members, self.device),
             data_parallel=len(grid),
             tied=tied_across_blocks(all_blocks),
         )
@@ -280,7 +298,6 @@ class Pipeline(PipelineState, PipelineSteps):
         """How many copies of the pipeline run side by side."""
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = nonfinite
-        self._weight_group_size = weight_group_size
         try:
             per_model_stage = parse_recompute(recompute, self.schedule.pipeline_stages)
             self.recompute = tuple(
@@ -324,11 +341,18 @@ class Pipeline(PipelineState, PipelineSteps):
         self._layouts: BoundaryLayouts = {}
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
-        self._spans: list[Span] = []
-        self._step_times = StepTimes()
-        self._failure: Failure | None = None
-        self._peak_stashed_bytes = 0
-        self._earlier_gradients = EarlierGradients()
+        self._steps = StepRunner(
+            rank=self.rank,
+            pp_rank=self.pp_rank,
+            device=self.device,
+            timeout=self.timeout,
+            topology=self.topology,
+            n_microbatches=self.n_microbatches,
+            stages=self.stages,
+            parameters=self.module.parameters,
+            reducer=self._reducer,
+            weight_group_size=weight_group_size,
+        )
         self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
@@ -416,8 +440,7 @@ class Pipeline(PipelineState, PipelineSteps):
             stage.abandon_step()
             # The blocks are free again: another pipeline may be built on them.
             stage.gradients.restore()
-        if self._reducer is not None:
-            self._reducer.abandon()
+        self._steps.abandon_reductions()
         self._layouts = {}
         self._forward_plan = None
 
@@ -519,7 +542,7 @@ class Pipeline(PipelineState, PipelineSteps):
                 "call claim_blocks() before its next step"
             )
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
-        _, loss, first_bad, bad_rank = self._run_step(
+        _, loss, first_bad, bad_rank = self._steps.run_step(
             self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
         )
         assert loss is not None
@@ -527,12 +550,12 @@ class Pipeline(PipelineState, PipelineSteps):
         self.last_step_skipped = not math.isfinite(loss)
         if self.last_step_skipped:
             # Every rank learnt the loss from the last stage: all drop the step alike.
-            self._earlier_gradients.put_back()
+            self._steps.earlier_gradients.put_back()
             if self.nonfinite == "raise":
                 raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
             self.skipped_steps.append(step)
         else:
-            self._earlier_gradients.add_back()
+            self._steps.earlier_gradients.add_back()
         return loss
 
     @torch.no_grad()
@@ -559,7 +582,7 @@ class Pipeline(PipelineState, PipelineSteps):
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
         # Shapes may differ from training (no gradient flags, other batch size):
         # exchange layouts afresh each call.
-        result, loss, _, _ = self._run_step(
+        result, loss, _, _ = self._steps.run_step(
             self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets, False
         )
         if loss is not None:
@@ -607,7 +630,7 @@ class Pipeline(PipelineState, PipelineSteps):
 
         Sampled after every ``I``; 0 without 2BP.
         """
-        return self._peak_stashed_bytes
+        return self._steps.peak_stashed_bytes
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """What this rank held in the last training step, in bytes, measured.
@@ -628,13 +651,13 @@ class Pipeline(PipelineState, PipelineSteps):
             counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
         """
         return memory_stats(
-            self._memory, self.module, optimizer, self._earlier_gradients.last_nbytes
+            self._memory, self.module, optimizer, self._steps.earlier_gradients.last_nbytes
         )
 
     @property
     def local_spans(self) -> list[Span]:
         """The compute spans of this rank in the last step (seconds from its start)."""
-        return list(self._spans)
+        return list(self._steps.spans)
 
     @property
     def step_times(self) -> StepTimes:
@@ -642,7 +665,7 @@ class Pipeline(PipelineState, PipelineSteps):
 
         Host seconds (see :class:`~twobp.runtime.execution.step_run.StepTimes`).
         """
-        return self._step_times
+        return self._steps.times
 
     def timeline(self) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.
@@ -651,7 +674,7 @@ class Pipeline(PipelineState, PipelineSteps):
         step aligns across ranks.
         """
         self._check_open()
-        mine = [(s.rank, str(s.action), s.start, s.end) for s in self._spans]
+        mine = [(s.rank, str(s.action), s.start, s.end) for s in self._steps.spans]
         merged = [
             Span(r, Action.parse(a), start, end)
             for spans in collective.all_gather_objects(self.topology.members, mine)
@@ -662,37 +685,42 @@ class Pipeline(PipelineState, PipelineSteps):
 
 def _trials(
     blocks: list[nn.Module],
-    example_input: Batch | None,
+    options: PipelineOptions,
     members: Membership,
     device: torch.device,
-    **options: Any,
 ) -> Trials | None:
-    """The trial steps of ``schedule="auto"``: each contender a pipeline with the given
-    options (None without an example input to run them on)."""
-    if example_input is None:
+    """The trial steps of ``schedule="auto"``: each contender a pipeline built with this
+    pipeline's options but the contender's prepared schedule and partition (None without
+    an example input to run them on)."""
+    if options.example_input is None:
         return None
 
     def build(contender: Contender) -> Pipeline:
-        return Pipeline(
-            blocks,
-            stand_in_loss,
-            contender.schedule,
+        trial = replace(
+            options,
+            schedule=contender.schedule,
+            n_microbatches=None,
             two_bp=is_split(contender.schedule),
             partition=list(contender.partition),
+            stages_per_rank=None,
             device=device,
+            # The contender is prepared: nothing is profiled, costed or bounded again.
+            example_input=None,
+            costs=None,
+            memory_limit=None,
             nonfinite="skip",
             auto_trials=0,
-            **options,
         )
+        return Pipeline(blocks, stand_in_loss, **trial.keywords())
 
     return partial(
         run_trials,
         build=build,
         blocks=blocks,
-        example_input=example_input,
+        example_input=options.example_input,
         world=members,
         device=device,
-        timeout=options["timeout"],
+        timeout=options.timeout,
     )
 
 

@@ -1,7 +1,7 @@
 """How a pipeline runs one step on this rank and settles it with the others.
 
-:class:`PipelineSteps` is the part of :class:`twobp.runtime.Pipeline` that runs
-the lowered schedule of one step: it builds the step's channel and dispatcher,
+:class:`StepRunner`, which :class:`twobp.runtime.Pipeline` holds, runs the
+lowered schedule of one step: it builds the step's channel and dispatcher,
 and when the step fails part-way it completes the transfers and gradient
 reductions that peers wait for, then settles the step with every rank (the
 loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
@@ -10,7 +10,7 @@ loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,27 +30,65 @@ from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
 
 
-class PipelineSteps:
-    """Running and settling a step; mixed into :class:`twobp.runtime.Pipeline`."""
+class StepRunner:
+    """Runs the lowered schedule of one step on this rank and settles it with the others.
 
-    rank: int
-    pp_rank: int
-    device: torch.device
-    timeout: float
-    topology: Topology
-    n_microbatches: int
-    stages: dict[int, Stage]
-    _reducer: GradientReducer | None
-    _weight_group_size: int | None
-    _failure: Failure | None
-    _spans: list[Span]
-    _step_times: StepTimes
-    _peak_stashed_bytes: int
-    _earlier_gradients: EarlierGradients
+    One per pipeline: :class:`twobp.runtime.Pipeline` builds it once its stages
+    and reducer exist and keeps what the last step measured here (:attr:`spans`,
+    :attr:`times`, :attr:`peak_stashed_bytes`).
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        # PipelineState's, which comes first in the pipeline's bases.
-        raise NotImplementedError
+    Args:
+        rank: this process's rank in the group.
+        pp_rank: its pipeline rank (its row of the schedule).
+        device: where the stages compute.
+        timeout: seconds a rank waits on a peer.
+        topology: where each stage runs.
+        n_microbatches: micro-batches per step.
+        stages: this rank's stages, by stage.
+        parameters: this rank's parameters, whose gradients a training step adds to.
+        reducer: the gradient reductions of replicated stages (None: none).
+        weight_group_size: the engine's concatenation cap of each ``W``.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        pp_rank: int,
+        device: torch.device,
+        timeout: float,
+        topology: Topology,
+        n_microbatches: int,
+        stages: dict[int, Stage],
+        parameters: Callable[[], Iterable[nn.Parameter]],
+        reducer: GradientReducer | None,
+        weight_group_size: int | None,
+    ) -> None:
+        self.rank = rank
+        self.pp_rank = pp_rank
+        self.device = device
+        self.timeout = timeout
+        self.topology = topology
+        self.n_microbatches = n_microbatches
+        self.stages = stages
+        self._parameters = parameters
+        self._reducer = reducer
+        self._weight_group_size = weight_group_size
+        self.failure: Failure | None = None
+        """How and where the last failed step failed on this rank."""
+        self.spans: list[Span] = []
+        """The compute spans of this rank in the last step."""
+        self.times = StepTimes()
+        """Where this rank's last step went outside its compute."""
+        self.peak_stashed_bytes = 0
+        """The most bytes the 2BP engine kept for W at once in the last step."""
+        self.earlier_gradients = EarlierGradients()
+        """The gradients of earlier steps, set aside while a training step runs."""
+
+    def abandon_reductions(self) -> None:
+        """Forget the reductions of a step that will not be completed (the pipeline closes)."""
+        if self._reducer is not None:
+            self._reducer.abandon()
 
     def _run(
         self,
@@ -87,7 +125,7 @@ class PipelineSteps:
         try:
             result = run.run(schedule.actions[self.pp_rank])
         except Exception as exc:
-            self._failure = Failure(exc, run.current, time.time())
+            self.failure = Failure(exc, run.current, time.time())
             if lost_peer(exc):
                 self._abandon(channel)
                 raise
@@ -107,9 +145,9 @@ class PipelineSteps:
             raise
         if self._reducer is not None:
             self._reducer.finish()
-        self._spans = result.spans
-        self._step_times = result.times
-        self._peak_stashed_bytes = result.peak_stashed_bytes
+        self.spans = result.spans
+        self.times = result.times
+        self.peak_stashed_bytes = result.peak_stashed_bytes
         return result
 
     def _abandon(self, channel: StepChannel | None) -> None:
@@ -119,7 +157,7 @@ class PipelineSteps:
         if self._reducer is not None:
             self._reducer.abandon()
 
-    def _run_step(
+    def run_step(
         self,
         schedule: Schedule,
         plan: CommPlan,
@@ -148,7 +186,7 @@ class PipelineSteps:
         result = StepResult()
         if training:
             # This step reduces and settles its own gradients only (see accumulation).
-            self._earlier_gradients.set_aside(self.parameters())
+            self.earlier_gradients.set_aside(self._parameters())
         try:
             result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
         except Exception as exc:
@@ -170,7 +208,7 @@ class PipelineSteps:
         losses = result.losses if failure is None else None
         mine = None
         if failure is not None:
-            recorded = self._failure
+            recorded = self.failure
             known = recorded is not None and recorded.error is failure
             mine = recorded if known else Failure(failure, None, time.time())
         try:
@@ -189,4 +227,4 @@ class PipelineSteps:
     def _drop_step_gradients(self, training: bool) -> None:
         """Forget the step's gradients; the earlier steps' are ``.grad`` again."""
         if training:
-            self._earlier_gradients.put_back()
+            self.earlier_gradients.put_back()

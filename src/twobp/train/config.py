@@ -1,4 +1,10 @@
-"""Options of ``twobp train``; each field's help is also the command-line help."""
+"""Options of ``twobp train``; each field's help is also the command-line help.
+
+The options that set a pipeline option of the same meaning take their help
+from :class:`twobp.runtime.options.PipelineOptions` (``--policy`` is
+``two_bp_policy``, ``--microbatches`` is ``n_microbatches``, ``--threads`` is
+``num_threads``: the command line keeps its shorter names).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from dataclasses import dataclass
 
 from twobp.config import doc
 from twobp.integrations import TRANSFORMERS_FAMILIES
+from twobp.runtime.options import option_help
 from twobp.schedule import TWO_BP_POLICIES
 from twobp.sim.recompute import RECOMPUTE_MODES
 
@@ -40,16 +47,9 @@ class TrainConfig:
         "gradients, activations and stored W inputs as the simulator counts them",
         None,
     )
-    auto_trials: int = doc(
-        "with --schedule auto, how many schedules run a few trial steps before the fastest "
-        "measured is kept: the simulator's choice and the fastest of each other schedule "
-        "(0: the simulator's choice)",
-        6,
-    )
-    two_bp: bool = doc("split every backward into I and W (2-stage backpropagation)", True)
-    policy: str = doc(
-        "2BP placement policy of W: eager, paper or fill", "paper", choices=tuple(TWO_BP_POLICIES)
-    )
+    auto_trials: int = doc(option_help("auto_trials"), 6)
+    two_bp: bool = doc(option_help("two_bp"), True)
+    policy: str = doc(option_help("two_bp_policy"), "paper", choices=tuple(TWO_BP_POLICIES))
     ranks: int = doc("local ranks to start (ignored under torchrun, which sets them)", 2)
     data_parallel: int = doc(
         "copies of the pipeline D: the ranks form D pipelines of ranks/D, each on its own "
@@ -74,11 +74,7 @@ class TrainConfig:
         None,
         choices=RECOMPUTE_MODES,
     )
-    weight_group_size: int | None = doc(
-        "the most micro-batches one concatenated W covers (and, with recompute derivatives, "
-        "rebuilds) at once; default: no cap",
-        None,
-    )
+    weight_group_size: int | None = doc(option_help("weight_group_size"), None)
     seq_len: int = doc("tokens per sequence (language models)", 64)
     steps: int = doc("optimizer steps", 300)
     lr: float = doc("peak learning rate of AdamW (linear warm-up, cosine decay)", 3e-3)
@@ -106,7 +102,7 @@ class TrainConfig:
         "and between progress lines when stderr is not a terminal",
         10,
     )
-    timeout: float = doc("seconds a rank waits on a peer before failing", 300.0)
+    timeout: float = doc(option_help("timeout"), 300.0)
     nonfinite: str = doc(
         "when a step's loss is NaN or infinite: raise (stop the run with an error) or skip "
         "(drop the step's gradients on every rank and go on; the report lists skipped steps; "

@@ -1,0 +1,65 @@
+"""The typed options of a pipeline: one field per keyword of ``Pipeline``, each documented."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twobp.config import add_arguments
+from twobp.runtime import Pipeline
+from twobp.runtime.options import PipelineOptions, option_help
+from twobp.train.config import TrainConfig
+
+
+def test_the_pipeline_takes_exactly_the_fields_of_its_options():
+    signature = inspect.signature(Pipeline.__init__)
+    keywords = {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if name not in ("self", "blocks", "loss_fn")
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
+    assert keywords == fields
+
+
+def test_every_option_is_documented():
+    for f in dataclasses.fields(PipelineOptions):
+        assert len(option_help(f.name)) > 20, f.name
+
+
+def test_train_options_of_the_same_meaning_share_the_documentation():
+    shared = {
+        "two_bp": "two_bp",
+        "policy": "two_bp_policy",
+        "weight_group_size": "weight_group_size",
+        "timeout": "timeout",
+        "auto_trials": "auto_trials",
+    }
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
+    for train_name, option in shared.items():
+        assert helps[train_name] == option_help(option), train_name
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainConfig)
+    assert "before PeerTimeoutError" in " ".join(parser.format_help().split())
+
+
+def test_a_pipeline_keeps_what_it_was_built_with_and_builds_again_from_it():
+    blocks = [nn.Linear(4, 4).double() for _ in range(2)]
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with Pipeline(blocks, F.mse_loss, "gpipe", 2, two_bp=False, timeout=7.0) as pipe:
+        assert pipe.options == PipelineOptions(
+            schedule="gpipe", n_microbatches=2, two_bp=False, timeout=7.0
+        )
+        first = pipe.step(x, x)
+        pipe.zero_grad()
+        options = pipe.options
+    with Pipeline(
+        blocks, F.mse_loss, **dataclasses.replace(options, two_bp=True).keywords()
+    ) as again:
+        assert again.options.two_bp and again.options.timeout == 7.0
+        assert again.step(x, x) == first
