@@ -14,14 +14,13 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state import checkpoint_integrity as integrity
-from twobp.runtime.state import checkpoint_storage as storage
 from twobp.runtime.state.checkpoint_entries import (
     check_json,
     model_entries,
@@ -35,6 +34,12 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_folder,
 )
+from twobp.runtime.state.lazy import lazy_module
+
+if TYPE_CHECKING:
+    from twobp.runtime.state import checkpoint_storage as storage
+else:  # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
+    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
 
 # What NumPy's RNG state needs to unpickle, under NumPy 1 and 2 names.
 _NUMPY_GLOBALS = (
