@@ -2,7 +2,7 @@
 
 Two steps in a row must leave the sum of the two steps run alone, for every
 parameter, replicated (Chimera, data parallel) and tied ones included, with
-2BP on and off; a step that fails or is skipped between them must leave the
+2BP on and off, DualPipe's two copies included; a step that fails or is skipped between them must leave the
 earlier step's gradients as they were.
 """
 
@@ -25,6 +25,8 @@ TWO = [
     ("mlp", "chimera", True, {}),
     ("mlp", "chimera", False, {}),
     ("mlp", "zb-v", True, {}),
+    ("tied", "dualpipe", True, {}),
+    ("mlp", "dualpipe", False, {}),
 ]
 FOUR = [
     ("mlp", "1f1b", True, {"data_parallel": 2}),
