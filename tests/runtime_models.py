@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from twobp.runtime.setup.group import LAUNCHER_VARIABLES
+from twobp.runtime.base.group import LAUNCHER_VARIABLES
 
 MODELS = ("mlp", "transformer", "conv")
 N_BLOCKS = 10

@@ -21,9 +21,9 @@ from torch import nn
 from reliability_workers import BATCH, FATAL_TIMEOUT, N_MB, bad_inputs_session
 from runtime_models import build_blocks, make_batch, reference_step
 from twobp.runtime import LaunchError, launch
+from twobp.runtime.communication.agreement import SMALL_BITS
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.step_start import CallInfo, check_same_call
-from twobp.runtime.setup.agreement import SMALL_BITS
 from twobp.runtime.setup.fingerprint import BlockPrint, describe_difference
 
 TIMEOUT = 30.0

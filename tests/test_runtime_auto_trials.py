@@ -12,6 +12,7 @@ from torch import nn
 
 from twobp.engine import TwoStageBackwardError
 from twobp.runtime import Pipeline
+from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PeerStepFailedError, PeerTimeoutError, PipelineConfigError
 from twobp.runtime.setup.auto_schedule import CONTENDER_WINDOW, AutoPlan, Contender, _choose
 from twobp.runtime.setup.auto_trials import (
@@ -21,7 +22,6 @@ from twobp.runtime.setup.auto_trials import (
     stand_in_loss,
     trial_times,
 )
-from twobp.runtime.setup.group import Membership
 from twobp.schedule import generate
 from twobp.sim import CostModel
 from twobp.sim.from_profile import partition_for

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from twobp.runtime.setup.group import set_threads_per_rank
+from twobp.runtime.base.group import set_threads_per_rank
 
 
 @pytest.fixture

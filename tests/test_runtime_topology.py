@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from twobp.runtime.setup.group import Membership
-from twobp.runtime.setup.topology import Topology
+from twobp.runtime.base.group import Membership
+from twobp.runtime.base.topology import Topology
 
 
 def _members(rank: int, size: int) -> Membership:

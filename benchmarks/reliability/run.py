@@ -33,10 +33,10 @@ def step_start_costs(calls: int) -> dict[str, float]:
     """On every rank: median microseconds per call of each way to open a step."""
     import torch.distributed as dist
 
+    from twobp.runtime.base.group import join_world
     from twobp.runtime.communication import collective
+    from twobp.runtime.communication.agreement import agree_small, small_buffer
     from twobp.runtime.execution.step_start import StepInputs, start_step
-    from twobp.runtime.setup.agreement import agree_small, small_buffer
-    from twobp.runtime.setup.group import join_world
 
     device = torch.device("cpu")
     world = join_world(device, 30.0)

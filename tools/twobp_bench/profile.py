@@ -40,9 +40,9 @@ from torch import nn
 
 from twobp.engine import defer_weight_grads
 from twobp.partition.profiler import BlockCost, profile_blocks, synchronizer
+from twobp.runtime.base.group import Membership
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
 from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
-from twobp.runtime.setup.group import Membership
 
 _TIMES = ("forward", "backward_input", "backward_weight", "backward_full")
 

@@ -151,7 +151,7 @@ def _print_resume_hint(cfg: TrainConfig) -> None:
 
 
 def _continue_with(cfg: TrainConfig) -> str:
-    from twobp.runtime.setup.group import launched_by_env
+    from twobp.runtime.base.group import launched_by_env
 
     if launched_by_env():
         return f"the same torchrun command with --resume {cfg.out} (or --resume auto)"

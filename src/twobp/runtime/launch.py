@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from twobp.runtime.base.group import backend_for, default_device
 from twobp.runtime.errors import LaunchError, PeerError, RankFailure
-from twobp.runtime.setup.group import backend_for, default_device
 
 T = TypeVar("T")
 

@@ -34,7 +34,17 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.engine.autocast import check_autocast_dtype
+from twobp.runtime.base.group import (
+    Membership,
+    default_device,
+    device_for,
+    join_world,
+    set_threads_per_rank,
+)
+from twobp.runtime.base.process_state import close_at_exit, forget
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
+from twobp.runtime.communication.agreement import agree, small_buffer
 from twobp.runtime.communication.channel import BoundaryLayouts
 from twobp.runtime.errors import (
     PipelineConfigError,
@@ -50,24 +60,14 @@ from twobp.runtime.execution.microbatch import (
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepInputs, start_step
-from twobp.runtime.exit import close_at_exit, forget
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.agreement import agree, small_buffer
 from twobp.runtime.setup.auto_schedule import CONTENDERS, Contender
 from twobp.runtime.setup.auto_trials import run_trials, stand_in_loss
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
-from twobp.runtime.setup.group import (
-    Membership,
-    default_device,
-    device_for,
-    join_world,
-    set_threads_per_rank,
-)
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
-from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action, Kind

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PeerError
@@ -23,7 +24,6 @@ from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
 from twobp.runtime.execution.step_run import StepResult, StepRun, StepTimes
-from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan

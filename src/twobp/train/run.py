@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twobp.runtime import LaunchError, launch
-from twobp.runtime.setup.group import launched_by_env
+from twobp.runtime.base.group import launched_by_env
 from twobp.train.config import TrainConfig
 from twobp.train.failures import ERROR_LOG, RANK_LOGS, send_stderr_to, write_error_log
 from twobp.train.loop import RankResult, StepHook, train_rank

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.collective import all_reduce, scalar
-from twobp.runtime.setup.group import Membership
 
 SAME_REQUEST_SECONDS = 0.5
 """Signals this soon after the first one are the same request (delivered twice)."""

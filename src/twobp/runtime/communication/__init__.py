@@ -1,1 +1,1 @@
-"""Moving tensors between ranks: the step's point-to-point channel and the few collectives."""
+"""Moving tensors between ranks: the point-to-point channel, the collectives, the agreement."""

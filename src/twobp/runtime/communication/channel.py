@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.collective import wait_work
 from twobp.runtime.communication.tensor_layout import (
     MESSAGE_LENGTH,
@@ -34,7 +35,6 @@ from twobp.runtime.communication.tensor_layout import (
     is_failure_message,
 )
 from twobp.runtime.errors import PeerStepFailedError, PipelineError, ShapeMismatchError
-from twobp.runtime.setup.topology import Topology
 from twobp.schedule.action import Action
 from twobp.schedule.transfers import CommPlan, Direction, Transfer
 

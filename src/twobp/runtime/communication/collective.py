@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from twobp.runtime.base.group import Membership, device_for
 from twobp.runtime.errors import PeerFailedError, PeerTimeoutError
-from twobp.runtime.setup.group import Membership, device_for
 
 RELEASE_WAIT = 5.0
 """Seconds :func:`complete` waits at most for the backend to let go of a finished

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication import collective
 from twobp.runtime.errors import PeerError, PeerStepFailedError
-from twobp.runtime.setup.group import Membership
 from twobp.schedule.action import Action
 
 OWN_ERROR = 1

@@ -5,7 +5,7 @@ stage the targets, so only they can tell that a batch is missing or does not
 split. Every step starts with one small all-reduce, which replaces the barrier
 that aligns the ranks' clocks: each rank says whether its batches are fine,
 which call it is in, its step count and the size of the batch it holds, all in
-31 bits (:func:`twobp.runtime.setup.agreement.agree_small`; with 2 ranks, one integer).
+31 bits (:func:`twobp.runtime.communication.agreement.agree_small`; with 2 ranks, one integer).
 A problem on any rank is then raised on every rank, before any rank sends
 anything, and the pipeline stays usable.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from twobp.runtime.base.topology import Topology
+from twobp.runtime.communication.agreement import SMALL_BITS, agree_small
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, flatten, split_batch, to_device
-from twobp.runtime.setup.agreement import SMALL_BITS, agree_small
-from twobp.runtime.setup.topology import Topology
 
 _CALLS = {1: "step()", 0: "eval_step()"}
 # 1 bit for the call, then the step count and the batch size, both modulo (a

@@ -1,1 +1,1 @@
-"""Building a pipeline: the process group, the topology, the plan, and the ranks' agreement."""
+"""Building a pipeline: the plan, schedule="auto", the model check, the replicas."""

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.partition.profiler import solver_costs
+from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.setup.cost_measurement import measure
-from twobp.runtime.setup.group import Membership
 from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel

@@ -42,11 +42,11 @@ import torch
 from torch import Tensor, nn
 
 from twobp.partition.profiler import restored
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.collective import all_gather_objects, barrier
 from twobp.runtime.errors import PeerError, PeerStepFailedError, PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, concat_microbatches
 from twobp.runtime.setup.auto_schedule import AutoPlan, Contender
-from twobp.runtime.setup.group import Membership
 from twobp.schedule import ScheduleError
 from twobp.sim.search import describe
 

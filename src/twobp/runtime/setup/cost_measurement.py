@@ -31,9 +31,9 @@ from twobp.partition.profiler import (
     synchronizer,
     weight_group_times,
 )
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.collective import all_gather_objects
 from twobp.runtime.execution.microbatch import Batch, to_device
-from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import device_of
 
 PROFILE_ROUNDS = 5

@@ -8,27 +8,22 @@ pipeline of ``P`` ranks: copy ``d`` runs pipeline rank ``r`` on group rank
 
 from __future__ import annotations
 
-import datetime
-import weakref
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from twobp.runtime.base.group import Membership
+from twobp.runtime.base.process_state import reduction_group
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.reduction import Bucket, GradientReducer, buckets
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.replicas import SharedParameter, reduction_groups
-from twobp.runtime.setup.topology import Topology
 from twobp.schedule.lowering import makes_weight_gradients
 from twobp.schedule.schedule import Schedule
 
 MESH_DIMS = ("dp", "pp")
 """The names a 2-D ``DeviceMesh`` must give its dims: data parallel, then pipeline."""
-
-_made: dict[tuple[str, tuple[int, ...], float], weakref.ref[dist.ProcessGroup]] = {}
-"""The reduction groups made so far in this process, by key, global ranks and timeout
-(held weakly: torch's registry owns them until the world is destroyed)."""
 
 
 def data_parallel_grid(
@@ -83,30 +78,6 @@ def _group_rank(members: Membership, global_rank: int) -> int:
     if group is None:
         return global_rank
     return int(dist.get_group_rank(group, global_rank))
-
-
-def reduction_group(key: str, ranks: list[int], timeout: float) -> dist.ProcessGroup:
-    """The process group of one reduction over ``ranks`` (global ranks), made once.
-
-    Collective over ``ranks`` the first time. Pipelines built one after the
-    other (the trial pipelines of ``schedule="auto"``, then the one that
-    runs) share the group of a reduction with the same key and ranks instead
-    of each making one that lives until the world is destroyed. Their steps
-    never overlap, and each waits for its reductions, so they never meet on
-    it out of order. Every rank of ``ranks`` builds the same pipelines in the
-    same order, so all find the group made, or all make it.
-    """
-    index = (key, tuple(ranks), timeout)
-    ref = _made.get(index)
-    group = ref() if ref is not None else None
-    if group is None:
-        group = dist.new_group(
-            ranks,
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=True,
-        )
-        _made[index] = weakref.ref(group)
-    return group
 
 
 def make_reducer(

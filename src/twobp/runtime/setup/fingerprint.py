@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication import collective
+from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import ModelMismatchError
-from twobp.runtime.setup.agreement import agree
-from twobp.runtime.setup.group import Membership
 
 _SAMPLES_PER_TENSOR = 8
 

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from twobp.partition import stage_ranges
+from twobp.runtime.base.group import Membership
+from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.agreement import agree
 from twobp.runtime.setup.auto_schedule import (
     AUTO,
     AutoPlan,
@@ -30,7 +31,6 @@ from twobp.runtime.setup.auto_schedule import (
     read_memory_limit,
 )
 from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
-from twobp.runtime.setup.group import Membership
 from twobp.runtime.setup.stage_blocks import (
     balanced_counts,
     example_input_needed,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from twobp.runtime.setup.topology import Topology
+from twobp.runtime.base.topology import Topology
 from twobp.schedule.schedule import Schedule
 
 

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.partition import solve
+from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, to_device
-from twobp.runtime.setup.group import Membership
 from twobp.sim.from_profile import PARTITION_STRATEGIES, stage_sizes
 
 STRATEGIES = PARTITION_STRATEGIES

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
+from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.setup.agreement import agree
-from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint_integrity as integrity
 from twobp.runtime.state.checkpoint_background import BackgroundSaves
 from twobp.runtime.state.checkpoint_entries import (

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import Tensor
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.setup.group import Membership
 from twobp.runtime.state.lazy import lazy_module
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.setup.group import Membership
 
 METADATA = ".metadata"
 """DCP's metadata file: written last, once every rank's data is in place."""

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication import collective
-from twobp.runtime.setup.group import Membership
 
 
 def clip_grad_norm_(

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from twobp.runtime.base.topology import Topology
 from twobp.runtime.errors import PipelineClosedError
-from twobp.runtime.setup.topology import Topology
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.schedule.schedule import Schedule

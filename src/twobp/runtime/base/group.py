@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from twobp.runtime.base.process_state import destroy_at_exit
 from twobp.runtime.errors import PipelineClosedError
-from twobp.runtime.exit import destroy_at_exit
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables that tell a process it belongs to a launched group."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from twobp.runtime.setup.group import Membership
+from twobp.runtime.base.group import Membership
 from twobp.schedule.schedule import Schedule
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from twobp.runtime.base.group import Membership
 from twobp.runtime.communication import collective
 from twobp.runtime.errors import (
     CheckpointError,
@@ -25,7 +26,6 @@ from twobp.runtime.errors import (
     PipelineError,
     ShapeMismatchError,
 )
-from twobp.runtime.setup.group import Membership
 from twobp.schedule import ScheduleError
 
 _SHARED_CLASSES: dict[str, type[Exception]] = {

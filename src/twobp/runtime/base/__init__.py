@@ -1,0 +1,1 @@
+"""What every layer of the runtime shares: the process group, the topology, the process state."""

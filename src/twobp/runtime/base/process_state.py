@@ -1,0 +1,97 @@
+"""The runtime's one piece of module state: what a process holds across its pipelines.
+
+For the exit, the pipelines still open and the default group twobp created;
+while it runs, the reduction groups made so far, which pipelines built one
+after the other share (:func:`reduction_group`). All are held weakly, so that
+this module never keeps a pipeline or a group alive (torch's registry owns the
+groups until the world is destroyed).
+
+Why the exit needs them: a gloo process group runs worker threads that drop
+each finished operation, and with it the tensors it used; dropping a tensor
+that Python also knows takes the interpreter lock. If the group is still alive
+when the interpreter shuts down, such a thread finds the interpreter gone and
+the C++ runtime aborts the process ("terminate called without an active
+exception"), after the rank's work is done. So at exit, while the interpreter
+still runs:
+
+1. every pipeline still open is closed (:meth:`twobp.runtime.Pipeline.close`);
+2. the default group is destroyed if twobp created it (from a launcher's
+   environment); a group the caller created is the caller's to destroy, as
+   torch asks (``destroy_process_group``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import weakref
+from typing import Protocol
+
+import torch.distributed as dist
+
+
+class Closeable(Protocol):
+    """Anything with a ``close()`` that releases its communication."""
+
+    def close(self) -> None: ...
+
+
+_open: weakref.WeakSet[Closeable] = weakref.WeakSet()
+_created_group: list[weakref.ref[dist.ProcessGroup]] = []
+_made: dict[tuple[str, tuple[int, ...], float], weakref.ref[dist.ProcessGroup]] = {}
+"""The reduction groups made so far in this process, by key, global ranks and timeout
+(held weakly: torch's registry owns them until the world is destroyed)."""
+
+
+def close_at_exit(obj: Closeable) -> None:
+    """Close ``obj`` at interpreter exit unless it is closed or gone by then."""
+    _open.add(obj)
+
+
+def forget(obj: Closeable) -> None:
+    """Stop tracking ``obj`` (it closed itself)."""
+    _open.discard(obj)
+
+
+def destroy_at_exit(group: dist.ProcessGroup) -> None:
+    """Destroy the default ``group`` at interpreter exit (twobp created it)."""
+    _created_group.append(weakref.ref(group))
+
+
+def close_all() -> None:
+    """Close every open pipeline, then destroy the default group twobp created."""
+    for obj in list(_open):
+        obj.close()
+    _open.clear()
+    for ref in _created_group:
+        group = ref()
+        if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+    _created_group.clear()
+
+
+def reduction_group(key: str, ranks: list[int], timeout: float) -> dist.ProcessGroup:
+    """The process group of one reduction over ``ranks`` (global ranks), made once.
+
+    Collective over ``ranks`` the first time. Pipelines built one after the
+    other (the trial pipelines of ``schedule="auto"``, then the one that
+    runs) share the group of a reduction with the same key and ranks instead
+    of each making one that lives until the world is destroyed. Their steps
+    never overlap, and each waits for its reductions, so they never meet on
+    it out of order. Every rank of ``ranks`` builds the same pipelines in the
+    same order, so all find the group made, or all make it.
+    """
+    index = (key, tuple(ranks), timeout)
+    ref = _made.get(index)
+    group = ref() if ref is not None else None
+    if group is None:
+        group = dist.new_group(
+            ranks,
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=True,
+        )
+        _made[index] = weakref.ref(group)
+    return group
+
+
+atexit.register(close_all)
