@@ -16,7 +16,7 @@ from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.base.group import join_world
-from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
+from twobp.runtime.setup.auto.cost_measurement import allreduce_speed, link_speed
 from twobp.schedule.action import Kind
 from twobp.schedule.lowering import has_reductions
 from twobp.sim import simulate

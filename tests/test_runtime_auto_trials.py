@@ -14,8 +14,8 @@ from twobp.engine import TwoStageBackwardError
 from twobp.runtime import Pipeline
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PeerStepFailedError, PeerTimeoutError, PipelineConfigError
-from twobp.runtime.setup.auto_schedule import CONTENDER_WINDOW, AutoPlan, Contender, _choose
-from twobp.runtime.setup.auto_trials import (
+from twobp.runtime.setup.auto.plan import CONTENDER_WINDOW, AutoPlan, Contender, _choose
+from twobp.runtime.setup.auto.trials import (
     MAX_TRIAL_ROUNDS,
     TRIAL_ROUNDS,
     run_trials,

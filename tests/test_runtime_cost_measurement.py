@@ -10,7 +10,7 @@ import torch
 from auto_schedule_workers import allreduce_figures, link_figures, measured_link, plan_with_copies
 from twobp.runtime import launch
 from twobp.runtime.base.group import Membership
-from twobp.runtime.setup.cost_measurement import allreduce_speed
+from twobp.runtime.setup.auto.cost_measurement import allreduce_speed
 
 
 @pytest.mark.timeout(120)

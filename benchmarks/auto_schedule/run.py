@@ -28,7 +28,7 @@ import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
-from twobp.runtime.setup.auto_schedule import CONTENDERS
+from twobp.runtime.setup.auto.plan import CONTENDERS
 from twobp_bench.config import REGIMES
 from twobp_bench.matrix import TWOBP, Variant, model_stages, stage_partition
 

@@ -37,7 +37,7 @@ from twobp.models import ModelSpec, build_model
 from twobp.runtime import Pipeline
 from twobp.runtime.base.group import default_device
 from twobp.runtime.execution.microbatch import Batch, split_batch
-from twobp.runtime.setup.cost_measurement import stage_gradient_bytes
+from twobp.runtime.setup.auto.cost_measurement import stage_gradient_bytes
 from twobp.schedule import Schedule
 from twobp.sim.search import describe
 from twobp.timeline import Span, bubble_ratio

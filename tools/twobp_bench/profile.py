@@ -42,7 +42,7 @@ from twobp.engine import defer_weight_grads
 from twobp.partition.profiler import BlockCost, profile_blocks, synchronizer
 from twobp.runtime.base.group import Membership
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
-from twobp.runtime.setup.cost_measurement import allreduce_speed, link_speed
+from twobp.runtime.setup.auto.cost_measurement import allreduce_speed, link_speed
 
 _TIMES = ("forward", "backward_input", "backward_weight", "backward_full")
 
@@ -259,7 +259,7 @@ def _synchronized(device: torch.device) -> float:
 def measure_allreduce(nbytes: int, device: torch.device) -> float:
     """Bytes per second each rank of an all-reduce over the default group moves.
 
-    Collective (:func:`twobp.runtime.setup.cost_measurement.allreduce_speed`).
+    Collective (:func:`twobp.runtime.setup.auto.cost_measurement.allreduce_speed`).
 
     Args:
         nbytes: the size of the large all-reduce (about a stage's gradients).
@@ -282,7 +282,7 @@ def _default_world() -> Membership:
 def measure_link(nbytes: int, device: torch.device) -> tuple[float, float]:
     """One-way latency and bandwidth between ranks 0 and 1 of the default group (ping-pong).
 
-    Collective (:func:`twobp.runtime.setup.cost_measurement.link_speed`).
+    Collective (:func:`twobp.runtime.setup.auto.cost_measurement.link_speed`).
 
     Args:
         nbytes: the size of the large message (a stage boundary's activation).

@@ -4,15 +4,20 @@
 group and runs a schedule's actions on each rank; :func:`launch` starts a
 local process group for it (a small ``torchrun``).
 
-Its parts, one folder each:
+Its parts, one folder each, from the bottom up (a folder imports only those
+below it):
 
-* ``setup/``: joining the process group, the topology (which process runs
-  each stage), the plan (schedule and blocks per stage), and the ranks'
-  agreement on options and model;
+* ``base/``: what every layer shares: the process group a pipeline runs in
+  (``Membership``), the topology (which process runs each stage) and the
+  runtime's one piece of module state;
+* ``communication/``: the step's point-to-point channel, the collectives and
+  the ranks' agreement;
 * ``execution/``: one step of one rank: the dispatcher over the lowered
   schedule, the stages and their two-stage backward;
-* ``communication/``: the step's point-to-point channel and the collectives;
-* ``state/``: the model's parameters, gradient norm and checkpoints.
+* ``state/``: the model's parameters, gradient norm and checkpoints;
+* ``setup/``: building a pipeline: the plan (schedule and blocks per stage),
+  ``schedule="auto"`` (``setup/auto/``), the check that ranks hold the same
+  model, the replicas and their reduction groups.
 """
 
 from twobp.runtime.errors import (

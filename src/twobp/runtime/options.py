@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto_schedule import CONTENDERS
+from twobp.runtime.setup.auto.plan import CONTENDERS
 from twobp.runtime.setup.pipeline_plan import CostsArgument
 from twobp.schedule.schedule import Schedule
 

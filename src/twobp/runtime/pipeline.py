@@ -62,8 +62,8 @@ from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.auto_schedule import CONTENDERS, Contender
-from twobp.runtime.setup.auto_trials import run_trials, stand_in_loss
+from twobp.runtime.setup.auto.plan import CONTENDERS, Contender
+from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
@@ -157,7 +157,7 @@ class Pipeline(PipelineState):
             schedules run a few trial steps before the pipeline settles on
             the fastest measured: the simulator's choice and the fastest
             simulated candidate of each other schedule and stage count (see
-            :mod:`twobp.runtime.setup.auto_trials`; the times show in
+            :mod:`twobp.runtime.setup.auto.trials`; the times show in
             :attr:`plan`). The simulator cannot tell apart schedules within a
             few per cent of each other; the trials can. 0 or 1: run the
             simulator's choice. Rank 0's count counts.

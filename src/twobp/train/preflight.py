@@ -23,7 +23,7 @@ from twobp.config import check_writable
 from twobp.engine.autocast import check_autocast_dtype
 from twobp.models import build_model
 from twobp.runtime.base.group import default_device
-from twobp.runtime.setup.auto_schedule import AUTO
+from twobp.runtime.setup.auto.plan import AUTO
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
 from twobp.sim.cost_io import parse_amount

@@ -23,7 +23,7 @@ from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto_schedule import (
+from twobp.runtime.setup.auto.plan import (
     AUTO,
     AutoPlan,
     plan_auto,
@@ -54,7 +54,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 
 Trials = Callable[[AutoPlan], AutoPlan]
 """Runs the trial steps of ``schedule="auto"``'s contenders and settles the plan
-(:func:`twobp.runtime.setup.auto_trials.run_trials`, bound to the pipeline's arguments)."""
+(:func:`twobp.runtime.setup.auto.trials.run_trials`, bound to the pipeline's arguments)."""
 
 log = logging.getLogger("twobp")
 

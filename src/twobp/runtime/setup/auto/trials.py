@@ -5,7 +5,7 @@ machine, schedules it puts within a few per cent of each other can differ by
 10-20% (time between actions, caches, messages it does not model), and the
 one it puts first is not always the fastest. So, before the pipeline
 settles, every rank builds a pipeline of each contender of the plan
-(:attr:`twobp.runtime.setup.auto_schedule.AutoPlan.contenders`: the fastest
+(:attr:`twobp.runtime.setup.auto.plan.AutoPlan.contenders`: the fastest
 simulated candidate of each schedule and stage count) on the same blocks,
 and they take turns, one step each per round (the ranks meet at a barrier
 before each), on the example micro-batch repeated to a batch: a warm-up
@@ -46,7 +46,7 @@ from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.collective import all_gather_objects, barrier
 from twobp.runtime.errors import PeerError, PeerStepFailedError, PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, concat_microbatches
-from twobp.runtime.setup.auto_schedule import AutoPlan, Contender
+from twobp.runtime.setup.auto.plan import AutoPlan, Contender
 from twobp.schedule import ScheduleError
 from twobp.sim.search import describe
 

@@ -4,14 +4,14 @@ Rank 0 profiles every block on one micro-batch (F, I, W, the fused B, the
 bytes kept, and W over 1, 2, 4 and ``m`` micro-batches at once), alone while
 the other ranks wait; then all ranks measure together how much slower they
 compute at once than alone (the contention of ranks sharing a machine) and
-the link between ranks (:mod:`twobp.runtime.setup.cost_measurement`). Rank
+the link between ranks (:mod:`twobp.runtime.setup.auto.cost_measurement`). Rank
 0 simulates every schedule, 2BP policy, W group cap and number of stages per
 rank (:mod:`twobp.sim.search`) under those costs, takes the fastest whose
 peak memory fits ``memory_limit``, and sends its schedule and partition to
 every rank, so that all run the same one whatever their own timings. With it
 go the *contenders*: the fastest simulated candidate of each other schedule
 and stage count, up to ``contenders`` in all, that trial steps
-(:mod:`twobp.runtime.setup.auto_trials`) measure before the pipeline settles.
+(:mod:`twobp.runtime.setup.auto.trials`) measure before the pipeline settles.
 With a cost model given (``costs=``), nothing is measured.
 """
 
@@ -30,7 +30,7 @@ from twobp.partition.profiler import solver_costs
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.cost_measurement import measure
+from twobp.runtime.setup.auto.cost_measurement import measure
 from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel

@@ -1,0 +1,1 @@
+"""``schedule="auto"``: measure the costs, choose a schedule, try the contenders."""
