@@ -36,6 +36,19 @@ ALLOWED = {
 ANYWHERE = {"viz", "timeline"}
 NO_TORCH = ("twobp.schedule", "twobp.sim", "twobp.viz", "twobp.timeline")
 
+# The floors of runtime/, bottom first (docs/architecture.md): a folder or top-level module
+# imports only from its own floor and those below it.
+RUNTIME_FLOORS = (
+    {"errors"},
+    {"base"},
+    {"communication"},
+    {"execution"},
+    {"state"},
+    {"setup"},
+    {"options", "pipeline_steps", "pipeline", "launch", "__init__"},
+)
+RUNTIME = SRC / "runtime"
+
 
 def _imported_layers(folder: Path) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
@@ -67,6 +80,49 @@ def test_a_layer_imports_only_the_layers_below_it(layer):
         # `twobp bench` runs the application that lives outside the library, loaded lazily.
         assert wrong.pop("twobp_bench", set()) <= {"cli/bench.py"}
     assert not wrong, f"{layer}/ imports {wrong}"
+
+
+def _runtime_part(path: Path) -> str:
+    """The folder or top-level module of runtime/ that ``path`` belongs to."""
+    first = path.relative_to(RUNTIME).parts[0]
+    return first.removesuffix(".py")
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The parts of runtime/ that the module at ``path`` imports, lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+            if node.module == "twobp.runtime":
+                names = [f"twobp.runtime.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] == ["twobp", "runtime"] and len(parts) > 2:
+                found.add(parts[2])
+    return found
+
+
+def _floor(part: str) -> int:
+    return next(i for i, floor in enumerate(RUNTIME_FLOORS) if part in floor)
+
+
+def test_every_part_of_the_runtime_has_a_floor():
+    parts = {_runtime_part(p) for p in RUNTIME.rglob("*.py")}
+    placed = set().union(*RUNTIME_FLOORS)
+    assert parts <= placed, f"runtime/ parts without a floor: {sorted(parts - placed)}"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(RUNTIME.rglob("*.py")), ids=lambda p: str(p.relative_to(RUNTIME))
+)
+def test_the_runtime_imports_nothing_from_a_floor_above(path):
+    part = _runtime_part(path)
+    upward = sorted(o for o in _runtime_imports(path) if _floor(o) > _floor(part))
+    assert not upward, f"runtime/{path.relative_to(RUNTIME)} ({part}) imports {upward} from above"
 
 
 def _says_no_torch() -> list[str]:
