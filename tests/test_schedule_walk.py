@@ -49,8 +49,9 @@ def test_an_action_starts_when_its_rank_is_free_and_its_inputs_have_arrived():
 
 def test_steps_are_the_dry_run_grid_and_the_start_times_of_unit_actions():
     for name in SCHEDULES:
-        p = 4 if name == "chimera" else 3  # chimera: p even
-        s = apply_two_bp(generate(name, p, 6), "paper")
+        p = 4 if name in ("chimera", "dualpipe") else 3  # two pipelines: p even
+        m = 8 if name == "dualpipe" else 6  # dualpipe(v): m >= 2p
+        s = apply_two_bp(generate(name, p, m), "paper")
         walked = walk(s, lambda a: 1.0)
         assert walked.grid() == dry_run(s), name
         assert all(r.start == r.step for runs in walked.runs.values() for r in runs), name

@@ -23,8 +23,10 @@ def cases(draw):
     name = draw(st.sampled_from(sorted(SCHEDULES)))
     p = draw(st.integers(1, 4))
     m = p * draw(st.integers(1, 3))  # a multiple of p suits every schedule
-    if name == "chimera":  # two pipelines: p and m even
+    if name in ("chimera", "dualpipe"):  # two pipelines: p and m even
         p, m = 2 * ((p + 1) // 2), 2 * m
+    if name.startswith("dualpipe"):  # m >= 2p
+        m = max(m, 2 * p)
     policy = draw(st.sampled_from([None, "eager", "paper", "fill"]))
     schedule = apply_two_bp(generate(name, p, m), policy)
     n = schedule.n_stages
