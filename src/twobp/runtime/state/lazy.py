@@ -9,25 +9,28 @@ or loads needs neither.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from types import ModuleType
+import importlib
+from typing import Any
 
 
-def lazy_module(name: str) -> ModuleType:
-    """Module ``name``, executed on its first attribute access (``importlib.util.LazyLoader``).
+class LazyModule:
+    """Stands for module ``name`` and imports it on the first attribute read.
 
-    Raises:
-        ModuleNotFoundError: if there is no such module.
+    Not registered in ``sys.modules``: nothing that walks the loaded modules
+    (``inspect``, torch's registration of operators) can set the import off
+    half-way through another.
     """
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"no module named {name!r}", name=name)
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported on first use>"
+
+
+def lazy_module(name: str) -> Any:
+    """A :class:`LazyModule` for ``name`` (typed as the module where it is used)."""
+    return LazyModule(name)
