@@ -24,6 +24,7 @@ from twobp.schedule import (
     resolve_schedule,
     save_csv,
 )
+from twobp.schedule.schedule import StageGraph
 from twobp.schedule.transfers import (
     Direction,
     Transfer,
@@ -50,19 +51,19 @@ def _build(name: str, p: int, m: int, policy: str | None) -> Schedule:
 
 
 def test_transfers_of_actions():
-    placement = (0, 1, 1, 0)  # a V: stages 1 and 2 share rank 1
+    graph = StageGraph((0, 1, 1, 0), n_pipelines=1)  # a V: stages 1 and 2 share rank 1
     f1 = Action.parse("1F3")
-    assert needed_transfer(f1, placement) == Transfer(Direction.ACTIVATION, 0, 3, 0, 1)
-    assert produced_transfer(f1, placement) == Transfer(Direction.ACTIVATION, 1, 3, 1, 1)
-    assert produced_transfer(f1, placement).is_local
+    assert needed_transfer(f1, graph) == Transfer(Direction.ACTIVATION, 0, 3, 0, 1)
+    assert produced_transfer(f1, graph) == Transfer(Direction.ACTIVATION, 1, 3, 1, 1)
+    assert produced_transfer(f1, graph).is_local
     i2 = Action.parse("2I5")
-    assert needed_transfer(i2, placement) == Transfer(Direction.GRADIENT, 2, 5, 0, 1)
-    assert produced_transfer(i2, placement) == Transfer(Direction.GRADIENT, 1, 5, 1, 1)
-    assert needed_transfer(Action.parse("0F0"), placement) is None
-    assert needed_transfer(Action.parse("3B0"), placement) is None
-    assert produced_transfer(Action.parse("0B0"), placement) is None
-    assert needed_transfer(Action.parse("2W0-3"), placement) is None
-    assert "rank 0 -> rank 1" in str(needed_transfer(i2, placement))
+    assert needed_transfer(i2, graph) == Transfer(Direction.GRADIENT, 2, 5, 0, 1)
+    assert produced_transfer(i2, graph) == Transfer(Direction.GRADIENT, 1, 5, 1, 1)
+    assert needed_transfer(Action.parse("0F0"), graph) is None
+    assert needed_transfer(Action.parse("3B0"), graph) is None
+    assert produced_transfer(Action.parse("0B0"), graph) is None
+    assert needed_transfer(Action.parse("2W0-3"), graph) is None
+    assert "rank 0 -> rank 1" in str(needed_transfer(i2, graph))
 
 
 def test_plan_of_1f1b_two_ranks():
@@ -90,7 +91,7 @@ def test_pair_orders_agree_and_follow_each_rank(name, p, m, policy):
     for r, plan in plans.items():
         position = {}
         for i, a in enumerate(schedule.actions[r]):
-            t = produced_transfer(a, schedule.placement)
+            t = produced_transfer(a, schedule.graph)
             if t is not None:
                 position[t] = i
         for peer, ops in plan.peers.items():
@@ -142,12 +143,12 @@ def _run_in_order(schedule: Schedule) -> None:
             if position[r] == len(schedule.actions[r]):
                 continue
             action = schedule.actions[r][position[r]]
-            need = needed_transfer(action, schedule.placement)
+            need = needed_transfer(action, schedule.graph)
             if need is not None and not need.is_local:
                 k = index[r, need.src][need]
                 if not (posted[r, need.src] > k and posted[need.src, r] > k):
                     continue
-            made = produced_transfer(action, schedule.placement)
+            made = produced_transfer(action, schedule.graph)
             if made is not None and not made.is_local:
                 q = made.dst
                 assert plans[r].peers[q][posted[r, q]].transfer == made

@@ -23,6 +23,7 @@ from twobp.schedule import (
 )
 from twobp.schedule.dependencies import produces, requires
 from twobp.schedule.kinds import ACTIVATIONS, STORED_DERIVATIVES, held_change, pool_change
+from twobp.schedule.schedule import StageGraph
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import memory_timeline
 from twobp.sim.simulate import simulate
@@ -85,14 +86,14 @@ def test_memory_read_from_the_table():
 
 
 def test_rules_read_from_the_table():
-    placement = (0, 1, 1)
-    assert requires(Action.parse("0F0"), placement, lowered=False) == ()
-    assert requires(Action.parse("1F0"), placement, lowered=False) == ((0, "F", 0),)
-    assert requires(Action.parse("1F0"), placement, lowered=True) == ((1, "RECV_F", 0),)
-    assert requires(Action.parse("2F0"), placement, lowered=True) == ((1, "F", 0),)
-    assert requires(Action.parse("1I0"), placement, lowered=True) == ((1, "F", 0), (2, "BI", 0))
-    assert requires(Action.parse("0B0"), placement, lowered=True) == ((0, "F", 0), (0, "RECV_B", 0))
-    assert requires(Action.parse("1W0-1"), placement, lowered=False) == ((1, "BI", 0), (1, "BI", 1))
+    graph = StageGraph((0, 1, 1), n_pipelines=1)
+    assert requires(Action.parse("0F0"), graph, lowered=False) == ()
+    assert requires(Action.parse("1F0"), graph, lowered=False) == ((0, "F", 0),)
+    assert requires(Action.parse("1F0"), graph, lowered=True) == ((1, "RECV_F", 0),)
+    assert requires(Action.parse("2F0"), graph, lowered=True) == ((1, "F", 0),)
+    assert requires(Action.parse("1I0"), graph, lowered=True) == ((1, "F", 0), (2, "BI", 0))
+    assert requires(Action.parse("0B0"), graph, lowered=True) == ((0, "F", 0), (0, "RECV_B", 0))
+    assert requires(Action.parse("1W0-1"), graph, lowered=False) == ((1, "BI", 0), (1, "BI", 1))
     assert produces(Action.parse("2B3")) == ((2, "BI", 3), (2, "W", 3))
 
 

@@ -56,9 +56,7 @@ def test_timeline_respects_order_dependencies_and_costs(case):
             assert after.start >= before.end - 1e-9
         for span in own:
             assert span.duration == pytest.approx(costs.duration(span.action))
-            for stage, tag, mb in requires(
-                span.action, schedule.placement, lowered=False, n_pipelines=schedule.n_pipelines
-            ):
+            for stage, tag, mb in requires(span.action, schedule.graph, lowered=False):
                 # A result from another rank arrives after the transfer.
                 delay = 0.0 if schedule.placement[stage] == rank else costs.send_latency
                 assert span.start >= end_of[(stage, tag, mb)] + delay - 1e-9

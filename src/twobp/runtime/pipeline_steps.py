@@ -112,7 +112,7 @@ class StepRunner:
             )
         run = StepRun(
             self.rank,
-            schedule.placement,
+            schedule.graph,
             self.stages,
             channel,
             mb_inputs,
@@ -120,7 +120,6 @@ class StepRunner:
             clock,
             self._weight_group_size,
             reducer=self._reducer,
-            n_pipelines=schedule.n_pipelines,
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])

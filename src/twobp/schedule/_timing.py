@@ -126,10 +126,10 @@ def rank_time(
     """
     if send_overhead == 0:
         return duration
-    placement, pipelines = schedule.placement, schedule.n_pipelines
+    graph = schedule.graph
 
     def held(action: Action) -> float:
-        sent = produced_transfer(action, placement, pipelines)
+        sent = produced_transfer(action, graph)
         crosses = sent is not None and not sent.is_local
         return duration(action) + (send_overhead if crosses else 0.0)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import Key, produces, requires
 from twobp.schedule.generators import one_f_one_b
-from twobp.schedule.schedule import Schedule
+from twobp.schedule.schedule import Schedule, StageGraph
 
 _TIME = {Kind.FORWARD: 1.0, Kind.FULL_BACKWARD: 2.0}
 
@@ -86,6 +86,7 @@ def _merge(
     Each list alone runs without deadlock, and a rank only ever starts an
     action whose inputs are there, so the merge always goes on.
     """
+    graph = StageGraph(placement, n_pipelines=2)
     position = {r: [0, 0] for r in lists}
     free = dict.fromkeys(lists, 0.0)
     made: dict[Key, float] = {}
@@ -99,7 +100,7 @@ def _merge(
                 if index == len(listed):
                     continue
                 action = listed[index]
-                needs = requires(action, placement, lowered=False, n_pipelines=2)
+                needs = requires(action, graph, lowered=False)
                 if any(k not in made for k in needs):
                     continue
                 ready = max((made[k] for k in needs), default=0.0)

@@ -12,12 +12,12 @@ for error messages. This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from twobp.schedule.action import Action
 from twobp.schedule.errors import ScheduleError
 from twobp.schedule.kinds import KINDS, kind_spec
-from twobp.schedule.schedule import Schedule, neighbour
+from twobp.schedule.schedule import Schedule, StageGraph
 
 Key = tuple[int, str, int]
 """A result of an action: ``(stage, tag, micro-batch)``."""
@@ -35,18 +35,16 @@ def produces(action: Action) -> tuple[Key, ...]:
     )
 
 
-def requires(
-    action: Action, placement: Sequence[int], lowered: bool, n_pipelines: int = 1
-) -> tuple[Key, ...]:
+def requires(action: Action, graph: StageGraph, lowered: bool) -> tuple[Key, ...]:
     """The results that must exist before ``action`` can run.
 
     Args:
         action: the action.
-        placement: the rank of each stage.
+        graph: the rank of each stage and the pipelines they form; a need on
+            a stage of another pipeline (past an end of the action's own) is
+            no need.
         lowered: whether transfers between ranks go through transfer
             actions (then the consumer waits for its receive).
-        n_pipelines: the pipelines the stages form; a need on a stage of
-            another pipeline (past an end of the action's own) is no need.
 
     Returns:
         The keys of the required results, in the order of the table's needs.
@@ -54,10 +52,10 @@ def requires(
     s = action.stage
     out: list[Key] = []
     for need in kind_spec(action.kind).needs:
-        other = neighbour(s, need.offset, len(placement), n_pipelines)
+        other = graph.neighbour(s, need.offset)
         if other is None:
             continue
-        via = need.via if lowered and placement[other] != placement[s] else None
+        via = need.via if lowered and graph.placement[other] != graph.placement[s] else None
         for m in action.microbatches:
             out.append((other, need.tag, m) if via is None else (s, via, m))
     return tuple(out)

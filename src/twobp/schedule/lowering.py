@@ -42,7 +42,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     Returns:
         The lowered schedule, with the same name.
     """
-    placement, pipelines = schedule.placement, schedule.n_pipelines
+    graph = schedule.graph
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
         out: list[Action] = []
@@ -50,12 +50,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             if not a.kind.is_compute:
                 continue
             # A receive before the action for each need that crosses ranks ...
-            for kind, transfer in needed_by(a, placement, pipelines):
+            for kind, transfer in needed_by(a, graph):
                 if not transfer.is_local:
                     out.append(Action(a.stage, kind, a.microbatches))
             out.append(a)
             # ... and a send after it for each result another rank needs.
-            for kind, transfer in produced_by(a, placement, pipelines):
+            for kind, transfer in produced_by(a, graph):
                 if not transfer.is_local:
                     out.append(Action(a.stage, kind, a.microbatches))
         actions[rank] = out

@@ -1,5 +1,8 @@
 """A whole schedule: the ordered actions of every rank, and where stages live.
 
+:class:`StageGraph` is the part of a schedule that says which stage follows
+which: the stages' ranks and the pipelines they form, kept together.
+
 This module imports no torch.
 """
 
@@ -109,9 +112,14 @@ class Schedule:
         """The pipeline ``stage`` belongs to."""
         return stage // self.pipeline_stages
 
+    @property
+    def graph(self) -> StageGraph:
+        """Which stage follows which: the placement with the pipelines it forms."""
+        return StageGraph(self.placement, self.n_pipelines)
+
     def neighbour(self, stage: int, offset: int) -> int | None:
         """The stage ``offset`` places after ``stage`` in its pipeline, or None past its ends."""
-        return neighbour(stage, offset, len(self.placement), self.n_pipelines)
+        return self.graph.neighbour(stage, offset)
 
     def microbatches_of(self, stage: int) -> range:
         """The micro-batches that ``stage``'s pipeline runs."""
@@ -154,17 +162,36 @@ class Schedule:
         return "\n".join(lines)
 
 
-def neighbour(stage: int, offset: int, n_stages: int, n_pipelines: int = 1) -> int | None:
-    """The stage ``offset`` after ``stage`` in the same pipeline, or None past its ends.
+@dataclass(frozen=True)
+class StageGraph:
+    """Which stage follows which: the rank of each stage and the pipelines the stages form.
+
+    The two go together: with the placement alone, the last stage of
+    Chimera's first pipeline would seem to feed the first of its second.
 
     Args:
-        stage: a stage.
-        offset: how many stages later (negative: earlier).
-        n_stages: stages of the whole schedule.
-        n_pipelines: pipelines they form (see :class:`Schedule`).
+        placement: the rank of each stage (``placement[s]`` is the rank of stage ``s``).
+        n_pipelines: how many pipelines the stages form (see :class:`Schedule`).
     """
-    length = n_stages // n_pipelines
-    other = stage + offset
-    if not 0 <= other < n_stages or other // length != stage // length:
-        return None
-    return other
+
+    placement: tuple[int, ...]
+    n_pipelines: int
+
+    @property
+    def n_stages(self) -> int:
+        """Stages of the whole schedule."""
+        return len(self.placement)
+
+    def neighbour(self, stage: int, offset: int) -> int | None:
+        """The stage ``offset`` after ``stage`` in the same pipeline, or None past its ends.
+
+        Args:
+            stage: a stage.
+            offset: how many stages later (negative: earlier).
+        """
+        n_stages = len(self.placement)
+        length = n_stages // self.n_pipelines
+        other = stage + offset
+        if not 0 <= other < n_stages or other // length != stage // length:
+            return None
+        return other

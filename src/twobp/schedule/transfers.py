@@ -28,7 +28,7 @@ from enum import Enum
 
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import KINDS, Role, kind_spec
-from twobp.schedule.schedule import Schedule, neighbour
+from twobp.schedule.schedule import Schedule, StageGraph
 from twobp.schedule.validate import dry_run
 
 
@@ -104,22 +104,18 @@ class CommPlan:
     peers: Mapping[int, tuple[PairOp, ...]]
 
 
-def needed_transfer(
-    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
-) -> Transfer | None:
+def needed_transfer(action: Action, graph: StageGraph) -> Transfer | None:
     """The transfer ``action`` consumes (local or remote), or None.
 
     ``F`` of stage ``s > 0`` consumes the activation from ``s-1``; ``B``/``I``
     of a stage before the last consume the gradient from ``s+1`` (stages of
     the same pipeline, when the schedule has several).
     """
-    found = needed_by(action, placement, n_pipelines)
+    found = needed_by(action, graph)
     return found[0][1] if found else None
 
 
-def needed_by(
-    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
-) -> list[tuple[Kind, Transfer]]:
+def needed_by(action: Action, graph: StageGraph) -> list[tuple[Kind, Transfer]]:
     """Each transfer ``action`` consumes, with the receive kind that carries it across ranks.
 
     Read from the table of kinds: the needs that a receive carries (``via``)
@@ -128,27 +124,23 @@ def needed_by(
     s = action.stage
     out = []
     for need in kind_spec(action.kind).needs:
-        other = neighbour(s, need.offset, len(placement), n_pipelines)
+        other = graph.neighbour(s, need.offset)
         if need.via is not None and need.offset != 0 and other is not None:
-            out.append((Kind(need.via), _between(s, other, action.microbatch, placement, into=s)))
+            out.append((Kind(need.via), _between(s, other, action.microbatch, graph, into=s)))
     return out
 
 
-def produced_transfer(
-    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
-) -> Transfer | None:
+def produced_transfer(action: Action, graph: StageGraph) -> Transfer | None:
     """The transfer ``action`` produces (local or remote), or None.
 
     Read from the table: a result of ``action`` that a send kind carries to
     a stage that exists.
     """
-    found = produced_by(action, placement, n_pipelines)
+    found = produced_by(action, graph)
     return found[0][1] if found else None
 
 
-def produced_by(
-    action: Action, placement: tuple[int, ...], n_pipelines: int = 1
-) -> list[tuple[Kind, Transfer]]:
+def produced_by(action: Action, graph: StageGraph) -> list[tuple[Kind, Transfer]]:
     """Each transfer ``action`` produces, with the send kind that carries it across ranks.
 
     Read from the table: a send carries the result it needs (``SEND_F`` the
@@ -161,13 +153,13 @@ def produced_by(
         if sender.role is not Role.SEND:
             continue
         assert sender.link is not None
-        other = neighbour(s, sender.link, len(placement), n_pipelines)
+        other = graph.neighbour(s, sender.link)
         if any(need.tag in spec.makes for need in sender.needs) and other is not None:
-            out.append((Kind(code), _between(s, other, action.microbatch, placement, into=other)))
+            out.append((Kind(code), _between(s, other, action.microbatch, graph, into=other)))
     return out
 
 
-def transfer_of(action: Action, placement: tuple[int, ...], n_pipelines: int = 1) -> Transfer:
+def transfer_of(action: Action, graph: StageGraph) -> Transfer:
     """The transfer a communication action (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``) moves.
 
     Raises:
@@ -178,23 +170,22 @@ def transfer_of(action: Action, placement: tuple[int, ...], n_pipelines: int = 1
     s = action.stage
     if spec.link is None:
         raise ValueError(f"{action} is not a transfer")
-    other = neighbour(s, spec.link, len(placement), n_pipelines)
+    other = graph.neighbour(s, spec.link)
     if other is None:
         raise ValueError(f"{action} moves nothing: stage {action.stage} has no such neighbour")
     sends = spec.role is Role.SEND
-    return _between(s, other, action.microbatch, placement, into=other if sends else s)
+    return _between(s, other, action.microbatch, graph, into=other if sends else s)
 
 
-def _between(
-    stage: int, other: int, microbatch: int, placement: tuple[int, ...], into: int
-) -> Transfer:
+def _between(stage: int, other: int, microbatch: int, graph: StageGraph, into: int) -> Transfer:
     """The transfer between two neighbouring stages, into stage ``into``.
 
     Towards a later stage it is an activation, towards an earlier one a gradient.
     """
     source = other if into == stage else stage
     direction = Direction.ACTIVATION if into > source else Direction.GRADIENT
-    return Transfer(direction, min(stage, other), microbatch, placement[source], placement[into])
+    ranks = graph.placement
+    return Transfer(direction, min(stage, other), microbatch, ranks[source], ranks[into])
 
 
 def plan_communication(schedule: Schedule, rank: int) -> CommPlan:
@@ -215,7 +206,7 @@ def plan_communication(schedule: Schedule, rank: int) -> CommPlan:
         for col, action in enumerate(row):
             if action is None or not action.kind.is_compute:
                 continue
-            transfer = produced_transfer(action, schedule.placement, schedule.n_pipelines)
+            transfer = produced_transfer(action, schedule.graph)
             if transfer is not None and not transfer.is_local:
                 produced.append((step, col, transfer))
     produced.sort(key=lambda item: (item[0], item[1]))

@@ -207,7 +207,7 @@ def _check_rank_order(schedule: Schedule) -> None:
     producer = index_producers(schedule, lowered)
     for rank, acts in schedule.actions.items():
         for i, a in enumerate(acts):
-            for k in requires(a, schedule.placement, lowered, schedule.n_pipelines):
+            for k in requires(a, schedule.graph, lowered):
                 made_by = producer.get(k)
                 if made_by is not None and made_by[0] == rank and made_by[1] > i:
                     j = made_by[1]

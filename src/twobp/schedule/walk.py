@@ -113,7 +113,7 @@ class Walker:
         # Per rank, what it walks: (index in its list, action, what it requires).
         self._lists = {
             r: [
-                (i, a, requires(a, schedule.placement, lowered, schedule.n_pipelines))
+                (i, a, requires(a, schedule.graph, lowered))
                 for i, a in enumerate(schedule.actions[r])
                 if lowered or a.kind.is_compute
             ]
@@ -219,7 +219,7 @@ class Walker:
 
     def _requires(self, action: Action) -> tuple[Key, ...]:
         schedule = self._schedule
-        return requires(action, schedule.placement, self._lowered, schedule.n_pipelines)
+        return requires(action, schedule.graph, self._lowered)
 
     def _index(self, rank: int) -> int:
         """The index in its list of the next action of ``rank`` (its length when done)."""

@@ -28,6 +28,7 @@ from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import Role
+from twobp.schedule.schedule import StageGraph
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
 from twobp.timeline import Span
 
@@ -86,7 +87,7 @@ class StepRun:
 
     Args:
         rank: this rank.
-        placement: the rank of each stage.
+        graph: the rank of each stage and the pipelines they form (2 for Chimera).
         stages: this rank's stages, by index.
         channel: the step's remote transfers; None if the rank has no peers.
         inputs: micro-batches of the model input (needed by the rank of stage 0).
@@ -95,13 +96,12 @@ class StepRun:
         clock: the step's clock, started at the step start.
         weight_group_size: passed to every ``W``.
         reducer: starts the gradient reductions of ``R``; None: ``R`` does nothing.
-        n_pipelines: the pipelines of the schedule's stages (2 for Chimera).
     """
 
     def __init__(
         self,
         rank: int,
-        placement: tuple[int, ...],
+        graph: StageGraph,
         stages: Mapping[int, Stage],
         channel: StepChannel | None,
         inputs: Sequence[Batch] | None,
@@ -110,10 +110,9 @@ class StepRun:
         weight_group_size: int | None = None,
         *,
         reducer: GradientReducer | None = None,
-        n_pipelines: int = 1,
     ) -> None:
         self._rank = rank
-        self._placement = placement
+        self._graph = graph
         self._stages = stages
         self._channel = channel
         self._inputs = inputs
@@ -122,7 +121,6 @@ class StepRun:
         self._marks: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
         self._reducer = reducer
-        self._pipelines = n_pipelines
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
         self.current: Action | None = None
@@ -247,20 +245,20 @@ class StepRun:
         self._record(action, start)
 
     def _send(self, action: Action) -> None:
-        transfer = transfer_of(action, self._placement, self._pipelines)
+        transfer = transfer_of(action, self._graph)
         assert self._channel is not None, "a send in a world of one"
         tensors, is_tuple = self._handed.pop(transfer.key)
         self._channel.send(transfer, tensors, is_tuple)
 
     def _receive(self, action: Action) -> None:
-        transfer = transfer_of(action, self._placement, self._pipelines)
+        transfer = transfer_of(action, self._graph)
         assert self._channel is not None, "a receive in a world of one"
         self._handed[transfer.key] = self._channel.recv(transfer)
 
     # -- hand-over between actions --------------------------------------------------
 
     def _take(self, action: Action) -> tuple[tuple[Tensor, ...], bool]:
-        transfer = needed_transfer(action, self._placement, self._pipelines)
+        transfer = needed_transfer(action, self._graph)
         assert transfer is not None
         tensors, is_tuple = self._handed.pop(transfer.key)
         if transfer.is_local and transfer.direction is Direction.ACTIVATION:
@@ -269,7 +267,7 @@ class StepRun:
         return tensors, is_tuple
 
     def _give(self, action: Action, tensors: tuple[Tensor, ...], is_tuple: bool) -> None:
-        transfer = produced_transfer(action, self._placement, self._pipelines)
+        transfer = produced_transfer(action, self._graph)
         assert transfer is not None
         self._handed[transfer.key] = (tensors, is_tuple)
 
