@@ -1,9 +1,9 @@
 """Gradients accumulated over steps without ``zero_grad``, on real gloo ranks, float64.
 
 Two steps in a row must leave the sum of the two steps run alone, for every
-parameter, replicated (Chimera, data parallel) and tied ones included, with
-2BP on and off, DualPipe's two copies included; a step that fails or is skipped between them must leave the
-earlier step's gradients as they were.
+parameter, replicated (Chimera, DualPipe, data parallel) and tied ones
+included, with 2BP on and off; a step that fails or is skipped between them
+must leave the earlier step's gradients as they were.
 """
 
 from __future__ import annotations
