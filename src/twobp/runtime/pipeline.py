@@ -69,6 +69,7 @@ from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.state import checkpoint
+from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
@@ -349,10 +350,10 @@ class Pipeline(PipelineState):
             topology=self.topology,
             n_microbatches=self.n_microbatches,
             stages=self.stages,
-            parameters=self.module.parameters,
             reducer=self._reducer,
             weight_group_size=weight_group_size,
         )
+        self._earlier_gradients = EarlierGradients()
         self._start_buffer = small_buffer(members.size, self.device)
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
@@ -542,20 +543,26 @@ class Pipeline(PipelineState):
                 "call claim_blocks() before its next step"
             )
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
-        _, loss, first_bad, bad_rank = self._steps.run_step(
-            self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
-        )
+        # The step reduces and settles its own gradients only (see accumulation).
+        self._earlier_gradients.set_aside(self.parameters())
+        try:
+            _, loss, first_bad, bad_rank = self._steps.run_step(
+                self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
+            )
+        except BaseException:
+            self._earlier_gradients.put_back()
+            raise
         assert loss is not None
         step, self.step_count = self.step_count, self.step_count + 1
         self.last_step_skipped = not math.isfinite(loss)
         if self.last_step_skipped:
             # Every rank learnt the loss from the last stage: all drop the step alike.
-            self._steps.earlier_gradients.put_back()
+            self._earlier_gradients.put_back()
             if self.nonfinite == "raise":
                 raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
             self.skipped_steps.append(step)
         else:
-            self._steps.earlier_gradients.add_back()
+            self._earlier_gradients.add_back()
         return loss
 
     @torch.no_grad()
@@ -651,7 +658,7 @@ class Pipeline(PipelineState):
             counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
         """
         return memory_stats(
-            self._memory, self.module, optimizer, self._steps.earlier_gradients.last_nbytes
+            self._memory, self.module, optimizer, self._earlier_gradients.last_nbytes
         )
 
     @property

@@ -10,10 +10,8 @@ loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
 
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
@@ -24,7 +22,6 @@ from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
 from twobp.runtime.execution.step_run import StepResult, StepRun, StepTimes
-from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
@@ -45,7 +42,6 @@ class StepRunner:
         topology: where each stage runs.
         n_microbatches: micro-batches per step.
         stages: this rank's stages, by stage.
-        parameters: this rank's parameters, whose gradients a training step adds to.
         reducer: the gradient reductions of replicated stages (None: none).
         weight_group_size: the engine's concatenation cap of each ``W``.
     """
@@ -60,7 +56,6 @@ class StepRunner:
         topology: Topology,
         n_microbatches: int,
         stages: dict[int, Stage],
-        parameters: Callable[[], Iterable[nn.Parameter]],
         reducer: GradientReducer | None,
         weight_group_size: int | None,
     ) -> None:
@@ -71,7 +66,6 @@ class StepRunner:
         self.topology = topology
         self.n_microbatches = n_microbatches
         self.stages = stages
-        self._parameters = parameters
         self._reducer = reducer
         self._weight_group_size = weight_group_size
         self.failure: Failure | None = None
@@ -82,8 +76,6 @@ class StepRunner:
         """Where this rank's last step went outside its compute."""
         self.peak_stashed_bytes = 0
         """The most bytes the 2BP engine kept for W at once in the last step."""
-        self.earlier_gradients = EarlierGradients()
-        """The gradients of earlier steps, set aside while a training step runs."""
 
     def abandon_reductions(self) -> None:
         """Forget the reductions of a step that will not be completed (the pipeline closes)."""
@@ -170,35 +162,26 @@ class StepRunner:
         Returns:
             The step's result, the mean loss (None without targets), the
             first micro-batch whose loss is not finite and the rank that
-            computed it (-1 and -1 if none). In training, the earlier steps'
-            gradients are still set aside: the caller adds them back (or puts
-            them back, if it drops the step).
+            computed it (-1 and -1 if none).
 
         Raises:
             Exception: on the rank where the step failed, its own error; on the
                 others, :class:`PeerStepFailedError` naming it. A lost peer
                 (``PeerError``) is raised at once: there is nobody to settle with.
-                In training, the step's gradients are dropped and the earlier
-                steps' restored, on every rank.
         """
         failure: Exception | None = None
         result = StepResult()
-        if training:
-            # This step reduces and settles its own gradients only (see accumulation).
-            self.earlier_gradients.set_aside(self._parameters())
         try:
             result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
         except Exception as exc:
             for stage in self.stages.values():
                 stage.abandon_step()
             if lost_peer(exc) or self.topology.is_single:
-                self._drop_step_gradients(training)
                 raise
             failure = exc
         except BaseException:
             for stage in self.stages.values():
                 stage.abandon_step()
-            self._drop_step_gradients(training)
             raise
         else:
             if training:
@@ -210,20 +193,10 @@ class StepRunner:
             recorded = self.failure
             known = recorded is not None and recorded.error is failure
             mine = recorded if known else Failure(failure, None, time.time())
-        try:
-            end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
-        except BaseException:
-            self._drop_step_gradients(training)
-            raise
+        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
         if failure is not None or end.error is not None:
-            self._drop_step_gradients(training)
             if end.error is not None:
                 raise end.error
             assert failure is not None
             raise failure
         return result, end.loss, end.first_bad, end.bad_rank
-
-    def _drop_step_gradients(self, training: bool) -> None:
-        """Forget the step's gradients; the earlier steps' are ``.grad`` again."""
-        if training:
-            self.earlier_gradients.put_back()
