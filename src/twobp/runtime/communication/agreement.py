@@ -82,14 +82,8 @@ def agree(
         tensor[world.rank] = torch.tensor(row, dtype=torch.int64)
         tensor = tensor.to(device)
         peer = 1 - world.rank if world.size == 2 else None
-        collective.complete(
-            lambda: dist.all_reduce(tensor, group=world.group, async_op=True),
-            tensor,
-            rank=world.rank,
-            peer=peer,
-            where=where,
-            what="the other ranks",
-            timeout=timeout,
+        collective.all_reduce(
+            world, tensor, dist.ReduceOp.SUM, timeout, "the other ranks", where=where, peer=peer
         )
         table = tensor.cpu().tolist()
     if any(r[0] for r in table):
@@ -148,14 +142,8 @@ def agree_small(
         shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
         tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
         peer = 1 - world.rank if size == 2 else None
-        collective.complete(
-            lambda: dist.all_reduce(tensor, group=world.group, async_op=True),
-            tensor,
-            rank=world.rank,
-            peer=peer,
-            where=where,
-            what="the other ranks",
-            timeout=timeout,
+        collective.all_reduce(
+            world, tensor, dist.ReduceOp.SUM, timeout, "the other ranks", where=where, peer=peer
         )
         packed = tensor.cpu().tolist()
         mask = (1 << _SLOT_BITS) - 1

@@ -108,16 +108,28 @@ def broadcast(world: Membership, tensor: Tensor, src: int, timeout: float, what:
     return tensor
 
 
-def all_reduce(world: Membership, tensor: Tensor, op: Any, timeout: float, what: str) -> Tensor:
-    """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``)."""
+def all_reduce(
+    world: Membership,
+    tensor: Tensor,
+    op: Any,
+    timeout: float,
+    what: str,
+    *,
+    where: str = "in a collective",
+    peer: int | None = None,
+) -> Tensor:
+    """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``).
+
+    ``where`` and ``peer`` (the rank waited on, if one is) word a time-out.
+    """
     if world.group is None:
         return tensor
     complete(
         lambda: dist.all_reduce(tensor, op=op, group=world.group, async_op=True),
         tensor,
         rank=world.rank,
-        peer=None,
-        where="in a collective",
+        peer=peer,
+        where=where,
         what=what,
         timeout=timeout,
     )
