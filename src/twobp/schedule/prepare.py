@@ -196,11 +196,7 @@ def finish_schedule(
         ValueError: if the costs, ``held`` or ``group_size`` do not fit the policy.
         twobp.schedule.ScheduleError: if the result is incomplete or deadlocks.
     """
-    if policy not in TWO_BP_POLICIES:
-        raise ScheduleConfigError(
-            f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
-            "(two_bp_policy= of the Pipeline, --policy of twobp train)"
-        )
+    _check_policy(policy)
     reduce = reduce or has_reductions(schedule)
     finished = schedule
     if two_bp and (place_split or not is_split(finished)):
@@ -253,11 +249,7 @@ def prepare(
         ScheduleConfigError: see :func:`source_schedule` and :func:`finish_schedule`.
         twobp.schedule.ScheduleError: if it is incomplete or deadlocks.
     """
-    if policy not in TWO_BP_POLICIES:
-        raise ScheduleConfigError(
-            f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
-            "(two_bp_policy= of the Pipeline, --policy of twobp train)"
-        )
+    _check_policy(policy)
     sourced = source_schedule(
         schedule, n_ranks=n_ranks, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
     )
@@ -270,9 +262,17 @@ def prepare(
             group_size=group_size,
             reduce=reduces(sourced, data_parallel, tied),
         )
-    except ScheduleConfigError:
-        raise
     except ValueError as exc:
-        if type(exc) is not ValueError:
+        if type(exc) is not ValueError:  # a ScheduleConfigError or ScheduleError already says it
             raise
         raise ScheduleConfigError(str(exc)) from exc
+
+
+def _check_policy(policy: str) -> None:
+    """Refuse an unknown 2BP policy, naming the options that set it."""
+    if policy not in TWO_BP_POLICIES:
+        raise ScheduleConfigError(
+            f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
+            "(two_bp_policy= of the Pipeline, --policy of twobp train)"
+        )
+

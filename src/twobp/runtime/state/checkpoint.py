@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -73,7 +73,9 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_folder,
 )
-from twobp.runtime.state.lazy import lazy_module
+
+# torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
+from twobp.runtime.state.lazy import storage
 from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
@@ -82,11 +84,6 @@ from twobp.runtime.state.optimizer_and_rng import (
     set_rng_state,
 )
 from twobp.schedule.schedule import Schedule
-
-if TYPE_CHECKING:
-    from twobp.runtime.state import checkpoint_storage as storage
-else:  # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
-    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
 
 __all__ = [
     "BackgroundSaves",

@@ -16,19 +16,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state.lazy import lazy_module
 
-if TYPE_CHECKING:
-    from twobp.runtime.state import checkpoint_storage as storage
-else:  # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
-    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
+# torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
+from twobp.runtime.state.lazy import storage
 
 
 @dataclass

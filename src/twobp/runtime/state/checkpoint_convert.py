@@ -14,7 +14,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,12 +34,9 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_folder,
 )
-from twobp.runtime.state.lazy import lazy_module
 
-if TYPE_CHECKING:
-    from twobp.runtime.state import checkpoint_storage as storage
-else:  # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
-    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
+# torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
+from twobp.runtime.state.lazy import storage
 
 # What NumPy's RNG state needs to unpickle, under NumPy 1 and 2 names.
 _NUMPY_GLOBALS = (

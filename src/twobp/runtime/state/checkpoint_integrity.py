@@ -28,7 +28,7 @@ import os
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint_files import (
@@ -38,12 +38,9 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_of,
 )
-from twobp.runtime.state.lazy import lazy_module
 
-if TYPE_CHECKING:
-    from twobp.runtime.state import checkpoint_storage as storage
-else:  # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
-    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
+# torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
+from twobp.runtime.state.lazy import storage
 
 CHECKSUM = "crc32"
 """The checksum recorded for each file: zlib's CRC-32, as 8 hex digits."""

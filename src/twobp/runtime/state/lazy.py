@@ -1,5 +1,8 @@
 """Import a module on first use: what only a checkpoint needs is not loaded at start.
 
+``storage`` is :mod:`twobp.runtime.state.checkpoint_storage` for the modules
+that save and load checkpoints, imported when they first use it.
+
 ``torch.distributed.checkpoint`` takes about a second to import in every rank,
 and importing it after the default process group exists makes some of its
 functions hold that group as a default argument for good (so that
@@ -10,7 +13,9 @@ or loads needs neither.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LazyModule", "lazy_module", "storage"]
 
 
 class LazyModule:
@@ -34,3 +39,9 @@ class LazyModule:
 def lazy_module(name: str) -> Any:
     """A :class:`LazyModule` for ``name`` (typed as the module where it is used)."""
     return LazyModule(name)
+
+
+if TYPE_CHECKING:
+    from twobp.runtime.state import checkpoint_storage as storage
+else:
+    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
