@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -78,8 +79,20 @@ from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.timeline import Span
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-class Pipeline(PipelineState):
+
+def _same_doc(method: Callable[..., Any]) -> Callable[[_F], _F]:
+    """Give the decorated method the docstring of ``method`` (the state's method it calls)."""
+
+    def document(delegate: _F) -> _F:
+        delegate.__doc__ = method.__doc__
+        return delegate
+
+    return document
+
+
+class Pipeline:
     """A model run as a pipeline of stages over the ranks of a process group.
 
     Args:
@@ -206,7 +219,6 @@ class Pipeline(PipelineState):
         retain_host_memory: bool = True,
         auto_trials: int = CONTENDERS,
     ) -> None:
-        self._closed = False
         self._released = False
         given = PipelineOptions(
             schedule=schedule,
@@ -314,7 +326,7 @@ class Pipeline(PipelineState):
         """This rank's blocks, named by their index in the whole model."""
         self.stages: dict[int, Stage] = {}
         shared = shared_parameters(all_blocks, ranges)
-        self._aliases = local_aliases(shared, self._local_blocks(), all_blocks)
+        aliases = local_aliases(shared, self._local_blocks(), all_blocks)
         problem: Exception | None = None
         try:
             self._build_stages(all_blocks, loss_fn)
@@ -332,10 +344,24 @@ class Pipeline(PipelineState):
             self.timeout,
         )
         self._check_reductions_placed()
-        self.written_blocks = frozenset(
-            i for s in self.topology.written_stages for i in ranges[self.schedule.model_stage(s)]
+        self.state = PipelineState(
+            module=self.module,
+            rank=self.rank,
+            pp_rank=self.pp_rank,
+            topology=self.topology,
+            device=self.device,
+            timeout=self.timeout,
+            schedule=self.schedule,
+            stage_blocks=ranges,
+            aliases=aliases,
+            written_blocks=frozenset(
+                i
+                for s in self.topology.written_stages
+                for i in ranges[self.schedule.model_stage(s)]
+            ),
         )
-        """The blocks whose entries this process writes to a checkpoint (one copy each)."""
+        """This rank's blocks as a model: parameters, state dicts, checkpoints
+        (:class:`twobp.runtime.state.model_state.PipelineState`)."""
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
         self._plan = plan_communication(self.schedule, self.pp_rank)
@@ -355,10 +381,6 @@ class Pipeline(PipelineState):
         )
         self._earlier_gradients = EarlierGradients()
         self._start_buffer = small_buffer(members.size, self.device)
-        self.step_count = 0
-        """Steps run so far (restored by :meth:`load`); the index of the next step."""
-        self.background_saves = checkpoint.BackgroundSaves()
-        """The checkpoint being written in the background (``save(..., async_save=True)``)."""
         self.skipped_steps: list[int] = []
         """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
         self.last_step_skipped = False
@@ -418,6 +440,88 @@ class Pipeline(PipelineState):
                 f"ranks, but the schedule {self.schedule.name or ''} has no R for them"
             )
 
+    # -- the model state (this rank's blocks as a model; see PipelineState) -----------
+
+    @property
+    def step_count(self) -> int:
+        """Steps run so far (restored by :meth:`load`); the index of the next step."""
+        return self.state.step_count
+
+    @property
+    def background_saves(self) -> checkpoint.BackgroundSaves:
+        """The checkpoint being written in the background (``save(..., async_save=True)``)."""
+        return self.state.background_saves
+
+    @property
+    def written_blocks(self) -> frozenset[int]:
+        """The blocks whose entries this process writes to a checkpoint (one copy each)."""
+        return self.state.written_blocks
+
+    @_same_doc(PipelineState.parameters)
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.state.parameters(recurse)
+
+    @_same_doc(PipelineState.named_parameters)
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+        return self.state.named_parameters(prefix)
+
+    @_same_doc(PipelineState.named_buffers)
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        return self.state.named_buffers(prefix)
+
+    @_same_doc(PipelineState.state_dict)
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    @_same_doc(PipelineState.load_state_dict)
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.state.load_state_dict(state_dict, strict)
+
+    @_same_doc(PipelineState.save)
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None,
+        *,
+        step: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        keep: int = 1,
+        async_save: bool = False,
+    ) -> Path:
+        return self.state.save(
+            path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
+        )
+
+    @_same_doc(PipelineState.wait_for_checkpoint)
+    def wait_for_checkpoint(self) -> Path | None:
+        return self.state.wait_for_checkpoint()
+
+    @_same_doc(PipelineState.load)
+    def load(
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        return self.state.load(path, optimizer)
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Set training mode of the local blocks (dropout, batch norm); returns the pipeline."""
+        self.state.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """Set evaluation mode of the local blocks (what :meth:`eval_step` runs in is the
+        blocks' mode: call ``eval()`` before evaluating, ``train()`` after); returns the
+        pipeline."""
+        return self.train(False)
+
+    @_same_doc(PipelineState.zero_grad)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.state.zero_grad(set_to_none)
+
+    @_same_doc(PipelineState.clip_grad_norm_)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.state.clip_grad_norm_(max_norm, norm_type)
+
     # -- end of life -----------------------------------------------------------------
 
     def close(self) -> None:
@@ -433,9 +537,9 @@ class Pipeline(PipelineState):
         the runtime closes every pipeline still open when the interpreter exits.
         Not collective.
         """
-        if self._closed:
+        if self.state.closed:
             return
-        self._closed = True
+        self.state.closed = True
         forget(self)
         for stage in self.stages.values():
             stage.abandon_step()
@@ -455,7 +559,7 @@ class Pipeline(PipelineState):
         steps. Not collective; between steps only. :meth:`step` refuses to run
         until the blocks are claimed again.
         """
-        self._check_open()
+        self.state.check_open()
         for stage in self.stages.values():
             stage.gradients.release()
         self._released = True
@@ -466,7 +570,7 @@ class Pipeline(PipelineState):
         Raises:
             twobp.engine.TwoStageBackwardError: if another open pipeline holds them.
         """
-        self._check_open()
+        self.state.check_open()
         claimed: list[Stage] = []
         try:
             for stage in self.stages.values():
@@ -536,7 +640,7 @@ class Pipeline(PipelineState):
             PeerError: if a peer is gone or times out; then end the process
                 (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
-        self._check_open()
+        self.state.check_open()
         if self._released:
             raise PipelineConfigError(
                 f"rank {self.rank}: this pipeline released its blocks (release_blocks()); "
@@ -553,7 +657,8 @@ class Pipeline(PipelineState):
             self._earlier_gradients.put_back()
             raise
         assert loss is not None
-        step, self.step_count = self.step_count, self.step_count + 1
+        step = self.state.step_count
+        self.state.step_count += 1
         self.last_step_skipped = not math.isfinite(loss)
         if self.last_step_skipped:
             # Every rank learnt the loss from the last stage: all drop the step alike.
@@ -580,7 +685,7 @@ class Pipeline(PipelineState):
             gathers the up pipeline's outputs); None on the other ranks. Each
             data-parallel copy returns the outputs of its own batch.
         """
-        self._check_open()
+        self.state.check_open()
         if self._forward_plan is None:
             forward = forward_only(self.schedule)
             self._forward_schedule = add_communication(forward)
@@ -680,7 +785,7 @@ class Pipeline(PipelineState):
         Times are seconds from the step start, which the all-reduce that opens every
         step aligns across ranks.
         """
-        self._check_open()
+        self.state.check_open()
         mine = [(s.rank, str(s.action), s.start, s.end) for s in self._steps.spans]
         merged = [
             Span(r, Action.parse(a), start, end)

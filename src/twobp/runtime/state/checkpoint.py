@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import CheckpointError
@@ -83,7 +82,9 @@ from twobp.runtime.state.optimizer_and_rng import (
     rng_state,
     set_rng_state,
 )
-from twobp.schedule.schedule import Schedule
+
+if TYPE_CHECKING:  # the state calls this module
+    from twobp.runtime.state.model_state import PipelineState
 
 __all__ = [
     "BackgroundSaves",
@@ -98,35 +99,11 @@ __all__ = [
 ]
 
 
-class Checkpointable(Protocol):
-    """What a checkpoint reads from and writes into a pipeline (its model state)."""
-
-    rank: int
-    pp_rank: int
-    topology: Topology
-    device: torch.device
-    timeout: float
-    step_count: int
-    schedule: Schedule
-    n_microbatches: int
-    stage_blocks: tuple[range, ...]
-    module: nn.Sequential
-    background_saves: BackgroundSaves
-
-    written_blocks: frozenset[int]
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
-
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]: ...
-
-
 # -- writing ---------------------------------------------------------------------------
 
 
 def save(
-    pipe: Checkpointable,
+    pipe: PipelineState,
     root: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
@@ -209,7 +186,7 @@ def _publish_recorded(partial: Path, final: Path, manifest: dict[str, Any], keep
 
 
 def _entries(
-    pipe: Checkpointable, optimizer: torch.optim.Optimizer | None, extra: Any
+    pipe: PipelineState, optimizer: torch.optim.Optimizer | None, extra: Any
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's tensors, and its JSON part of the manifest."""
     # One copy of each tensor in the whole checkpoint: the blocks this rank writes.
@@ -237,7 +214,7 @@ def _entries(
 
 
 def _manifest(
-    pipe: Checkpointable,
+    pipe: PipelineState,
     step: int,
     every: list[tuple[int, dict[str, Any] | None]],
     optimizer: torch.optim.Optimizer | None,
@@ -276,7 +253,7 @@ def block_order(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def wait(pipe: Checkpointable) -> Path | None:
+def wait(pipe: PipelineState) -> Path | None:
     """Wait until the checkpoint written in the background is complete. Collective.
 
     Returns:
@@ -323,7 +300,7 @@ class _LoadPlan:
 
 
 def load(
-    pipe: Checkpointable,
+    pipe: PipelineState,
     path: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
@@ -365,7 +342,7 @@ def load(
 
 
 def _plan(
-    pipe: Checkpointable, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+    pipe: PipelineState, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
 ) -> _LoadPlan:
     """Read and check what this rank needs to load, changing nothing."""
     # Every rank checks the sizes, and computes the CRC-32s of its share of the files.

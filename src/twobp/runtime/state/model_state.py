@@ -1,8 +1,10 @@
 """What a pipeline holds: its parameters, state dicts, gradients and checkpoints.
 
-:class:`PipelineState` is the part of :class:`twobp.runtime.Pipeline` that
-deals with this rank's blocks as a model (``parameters()``, ``state_dict()``,
-``save``/``load``, ``zero_grad``, ``clip_grad_norm_``), apart from running steps.
+A :class:`twobp.runtime.Pipeline` holds one :class:`PipelineState` (its
+``state``): this rank's blocks as a model (``parameters()``, ``state_dict()``,
+``save``/``load``, ``zero_grad``, ``clip_grad_norm_``), apart from running
+steps. The pipeline's methods of the same names call it; the checkpoint code
+reads and writes it, not the pipeline.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,31 +23,60 @@ from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.schedule.schedule import Schedule
 
-S = TypeVar("S", bound="PipelineState")
-
 
 class PipelineState:
-    """This rank's blocks as a model; mixed into :class:`twobp.runtime.Pipeline`."""
+    """This rank's blocks as a model, with what a checkpoint of them needs.
 
-    module: nn.Sequential
-    """This rank's blocks, named by their index in the whole model."""
-    rank: int
-    pp_rank: int
-    topology: Topology
-    device: torch.device
-    timeout: float
-    step_count: int
-    schedule: Schedule
-    n_microbatches: int
-    stage_blocks: tuple[range, ...]
-    background_saves: checkpoint.BackgroundSaves
-    written_blocks: frozenset[int]
-    _aliases: dict[str, tuple[str, ...]]
-    _closed: bool
+    Args:
+        module: this rank's blocks, named by their index in the whole model.
+        rank: this process's rank in the process group.
+        pp_rank: this process's pipeline rank (its row of the schedule).
+        topology: which process runs each stage, and which hold its replicas.
+        device: this rank's device.
+        timeout: seconds a rank waits on a peer.
+        schedule: the compute schedule of the pipeline.
+        stage_blocks: the block indices of every stage.
+        aliases: each weight tied across stages by its first name in the
+            whole model, with its local names (the first of them kept).
+        written_blocks: the blocks whose entries this process writes to a
+            checkpoint (one copy of each in the whole checkpoint).
+    """
 
-    def _check_open(self) -> None:
+    def __init__(
+        self,
+        *,
+        module: nn.Sequential,
+        rank: int,
+        pp_rank: int,
+        topology: Topology,
+        device: torch.device,
+        timeout: float,
+        schedule: Schedule,
+        stage_blocks: tuple[range, ...],
+        aliases: Mapping[str, tuple[str, ...]],
+        written_blocks: frozenset[int],
+    ) -> None:
+        self.module = module
+        self.rank = rank
+        self.pp_rank = pp_rank
+        self.topology = topology
+        self.device = device
+        self.timeout = timeout
+        self.schedule = schedule
+        self.n_microbatches = schedule.n_microbatches
+        self.stage_blocks = stage_blocks
+        self.written_blocks = written_blocks
+        self._aliases = dict(aliases)
+        self.step_count = 0
+        """Steps run so far (restored by :meth:`load`); the index of the next step."""
+        self.background_saves = checkpoint.BackgroundSaves()
+        """The checkpoint being written in the background (``save(..., async_save=True)``)."""
+        self.closed = False
+        """True once the pipeline is closed: checkpoints and norms are refused."""
+
+    def check_open(self) -> None:
         """Raise :class:`PipelineClosedError` if :meth:`close` was called."""
-        if self._closed:
+        if self.closed:
             raise PipelineClosedError(
                 f"rank {self.rank}: this pipeline was closed; build a new Pipeline to go on"
             )
@@ -159,7 +190,7 @@ class PipelineState:
             CheckpointError: on every rank, if any rank cannot write (for a
                 background write, from the call that waits for it).
         """
-        self._check_open()
+        self.check_open()
         return checkpoint.save(
             self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
@@ -173,7 +204,7 @@ class PipelineState:
         Raises:
             CheckpointError: on every rank, if any rank could not write its part.
         """
-        self._check_open()
+        self.check_open()
         return checkpoint.wait(self)
 
     def load(
@@ -200,17 +231,12 @@ class PipelineState:
                 it with ``twobp checkpoint convert``); no rank's state has
                 changed then.
         """
-        self._check_open()
+        self.check_open()
         return checkpoint.load(self, path, optimizer)
 
-    def train(self: S, mode: bool = True) -> S:
+    def train(self, mode: bool = True) -> None:
         """Set training mode of the local blocks (dropout, batch norm)."""
         self.module.train(mode)
-        return self
-
-    def eval(self: S) -> S:
-        """Set evaluation mode of the local blocks."""
-        return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of this rank's parameters."""
@@ -225,7 +251,7 @@ class PipelineState:
         Returns:
             The global norm of all gradients before clipping (a 0-dim tensor).
         """
-        self._check_open()
+        self.check_open()
         return clip_grad_norm_(
             self.parameters(),
             max_norm,
