@@ -11,11 +11,15 @@ read it. All sends are completed in :meth:`StepChannel.finish`.
 
 Tags are unique per (direction, boundary, micro-batch, tensor) within a step,
 which is what gloo needs; NCCL ignores tags and relies on the pair order,
-which both sides follow.
+which both sides follow. With :data:`ORDER_ONLY_VARIABLE` set to ``1`` every
+operation carries tag 0, so that gloo too matches by order only, as NCCL
+does: the test suite runs its distributed cases in that mode
+(``tests/test_runtime_order_only.py``), so that nothing comes to rely on tags.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +45,20 @@ from twobp.schedule.transfers import CommPlan, Direction, Transfer
 MAX_TENSORS = 64
 """Most tensors one block may pass to the next (tags reserve room for this many)."""
 
+ORDER_ONLY_VARIABLE = "TWOBP_ORDER_ONLY_MATCHING"
+"""Environment variable: ``1`` sends every point-to-point operation with tag 0
+(matching by order only, as on NCCL). Read when a step's channel is made."""
+
 _TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
 _META_CODE = 2
 
 BoundaryLayouts = MutableMapping[int, BoundaryMeta]
 """Known activation layout of each remote boundary, kept across steps."""
+
+
+def order_only_matching() -> bool:
+    """True if :data:`ORDER_ONLY_VARIABLE` asks for every tag to be 0."""
+    return os.environ.get(ORDER_ONLY_VARIABLE, "") == "1"
 
 
 @dataclass
@@ -99,6 +112,7 @@ class StepChannel:
         self._timeout = timeout
         self._n_stages = n_stages
         self._n_mb = n_microbatches
+        self._order_only = order_only_matching()
         self._peers = {p: _Peer(p) for p in plan.peers}
         self._posted: dict[tuple[Direction, int, int], _Posted] = {}
         self._meta_works: dict[int, tuple[Any, Tensor]] = {}
@@ -385,11 +399,15 @@ class StepChannel:
         self._peers[transfer.dst].sends.append((work, payload, transfer))
 
     def _tag(self, transfer: Transfer, index: int) -> int:
+        if self._order_only:
+            return 0
         code = _TAG_CODE[transfer.direction]
         slot = (code * self._n_stages + transfer.boundary) * self._n_mb + transfer.microbatch
         return slot * MAX_TENSORS + index
 
     def _meta_tag(self, boundary: int) -> int:
+        if self._order_only:
+            return 0
         return (_META_CODE * self._n_stages + boundary) * self._n_mb * MAX_TENSORS
 
     def _global(self, pipeline_rank: int) -> int:

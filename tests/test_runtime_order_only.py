@@ -1,0 +1,92 @@
+"""The distributed runtime with every point-to-point tag 0: matching by order only, as on NCCL.
+
+NCCL ignores tags and matches the operations of a pair by their order; gloo
+honours tags, so a runtime tested only on gloo could come to rely on them.
+With ``TWOBP_ORDER_ONLY_MATCHING=1`` (:data:`ORDER_ONLY_VARIABLE`) the channel
+sends every operation with tag 0. One launch of 2 ranks runs a representative
+subset of the equality and failure cases in that mode: every way that
+transfers of several kinds share a pair of ranks (two stages per rank in a V
+and in a ring, two pipelines in opposite directions, tuples of tensors, an
+uneven partition), and failures of a V on the first step, before any layout
+crossed, and later ones. The whole suite runs in that mode with the variable set in
+the environment (``TWOBP_ORDER_ONLY_MATCHING=1 make test``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from torch import nn
+
+from runtime_models import build_blocks, loss_fn, make_batch, train_reference
+from runtime_workers import Case, train_cases
+from step_failure_workers import BATCH as FAILURE_BATCH
+from step_failure_workers import failing_steps
+from test_runtime_distributed import BATCH, N_MB, _check_case
+from test_runtime_step_failure import _check
+from twobp.runtime import launch
+from twobp.runtime.communication.channel import ORDER_ONLY_VARIABLE, order_only_matching
+
+TIMEOUT = 30.0
+
+TWO_RANKS = [
+    Case("transformer", "zb-v", True),
+    Case("mlp", "zb-v", False, partition=(1, 4, 3, 2)),
+    Case("transformer", "interleaved-1f1b", True, policy="eager"),
+    Case("mlp", "dualpipev", True, policy="fill", placed=True, n_microbatches=2 * N_MB),
+    Case("conv", "chimera", True),
+    Case("mlp", "dualpipe", True, n_microbatches=2 * N_MB),
+]
+FAILURES_ZB_V = [("block", 0, True), ("block", 4, False), ("loss", 9, False)]
+
+
+def _session(timeout: float) -> dict[str, Any]:
+    os.environ[ORDER_ONLY_VARIABLE] = "1"
+    out: dict[str, Any] = {"order only": order_only_matching()}
+    out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout)
+    out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v")
+    return out
+
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return launch(_session, 2, TIMEOUT, threads_per_rank=1, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def failure_reference() -> tuple[float, dict[str, Any]]:
+    """The loss and gradients of one plain step of the failure cases' model."""
+    model = nn.Sequential(*build_blocks("mlp"))
+    x, y = make_batch("mlp", 0, FAILURE_BATCH)
+    loss = loss_fn("mlp")(model(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", TWO_RANKS, ids=str)
+def test_two_ranks_match_single_process_with_every_tag_zero(case, two_ranks):
+    assert all(r["order only"] for r in two_ranks)
+    reference = train_reference(case.model, case.n_microbatches or N_MB, BATCH)
+    _check_case(case, [r["trained"] for r in two_ranks], reference)
+
+
+def test_failures_of_a_v_end_every_rank_with_every_tag_zero(two_ranks, failure_reference):
+    failures = [r["failures"] for r in two_ranks]
+    block, loss = "block failed on purpose", "it must return a scalar"
+    _check(failures, "block 0 first", 0, "RuntimeError", block, failure_reference)
+    _check(failures, "block 4 later", 1, "RuntimeError", block, failure_reference)
+    _check(failures, "loss 9 later", 0, "ValueError", loss, failure_reference)
+
+
+def test_the_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(ORDER_ONLY_VARIABLE, raising=False)
+    assert not order_only_matching()
+    monkeypatch.setenv(ORDER_ONLY_VARIABLE, "1")
+    assert order_only_matching()
+    monkeypatch.setenv(ORDER_ONLY_VARIABLE, "0")
+    assert not order_only_matching()
