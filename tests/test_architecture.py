@@ -20,6 +20,7 @@ ALLOWED = {
     "engine": set(),
     "models": set(),
     "integrations": set(),
+    "cut": set(),
     "runtime": {"engine", "partition", "models", "sim", "schedule"},
     "train": {
         "runtime",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from twobp.cut import ModelBlocks, SplitError, split
     from twobp.engine import TwoStageBackwardError, WeightGradStore, defer_weight_grads
     from twobp.runtime import (
         CheckpointError,
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "split": "twobp.cut",
+    "SplitError": "twobp.cut",
+    "ModelBlocks": "twobp.cut",
     "LaunchError": "twobp.runtime",
     "NonFiniteLossError": "twobp.runtime",
     "NonRepeatableForwardError": "twobp.runtime",
@@ -67,6 +71,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointError",
     "LaunchError",
+    "ModelBlocks",
     "ModelMismatchError",
     "NonFiniteLossError",
     "NonRepeatableForwardError",
@@ -81,9 +86,11 @@ __all__ = [
     "PipelineOptions",
     "RankFailure",
     "ShapeMismatchError",
+    "SplitError",
     "TwoStageBackwardError",
     "WeightGradStore",
     "__version__",
     "defer_weight_grads",
     "launch",
+    "split",
 ]

@@ -66,11 +66,13 @@ from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.auto.plan import CONTENDERS, Contender
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
+from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
+from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
@@ -97,7 +99,9 @@ class Pipeline:
 
     Args:
         blocks: the whole model as an ``nn.Sequential`` or a list of modules,
-            built identically on every rank. Blocks pass a tensor or a tuple
+            built identically on every rank; for a model written as one
+            ``nn.Module``, ``twobp.split(model)`` (then the pipeline uses the
+            model's parameter names). Blocks pass a tensor or a tuple
             of tensors to the next; non-float tensors (masks, ids) get no
             gradient. Only this rank's blocks are kept: pass blocks you do not
             hold elsewhere, so the others are freed.
@@ -220,6 +224,8 @@ class Pipeline:
         auto_trials: int = CONTENDERS,
     ) -> None:
         self._released = False
+        all_blocks = as_blocks(blocks)
+        names = model_names_of(blocks)
         given = PipelineOptions(
             schedule=schedule,
             n_microbatches=n_microbatches,
@@ -274,7 +280,6 @@ class Pipeline:
         grid = data_parallel_grid(members, data_parallel, mesh)
         self.autocast = autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
-        all_blocks = list(blocks)
         plan = plan_pipeline(
             all_blocks,
             members,
@@ -359,6 +364,8 @@ class Pipeline:
                 for s in self.topology.written_stages
                 for i in ranges[self.schedule.model_stage(s)]
             ),
+            tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
+            model_names=None if names is None else ModelNames(names),
         )
         """This rank's blocks as a model: parameters, state dicts, checkpoints
         (:class:`twobp.runtime.state.model_state.PipelineState`)."""

@@ -190,9 +190,7 @@ def _entries(
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's tensors, and its JSON part of the manifest."""
     # One copy of each tensor in the whole checkpoint: the blocks this rank writes.
-    state = {
-        n: t for n, t in pipe.state_dict().items() if int(n.split(".", 1)[0]) in pipe.written_blocks
-    }
+    state = {n: t for n, t in pipe.state_dict().items() if pipe.writes(n)}
     tensors = model_entries(state)
     rng_tensors, rng_rest = rng_entries(pipe.pp_rank, rng_state(pipe.device))
     tensors.update(rng_tensors)
@@ -238,6 +236,7 @@ def _manifest(
         "stage_blocks": [[r.start, r.stop] for r in pipe.stage_blocks],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "tensors": dict(sorted(tensors.items(), key=lambda item: block_order(item[0]))),
+        "aliases": pipe.state_aliases(),
         "ranks": [
             {key: parts[r][key] for key in ("extra", "rng", "optimizer")}
             for r in range(pipe.topology.pp_size)
@@ -418,7 +417,9 @@ def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         path: a checkpoint, or a folder of checkpoints (its latest is used).
 
     Returns:
-        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block order.
+        Every parameter and buffer, named as in ``nn.Sequential(*blocks)``, in block
+        order (or as in the model that ``twobp.split`` cut); a weight tied across
+        stages under each of its names, as ``state_dict()`` of the model gives it.
 
     Raises:
         CheckpointError: if there is no complete checkpoint, it is damaged (a
@@ -436,4 +437,8 @@ def merge(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     except storage.FAILURES as exc:
         own = storage.own_failure(exc, 0) or RuntimeError(str(exc))
         raise storage.checkpoint_error(own, f"cannot read {folder}") from None
-    return {name: tensors[MODEL + name] for name in manifest["tensors"]}
+    state = {name: tensors[MODEL + name] for name in manifest["tensors"]}
+    for alias, name in manifest.get("aliases", {}).items():
+        if name in state:
+            state.setdefault(alias, state[name])
+    return state

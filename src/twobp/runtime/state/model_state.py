@@ -21,6 +21,7 @@ from twobp.runtime.base.topology import Topology
 from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
+from twobp.runtime.state.model_names import ModelNames
 from twobp.schedule.schedule import Schedule
 
 
@@ -40,6 +41,10 @@ class PipelineState:
             whole model, with its local names (the first of them kept).
         written_blocks: the blocks whose entries this process writes to a
             checkpoint (one copy of each in the whole checkpoint).
+        tied_names: every other name of a weight tied across stages (in the
+            whole model), to its first.
+        model_names: the names of the model the blocks were cut from
+            (``twobp.split``), or None: the blocks' own.
     """
 
     def __init__(
@@ -55,6 +60,8 @@ class PipelineState:
         stage_blocks: tuple[range, ...],
         aliases: Mapping[str, tuple[str, ...]],
         written_blocks: frozenset[int],
+        tied_names: Mapping[str, str] | None = None,
+        model_names: ModelNames | None = None,
     ) -> None:
         self.module = module
         self.rank = rank
@@ -67,6 +74,8 @@ class PipelineState:
         self.stage_blocks = stage_blocks
         self.written_blocks = written_blocks
         self._aliases = dict(aliases)
+        self._tied_names = dict(tied_names or {})
+        self._model_names = model_names
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
         self.background_saves = checkpoint.BackgroundSaves()
@@ -90,20 +99,32 @@ class PipelineState:
 
         A weight tied across stages is listed once, under its first name in
         the whole model (the embedding's, on a rank that holds only the head).
+        Blocks cut by ``twobp.split`` are named as in the model they come from.
         """
+        if self._model_names is not None:
+            for name, p in self._model_names.named(self.module.named_parameters()):
+                yield prefix + name, p
+            return
         first = {names[0]: name for name, names in self._aliases.items()}
         for name, p in self.module.named_parameters():
             yield prefix + first.get(name, name), p
 
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
         """This rank's buffers, named like :meth:`named_parameters`."""
+        if self._model_names is not None:
+            named = self._model_names.named(self.module.named_buffers())
+            return iter([(prefix + name, b) for name, b in named])
         return self.module.named_buffers(prefix)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers, named as in ``nn.Sequential(*blocks)``.
 
-        A weight tied across stages appears once, under its first name.
+        A weight tied across stages appears once, under its first name. Blocks cut
+        by ``twobp.split``: named as in the model's ``state_dict()``, each tensor
+        once under its first name there (a checkpoint's ``merge`` gives every name).
         """
+        if self._model_names is not None:
+            return self._model_names.state_dict(self.module.state_dict())
         state = dict(self.module.state_dict())
         for name, local in self._aliases.items():
             value = state[local[0]]
@@ -128,6 +149,8 @@ class PipelineState:
         Raises:
             RuntimeError: with ``strict``, on missing or unexpected local keys.
         """
+        if self._model_names is not None:
+            return self._load_model_names(state_dict, strict)
         local_blocks = {name for name, _ in self.module.named_children()}
         state_dict = dict(state_dict)
         for name, local in self._aliases.items():
@@ -144,6 +167,28 @@ class PipelineState:
                 f"{result.missing_keys}, unexpected keys {result.unexpected_keys}"
             )
         return result
+
+    def _load_model_names(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
+        """:meth:`load_state_dict` for blocks cut by ``twobp.split``: the model's names."""
+        assert self._model_names is not None
+        local = self.module.state_dict()
+        own, missing, unexpected = self._model_names.to_blocks(state_dict, list(local))
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"rank {self.rank}: error loading the state dict: missing keys "
+                f"{missing}, unexpected keys {unexpected}"
+            )
+        result = self.module.load_state_dict(own, strict=False)
+        result.missing_keys[:] = missing
+        result.unexpected_keys[:] = unexpected
+        return result
+
+    def state_aliases(self) -> dict[str, str]:
+        """Every other name of a tensor of the whole model, to the name it is saved under
+        (a tied head's weight, to the embedding's): what ``merge`` adds back."""
+        if self._model_names is not None:
+            return dict(self._model_names.aliases)
+        return dict(self._tied_names)
 
     def save(
         self,
@@ -262,7 +307,13 @@ class PipelineState:
             counted=[p for name, p in self.named_parameters() if self._writes(name)],
         )
 
+    def writes(self, name: str) -> bool:
+        """True if this rank writes entry ``name`` of :meth:`state_dict` to a checkpoint."""
+        return self._writes(name)
+
     def _writes(self, name: str) -> bool:
         """True if this rank holds the copy of parameter or buffer ``name`` that counts
         once in the whole model (the one it writes to a checkpoint)."""
+        if self._model_names is not None:
+            return self._model_names.writer.get(name, -1) in self.written_blocks
         return int(name.split(".", 1)[0]) in self.written_blocks
