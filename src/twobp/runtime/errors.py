@@ -157,11 +157,18 @@ class LaunchError(PipelineError):
     Args:
         failures: the ranks that failed, the first to fail first.
         nprocs: how many processes were started.
+        message: the whole message instead of one line per failure (a launch
+            that could not start its ranks at all).
     """
 
-    def __init__(self, failures: Sequence[RankFailure], nprocs: int) -> None:
+    def __init__(
+        self, failures: Sequence[RankFailure], nprocs: int, message: str | None = None
+    ) -> None:
         self.failures = tuple(failures)
         self.nprocs = nprocs
+        if message is not None:
+            super().__init__(message)
+            return
         lines = [f"{len(self.failures)} of {nprocs} processes failed"]
         if self.failures:
             cause = self.failures[0]

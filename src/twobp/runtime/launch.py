@@ -44,6 +44,14 @@ from twobp.runtime.errors import LaunchError, PeerError, RankFailure
 T = TypeVar("T")
 
 _POLL_SECONDS = 0.05
+# Set while the ranks start: a rank that runs launch() again as it imports the main
+# script (no ``if __name__ == "__main__":``) leaves a mark there and ends quietly.
+_FOLDER_VARIABLE = "TWOBP_LAUNCH_FOLDER"
+_UNGUARDED = "unguarded"
+UNGUARDED_MESSAGE = (
+    'twobp.launch needs an `if __name__ == "__main__":` guard around its call: every rank '
+    "imports the main script again, and this one calls launch as it is imported"
+)
 # After SIGTERM, how long a process may take to exit before SIGKILL.
 _TERMINATE_SECONDS = 2.0
 
@@ -90,6 +98,7 @@ def launch(
             each failed rank with its exception or signal, the first first.
         ValueError: if ``nprocs < 1``.
     """
+    _end_if_starting_a_rank()
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if backend is None:
@@ -112,8 +121,12 @@ def launch(
             for rank in range(nprocs)
         ]
         try:
-            for proc in procs:
-                proc.start()
+            os.environ[_FOLDER_VARIABLE] = str(folder)
+            try:
+                for proc in procs:
+                    proc.start()
+            finally:
+                os.environ.pop(_FOLDER_VARIABLE, None)
             terminated = _supervise(procs, grace_period, timeout)
         except BaseException:
             # Interrupted (Ctrl-C) or failed to start: leave no rank behind.
@@ -122,9 +135,26 @@ def launch(
                     proc.kill()
                     proc.join()
             raise
+        if (folder / _UNGUARDED).exists():
+            raise LaunchError([], nprocs, UNGUARDED_MESSAGE)
         return _collect(procs, folder, terminated)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _end_if_starting_a_rank() -> None:
+    """End this process at once if it is a rank of :func:`launch` that is still starting.
+
+    A spawned rank imports the caller's main script before it runs anything; a
+    script that calls ``launch`` unguarded calls it again there, where
+    multiprocessing would fail with a long traceback on every rank. The rank
+    marks it for the launcher instead, which raises one line.
+    """
+    starting = getattr(mp.current_process(), "_inheriting", False)
+    folder = os.environ.get(_FOLDER_VARIABLE)
+    if starting and folder:
+        (Path(folder) / _UNGUARDED).touch()
+        os._exit(1)
 
 
 def _supervise(procs: list[Any], grace_period: float, timeout: float | None) -> dict[int, str]:
