@@ -8,16 +8,22 @@ subset of the equality and failure cases in that mode: every way that
 transfers of several kinds share a pair of ranks (two stages per rank in a V
 and in a ring, two pipelines in opposite directions, tuples of tensors, an
 uneven partition), and failures of a V on the first step, before any layout
-crossed, and later ones. The whole suite runs in that mode with the variable set in
-the environment (``TWOBP_ORDER_ONLY_MATCHING=1 make test``).
+crossed, and later ones; with the reductions of ``R`` started after the
+step's transfers, as on NCCL (``TWOBP_REDUCE_AFTER_TRANSFERS=1``). A launch of
+3 ranks checks that every rank names its links as its neighbours do, and
+still belongs to as many groups as the others afterwards. The whole suite
+runs in that mode with the variable set in the environment
+(``TWOBP_ORDER_ONLY_MATCHING=1 make test``).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from torch import nn
 
 from runtime_models import build_blocks, loss_fn, make_batch, train_reference
@@ -28,6 +34,7 @@ from test_runtime_distributed import BATCH, N_MB, _check_case
 from test_runtime_step_failure import _check
 from twobp.runtime import launch
 from twobp.runtime.communication.channel import ORDER_ONLY_VARIABLE, order_only_matching
+from twobp.runtime.execution.step_run import REDUCE_AFTER_TRANSFERS_VARIABLE
 
 TIMEOUT = 30.0
 
@@ -44,9 +51,35 @@ FAILURES_ZB_V = [("block", 0, True), ("block", 4, False), ("loss", 9, False)]
 
 def _session(timeout: float) -> dict[str, Any]:
     os.environ[ORDER_ONLY_VARIABLE] = "1"
+    # And R's reductions after the step's transfers, as on NCCL (chimera and dualpipe reduce).
+    os.environ[REDUCE_AFTER_TRANSFERS_VARIABLE] = "1"
     out: dict[str, Any] = {"order only": order_only_matching()}
     out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout)
     out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v")
+    return out
+
+
+THREE_RANKS = Case("transformer", "1f1b", True, partition=(3, 5, 2))
+
+
+def _three_ranks(timeout: float) -> dict[str, Any]:
+    """A 3-rank pipeline (its middle rank has two neighbours, the ends one), then a group
+    of all three made with ``use_local_synchronization``, as checkpoint storage makes it."""
+    os.environ[ORDER_ONLY_VARIABLE] = "1"
+    out: dict[str, Any] = {"trained": train_cases([THREE_RANKS], N_MB, BATCH, timeout)}
+    names = dist.distributed_c10d._world.pg_names
+    out["links"] = sorted(
+        (tuple(dist.get_process_group_ranks(g)), name)
+        for g, name in names.items()
+        if g is not dist.group.WORLD and len(dist.get_process_group_ranks(g)) == 2
+    )
+    out["groups"] = len(names)
+    every = dist.new_group(
+        [0, 1, 2], timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
+    )
+    work = dist.barrier(group=every, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout))
+    out["local group"] = names[every]
     return out
 
 
@@ -56,6 +89,11 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
     return launch(_session, 2, TIMEOUT, threads_per_rank=1, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict[str, Any]]:
+    return launch(_three_ranks, 3, TIMEOUT, threads_per_rank=1, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +119,23 @@ def test_failures_of_a_v_end_every_rank_with_every_tag_zero(two_ranks, failure_r
     _check(failures, "block 0 first", 0, "RuntimeError", block, failure_reference)
     _check(failures, "block 4 later", 1, "RuntimeError", block, failure_reference)
     _check(failures, "loss 9 later", 0, "ValueError", loss, failure_reference)
+
+
+def test_three_ranks_match_single_process_with_every_tag_zero(three_ranks):
+    reference = train_reference(THREE_RANKS.model, N_MB, BATCH)
+    _check_case(THREE_RANKS, [r["trained"] for r in three_ranks], reference)
+
+
+def test_every_rank_makes_its_links_under_the_names_its_neighbours_give_them(three_ranks):
+    # One group per direction of each pair; the middle rank holds four, the ends two.
+    assert [len(r["links"]) for r in three_ranks] == [2, 4, 2]
+    for pair in [(0, 1), (1, 2)]:
+        names = [[n for ranks, n in three_ranks[r]["links"] if ranks == pair] for r in pair]
+        assert len(names[0]) == 2 and names[0] == names[1]  # the same names on both ranks
+    # Every rank belongs to as many groups afterwards, so a later group made with
+    # use_local_synchronization (named by its ranks and that count) has one name.
+    assert len({r["groups"] for r in three_ranks}) == 1
+    assert len({r["local group"] for r in three_ranks}) == 1
 
 
 def test_the_switch_reads_the_environment(monkeypatch):

@@ -18,7 +18,6 @@ result are pickled by value.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
@@ -38,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from twobp.runtime.base.group import backend_for, default_device
+from twobp.runtime.base.group import backend_for, default_device, init_default_group
 from twobp.runtime.errors import LaunchError, PeerError, RankFailure
 
 T = TypeVar("T")
@@ -293,11 +292,8 @@ def _child_main(
     stack_file = (Path(folder) / f"rank{rank}.stack").open("w")
     faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=False, chain=True)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, init_method="env://", timeout=datetime.timedelta(seconds=group_timeout)
-        )
+        # Under NCCL: set_device and device_id (cuda:<local rank>), so that NCCL connects at once.
+        init_default_group(backend, group_timeout, init_method="env://")
         result = fn(*args)
         _write(Path(folder) / f"rank{rank}.ok", result)
     except BaseException as exc:  # report everything, including KeyboardInterrupt

@@ -47,6 +47,7 @@ from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.agreement import agree, small_buffer
 from twobp.runtime.communication.channel import BoundaryLayouts
+from twobp.runtime.communication.links import make_links
 from twobp.runtime.errors import (
     PipelineConfigError,
     nonfinite_error,
@@ -372,6 +373,12 @@ class Pipeline:
         self.lowered_schedule = add_communication(self.schedule)
         """The schedule with its transfers between ranks: what this pipeline runs."""
         self._plan = plan_communication(self.schedule, self.pp_rank)
+        # Collective: every rank makes and warms up the links to its peers here, in one order.
+        links = (
+            make_links(members, self.schedule, grid, self.timeout, self.device)
+            if not members.is_single
+            else None
+        )
         self._layouts: BoundaryLayouts = {}
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
@@ -385,6 +392,7 @@ class Pipeline:
             stages=self.stages,
             reducer=self._reducer,
             weight_group_size=weight_group_size,
+            links=links,
         )
         self._earlier_gradients = EarlierGradients()
         self._start_buffer = small_buffer(members.size, self.device)

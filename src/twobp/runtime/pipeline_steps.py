@@ -15,13 +15,19 @@ import torch
 
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
+from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PeerError
 from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
-from twobp.runtime.execution.step_run import StepResult, StepRun, StepTimes
+from twobp.runtime.execution.step_run import (
+    StepResult,
+    StepRun,
+    StepTimes,
+    reductions_wait_for_transfers,
+)
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
@@ -44,6 +50,8 @@ class StepRunner:
         stages: this rank's stages, by stage.
         reducer: the gradient reductions of replicated stages (None: none).
         weight_group_size: the engine's concatenation cap of each ``W``.
+        links: the process groups of the transfers to and from every peer
+            (None: the rank has no peers).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class StepRunner:
         stages: dict[int, Stage],
         reducer: GradientReducer | None,
         weight_group_size: int | None,
+        links: Links | None = None,
     ) -> None:
         self.rank = rank
         self.pp_rank = pp_rank
@@ -68,6 +77,7 @@ class StepRunner:
         self.stages = stages
         self._reducer = reducer
         self._weight_group_size = weight_group_size
+        self._links = links
         self.failure: Failure | None = None
         """How and where the last failed step failed on this rank."""
         self.spans: list[Span] = []
@@ -93,9 +103,11 @@ class StepRunner:
         clock = StepClock(self.device)
         channel = None
         if plan.peers:
+            assert self._links is not None, "a pipeline rank with peers has links to them"
             channel = StepChannel(
                 plan,
                 self.topology,
+                self._links,
                 self.device,
                 layouts,
                 self.timeout,
@@ -112,6 +124,7 @@ class StepRunner:
             clock,
             self._weight_group_size,
             reducer=self._reducer,
+            reductions_after_transfers=reductions_wait_for_transfers(self.topology.members.backend),
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])

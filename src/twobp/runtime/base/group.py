@@ -13,6 +13,7 @@ import datetime
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,12 +93,66 @@ class Membership:
         return dist.get_global_rank(group, rank)
 
 
+def local_rank() -> int:
+    """This process's rank on its machine (``LOCAL_RANK``; 0 if unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def default_device() -> torch.device:
     """The GPU of this local rank if CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return device_of_local_rank(local_rank(), count)
+
+
+def device_of_local_rank(rank: int, cuda_devices: int) -> torch.device:
+    """``cuda:<rank mod cuda_devices>``, or the CPU without CUDA devices (no CUDA call)."""
+    if cuda_devices > 0:
+        return torch.device("cuda", rank % cuda_devices)
     return torch.device("cpu")
+
+
+def bound_device(backend: str, device: torch.device, rank: int) -> torch.device | None:
+    """The GPU a default group of ``backend`` is bound to, or None (no CUDA call).
+
+    Under NCCL the group is bound to this rank's GPU: ``device`` if it names
+    one, else ``cuda:<local rank>``. Passed as ``device_id`` to
+    ``init_process_group``, it makes NCCL create its communicators at once, in
+    the order every rank makes its groups, instead of lazily at the first
+    operation of each; and ``torch.cuda.set_device`` makes it the current
+    device, on which NCCL's own allocations land. Other backends bind nothing.
+
+    Args:
+        backend: the default group's backend.
+        device: the device this rank computes on.
+        rank: this process's local rank.
+    """
+    if "nccl" not in backend:
+        return None
+    if device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", rank)
+
+
+def init_default_group(
+    backend: str, timeout: float, device: torch.device | None = None, **how: Any
+) -> None:
+    """``init_process_group`` of ``backend``, bound to this rank's GPU under NCCL.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: seconds, the group's collective timeout.
+        device: the device this rank computes on (None: by the local rank).
+        how: where the group meets (``init_method`` or ``store``, ``rank``,
+            ``world_size``), passed on.
+    """
+    if device is None:
+        count = torch.cuda.device_count() if "nccl" in backend else 0
+        device = device_of_local_rank(local_rank(), count)
+    bound = bound_device(backend, device, local_rank())
+    if bound is not None:
+        torch.cuda.set_device(bound)
+        how["device_id"] = bound
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **how)
 
 
 def device_for(world: Membership) -> torch.device:
@@ -141,7 +196,7 @@ def join_world(
         RuntimeError: if initialising the default group fails.
     """
     if group is None and not dist.is_initialized() and launched_by_env():
-        init_from_env(backend_for(device), timeout)
+        init_from_env(backend_for(device), timeout, device)
     if group is None and not dist.is_initialized():
         return Membership.of(rank=0, size=1, local_size=1, group=None, backend=None)
     active = group if group is not None else dist.group.WORLD
@@ -157,7 +212,7 @@ def join_world(
     )
 
 
-def init_from_env(backend: str, timeout: float) -> None:
+def init_from_env(backend: str, timeout: float, device: torch.device | None = None) -> None:
     """Initialise the default group from the launcher's environment (``env://``).
 
     ``torchrun --max-restarts`` keeps one store for all the attempts of a
@@ -169,19 +224,20 @@ def init_from_env(backend: str, timeout: float) -> None:
     Args:
         backend: ``"gloo"`` or ``"nccl"``.
         timeout: seconds, the group's collective timeout.
+        device: the device this rank computes on (see :func:`init_default_group`).
     """
-    delta = datetime.timedelta(seconds=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend, init_method="env://", timeout=delta)
+        init_default_group(backend, timeout, device, init_method="env://")
     else:
-        _init_attempt(backend, attempt, delta)
+        _init_attempt(backend, attempt, timeout, device)
     assert dist.group.WORLD is not None
     destroy_at_exit(dist.group.WORLD)
 
 
-def _init_attempt(backend: str, attempt: str, delta: datetime.timedelta) -> None:
+def _init_attempt(backend: str, attempt: str, timeout: float, device: torch.device | None) -> None:
     """Initialise the default group of torchrun's restart ``attempt`` under its own prefix."""
+    delta = datetime.timedelta(seconds=timeout)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # The agent hosts the store when it says so; otherwise rank 0 does, as env:// would.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
@@ -194,7 +250,7 @@ def _init_attempt(backend: str, attempt: str, delta: datetime.timedelta) -> None
         multi_tenant=not agent_hosts,
     )
     prefixed = dist.PrefixStore(f"twobp/attempt-{attempt}/", store)  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=delta)
+    init_default_group(backend, timeout, device, store=prefixed, rank=rank, world_size=size)
 
 
 def set_threads_per_rank(local_size: int, num_threads: int | None) -> int:

@@ -38,9 +38,10 @@ class Closeable(Protocol):
 
 _open: weakref.WeakSet[Closeable] = weakref.WeakSet()
 _created_group: list[weakref.ref[dist.ProcessGroup]] = []
-_made: dict[tuple[str, tuple[int, ...], float], weakref.ref[dist.ProcessGroup]] = {}
-"""The reduction groups made so far in this process, by key, global ranks and timeout
-(held weakly: torch's registry owns them until the world is destroyed)."""
+_made: dict[tuple[str, tuple[int, ...], float, bool], weakref.ref[dist.ProcessGroup]] = {}
+"""The reduction groups and links made so far in this process, by key, global ranks, timeout
+and whether every rank made them (held weakly: torch's registry owns them until the world is
+destroyed)."""
 
 
 def close_at_exit(obj: Closeable) -> None:
@@ -73,25 +74,58 @@ def close_all() -> None:
 def reduction_group(key: str, ranks: list[int], timeout: float) -> dist.ProcessGroup:
     """The process group of one reduction over ``ranks`` (global ranks), made once.
 
-    Collective over ``ranks`` the first time. Pipelines built one after the
+    Collective over ``ranks`` the first time: :func:`shared_group` under the
+    reduction's key.
+    """
+    group = shared_group(key, ranks, timeout)
+    assert group is not None, "a reduction group is made by its ranks only"
+    return group
+
+
+def shared_group(
+    key: str, ranks: list[int], timeout: float, *, every_rank: bool = False
+) -> dist.ProcessGroup | None:
+    """The process group of ``key`` over ``ranks`` (global ranks), made once.
+
+    Collective over ``ranks`` the first time (with ``every_rank``, over the
+    whole world, every rank calling for every group: then torch names the
+    groups by a count all ranks keep alike, not by the ranks and the number
+    of groups the caller belongs to). Pipelines built one after the
     other (the trial pipelines of ``schedule="auto"``, then the one that
     runs) share the group of a reduction with the same key and ranks instead
     of each making one that lives until the world is destroyed. Their steps
     never overlap, and each waits for its reductions, so they never meet on
     it out of order. Every rank of ``ranks`` builds the same pipelines in the
-    same order, so all find the group made, or all make it.
+    same order, so all find the group made, or all make it. (The links of
+    the point-to-point transfers, one group per direction of each pair of
+    neighbours, are shared in the same way:
+    :mod:`twobp.runtime.communication.links`.)
+
+    Returns:
+        The group; None on a rank outside ``ranks`` (``every_rank`` only).
     """
-    index = (key, tuple(ranks), timeout)
+    index = (key, tuple(ranks), timeout, every_rank)
     ref = _made.get(index)
-    group = ref() if ref is not None else None
-    if group is None:
+    held = ref() if ref is not None else None
+    if held is None:
         group = dist.new_group(
             ranks,
             timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=True,
+            use_local_synchronization=not every_rank,
         )
-        _made[index] = weakref.ref(group)
-    return group
+        member = isinstance(group, dist.ProcessGroup)
+        # A rank outside the group remembers it for as long as the world lives.
+        held = group if member else dist.group.WORLD
+        assert held is not None
+        _made[index] = weakref.ref(held)
+        return group if member else None
+    return held if dist.get_rank() in ranks else None
+
+
+def is_made(key: str, ranks: list[int], timeout: float, *, every_rank: bool = False) -> bool:
+    """True if :func:`shared_group` made this group before (and it still lives)."""
+    ref = _made.get((key, tuple(ranks), timeout, every_rank))
+    return ref is not None and ref() is not None
 
 
 atexit.register(close_all)

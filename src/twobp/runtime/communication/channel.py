@@ -1,20 +1,36 @@
-"""Point-to-point transfers of one step, posted ahead of need in pair order.
+"""Point-to-point transfers of one step, each receive posted as soon as it can be.
 
-A :class:`StepChannel` walks, for each peer, the pair order of
-:mod:`twobp.schedule.transfers`. Receives are posted as soon as every earlier
-operation with that peer is posted (at the start of the step, and again after
-each send), into buffers allocated from the boundary's known layout; sends are
-posted right after the compute that produced them. On the first step a
-boundary's layout is unknown: the sender puts a small layout message before
-the first activation, and the receiver posts the data receives once it has
-read it. All sends are completed in :meth:`StepChannel.finish`.
+A :class:`StepChannel` moves this rank's remote transfers over the step's
+links (:mod:`twobp.runtime.communication.links`): a process group per
+direction of each neighbouring pair, on which the sender's order (its part of
+the pair order of :mod:`twobp.schedule.transfers`) is the only order. Sends
+are posted right after the compute that produced them. Receives are posted in
+the sender's order, each as early as it can be: at the start of the step,
+into buffers allocated from the boundary's known layout; a gradient once the
+activation it answers has gone out (its sender cannot send it before). So a
+receive is posted before its sender can send it, and its data moves while
+this rank computes, whatever else the pair exchanges in the other direction.
+On the first step a boundary's layout is unknown: the sender puts a small
+layout message before the first activation, and the receiver posts the data
+receives once it has read it. All sends are completed in
+:meth:`StepChannel.finish`.
 
 Tags are unique per (direction, boundary, micro-batch, tensor) within a step,
-which is what gloo needs; NCCL ignores tags and relies on the pair order,
+which gloo honours; NCCL ignores tags and relies on the order of each link,
 which both sides follow. With :data:`ORDER_ONLY_VARIABLE` set to ``1`` every
 operation carries tag 0, so that gloo too matches by order only, as NCCL
 does: the test suite runs its distributed cases in that mode
 (``tests/test_runtime_order_only.py``), so that nothing comes to rely on tags.
+
+Lifetimes: a send's tensor is held (with its handle) until
+:meth:`StepChannel.finish` or :meth:`StepChannel.drain` has waited for it, so
+it outlives the send on any stream; a receive's buffers are handed to the
+compute only after its handle was waited for. Every wait takes the pipeline's
+timeout, and torch's NCCL backend blocks the host in a wait with a timeout
+until the transfer is done (without one it would only order the current
+stream after it): so a receive waits on the host, on every backend, and a
+stuck peer raises :class:`twobp.runtime.errors.PeerTimeoutError` instead of
+hanging (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ from torch import Tensor
 
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.collective import wait_work
+from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.tensor_layout import (
     MESSAGE_LENGTH,
     BoundaryMeta,
@@ -40,7 +57,7 @@ from twobp.runtime.communication.tensor_layout import (
 )
 from twobp.runtime.errors import PeerStepFailedError, PipelineError, ShapeMismatchError
 from twobp.schedule.action import Action
-from twobp.schedule.transfers import CommPlan, Direction, Transfer
+from twobp.schedule.transfers import CommPlan, Direction, PairOp, Transfer
 
 MAX_TENSORS = 64
 """Most tensors one block may pass to the next (tags reserve room for this many)."""
@@ -72,9 +89,43 @@ class _Posted:
 
 @dataclass
 class _Peer:
+    """What this rank exchanges with one peer, and how far it got."""
+
     rank: int
-    cursor: int = 0
+    ops: tuple[PairOp, ...]
+    outgoing: tuple[Transfer, ...]
+    """This rank's sends to the peer, in order (the link to it)."""
+    incoming: tuple[Transfer, ...]
+    """The peer's sends to this rank, in its order (the link from it)."""
+    sends_before: tuple[int, ...]
+    """For each receive, how many sends come before it in the pair order."""
+    receives_before: tuple[int, ...]
+    """For each send, how many receives come before it in the pair order."""
+    sent: int = 0
+    """Sends posted (or completed as placeholders)."""
+    received: int = 0
+    """Receives posted."""
     sends: list[tuple[Any, Tensor, Transfer]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, rank: int, ops: tuple[PairOp, ...]) -> _Peer:
+        """The peer ``rank`` with its pair order ``ops``."""
+        outgoing = tuple(op.transfer for op in ops if op.is_send)
+        incoming = tuple(op.transfer for op in ops if not op.is_send)
+        sends_before, receives_before, sends, receives = [], [], 0, 0
+        for op in ops:
+            if op.is_send:
+                receives_before.append(receives)
+                sends += 1
+            else:
+                sends_before.append(sends)
+                receives += 1
+        return cls(rank, ops, outgoing, incoming, tuple(sends_before), tuple(receives_before))
+
+    @property
+    def done(self) -> bool:
+        """True when every send and receive of the step is posted."""
+        return self.sent == len(self.outgoing) and self.received == len(self.incoming)
 
 
 _NOTHING = BoundaryMeta((), False)
@@ -87,6 +138,7 @@ class StepChannel:
     Args:
         plan: this pipeline rank's pair orders (peers are pipeline ranks).
         topology: where the pipeline ranks run (never a single process world).
+        links: the process group of each direction to every peer.
         device: where receive buffers live.
         layouts: activation layouts learnt so far; filled in on the first step.
         timeout: seconds to wait on a peer before raising.
@@ -98,6 +150,7 @@ class StepChannel:
         self,
         plan: CommPlan,
         topology: Topology,
+        links: Links,
         device: torch.device,
         layouts: BoundaryLayouts,
         timeout: float,
@@ -107,16 +160,19 @@ class StepChannel:
         self._plan = plan
         self._topology = topology
         self._members = topology.members
+        self._links = links
         self._device = device
         self._layouts = layouts
         self._timeout = timeout
         self._n_stages = n_stages
         self._n_mb = n_microbatches
         self._order_only = order_only_matching()
-        self._peers = {p: _Peer(p) for p in plan.peers}
+        self._split = links.split
+        self._peers = {p: _Peer.of(p, ops) for p, ops in plan.peers.items()}
         self._posted: dict[tuple[Direction, int, int], _Posted] = {}
         self._meta_works: dict[int, tuple[Any, Tensor]] = {}
         self._sent_nothing: set[tuple[Direction, int, int]] = set()
+        self._sent_activations: set[tuple[Direction, int, int]] = set()
         self.action: Action | None = None
         """The action being run, named in errors."""
 
@@ -128,19 +184,28 @@ class StepChannel:
             self._advance(peer, block=False, until=None)
 
     def send(self, transfer: Transfer, tensors: Sequence[Tensor], is_tuple: bool) -> None:
-        """Post the sends of ``transfer`` (after every earlier operation with the peer).
+        """Post the sends of ``transfer`` (the next of this rank's sends to its peer).
 
         Raises:
             ShapeMismatchError: if the tensors differ from the boundary's layout.
-            PeerError: if waiting on an earlier layout message fails.
+            PipelineError: if ``transfer`` is not the next send to the peer (a bug).
         """
         peer = self._peers[transfer.dst]
-        self._advance(peer, block=True, until=transfer)
+        if peer.sent >= len(peer.outgoing) or peer.outgoing[peer.sent] != transfer:
+            self._out_of_order(peer, transfer)
+        if not self._split:
+            # One group carries both directions: the receives before this send in
+            # the pair order are posted first (on NCCL they share a stream).
+            while peer.received < peer.receives_before[peer.sent]:
+                if not self._post_recv(peer.incoming[peer.received], block=True):
+                    self._out_of_order(peer, transfer)
+                peer.received += 1
         layout = self._check_layout(transfer, tensors, is_tuple)
         for index, tensor in enumerate(tensors):
             self._post_send(transfer, tensor.detach().contiguous(), self._tag(transfer, index))
         assert len(tensors) == len(layout)
-        peer.cursor += 1
+        self._sent(peer, transfer)
+        # A gradient that answers this activation can be received from now on.
         self._advance(peer, block=False, until=None)
 
     def recv(self, transfer: Transfer) -> tuple[tuple[Tensor, ...], bool]:
@@ -187,7 +252,9 @@ class StepChannel:
                 self._wait(work, peer.rank, f"the send of the {transfer}")
             peer.sends.clear()
         leftover = [
-            str(op.transfer) for p in self._peers.values() for op in self._ops(p)[p.cursor :]
+            str(t)
+            for p in self._peers.values()
+            for t in (*p.outgoing[p.sent :], *p.incoming[p.received :])
         ]
         if leftover or self._posted:
             raise PipelineError(
@@ -205,7 +272,9 @@ class StepChannel:
         completed. Its peers, which run the step on, are never left waiting on
         it, and no transfer of the step is left to meet one of a later step.
         They learn that the step failed from the status every rank reports at
-        the step's end.
+        the step's end. The owed sends and receives are walked in each pair's
+        order, so that a placeholder goes out only once the layout messages
+        before it were read.
 
         Raises:
             PeerError: if a peer is gone or times out meanwhile.
@@ -216,10 +285,10 @@ class StepChannel:
             moved = False
             unfinished = []
             for peer in self._peers.values():
-                before = peer.cursor
+                before = (peer.sent, peer.received)
                 self._drain_peer(peer, block)
-                moved |= peer.cursor != before
-                if peer.cursor < len(self._ops(peer)):
+                moved |= (peer.sent, peer.received) != before
+                if not peer.done:
                     unfinished.append(peer)
             if not unfinished:
                 break
@@ -233,14 +302,19 @@ class StepChannel:
         self.finish()
 
     def _drain_peer(self, peer: _Peer, block: bool) -> None:
-        ops = self._ops(peer)
-        while peer.cursor < len(ops):
-            op = ops[peer.cursor]
+        sends = receives = 0
+        for op in peer.ops:
             if op.is_send:
-                self._send_placeholder(op.transfer)
-            elif not self._post_recv(op.transfer, block):
-                return
-            peer.cursor += 1
+                sends += 1
+                if sends > peer.sent:
+                    self._send_placeholder(op.transfer)
+                    self._sent(peer, op.transfer)
+                continue
+            receives += 1
+            if receives > peer.received:
+                if not self._post_recv(op.transfer, block):
+                    return
+                peer.received += 1
 
     def _send_placeholder(self, transfer: Transfer) -> None:
         known = self._layouts.get(transfer.boundary)
@@ -271,27 +345,30 @@ class StepChannel:
             peer.sends.clear()
         self.action = None
 
-    # -- pair order -------------------------------------------------------------
+    # -- the order of each link -----------------------------------------------------
 
-    def _ops(self, peer: _Peer) -> tuple[Any, ...]:
-        return self._plan.peers[peer.rank]
+    def _sent(self, peer: _Peer, transfer: Transfer) -> None:
+        peer.sent += 1
+        if transfer.direction is Direction.ACTIVATION:
+            self._sent_activations.add(transfer.key)
 
     def _advance(self, peer: _Peer, block: bool, until: Transfer | None) -> None:
-        """Post receives in pair order; stop at a send, or at ``until``.
+        """Post the peer's next receives in its order; stop where one cannot be posted yet.
 
-        With ``block``, wait for layout messages instead of stopping at them.
+        With ``block``, wait for layout messages instead of stopping at them,
+        and stop once ``until`` is posted. Where one group carries both
+        directions (:attr:`Links.split` is False), a receive also waits for
+        the sends before it in the pair order.
         """
-        ops = self._ops(peer)
-        while peer.cursor < len(ops):
-            op = ops[peer.cursor]
-            if until is not None and op.transfer == until and op.is_send:
-                return
-            if op.is_send:
+        while peer.received < len(peer.incoming):
+            transfer = peer.incoming[peer.received]
+            held_back = not self._split and peer.sent < peer.sends_before[peer.received]
+            if held_back or not self._post_recv(transfer, block):
+                if until is None:
+                    return
                 break
-            if not self._post_recv(op.transfer, block):
-                return
-            peer.cursor += 1
-            if until is not None and op.transfer == until:
+            peer.received += 1
+            if until is not None and transfer == until:
                 return
         if until is not None:
             other = self._topology.group_rank(peer.rank)
@@ -301,13 +378,29 @@ class StepChannel:
                 "disagree (this is a bug of the runtime)"
             )
 
-    def _post_recv(self, transfer: Transfer, block: bool) -> bool:
-        """Post the receives of ``transfer``; False if its layout is not known yet.
+    def _out_of_order(self, peer: _Peer, transfer: Transfer) -> None:
+        other = self._topology.group_rank(peer.rank)
+        raise PipelineError(
+            f"rank {self._members.rank} at {self.action}: the {transfer} is not this rank's "
+            f"next send to rank {other}; the schedule and the communication plan disagree "
+            "(this is a bug of the runtime)"
+        )
 
-        A transfer whose sender failed before it knew the layout carries
-        nothing: it is recorded as such, and :meth:`recv` says so.
+    def _post_recv(self, transfer: Transfer, block: bool) -> bool:
+        """Post the receives of ``transfer``; False if it cannot be posted yet.
+
+        A gradient waits until the activation it answers has gone out: before,
+        its layout may not be known, and its sender cannot send it anyway. An
+        activation waits for its boundary's layout message on the first step
+        (with ``block``, this waits for the message). A transfer whose sender
+        failed before it knew the layout carries nothing: it is recorded as
+        such, and :meth:`recv` says so.
         """
         if transfer.direction is Direction.GRADIENT:
+            if (Direction.ACTIVATION, transfer.boundary, transfer.microbatch) not in (
+                self._sent_activations
+            ):
+                return False
             meta = self._layouts.get(transfer.boundary)
             if meta is None:
                 # Only after a failure: the activations never crossed, so neither does this.
@@ -327,7 +420,7 @@ class StepChannel:
             dist.irecv(
                 buf,
                 src=self._global(transfer.src),
-                group=self._members.group,
+                group=self._link(transfer),
                 tag=self._tag(transfer, i),
             )
             for i, buf in enumerate(buffers)
@@ -344,7 +437,7 @@ class StepChannel:
             work = dist.irecv(
                 message,
                 src=self._global(transfer.src),
-                group=self._members.group,
+                group=self._link(transfer),
                 tag=self._meta_tag(boundary),
             )
             self._meta_works[boundary] = (work, message)
@@ -394,7 +487,7 @@ class StepChannel:
     def _post_send(self, transfer: Transfer, payload: Tensor, tag: int) -> None:
         """Post one send of ``transfer``'s; :meth:`finish` completes it."""
         work = dist.isend(
-            payload, dst=self._global(transfer.dst), group=self._members.group, tag=tag
+            payload, dst=self._global(transfer.dst), group=self._link(transfer), tag=tag
         )
         self._peers[transfer.dst].sends.append((work, payload, transfer))
 
@@ -409,6 +502,10 @@ class StepChannel:
         if self._order_only:
             return 0
         return (_META_CODE * self._n_stages + boundary) * self._n_mb * MAX_TENSORS
+
+    def _link(self, transfer: Transfer) -> dist.ProcessGroup:
+        """The group of the direction ``transfer`` goes (looked up when posted)."""
+        return self._links.group(self._global(transfer.src), self._global(transfer.dst))
 
     def _global(self, pipeline_rank: int) -> int:
         """The default-group rank of a pipeline rank (what point-to-point calls take)."""

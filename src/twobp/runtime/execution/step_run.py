@@ -13,6 +13,7 @@ bubble.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ class StepRun:
         clock: the step's clock, started at the step start.
         weight_group_size: passed to every ``W``.
         reducer: starts the gradient reductions of ``R``; None: ``R`` does nothing.
+        reductions_after_transfers: start the reductions of every ``R`` only
+            once the step's transfers are complete, in the order of
+            :func:`reduction_order` (on NCCL: see :func:`reductions_wait_for_transfers`).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class StepRun:
         weight_group_size: int | None = None,
         *,
         reducer: GradientReducer | None = None,
+        reductions_after_transfers: bool = False,
     ) -> None:
         self._rank = rank
         self._graph = graph
@@ -121,6 +126,8 @@ class StepRun:
         self._marks: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
         self._reducer = reducer
+        self._defer_reductions = reductions_after_transfers
+        self._deferred: list[int] = []
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
         self.current: Action | None = None
@@ -169,6 +176,9 @@ class StepRun:
             self._count(action, time.perf_counter() - started)
         if self._channel is not None:
             self._channel.finish()
+        if self._reducer is not None:
+            for stage in reduction_order(self._deferred, self._graph):
+                self._reducer.start(stage)
         self.result.spans = [
             Span(self._rank, a, self._clock.seconds(start), self._clock.seconds(end))
             for a, start, end in self._marks
@@ -240,7 +250,9 @@ class StepRun:
     def _reduce(self, action: Action) -> None:
         # Started here, in the background; the step waits for it at its end.
         start = self._clock.mark()
-        if self._reducer is not None:
+        if self._reducer is not None and self._defer_reductions:
+            self._deferred.append(action.stage)
+        elif self._reducer is not None:
             self._reducer.start(action.stage)
         self._record(action, start)
 
@@ -273,6 +285,39 @@ class StepRun:
 
     def _record(self, action: Action, start: Any) -> None:
         self._marks.append((action, start, self._clock.mark()))
+
+
+REDUCE_AFTER_TRANSFERS_VARIABLE = "TWOBP_REDUCE_AFTER_TRANSFERS"
+"""Environment variable: ``1`` defers every ``R`` to the end of the step's transfers on any
+backend, as on NCCL (for the tests, which run gloo)."""
+
+
+def reductions_wait_for_transfers(backend: str | None) -> bool:
+    """Whether a step's reductions wait until its point-to-point transfers are complete.
+
+    On NCCL they do: an all-reduce of ``R`` and a transfer in flight at the
+    same time run on two communicators, whose kernels CUDA does not promise
+    to run side by side, and two ranks that meet them in opposite orders can
+    wait on each other for ever (see docs/reliability.md). After its
+    transfers, a rank has only reductions in flight, started in one order on
+    every rank (:func:`reduction_order`). Gloo progresses every operation on
+    threads of its own: there ``R`` starts at once, overlapping the step's
+    remaining work. :data:`REDUCE_AFTER_TRANSFERS_VARIABLE` forces the NCCL rule.
+    """
+    if os.environ.get(REDUCE_AFTER_TRANSFERS_VARIABLE, "") == "1":
+        return True
+    return backend is not None and "nccl" in backend
+
+
+def reduction_order(stages: Sequence[int], graph: StageGraph) -> list[int]:
+    """``stages`` in the order every rank starts their deferred reductions: by model stage.
+
+    Every rank that reduces two model stages with another (Chimera's
+    replicas, which run them in different orders) starts them in the same
+    order; stages of one model stage keep their schedule order.
+    """
+    length = graph.n_stages // graph.n_pipelines
+    return sorted(stages, key=lambda s: s % length)
 
 
 def compute_served(actions: Sequence[Action]) -> list[Action]:
