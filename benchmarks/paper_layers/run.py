@@ -162,15 +162,22 @@ def profile_layer(
 
 
 def simulate_pipeline(
-    cost: Any, table: dict[int, float], n_layers: int, n_ranks: int, m: int
+    cost: Any,
+    table: dict[int, float],
+    n_layers: int,
+    n_ranks: int,
+    m: int,
+    *,
+    schedules: Sequence[str] = SCHEDULES,
+    policies: Sequence[str] = POLICIES,
 ) -> list[dict[str, Any]]:
     """Each schedule and policy simulated on ``n_layers`` copies of the profiled layer."""
     costs = profiled_costs(
         [cost] * n_layers, [table] * n_layers, partition_for(n_layers, "uniform", None)
     )
     rows = []
-    for name in SCHEDULES:
-        for policy in POLICIES:
+    for name in schedules:
+        for policy in policies:
             c, _ = simulate_candidate(name, policy, n_ranks, m, costs)
             rows.append(
                 {
@@ -230,6 +237,12 @@ def print_step_table(rows: Sequence[dict[str, Any]], tokens: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv``, measure, print; the results (also in ``--out``'s results.json)."""
+    return measure(argv)[0]
+
+
+def measure(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], Any, dict[int, float]]:
+    """:func:`main`, and the profiled layer's costs and W table (to simulate more from)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -301,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
-    return results
+    return results, cost, table
 
 
 if __name__ == "__main__":
