@@ -75,6 +75,8 @@ from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
+from twobp.runtime.state.optimizer_and_rng import parameter_names
+from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
 from twobp.schedule.schedule import Schedule
@@ -561,6 +563,8 @@ class Pipeline:
             # The blocks are free again: another pipeline may be built on them.
             stage.gradients.restore()
         self._steps.abandon_reductions()
+        if self.state.sharded is not None:
+            self.state.sharded.abandon()
         self._layouts = {}
         self._forward_plan = None
 
@@ -663,13 +667,15 @@ class Pipeline:
             )
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
         # The step reduces and settles its own gradients only (see accumulation).
-        self._earlier_gradients.set_aside(self.parameters())
+        self._earlier_gradients.set_aside(self.module.parameters())
         try:
             _, loss, first_bad, bad_rank = self._steps.run_step(
                 self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
             )
         except BaseException:
             self._earlier_gradients.put_back()
+            if self.state.sharded is not None:
+                self.state.sharded.discard()
             raise
         assert loss is not None
         step = self.state.step_count
@@ -678,12 +684,89 @@ class Pipeline:
         if self.last_step_skipped:
             # Every rank learnt the loss from the last stage: all drop the step alike.
             self._earlier_gradients.put_back()
+            if self.state.sharded is not None:
+                self.state.sharded.discard()
             if self.nonfinite == "raise":
                 raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
             self.skipped_steps.append(step)
         else:
             self._earlier_gradients.add_back()
+            if self.state.sharded is not None:
+                self.state.sharded.commit()
         return loss
+
+    def shard_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """An optimizer whose state is sharded over the ranks that hold each parameter (ZeRO-1).
+
+        Each bucket of replicated parameters (the copies of a stage under
+        ``data_parallel``, Chimera's and DualPipe's two pipelines, a weight
+        tied across ranks) becomes a padded flat buffer cut into one
+        contiguous shard per holder, laid out alike on every holder, bucket
+        after bucket in the order of the stages' ``R`` on this rank. At each
+        stage's ``R`` the gradients are reduce-scattered instead of
+        all-reduced; ``optimizer.step()`` steps this rank's shards only (a
+        float32 master shard for half-precision parameters); then the
+        updated shards are all-gathered in the background, and each stage's
+        next forward waits for its own (see
+        :mod:`twobp.runtime.state.sharded_optimizer`). Parameters that no other
+        rank holds are stepped whole. :meth:`clip_grad_norm_`,
+        :meth:`zero_grad`, :meth:`memory_stats`, :meth:`save` and
+        :meth:`load` know the shards. Every rank calls it, between steps.
+
+        Args:
+            optimizer_class: a ``torch.optim.Optimizer`` class (``torch.optim.AdamW``).
+            **optimizer_kwargs: its arguments besides the parameters (``lr=...``).
+
+        Returns:
+            ``optimizer_class(shards, **optimizer_kwargs)``: a plain optimizer
+            over this rank's shards (its ``param_groups`` drive LR schedulers;
+            ``state_dict`` numbers the shards, ``pipe.save(path, optimizer)``
+            saves the state by parameter name).
+
+        Raises:
+            PipelineConfigError: if no parameter of this pipeline is held by
+                several ranks, the pipeline already has a sharded optimizer,
+                or ``optimizer_class`` is not an optimizer class.
+        """
+        self.state.check_open()
+        is_class = isinstance(optimizer_class, type)
+        if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise PipelineConfigError(
+                f"shard_optimizer({optimizer_class!r}): pass an optimizer class such as "
+                "torch.optim.AdamW, and its arguments as keywords"
+            )
+        if self.state.sharded is not None:
+            raise PipelineConfigError(
+                f"rank {self.rank}: this pipeline already has a sharded optimizer; keep the "
+                "one shard_optimizer returned (its state_dict and pipe.load restore it)"
+            )
+        reducer = self._reducer
+        if reducer is None or not any(b.parameters for bs in reducer.by_stage.values() for b in bs):
+            raise PipelineConfigError(
+                f"rank {self.rank}: shard_optimizer needs parameters held by several ranks "
+                "(data_parallel > 1, chimera, dualpipe, or a weight tied across ranks); this "
+                "pipeline holds each parameter on one rank: use "
+                "optimizer_class(pipe.parameters(), ...) instead"
+            )
+        order = [a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.REDUCE]
+        order += [s for s in self.stages if s not in order]
+        self.state.settle_parameters()
+        sharded = ShardedParameters(
+            reducer,
+            order,
+            {s: stage.module for s, stage in self.stages.items()},
+            parameter_names(self.named_parameters()),
+            self.rank,
+            self.timeout,
+        )
+        optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
+        sharded.attach(optimizer)
+        sharded.route(reducer)
+        self.state.sharded = sharded
+        self._steps.wait_parameters = sharded.wait
+        return optimizer
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch | None, targets: Batch | None = None) -> Any:

@@ -10,6 +10,7 @@ loss, or who failed, where and why: :mod:`twobp.runtime.execution.step_end`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -86,6 +87,8 @@ class StepRunner:
         """Where this rank's last step went outside its compute."""
         self.peak_stashed_bytes = 0
         """The most bytes the 2BP engine kept for W at once in the last step."""
+        self.wait_parameters: Callable[[int], None] | None = None
+        """Called with a stage before each of its forwards (a sharded optimizer's gathers)."""
 
     def abandon_reductions(self) -> None:
         """Forget the reductions of a step that will not be completed (the pipeline closes)."""
@@ -125,6 +128,7 @@ class StepRunner:
             self._weight_group_size,
             reducer=self._reducer,
             reductions_after_transfers=reductions_wait_for_transfers(self.topology.members.backend),
+            wait_parameters=self.wait_parameters,
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])

@@ -16,6 +16,11 @@ A parameter used by several stages of this rank (a tied embedding and head)
 is reduced once, at the ``R`` of the last of them in this rank's order. When
 a step fails part-way, :meth:`GradientReducer.drain` starts the reductions
 not started yet, so that no peer waits for this rank in an all-reduce.
+
+With a sharded optimizer (:meth:`GradientReducer.scatter`), a bucket of
+parameters is reduce-scattered instead: each rank receives the sum of its
+own shard of the flat bucket (:class:`~twobp.runtime.communication.sharding.ShardLayout`),
+and the parameters' full gradients are dropped once copied into the bucket.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.runtime.communication.collective import holders_of, wait_released, wait_work
+from twobp.runtime.communication.sharding import ShardLayout
 from twobp.runtime.errors import PipelineClosedError
 
 BUCKET_BYTES = 25 * 2**20
@@ -68,18 +74,26 @@ class Bucket:
         return group
 
 
+class ShardSink(Protocol):
+    """Where a reduce-scattered bucket's shard goes: ``sink(shard)``, already averaged."""
+
+    def __call__(self, shard: Tensor) -> None: ...
+
+
 def buckets(
     key: str,
     group: dist.ProcessGroup,
     parameters: Sequence[nn.Parameter],
     buffers: Sequence[Tensor] = (),
 ) -> list[Bucket]:
-    """``parameters`` cut into buckets of at most :data:`BUCKET_BYTES`, and one of ``buffers``."""
+    """``parameters`` cut into buckets of at most :data:`BUCKET_BYTES` and of one dtype
+    and device each, and one of ``buffers``."""
     out: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in parameters:
         nbytes = p.numel() * p.element_size()
-        if out[-1] and size + nbytes > BUCKET_BYTES:
+        other = bool(out[-1]) and (out[-1][0].dtype, out[-1][0].device) != (p.dtype, p.device)
+        if out[-1] and (size + nbytes > BUCKET_BYTES or other):
             out.append([])
             size = 0
         out[-1].append(p)
@@ -113,12 +127,33 @@ class GradientReducer:
         self._divisor = divisor
         self._timeout = timeout
         self._started: set[int] = set()
-        self._running: list[tuple[Bucket, Tensor, Any, int]] = []
+        self._running: list[tuple[Bucket, Tensor, Any, tuple[int, int], Tensor | None]] = []
+        self._scatter: dict[int, tuple[ShardLayout, ShardSink]] = {}
 
     @property
     def stages(self) -> tuple[int, ...]:
         """The stages that reduce something on this rank."""
         return tuple(s for s, b in self._by_stage.items() if b)
+
+    @property
+    def by_stage(self) -> dict[int, tuple[Bucket, ...]]:
+        """The buckets started at each stage's ``R``."""
+        return dict(self._by_stage)
+
+    @property
+    def divisor(self) -> int:
+        """What the sums are divided by (the data-parallel degree)."""
+        return self._divisor
+
+    def scatter(self, bucket: Bucket, layout: ShardLayout, sink: ShardSink) -> None:
+        """Reduce-scatter ``bucket`` from now on: its shard ``layout`` goes to ``sink``
+        at the end of each step, and its parameters' gradients are dropped at ``R``."""
+        self._scatter[id(bucket)] = (layout, sink)
+
+    @property
+    def scatters(self) -> bool:
+        """True if some bucket is reduce-scattered (a sharded optimizer)."""
+        return bool(self._scatter)
 
     def start(self, stage: int) -> None:
         """Start the all-reduces of ``stage``'s buckets (the ``R`` action)."""
@@ -126,11 +161,19 @@ class GradientReducer:
             raise RuntimeError(f"rank {self._rank}: R of stage {stage} ran twice in one step")
         self._started.add(stage)
         for bucket in self._by_stage.get(stage, ()):
+            group = bucket.process_group(self._rank)
+            sharded = self._scatter.get(id(bucket))
+            if sharded is not None:
+                flat, shard = _flat_gradients(bucket, sharded[0])
+                holders = (holders_of(flat), holders_of(shard))
+                work = dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
+                self._running.append((bucket, flat, work, holders, shard))
+                continue
             tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            holders = holders_of(flat)
-            work = dist.all_reduce(flat, group=bucket.process_group(self._rank), async_op=True)
-            self._running.append((bucket, flat, work, holders))
+            holders = (holders_of(flat), 0)
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            self._running.append((bucket, flat, work, holders, None))
 
     def drain(self) -> None:
         """Start every reduction not started in this step (after a failure)."""
@@ -148,7 +191,7 @@ class GradientReducer:
         self._started.clear()
         running.reverse()
         while running:
-            bucket, flat, work, holders = running.pop()
+            bucket, flat, work, holders, shard = running.pop()
             wait_work(
                 work,
                 rank=self._rank,
@@ -160,8 +203,15 @@ class GradientReducer:
             # Gloo's thread lets go of the bucket a moment after the wait: no thread of
             # the backend may be left to free it (see twobp.runtime.communication.collective).
             del work
-            wait_released(flat, holders)
+            wait_released(flat, holders[0])
+            if shard is not None:
+                wait_released(shard, holders[1])
             if not keep:
+                continue
+            if shard is not None:
+                if self._divisor != 1:
+                    shard.div_(self._divisor)
+                self._scatter[id(bucket)][1](shard)
                 continue
             if bucket.buffers:
                 flat.div_(dist.get_world_size(bucket.process_group(self._rank)))
@@ -186,6 +236,20 @@ class GradientReducer:
         """Forget the step's reductions without waiting (a peer is gone)."""
         self._running = []
         self._started.clear()
+
+
+@torch.no_grad()
+def _flat_gradients(bucket: Bucket, layout: ShardLayout) -> tuple[Tensor, Tensor]:
+    """The bucket's gradients in one padded flat tensor (the parameters' own ``.grad``
+    dropped), and the tensor its shard of the sum goes to."""
+    first = bucket.parameters[0]
+    flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
+    for p, offset in zip(bucket.parameters, layout.offsets, strict=True):
+        if p.grad is not None:
+            flat[offset : offset + p.numel()].copy_(p.grad.detach().reshape(-1))
+            # Only the shard of the sum is kept (see twobp.runtime.state.sharded_optimizer).
+            p.grad = None
+    return flat, torch.empty(layout.size, dtype=flat.dtype, device=flat.device)
 
 
 def _grad(p: nn.Parameter) -> Tensor:

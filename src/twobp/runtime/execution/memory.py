@@ -193,8 +193,10 @@ def memory_stats(
 
     Returns:
         ``activations`` and ``stash`` (peaks, see :class:`MemoryMeter`);
-        ``parameters``: parameters, their gradients and buffers;
-        ``optimizer``: the optimizer's state tensors; ``peak``: on CUDA the
+        ``parameters``: parameters, their gradients (or, with a sharded
+        optimizer, its shards' gradients) and buffers; ``optimizer``: the
+        optimizer's state tensors, and its parameters that are not the
+        model's (a sharded optimizer's float32 master shards); ``peak``: on CUDA the
         most memory allocated on the device since the step started
         (``torch.cuda.max_memory_allocated``), elsewhere ``parameters +
         optimizer`` plus the most held at once between passes and the
@@ -202,11 +204,19 @@ def memory_stats(
     """
     tensors: list[Tensor] = [*module.parameters(), *module.buffers()]
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
-    parameters = sum(storages(tensors).values())
     state: list[Any] = []
     if optimizer is not None:
         for values in optimizer.state.values():
             state.extend(values.values() if isinstance(values, dict) else ())
+        own = storages(module.parameters())
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                # A sharded optimizer's shards: views of the parameters, or float32 masters.
+                if p.grad is not None:
+                    tensors.append(p.grad)
+                if not own.keys() >= storages([p]).keys():
+                    state.append(p)
+    parameters = sum(storages(tensors).values())
     optimizer_bytes = sum(storages(state).values())
     if meter.device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(meter.device))

@@ -100,6 +100,8 @@ class StepRun:
         reductions_after_transfers: start the reductions of every ``R`` only
             once the step's transfers are complete, in the order of
             :func:`reduction_order` (on NCCL: see :func:`reductions_wait_for_transfers`).
+        wait_parameters: called with a stage before each of its forwards: waits
+            for the gathers of its updated parameters (a sharded optimizer).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class StepRun:
         *,
         reducer: GradientReducer | None = None,
         reductions_after_transfers: bool = False,
+        wait_parameters: Callable[[int], None] | None = None,
     ) -> None:
         self._rank = rank
         self._graph = graph
@@ -128,6 +131,7 @@ class StepRun:
         self._reducer = reducer
         self._defer_reductions = reductions_after_transfers
         self._deferred: list[int] = []
+        self._wait_parameters = wait_parameters
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
         self.current: Action | None = None
@@ -210,6 +214,8 @@ class StepRun:
 
     def _forward(self, action: Action) -> None:
         stage, mb = self._stages[action.stage], action.microbatch
+        if self._wait_parameters is not None:
+            self._wait_parameters(action.stage)
         if stage.is_first:
             assert self._inputs is not None, "the rank of stage 0 needs the inputs"
             inputs, is_tuple = flatten(self._inputs[mb], "the inputs")

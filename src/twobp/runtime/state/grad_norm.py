@@ -21,6 +21,7 @@ def clip_grad_norm_(
     device: torch.device,
     timeout: float,
     counted: Iterable[nn.Parameter] | None = None,
+    shards: Iterable[Tensor] = (),
 ) -> Tensor:
     """Scale this rank's gradients so that the global norm is at most ``max_norm``.
 
@@ -39,13 +40,16 @@ def clip_grad_norm_(
         timeout: seconds to wait for the other ranks.
         counted: the parameters whose gradients count in the norm here (one
             holder of each replicated parameter); None: all of ``parameters``.
+        shards: gradients of a sharded optimizer's shards (each element of a
+            replicated parameter is in one rank's shard): counted and clipped.
 
     Returns:
         The global norm before clipping, a 0-dim tensor.
     """
     params = list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
-    mine = grads if counted is None else [p.grad for p in counted if p.grad is not None]
+    extra = list(shards)
+    grads = [p.grad for p in params if p.grad is not None] + extra
+    mine = grads if counted is None else [p.grad for p in counted if p.grad is not None] + extra
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         local = max((float(g.detach().abs().max()) for g in mine), default=0.0)

@@ -22,6 +22,7 @@ from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.runtime.state.model_names import ModelNames
+from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule.schedule import Schedule
 
 
@@ -82,6 +83,18 @@ class PipelineState:
         """The checkpoint being written in the background (``save(..., async_save=True)``)."""
         self.closed = False
         """True once the pipeline is closed: checkpoints and norms are refused."""
+        self.sharded: ShardedParameters | None = None
+        """The shards of the pipeline's sharded optimizer (``Pipeline.shard_optimizer``)."""
+
+    def sharded_for(self, optimizer: torch.optim.Optimizer | None) -> ShardedParameters | None:
+        """The shards ``optimizer`` steps, if it is this pipeline's sharded optimizer."""
+        sharded = self.sharded
+        return sharded if sharded is not None and sharded.steps(optimizer) else None
+
+    def settle_parameters(self) -> None:
+        """Wait for the gathers of updated shards in flight (a sharded optimizer)."""
+        if self.sharded is not None:
+            self.sharded.wait()
 
     def check_open(self) -> None:
         """Raise :class:`PipelineClosedError` if :meth:`close` was called."""
@@ -91,7 +104,9 @@ class PipelineState:
             )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """This rank's parameters."""
+        """This rank's parameters (complete: after a sharded optimizer's step, once its
+        gathers are done)."""
+        self.settle_parameters()
         return self.module.parameters(recurse)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
@@ -101,6 +116,7 @@ class PipelineState:
         the whole model (the embedding's, on a rank that holds only the head).
         Blocks cut by ``twobp.split`` are named as in the model they come from.
         """
+        self.settle_parameters()
         if self._model_names is not None:
             for name, p in self._model_names.named(self.module.named_parameters()):
                 yield prefix + name, p
@@ -123,6 +139,7 @@ class PipelineState:
         by ``twobp.split``: named as in the model's ``state_dict()``, each tensor
         once under its first name there (a checkpoint's ``merge`` gives every name).
         """
+        self.settle_parameters()
         if self._model_names is not None:
             return self._model_names.state_dict(self.module.state_dict())
         state = dict(self.module.state_dict())
@@ -149,8 +166,12 @@ class PipelineState:
         Raises:
             RuntimeError: with ``strict``, on missing or unexpected local keys.
         """
+        self.settle_parameters()
         if self._model_names is not None:
-            return self._load_model_names(state_dict, strict)
+            loaded = self._load_model_names(state_dict, strict)
+            if self.sharded is not None:
+                self.sharded.refresh_masters()
+            return loaded
         local_blocks = {name for name, _ in self.module.named_children()}
         state_dict = dict(state_dict)
         for name, local in self._aliases.items():
@@ -160,6 +181,8 @@ class PipelineState:
         own = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in local_blocks}
         unknown = [k for k in state_dict if not k.split(".", 1)[0].isdigit()]
         result = self.module.load_state_dict(own, strict=False)
+        if self.sharded is not None:
+            self.sharded.refresh_masters()
         result.unexpected_keys.extend(unknown)
         if strict and (result.missing_keys or result.unexpected_keys):
             raise RuntimeError(
@@ -284,14 +307,19 @@ class PipelineState:
         self.module.train(mode)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of this rank's parameters."""
+        """Reset the gradients of this rank's parameters (and of a sharded optimizer's
+        shards)."""
         self.module.zero_grad(set_to_none=set_to_none)
+        if self.sharded is not None:
+            self.sharded.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole model by their global norm (over all ranks).
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
-        Collective: every rank calls it.
+        With a sharded optimizer (``Pipeline.shard_optimizer``) the norm is that
+        of its shards' gradients, each element counted once, and the shards are
+        clipped. Collective: every rank calls it.
 
         Returns:
             The global norm of all gradients before clipping (a 0-dim tensor).
@@ -305,6 +333,7 @@ class PipelineState:
             self.device,
             self.timeout,
             counted=[p for name, p in self.named_parameters() if self._writes(name)],
+            shards=self.sharded.gradients() if self.sharded is not None else (),
         )
 
     def writes(self, name: str) -> bool:

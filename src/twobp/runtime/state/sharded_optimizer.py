@@ -1,0 +1,253 @@
+"""The optimizer state sharded over the ranks that hold a parameter (ZeRO-1).
+
+:meth:`twobp.runtime.Pipeline.shard_optimizer` builds a plain torch optimizer
+over this rank's *shards*: each bucket of replicated parameters (see
+:mod:`twobp.runtime.communication.reduction`) becomes one padded flat buffer,
+the parameters become views of it, and the rank owns one contiguous shard of
+it (:class:`~twobp.runtime.communication.sharding.ShardLayout`). What it holds
+per bucket (:class:`FlatShard`):
+
+* the *master shard*, the optimizer's parameter: a view of the flat buffer,
+  or a float32 copy of it when the parameters are half precision;
+* its gradient, the rank's shard of the sum over the replicas, which the
+  stage's ``R`` reduce-scatters; the parameters' own full gradients are
+  dropped at ``R`` (only the shard of the sum is kept, ZeRO-2's saving of
+  gradient memory between steps);
+* the optimizer's state of the shard (``exp_avg``, ``exp_avg_sq``), about
+  ``1 / D`` of the unsharded state.
+
+After ``optimizer.step()`` a hook starts the all-gather of every updated
+shard into its flat buffer in the background; a stage's next forward waits
+for the gathers of its own parameters first, so the gathers overlap the end
+of the step (``zero_grad``, loading the next batch) and the start of the next
+one on every stage but the first of the first rank. Reading the parameters
+through the pipeline (``parameters()``, ``state_dict()``, ``save``) waits for
+them too. Parameters held by one rank only (no replica) are stepped whole.
+
+A step's reduced shards become the masters' gradients only when the step is
+settled (:meth:`ShardedParameters.commit`); a failed or skipped step leaves
+them as they were, and steps without ``zero_grad`` between them accumulate.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from twobp.runtime.communication.reduction import Bucket, GradientReducer
+from twobp.runtime.communication.sharding import ParameterGathers, ShardLayout
+
+HALF = (torch.float16, torch.bfloat16)
+"""Parameter dtypes whose shards the optimizer steps as a float32 master copy."""
+
+
+@dataclass
+class FlatShard:
+    """One bucket of parameters as a flat buffer, and this rank's shard of it.
+
+    Args:
+        bucket: the reducer's bucket (its key, group and parameters).
+        layout: how the flat buffer is cut over the bucket's ranks.
+        names: the parameters' names in the single-process model.
+        flat: the padded flat buffer; the parameters are views of it.
+        master: the optimizer's parameter for this rank's shard.
+        stages: this rank's stages whose forward reads the parameters.
+        pending: the last step's reduced shard, until the step is settled.
+    """
+
+    bucket: Bucket
+    layout: ShardLayout
+    names: tuple[str, ...]
+    flat: Tensor
+    master: nn.Parameter
+    stages: frozenset[int]
+    pending: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def copies_master(self) -> bool:
+        """True if the master is a float32 copy (half-precision parameters)."""
+        return self.flat.dtype in HALF
+
+    def receive(self, shard: Tensor) -> None:
+        """Keep a step's reduced shard until the step is settled."""
+        self.pending = shard.to(self.master.dtype)
+
+
+class ShardedParameters:
+    """This rank's shards of its replicated parameters, and the gathers that undo them.
+
+    Args:
+        reducer: the pipeline's gradient reducer; its parameter buckets are
+            reduce-scattered from now on.
+        order: this rank's stages in the order of their ``R`` in the schedule.
+        stage_modules: this rank's stages' modules, by stage.
+        names: ``id(parameter) -> name`` in the single-process model.
+        rank: this rank (for messages).
+        timeout: seconds a gather may wait for the other ranks.
+    """
+
+    def __init__(
+        self,
+        reducer: GradientReducer,
+        order: Sequence[int],
+        stage_modules: Mapping[int, nn.Module],
+        names: Mapping[int, str],
+        rank: int,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
+        self.gathers = ParameterGathers(rank, timeout)
+        readers: dict[int, set[int]] = {}
+        for stage, module in stage_modules.items():
+            for p in module.parameters():
+                readers.setdefault(id(p), set()).add(stage)
+        by_stage = reducer.by_stage
+        self.shards: list[FlatShard] = []
+        for stage in order:
+            for bucket in by_stage.get(stage, ()):
+                if bucket.parameters:
+                    self.shards.append(_flat_shard(bucket, rank, names, readers))
+        sharded = {id(p) for s in self.shards for p in s.bucket.parameters}
+        seen: set[int] = set()
+        self.whole: list[nn.Parameter] = []
+        """The parameters held by this rank alone, stepped whole."""
+        for module in stage_modules.values():
+            for p in module.parameters():
+                if id(p) not in sharded and id(p) not in seen:
+                    seen.add(id(p))
+                    self.whole.append(p)
+
+    def route(self, reducer: GradientReducer) -> None:
+        """Have ``reducer`` reduce-scatter every bucket into its shard from now on."""
+        for shard in self.shards:
+            reducer.scatter(shard.bucket, shard.layout, shard.receive)
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the master shards, then the unreplicated parameters."""
+        return [s.master for s in self.shards] + self.whole
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gather the updated shards after every ``optimizer.step()``."""
+        optimizer.register_step_pre_hook(lambda *_: self.gathers.wait())
+        optimizer.register_step_post_hook(lambda *_: self.start_gathers())
+        self._optimizer = weakref.ref(optimizer)
+
+    def steps(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """True if ``optimizer`` is the one over these shards."""
+        return optimizer is not None and self._optimizer() is optimizer
+
+    # -- gradients -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """The step succeeded: its reduced shards join the masters' gradients."""
+        for shard in self.shards:
+            if shard.pending is None:
+                continue
+            grad = shard.master.grad
+            shard.master.grad = shard.pending if grad is None else grad.add_(shard.pending)
+            shard.pending = None
+
+    def discard(self) -> None:
+        """The step failed or was skipped: forget its reduced shards."""
+        for shard in self.shards:
+            shard.pending = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the masters' gradients."""
+        for shard in self.shards:
+            if shard.master.grad is None:
+                continue
+            if set_to_none:
+                shard.master.grad = None
+            else:
+                shard.master.grad.zero_()
+
+    def gradients(self) -> list[Tensor]:
+        """The masters' gradients (each element of a replicated parameter in one shard)."""
+        return [s.master.grad for s in self.shards if s.master.grad is not None]
+
+    # -- parameters ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def start_gathers(self) -> None:
+        """All-gather every updated shard into its flat buffer, in the background."""
+        self.gathers.wait()
+        for shard in self.shards:
+            layout = shard.layout
+            if shard.copies_master:
+                mine = shard.master.detach().to(shard.flat.dtype)
+            else:
+                mine = shard.flat[layout.start : layout.stop]
+            group = shard.bucket.process_group(self.rank)
+            self.gathers.start(shard.flat, mine, group, shard.stages, shard.bucket.key)
+
+    def wait(self, stage: int | None = None) -> None:
+        """Wait for the gathers of ``stage``'s parameters (None: all)."""
+        if self.gathers.in_flight:
+            self.gathers.wait(stage)
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the parameters into the float32 masters (after they were loaded)."""
+        self.wait()
+        for shard in self.shards:
+            if shard.copies_master:
+                shard.master.copy_(shard.flat[shard.layout.start : shard.layout.stop])
+
+    def abandon(self) -> None:
+        """Forget the gathers in flight (the pipeline closes)."""
+        self.gathers.abandon()
+
+    # -- what a checkpoint reads ---------------------------------------------------------
+
+    def pieces(self) -> Iterator[tuple[FlatShard, str, int, int, int]]:
+        """Each part of a parameter in this rank's shards: ``(shard, name, first,
+        stop, at)``, elements ``first:stop`` of the flattened parameter ``name``, at
+        ``at`` in the master shard."""
+        for shard in self.shards:
+            at = 0
+            for index, first, stop in shard.layout.pieces():
+                yield shard, shard.names[index], first, stop, at
+                at += stop - first
+
+
+def _flat_shard(
+    bucket: Bucket, rank: int, names: Mapping[int, str], readers: Mapping[int, set[int]]
+) -> FlatShard:
+    """The bucket's parameters moved into one padded flat buffer, and this rank's shard."""
+    group = bucket.process_group(rank)
+    params = bucket.parameters
+    layout = ShardLayout(
+        tuple(p.numel() for p in params), dist.get_world_size(group), dist.get_rank(group)
+    )
+    first = params[0]
+    with torch.no_grad():
+        flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
+        grads = torch.zeros_like(flat)
+        any_grad = False
+        for p, offset in zip(params, layout.offsets, strict=True):
+            view = flat[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            if p.grad is not None:
+                # Gradients accumulated before the optimizer existed: its shard of them.
+                grads[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+                any_grad = True
+                p.grad = None
+        own = flat[layout.start : layout.stop]
+        master = nn.Parameter(own.float() if first.dtype in HALF else own)
+        if any_grad:
+            master.grad = grads[layout.start : layout.stop].to(master.dtype).clone()
+    stages = frozenset(s for p in params for s in readers.get(id(p), ()))
+    return FlatShard(bucket, layout, tuple(names[id(p)] for p in params), flat, master, stages)
+
+
+def _nothing() -> None:
+    return None

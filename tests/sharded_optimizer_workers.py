@@ -1,0 +1,75 @@
+"""Functions the sharded-optimizer tests run on every rank of a launched group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline
+from twobp.runtime.execution.memory import storages
+
+N_MB = 4
+PART = 8  # samples per data-parallel copy
+CLIP = 0.05  # small enough that every step clips
+
+
+def _pipeline(model: str, schedule: str, two_bp: bool, **options: Any) -> Pipeline:
+    return Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule=schedule,
+        n_microbatches=options.pop("n_microbatches", N_MB),
+        two_bp=two_bp,
+        device="cpu",
+        timeout=60.0,
+        **options,
+    )
+
+
+def _part(pipe: Pipeline, model: str, step: int) -> tuple[Any, Any]:
+    inputs, targets = make_batch(model, step, PART * pipe.dp_size)
+    part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+    inputs = tuple(t[part] for t in inputs) if isinstance(inputs, tuple) else inputs[part]
+    return inputs, targets[part]
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(storages(v for s in optimizer.state.values() for v in s.values()).values())
+
+
+def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, Any]:
+    """3 clipped AdamW steps through a sharded optimizer, with an LR schedule."""
+    torch.set_num_threads(1)
+    pipe = _pipeline(model, schedule, two_bp, **options)
+    optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    losses, norms = [], []
+    for step in range(N_STEPS):
+        losses.append(pipe.step(*_part(pipe, model, step)))
+        norms.append(float(pipe.clip_grad_norm_(CLIP)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    # The state an unsharded AdamW would hold for this rank's parameters.
+    plain = torch.optim.AdamW([nn.Parameter(p.detach().clone()) for p in pipe.parameters()])
+    for p in plain.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    plain.step()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": pipe.state_dict(),
+        "optimizer": pipe.memory_stats(optimizer)["optimizer"],
+        "own": _state_bytes(optimizer),
+        "unsharded": _state_bytes(plain),
+        "kind": type(optimizer).__name__,
+        "shards": [p.numel() for p in optimizer.param_groups[0]["params"]],
+    }
+
+
+def train_many(cases: list[tuple[str, str, bool, dict[str, Any]]]) -> dict[str, Any]:
+    """:func:`train` of every case, keyed by its text."""
+    return {repr(c): train(c[0], c[1], c[2], **dict(c[3])) for c in cases}

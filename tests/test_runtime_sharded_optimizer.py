@@ -1,0 +1,84 @@
+"""The optimizer sharded over the replicas (ZeRO-1) on real gloo ranks, float64.
+
+Each case trains 3 AdamW steps through ``pipe.shard_optimizer`` (clipped to a
+small global norm, with a StepLR schedule) and must match one process
+running plain AdamW on the global batch: loss, global norm and every
+parameter, to 1e-10. The optimizer state per rank must be at most 0.55 of the
+unsharded state for two copies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from sharded_optimizer_workers import CLIP, N_MB, PART, train_many
+from twobp.runtime import launch
+
+TOL = 1e-10
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+FOUR = [
+    ("mlp", "1f1b", True, {"data_parallel": 2}),
+    ("mlp", "zb-h1", True, {"data_parallel": 2}),
+    ("mlp", "interleaved-1f1b", True, {"data_parallel": 2}),
+]
+EIGHT = [("mlp", "1f1b", True, {"data_parallel": 2})]
+
+
+def _reference(model: str, copies: int) -> dict[str, Any]:
+    net = nn.Sequential(*build_blocks(model))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    losses, norms = [], []
+    for step in range(N_STEPS):
+        inputs, targets = make_batch(model, step, PART * copies)
+        loss = loss_fn(model)(net(inputs), targets)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+
+
+def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    model, _, _, options = case
+    copies = options.get("data_parallel", 1)
+    reference = _reference(model, copies)
+    for rank, r in enumerate(results):
+        assert r["kind"] == "AdamW"
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
+        for got, want in zip(r["norms"], reference["norms"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
+        for name, value in r["state"].items():
+            torch.testing.assert_close(
+                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
+            )
+        assert r["optimizer"] == r["own"] > 0, (case, rank)
+        assert r["own"] <= 0.55 * r["unsharded"], (case, rank, r["own"], r["unsharded"])
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return launch(train_many, 4, FOUR, timeout=600)
+
+
+@pytest.mark.parametrize("case", FOUR, ids=repr)
+def test_sharded_matches_one_process(four: list[dict[str, Any]], case: Any) -> None:
+    _check(case, [r[repr(case)] for r in four])
+
+
+def test_two_by_four() -> None:
+    results = launch(train_many, 8, EIGHT, timeout=600)
+    _check(EIGHT[0], [r[repr(EIGHT[0])] for r in results])
+
+
+assert N_MB == 4
