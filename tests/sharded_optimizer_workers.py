@@ -73,3 +73,59 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
 def train_many(cases: list[tuple[str, str, bool, dict[str, Any]]]) -> dict[str, Any]:
     """:func:`train` of every case, keyed by its text."""
     return {repr(c): train(c[0], c[1], c[2], **dict(c[3])) for c in cases}
+
+
+GLOBAL = 16  # samples per step over all copies, whatever their number
+
+
+def _global_part(pipe: Pipeline, step: int) -> tuple[Any, Any]:
+    inputs, targets = make_batch("mlp", step, GLOBAL)
+    size = GLOBAL // pipe.dp_size
+    part = slice(pipe.dp_rank * size, (pipe.dp_rank + 1) * size)
+    return inputs[part], targets[part]
+
+
+def _one_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, step: int) -> float:
+    loss = pipe.step(*_global_part(pipe, step))
+    pipe.clip_grad_norm_(CLIP)
+    optimizer.step()
+    pipe.zero_grad()
+    return loss
+
+
+def checkpoints(folder: str) -> dict[str, Any]:
+    """A sharded optimizer saved after 2 steps, loaded into an unsharded optimizer on one
+    pipeline of 4 ranks and into sharded ones of other layouts; each runs step 3."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    # 2 copies of 2 ranks, sharded: two steps, a checkpoint, the third step.
+    pipe = _pipeline("mlp", "1f1b", True, data_parallel=2)
+    optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+    for step in range(2):
+        _one_step(pipe, optimizer, step)
+    pipe.save(f"{folder}/sharded", optimizer)
+    out["third"] = _one_step(pipe, optimizer, 2)
+    out["state"] = pipe.state_dict()
+    pipe.close()
+    # One pipeline of 4 ranks, a plain optimizer: loads it, saves it again, runs step 3.
+    plain = _pipeline("mlp", "1f1b", True)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=LR)
+    plain.load(f"{folder}/sharded", plain_optimizer)
+    plain.save(f"{folder}/plain", plain_optimizer)
+    out["plain third"] = _one_step(plain, plain_optimizer, 2)
+    out["plain state"] = plain.state_dict()
+    plain.close()
+    # 2 copies of an interleaved pipeline, sharded: loads the plain checkpoint.
+    again = _pipeline("mlp", "interleaved-1f1b", True, data_parallel=2)
+    again_optimizer = again.shard_optimizer(torch.optim.AdamW, lr=LR)
+    again.load(f"{folder}/plain", again_optimizer)
+    out["again third"] = _one_step(again, again_optimizer, 2)
+    out["again state"] = again.state_dict()
+    again.close()
+    # 4 copies of one rank, sharded four ways: loads the sharded checkpoint.
+    wide = _pipeline("mlp", "1f1b", True, data_parallel=4)
+    wide_optimizer = wide.shard_optimizer(torch.optim.AdamW, lr=LR)
+    wide.load(f"{folder}/sharded", wide_optimizer)
+    out["wide third"] = _one_step(wide, wide_optimizer, 2)
+    out["wide state"] = wide.state_dict()
+    return out

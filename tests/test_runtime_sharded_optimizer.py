@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
-from sharded_optimizer_workers import CLIP, N_MB, PART, train_many
+from sharded_optimizer_workers import CLIP, N_MB, PART, checkpoints, train_many
 from twobp.runtime import launch
 
 TOL = 1e-10
@@ -74,6 +74,27 @@ def four() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("case", FOUR, ids=repr)
 def test_sharded_matches_one_process(four: list[dict[str, Any]], case: Any) -> None:
     _check(case, [r[repr(case)] for r in four])
+
+
+def test_checkpoints_load_on_other_layouts_and_unsharded(tmp_path) -> None:
+    results = launch(checkpoints, 4, str(tmp_path), timeout=600)
+    want = results[0]
+    for rank, r in enumerate(results):
+        for other in ("plain", "again", "wide"):
+            assert math.isclose(r[f"{other} third"], want["third"], rel_tol=0, abs_tol=TOL), (
+                other,
+                rank,
+            )
+    merged: dict[str, torch.Tensor] = {}
+    for key in ("state", "plain state", "again state", "wide state"):
+        held: dict[str, torch.Tensor] = {}
+        for r in results:
+            held.update(r[key])
+        if not merged:
+            merged = held
+        assert set(held) == set(merged), key
+        for name, value in held.items():
+            torch.testing.assert_close(value, merged[name], rtol=0, atol=TOL, msg=f"{key} {name}")
 
 
 def test_two_by_four() -> None:

@@ -72,6 +72,12 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_folder,
 )
+from twobp.runtime.state.checkpoint_shards import (
+    load_sharded_state,
+    sharded_entries,
+    sharded_names,
+    sharded_targets,
+)
 
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
 from twobp.runtime.state.lazy import storage
@@ -82,6 +88,7 @@ from twobp.runtime.state.optimizer_and_rng import (
     rng_state,
     set_rng_state,
 )
+from twobp.runtime.state.sharded_optimizer import ShardedParameters
 
 if TYPE_CHECKING:  # the state calls this module
     from twobp.runtime.state.model_state import PipelineState
@@ -134,7 +141,7 @@ def save(
     if pipe.rank == 0:
         problem = _attempt(lambda: fresh_folder(partial), f"cannot create {partial}")
     agree(world, device, timeout, problem, "starting to save a checkpoint")
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, Any] = {}
     part: dict[str, Any] | None = None
     problem = None
     try:
@@ -143,9 +150,13 @@ def save(
                 f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
                 "folder must be on a file system that every rank shares"
             )
-        # One copy per stage: the first replica of this rank's stages writes it.
+        # One copy per stage: the first replica of this rank's stages writes it; every
+        # rank of a sharded optimizer writes its shards' part of the optimizer state.
+        sharded = pipe.sharded_for(optimizer)
         if pipe.topology.writes_stage_files:
-            tensors, part = _entries(pipe, optimizer, extra)
+            tensors, part = _entries(pipe, optimizer, extra, sharded)
+        elif sharded is not None and optimizer is not None:
+            tensors, _ = _sharded_part(pipe, optimizer, sharded, set())
     except Exception as exc:  # any failure here must reach every rank
         problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot save")
     agree(world, device, timeout, problem, "preparing a checkpoint")
@@ -186,8 +197,11 @@ def _publish_recorded(partial: Path, final: Path, manifest: dict[str, Any], keep
 
 
 def _entries(
-    pipe: PipelineState, optimizer: torch.optim.Optimizer | None, extra: Any
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    pipe: PipelineState,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Any,
+    sharded: ShardedParameters | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's tensors, and its JSON part of the manifest."""
     # One copy of each tensor in the whole checkpoint: the blocks this rank writes.
     state = {n: t for n, t in pipe.state_dict().items() if pipe.writes(n)}
@@ -203,11 +217,33 @@ def _entries(
         "rng": rng_rest,
         "optimizer": None,
     }
-    if optimizer is not None:
+    if optimizer is not None and sharded is not None:
+        optimizer_tensors, part["optimizer"] = _sharded_part(pipe, optimizer, sharded, set(state))
+        tensors.update(optimizer_tensors)
+    elif optimizer is not None:
         by_name = optimizer_state_by_name(optimizer, parameter_names(pipe.named_parameters()))
         by_name["state"] = {n: v for n, v in by_name["state"].items() if n in state}
         optimizer_tensors, part["optimizer"] = optimizer_entries(by_name)
         tensors.update(optimizer_tensors)
+    return tensors, part
+
+
+def _sharded_part(
+    pipe: PipelineState,
+    optimizer: torch.optim.Optimizer,
+    sharded: ShardedParameters,
+    written: set[str],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A sharded optimizer's tensors on this rank (its shards' part of every parameter's
+    state), and the JSON part of the parameters in ``written`` (those this rank writes)."""
+    named = list(pipe.named_parameters())
+    names = parameter_names(named)
+    shapes = {n: list(p.shape) for n, p in named}
+    tensors, json_state = sharded_entries(sharded, optimizer, shapes, written, names)
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    ordered = [n for n in sharded_names(sharded, names) if n in written]
+    _, part = optimizer_entries({"state": {}, "param_groups": [{**hyper, "params": ordered}]})
+    part["state"] = json_state
     return tensors, part
 
 
@@ -285,8 +321,8 @@ def _attempt(action: Any, what: str) -> Exception | None:
 @dataclass
 class _LoadPlan:
     folder: Path
-    tensors: dict[str, Tensor]
-    """What DCP fills: every tensor this rank needs, by checkpoint name."""
+    tensors: dict[str, Any]
+    """What DCP fills: every tensor (or boxes of one) this rank needs, by checkpoint name."""
     own: list[str]
     """This rank's state-dict names."""
     optimizer: dict[str, Any] | None
@@ -296,6 +332,8 @@ class _LoadPlan:
     home: int
     extra: Any
     step: int
+    shards: dict[int, dict[str, Any]] | None = None
+    """A sharded optimizer's state by the index of its parameters, filled by DCP."""
 
 
 def load(
@@ -330,7 +368,13 @@ def load(
         problem = storage.own_error(exc, pipe.rank, f"cannot load {plan.folder}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     pipe.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
-    if optimizer is not None and plan.optimizer is not None:
+    if optimizer is not None and plan.optimizer is not None and plan.shards is not None:
+        sharded = pipe.sharded_for(optimizer)
+        assert sharded is not None
+        groups = optimizer_state(plan.optimizer, {}, [])["param_groups"]
+        order = sharded_names(sharded, parameter_names(pipe.named_parameters()))
+        load_sharded_state(optimizer, plan.shards, groups, order[0] if order else None)
+    elif optimizer is not None and plan.optimizer is not None:
         names = parameter_names(pipe.named_parameters())
         saved = optimizer_state(plan.optimizer, plan.tensors, list(names.values()))
         load_optimizer_state_by_name(optimizer, names, [saved])
@@ -378,12 +422,21 @@ def _plan(
     stored = storage.tensor_shapes(folder)
     wanted = [MODEL + n for n in own]
     optimizer_json = None
+    sharded = pipe.sharded_for(optimizer)
     if optimizer is not None:
         optimizer_json = merge_optimizer_json(
             [r["optimizer"] for r in manifest["ranks"] if r["optimizer"] is not None]
         )
-        names = list(parameter_names(pipe.named_parameters()).values())
-        wanted += optimizer_tensor_names(optimizer_json, names)
+        by_id = parameter_names(pipe.named_parameters())
+        names = sharded_names(sharded, by_id) if sharded is not None else list(by_id.values())
+        needed = optimizer_tensor_names(optimizer_json, names)
+        if sharded is None:
+            wanted += needed
+        elif any(n not in stored for n in needed):
+            absent = [n for n in needed if n not in stored]
+            raise CheckpointError(
+                f"{folder} is incomplete: its DCP metadata has no {', '.join(absent[:3])}"
+            )
     same_world = manifest["world_size"] == pipe.topology.pp_size
     home = pipe.pp_rank if same_world else 0
     # Another number of ranks: the RNG streams no longer match ranks, keep this process's.
@@ -396,9 +449,15 @@ def _plan(
         raise CheckpointError(
             f"{folder} is incomplete: its DCP metadata has no {', '.join(absent[:3])}"
         )
+    tensors: dict[str, Any] = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in wanted}
+    shards = None
+    if sharded is not None and optimizer_json is not None:
+        targets, shards = sharded_targets(sharded, optimizer_json, stored, by_id)
+        tensors.update(targets)
     return _LoadPlan(
         folder=folder,
-        tensors={n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in wanted},
+        tensors=tensors,
+        shards=shards,
         own=list(own),
         optimizer=optimizer_json,
         rng=rng,

@@ -21,7 +21,7 @@ import datetime
 import io
 import pickle
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -119,13 +131,83 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+class Pieces:
+    """Boxes of one tensor of a checkpoint, which DCP writes or fills as chunks of it.
+
+    Implements DCP's checkpointable protocol (what a DTensor provides) with
+    the planners' help to find a box by its offsets.
+
+    Args:
+        size: the whole tensor's shape.
+        dtype: its dtype.
+        boxes: ``(offsets, tensor)``: each box's offsets and its tensor, of the box's shape.
+    """
+
+    def __init__(
+        self,
+        size: Sequence[int],
+        dtype: torch.dtype,
+        boxes: Sequence[tuple[tuple[int, ...], Tensor]],
+    ) -> None:
+        self.size_ = torch.Size(size)
+        self.dtype = dtype
+        self.boxes = {torch.Size(o): t for o, t in boxes}
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=self.size_,
+                ),
+            )
+            for offsets, t in self.boxes.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        assert index.offset is not None
+        return self.boxes[torch.Size(index.offset)]
+
+
 class _TensorsOnly(DefaultLoadPlanner):
-    """DCP's load planner, refusing values that are not tensors (DCP keeps them as pickles)."""
+    """DCP's load planner, refusing values that are not tensors (DCP keeps them as pickles),
+    and filling the boxes of :class:`Pieces`."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointError(
             f"{read_item.dest_index.fqn} is a pickled object, which twobp does not load"
         )
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        # DCP's preparation of the state dict maps the objects it does not know to None.
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
+        plain = {k: v for k, v in state_dict.items() if k not in pieces}
+        super().set_up_planner(plain, metadata, is_coordinator)
+        self.state_dict.update(pieces)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, Pieces):
+            return found.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)  # type: ignore[no-any-return]
+
+
+class _WithPieces(DefaultSavePlanner):
+    """DCP's save planner, writing the boxes of :class:`Pieces` as chunks of their tensor."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, Pieces):
+            return found.__get_tensor_shard__(index)
+        return super().lookup_object(index)
 
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -143,7 +225,7 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[list[int], torch.dtype]]:
 
 
 def write(
-    tensors: dict[str, Tensor],
+    tensors: dict[str, Any],
     folder: Path,
     group: dist.ProcessGroup | None,
     *,
@@ -152,7 +234,8 @@ def write(
     """Write ``tensors`` into the DCP checkpoint ``folder``. Collective over ``group``.
 
     Args:
-        tensors: this rank's tensors, by name (no name on two ranks); may be empty.
+        tensors: this rank's tensors, by name (no name on two ranks, but for
+            :class:`Pieces` of one tensor); may be empty.
         folder: the checkpoint's folder (it may exist).
         group: the ranks that save together; None: this process alone. A
             background write needs a group of its own (:func:`background_group`).
@@ -171,14 +254,24 @@ def write(
     with _alone_is_meant(alone):
         if background:
             future: Future[Any] = async_save(  # type: ignore[assignment]
-                tensors, storage_writer=writer, process_group=group, no_dist=alone
+                tensors,
+                storage_writer=writer,
+                planner=_WithPieces(),
+                process_group=group,
+                no_dist=alone,
             )
             return future
-        dcp_save(tensors, storage_writer=writer, process_group=group, no_dist=alone)
+        dcp_save(
+            tensors,
+            storage_writer=writer,
+            planner=_WithPieces(),
+            process_group=group,
+            no_dist=alone,
+        )
     return None
 
 
-def read(tensors: dict[str, Tensor], folder: Path, group: dist.ProcessGroup | None) -> None:
+def read(tensors: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:
     """Fill ``tensors`` (names and shapes as saved) from the checkpoint ``folder``.
 
     Collective over ``group`` (None: this process alone).
