@@ -27,14 +27,19 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime_models import build_blocks, loss_fn, make_batch, train_reference
-from runtime_workers import Case, train_cases
+from runtime_workers import Case, needed_batches, train_cases
 from step_failure_workers import BATCH as FAILURE_BATCH
 from step_failure_workers import failing_steps
 from test_runtime_distributed import BATCH, N_MB, _check_case
 from test_runtime_step_failure import _check
-from twobp.runtime import launch
-from twobp.runtime.communication.channel import ORDER_ONLY_VARIABLE, order_only_matching
+from twobp.runtime import Pipeline, launch
+from twobp.runtime.communication.channel import (
+    ORDER_ONLY_VARIABLE,
+    StepChannel,
+    order_only_matching,
+)
 from twobp.runtime.execution.step_run import REDUCE_AFTER_TRANSFERS_VARIABLE
+from twobp.schedule.transfers import Direction
 
 TIMEOUT = 30.0
 
@@ -56,7 +61,37 @@ def _session(timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {"order only": order_only_matching()}
     out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout)
     out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v")
+    out["posted at the start"] = _posted_at_the_start(timeout)
     return out
+
+
+def _posted_at_the_start(timeout: float) -> list[tuple[int, int, int]]:
+    """Two zb-v steps: at each start, the receives posted, the activations that lead the
+    peer's order, and how many of them come before this rank's first send to it."""
+    seen = []
+    original = StepChannel.post_ahead
+
+    def observed(channel: StepChannel) -> None:
+        original(channel)
+        (peer,) = channel._peers.values()
+        leading = next(
+            (i for i, t in enumerate(peer.incoming) if t.direction is not Direction.ACTIVATION),
+            len(peer.incoming),
+        )
+        before_a_send = next((i for i, op in enumerate(peer.ops) if op.is_send), len(peer.ops))
+        seen.append((len(channel._posted), leading, before_a_send))
+
+    StepChannel.post_ahead = observed  # type: ignore[method-assign]
+    try:
+        pipe = Pipeline(
+            build_blocks("mlp"), loss_fn("mlp"), "zb-v", N_MB, device="cpu", timeout=timeout
+        )
+        x, y = make_batch("mlp", 0, BATCH)
+        for _ in range(2):
+            pipe.step(*needed_batches(pipe, x, y))
+    finally:
+        StepChannel.post_ahead = original  # type: ignore[method-assign]
+    return seen
 
 
 THREE_RANKS = Case("transformer", "1f1b", True, partition=(3, 5, 2))
@@ -136,6 +171,20 @@ def test_every_rank_makes_its_links_under_the_names_its_neighbours_give_them(thr
     # use_local_synchronization (named by its ranks and that count) has one name.
     assert len({r["groups"] for r in three_ranks}) == 1
     assert len({r["local group"] for r in three_ranks}) == 1
+
+
+def test_every_activation_receive_is_posted_at_the_start_of_a_step(two_ranks):
+    # The first step knows no layout yet. From the second on, each rank of the V has
+    # posted every activation that leads its peer's order, where posting only up to its
+    # next send to the peer would have posted fewer (none, on the rank that sends first).
+    seconds = []
+    for rank in two_ranks:
+        first, second = rank["posted at the start"]
+        assert first[0] == 0
+        posted, leading, _ = second
+        assert posted == leading > 0
+        seconds.append(second)
+    assert any(posted > before_a_send for posted, _, before_a_send in seconds)
 
 
 def test_the_switch_reads_the_environment(monkeypatch):

@@ -13,8 +13,11 @@ Between two ranks, both sides must post their sends and receives in one
 common order, or backends that match messages by order (NCCL, which ignores
 tags) deadlock. That *pair order* comes from a dry run of the whole schedule
 (every rank has it): transfers are ordered by the step in which their
-producing action runs. Each rank's sends then follow its own action order,
-and a rank can post receives ahead of need up to its next send.
+producing action runs. Each rank's sends then follow its own action order.
+The runtime carries each direction of a pair on a process group of its own,
+in the sender's part of the pair order, so that a receiver may post its
+receives ahead in that order without holding back its own sends; where one
+group carries both directions, it posts them ahead only up to its next send.
 
 This module imports no torch.
 """
