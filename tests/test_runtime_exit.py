@@ -60,13 +60,14 @@ def test_a_closed_pipeline_says_so_on_every_call():
 # the collectives waited for gloo to let go of their tensors, about 1 launch in 5 lost a
 # rank to SIGABRT at exit, whichever way it was launched. The module's 28 launches (8 + 16
 # + 3 + 1) would each have caught it, so together they miss it with a chance of 0.8**28,
-# under 0.2%; each test alone with 0.8**n.
+# under 0.2%; each test alone with 0.8**n. The fault was in the interpreter's exit, so
+# these launches spawn whole interpreters (a forked rank ends without it).
 
 
 @pytest.mark.timeout(600)  # 8 process starts: about 40 s on 2 idle cores
 def test_launches_in_a_row_end_cleanly():
     for attempt in range(8):
-        assert launch(one_step, 2, timeout=120) == [1, 1], f"launch {attempt}"
+        assert launch(one_step, 2, timeout=120, start_method="spawn") == [1, 1], f"launch {attempt}"
 
 
 def _torchrun(recompute: str, destroy: bool) -> subprocess.CompletedProcess[str]:
@@ -100,7 +101,9 @@ def test_torchrun_scripts_end_cleanly_with_and_without_destroy_process_group():
 
 def test_launches_with_caught_mistakes_and_several_pipelines_end_cleanly():
     for attempt in range(3):
-        assert launch(steps_after_mistakes, 2, timeout=120) == [1, 1], f"launch {attempt}"
+        assert launch(steps_after_mistakes, 2, timeout=120, start_method="spawn") == [1, 1], (
+            f"launch {attempt}"
+        )
 
 
 def test_the_example_script_ends_cleanly():

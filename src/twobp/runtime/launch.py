@@ -1,6 +1,6 @@
 """Start a process group on this machine and run a function on every rank.
 
-:func:`launch` is a small local stand-in for ``torchrun``: it spawns one
+:func:`launch` is a small local stand-in for ``torchrun``: it starts one
 process per rank, initialises the default group in each (``env://`` on a free
 port of 127.0.0.1), runs ``fn(*args)`` and brings each rank's return value
 back to the caller. If a rank fails or is killed, the others get a grace
@@ -13,6 +13,16 @@ terminates it, names it as stuck and shows where it was (its stack, dumped by
 Results and errors come back through files in a temporary folder rather than
 a queue: a file written before exit survives a peer's crash, and tensors in a
 result are pickled by value.
+
+Ranks start from a fork server where the platform has one (Linux, macOS): one
+process that imported torch and twobp once, and forks each rank from there in
+a fraction of a second, where a freshly spawned interpreter spends seconds
+importing torch. As with ``spawn``, ``fn`` and its arguments are pickled and
+the script's main module is imported again in each rank (so the launch must
+sit under ``if __name__ == "__main__":``); each rank gets the caller's
+environment as it is at the call. A rank ends as forked processes do, without
+the interpreter's exit (``atexit`` handlers do not run): ``start_method="spawn"``
+gives each rank a whole interpreter of its own instead.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import dataclasses
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import shutil
@@ -43,14 +54,20 @@ from twobp.runtime.errors import LaunchError, PeerError, RankFailure
 T = TypeVar("T")
 
 _POLL_SECONDS = 0.05
-# Set while the ranks start: a rank that runs launch() again as it imports the main
-# script (no ``if __name__ == "__main__":``) leaves a mark there and ends quietly.
-_FOLDER_VARIABLE = "TWOBP_LAUNCH_FOLDER"
+# A rank's process name is this prefix, its rank and the launch's folder: a rank that
+# runs launch() again as it imports the main script (no ``if __name__ == "__main__":``)
+# leaves a mark in that folder and ends quietly. (Multiprocessing gives a starting rank
+# its name before it imports the script; a forked rank has the server's environment.)
+_NAME_PREFIX = "twobp-rank-"
 _UNGUARDED = "unguarded"
 UNGUARDED_MESSAGE = (
     'twobp.launch needs an `if __name__ == "__main__":` guard around its call: every rank '
     "imports the main script again, and this one calls launch as it is imported"
 )
+# What the fork server imports once, before it forks the ranks.
+_PRELOAD = ["torch", "torch.distributed", "twobp"]
+START_METHODS = ("forkserver", "spawn")
+"""The ways :func:`launch` starts its ranks."""
 # After SIGTERM, how long a process may take to exit before SIGKILL.
 _TERMINATE_SECONDS = 2.0
 
@@ -71,6 +88,7 @@ def launch(
     grace_period: float = 5.0,
     timeout: float | None = None,
     group_timeout: float = 300.0,
+    start_method: str | None = None,
 ) -> list[T]:
     """Run ``fn(*args)`` on ``nprocs`` ranks of a fresh process group.
 
@@ -88,6 +106,10 @@ def launch(
             before they are terminated.
         timeout: seconds for the whole run; None waits as long as it takes.
         group_timeout: the default group's collective timeout, in seconds.
+        start_method: ``"forkserver"`` (fork the ranks from a server that has
+            imported torch and twobp: fast) or ``"spawn"`` (a new interpreter
+            per rank, which exits as a script does); None: ``forkserver`` where
+            the platform has it, else ``spawn``.
 
     Returns:
         The return value of ``fn`` on each rank, indexed by rank.
@@ -95,11 +117,13 @@ def launch(
     Raises:
         LaunchError: if any rank raised, was killed or was terminated; it names
             each failed rank with its exception or signal, the first first.
-        ValueError: if ``nprocs < 1``.
+        ValueError: if ``nprocs < 1`` or ``start_method`` is not one of
+            :data:`START_METHODS`.
     """
     _end_if_starting_a_rank()
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = _context(start_method)
     if backend is None:
         cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = backend_for(default_device()) if cuda_ok else "gloo"
@@ -108,24 +132,23 @@ def launch(
         threads_per_rank = max(1, (cores or os.cpu_count() or 1) // nprocs)
     port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="twobp-launch-"))
-    ctx = mp.get_context("spawn")
     try:
         procs = [
             ctx.Process(
                 target=_child_main,
                 args=(fn, args, rank, nprocs, port, str(folder), backend, threads_per_rank),
-                kwargs={"group_timeout": group_timeout},
-                name=f"twobp-rank-{rank}",
+                kwargs={
+                    "group_timeout": group_timeout,
+                    "environment": dict(os.environ),
+                    "output": _caller_output(ctx),
+                },
+                name=f"{_NAME_PREFIX}{rank} {folder}",
             )
             for rank in range(nprocs)
         ]
         try:
-            os.environ[_FOLDER_VARIABLE] = str(folder)
-            try:
-                for proc in procs:
-                    proc.start()
-            finally:
-                os.environ.pop(_FOLDER_VARIABLE, None)
+            for proc in procs:
+                proc.start()
             terminated = _supervise(procs, grace_period, timeout)
         except BaseException:
             # Interrupted (Ctrl-C) or failed to start: leave no rank behind.
@@ -150,10 +173,50 @@ def _end_if_starting_a_rank() -> None:
     marks it for the launcher instead, which raises one line.
     """
     starting = getattr(mp.current_process(), "_inheriting", False)
-    folder = os.environ.get(_FOLDER_VARIABLE)
+    name = mp.current_process().name
+    folder = name.split(" ", 1)[1] if name.startswith(_NAME_PREFIX) and " " in name else None
     if starting and folder:
         (Path(folder) / _UNGUARDED).touch()
         os._exit(1)
+
+
+def _context(start_method: str | None) -> Any:
+    """The multiprocessing context that starts the ranks."""
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)} or None, got {start_method!r}"
+        )
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Read when the server starts (the first launch of this process); later calls
+        # find it running.
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _CallerFd:
+    """A file descriptor of the caller that a forked rank receives as its own."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank starts: the fork server passes the descriptor along.
+        return (_received, (multiprocessing.reduction.DupFd(self.fd),))
+
+
+def _received(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
+def _caller_output(ctx: Any) -> tuple[Any, Any] | None:
+    """The caller's stdout and stderr as they are now, for a rank forked by the server
+    (which would write where the server's went, the caller's at its first launch)."""
+    if ctx.get_start_method() != "forkserver":
+        return None  # a spawned rank inherits them
+    return _CallerFd(1), _CallerFd(2)
 
 
 def _supervise(procs: list[Any], grace_period: float, timeout: float | None) -> dict[int, str]:
@@ -276,8 +339,19 @@ def _child_main(
     threads: int,
     *,
     group_timeout: float,
+    environment: dict[str, str],
+    output: tuple[int, int] | None,
 ) -> None:
-    """Body of one spawned rank: set the environment, join the group, run, report."""
+    """Body of one rank: set the environment and output, join the group, run, report."""
+    if output is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, received in zip((1, 2), output, strict=True):
+            os.dup2(received, fd)
+            os.close(received)
+    # A forked rank starts with the fork server's environment: make it the caller's.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),

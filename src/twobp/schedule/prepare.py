@@ -275,4 +275,3 @@ def _check_policy(policy: str) -> None:
             f"unknown 2BP policy {policy!r}; use one of {', '.join(TWO_BP_POLICIES)} "
             "(two_bp_policy= of the Pipeline, --policy of twobp train)"
         )
-
