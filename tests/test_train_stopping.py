@@ -45,6 +45,7 @@ def _steps_in(out: Path) -> list[str]:
 
 def _with_hook(monkeypatch, hook, stop_at: int) -> None:
     monkeypatch.setenv("STOP_AT", str(stop_at))
+    monkeypatch.setenv("LAUNCHER_PID", str(os.getpid()))
     hooked = functools.partial(twobp.train.run.run_training, on_step=hook)
     monkeypatch.setattr(twobp.train.run, "run_training", hooked)
 
