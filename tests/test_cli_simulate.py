@@ -205,3 +205,17 @@ def test_simulate_reduces_replicated_stages(capsys):
     assert "all-reduces" not in run("--schedule", "1f1b", *costs)
     copies = run("--schedule", "1f1b", "--data-parallel", "2", *costs)
     assert "gradient all-reduces (R, in the background, not drawn) end at:" in copies
+
+
+def test_plan_with_a_sharded_optimizer_holds_a_share_of_its_state(capsys):
+    common = ["plan", "--stages", "4", "--microbatches", "8", "--schedules", "1f1b",
+              "--policies", "off", "--costs", "F=1,I=1,W=1,param=4,opt=16,bandwidth=10",
+              "--data-parallel", "8"]  # fmt: skip
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main([*common, "--shard-optimizer"]) == 0
+    sharded = capsys.readouterr().out
+    assert "optimizer sharded over them" in sharded
+    # The optimizer state, 16 a stage unsharded, is 16 / 8 = 2 a rank once sharded.
+    assert "peak memory per rank (24)" in plain.replace("\n", " ")
+    assert "peak memory per rank (10)" in sharded.replace("\n", " ")

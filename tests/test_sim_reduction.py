@@ -84,3 +84,21 @@ def test_an_all_reduce_goes_at_its_own_measured_bandwidth():
     assert timed.reduce == (pytest.approx(allreduce_time(8.0, 2, 1.0, 0.0)),) * 2
     _, at_link = with_reductions(s, replace(costs, reduce_bandwidth=None), data_parallel=2)
     assert at_link.reduce == (pytest.approx(allreduce_time(8.0, 2, 4.0, 0.0)),) * 2
+
+
+def test_a_sharded_optimizer_reduce_scatters_gathers_and_holds_a_share_of_its_state():
+    costs = CostModel.uniform(4, parameter_bytes=10, optimizer_bytes=16, bandwidth=10.0)
+    schedule = apply_two_bp(generate("1f1b", 4, 8), "paper")
+    plain_schedule, plain = with_reductions(schedule, costs, 8)
+    sharded_schedule, sharded = with_reductions(
+        schedule, replace(costs, shard_optimizer=True), 8
+    )
+    assert sharded.reduce[0] == pytest.approx(plain.reduce[0] / 2)
+    assert sharded.gather[0] == pytest.approx(plain.reduce[0] / 2)
+    assert sharded.optimizer_bytes == (2.0,) * 4
+    unsharded, zero = simulate(plain_schedule, plain), simulate(sharded_schedule, sharded)
+    assert unsharded.gather_wait == 0
+    # Stage 0 starts the step: its first F waits for its whole gather.
+    assert zero.gather_wait == pytest.approx(sharded.gather[0])
+    assert zero.makespan <= unsharded.makespan + 1e-12
+    assert max(unsharded.peak_memory) - max(zero.peak_memory) == pytest.approx(16 - 2)

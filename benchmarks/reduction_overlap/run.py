@@ -13,6 +13,16 @@ of 1 x 2048 tokens, 8 layers per stage, bf16 gradients, a GPU sustaining
 ``--tflops`` on these GEMMs (F = I = W, each about 2 x parameters x tokens
 FLOP), and ``--bandwidth`` GB/s between nodes for the all-reduce (ring).
 
+A second table shards the optimizer state over the D copies
+(``Pipeline.shard_optimizer``, ZeRO-1): ``R`` reduce-scatters the gradients
+(half the all-reduce's time) and the updated parameters are all-gathered
+before each stage's first F of the next step, which the first stage of the
+first rank waits for. Memory per rank: bf16 weights and gradients (4 bytes a
+parameter), AdamW's state in float32 with float32 master weights (12 bytes a
+parameter, 1/D of it sharded), and the activations (34 bytes a token and
+hidden unit of a layer, bf16, no recomputation) and 2BP stash (taken as half
+of that) as the simulator holds them.
+
     python benchmarks/reduction_overlap/run.py
     python benchmarks/reduction_overlap/run.py --ranks 4 --copies 8 --microbatches 16
 """
@@ -20,6 +30,7 @@ FLOP), and ``--bandwidth`` GB/s between nodes for the all-reduce (ring).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from twobp.schedule import generate
 from twobp.schedule.two_bp import apply_two_bp
@@ -45,7 +56,16 @@ def paper_costs(ranks: int, tokens: int, tflops: float, bandwidth_gbs: float) ->
         bandwidth=bandwidth_gbs * 1e9,
         send_bytes=2 * tokens * 4096,
         parameter_bytes=2 * LAYER_PARAMETERS * layers,  # bf16 gradients
+        optimizer_bytes=12 * LAYER_PARAMETERS * layers,  # AdamW m, v and master, float32
+        activation_bytes=34 * tokens * 4096 * layers,
+        weight_grad_bytes=17 * tokens * 4096 * layers,
     )
+
+
+def held(costs: CostModel) -> CostModel:
+    """The costs with the bf16 weights counted beside the gradients (the memory model)."""
+    assert costs.parameter_bytes is not None
+    return replace(costs, parameter_bytes=tuple(2 * b for b in costs.parameter_bytes))
 
 
 def main() -> None:
@@ -81,6 +101,39 @@ def main() -> None:
             print(
                 f"| {name} | {policy or 'off'} | {1e3 * overlapped:.0f} | {1e3 * at_end:.0f} "
                 f"| {at_end / overlapped:.3f}x |"
+            )
+    print()
+    print(
+        f"Optimizer state sharded over the {args.copies} copies (ZeRO-1): step and memory "
+        "per rank (largest rank)"
+    )
+    print()
+    print(
+        "| schedule | 2BP | step (ms) | step, sharded (ms) | of it, gather wait (ms) "
+        "| gather wait / step | sharded / unsharded step | memory (GB) | memory, sharded (GB) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "chimera"):
+        for policy in (None, "paper"):
+            if name in ("zb-h1", "zb-v") and policy is None:
+                continue
+            schedule = generate(name, args.ranks, args.microbatches)
+            if policy is not None:
+                schedule = apply_two_bp(schedule, policy)
+            fitted = costs.for_schedule(schedule.n_stages, schedule.n_pipelines)
+            figures = []
+            for shard in (False, True):
+                replicated, timed = with_reductions(
+                    schedule, replace(fitted, shard_optimizer=shard), args.copies
+                )
+                figures.append(simulate(replicated, held(timed)))
+            plain, sharded = figures
+            print(
+                f"| {name} | {policy or 'off'} | {1e3 * plain.makespan:.0f} "
+                f"| {1e3 * sharded.makespan:.0f} | {1e3 * sharded.gather_wait:.0f} "
+                f"| {sharded.gather_wait / sharded.makespan:.1%} "
+                f"| {sharded.makespan / plain.makespan:.3f} "
+                f"| {max(plain.peak_memory) / 1e9:.1f} | {max(sharded.peak_memory) / 1e9:.1f} |"
             )
 
 

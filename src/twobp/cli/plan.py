@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from twobp.cli.errors import UsageError, check_at_least
@@ -64,6 +64,13 @@ class PlanConfig:
         "reduce_bandwidth (else bandwidth), "
         "taking its parameter bytes as the gradient size",
         1,
+    )
+    shard_optimizer: bool = doc(
+        "the optimizer state sharded over each stage's copies (Pipeline.shard_optimizer, "
+        "ZeRO-1): R reduce-scatters the gradients, the updated parameters are all-gathered "
+        "before each stage's first F, and each rank holds 1/D of the cost model's "
+        "optimizer_bytes",
+        False,
     )
     recompute: list[str] = doc(  # noqa: RUF009
         "recompute modes to compare, on every stage (off: none; activations: F again in I; "
@@ -150,6 +157,8 @@ def run(config: PlanConfig) -> int:
     if limit is not None and not limit > 0:
         raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
     costs = cost_model(config.costs, config.costs_file, config.stages)
+    if config.shard_optimizer:
+        costs = replace(costs, shard_optimizer=True)
     candidates = evaluate(
         costs,
         config.stages,
@@ -166,6 +175,8 @@ def run(config: PlanConfig) -> int:
         "no memory limit" if limit is None else f"memory limit {format_amount(limit)} per rank"
     )
     copies = f" x {config.data_parallel} copies" if config.data_parallel > 1 else ""
+    if config.shard_optimizer:
+        copies += ", optimizer sharded over them"
     print(
         f"{config.stages} ranks{copies}, {config.microbatches} micro-batches, {limit_text}; "
         "throughput relative to the fastest"

@@ -25,6 +25,8 @@ profiler of the runtime writes the same format)::
       "activation_bytes":  [1.2e8, 1.2e8],      # per micro-batch, held F -> I/B
       "weight_grad_bytes": [6.0e7, 6.0e7],      # per micro-batch, held I -> W
       "parameter_bytes":   [1.4e9, 1.4e9],      # constant, per stage
+      "optimizer_bytes":   [5.6e9, 5.6e9],      # optional: the optimizer state of a
+                                                # stage, unsharded, held all the time
       "contention": 1.6,                        # optional (default 1.0): slowdown
                                                 # while every rank computes at once
       "meta": {"model": "...", "device": "..."} # optional, free-form, kept as is
@@ -78,6 +80,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "activation_bytes": list(costs.activation_bytes or ()),
         "weight_grad_bytes": list(costs.weight_grad_bytes or ()),
         "parameter_bytes": list(costs.parameter_bytes or ()),
+        "optimizer_bytes": list(costs.optimizer_bytes or ()),
         "reduce": list(costs.reduce or ()),
         "contention": costs.contention,
         "meta": dict(costs.meta),
@@ -129,6 +132,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
         activation_bytes=_opt(doc.get("activation_bytes")),
         weight_grad_bytes=_opt(doc.get("weight_grad_bytes")),
         parameter_bytes=_opt(doc.get("parameter_bytes")),
+        optimizer_bytes=_opt(doc.get("optimizer_bytes")),
         reduce=_opt(doc.get("reduce")),
         contention=1.0 if contention is None else float(contention),
         meta=dict(doc.get("meta") or {}),
@@ -176,6 +180,7 @@ _TEXT_KEYS = {
     "act": "activation_bytes",
     "grad": "weight_grad_bytes",
     "param": "parameter_bytes",
+    "opt": "optimizer_bytes",
     "contention": "contention",
 }
 _CONCAT_KEY = re.compile(r"^w(\d+)$")

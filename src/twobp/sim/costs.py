@@ -16,8 +16,11 @@ simulator reads from there:
 * ``weight_grad_bytes[s]`` per micro-batch (the derivatives and inputs that
   the weight pass still needs) are held from the end of ``I`` until the end of
   the ``W`` that covers the micro-batch;
-* ``parameter_bytes[s]`` are held all the time (weights, gradients, optimiser
-  state of the stage);
+* ``parameter_bytes[s]`` are held all the time (weights and gradients of the
+  stage, or with the optimiser state counted in them);
+* ``optimizer_bytes[s]``, the stage's optimiser state (unsharded), are held all
+  the time too; with ``shard_optimizer`` each of the ``n`` ranks that hold the
+  stage holds ``1 / n`` of it (ZeRO-1, ``Pipeline.shard_optimizer``). Zero by default;
 * ``weight_rebuild_bytes[s]`` per micro-batch are held while a ``W`` runs, for
   each micro-batch of the group it works on (``weight_group_size`` at most):
   the stash that derivative checkpointing rebuilds (see
@@ -31,7 +34,12 @@ one on the same rank takes no time.
 Reduction: a stage held by several ranks (data parallel, Chimera's two
 pipelines) reduces its weight gradients over them once per step, in the
 background (the ``R`` action); ``reduce[s]`` is the time of that all-reduce.
-:func:`allreduce_time` gives it for a ring over ``n`` ranks.
+:func:`allreduce_time` gives it for a ring over ``n`` ranks. With
+``shard_optimizer``, ``R`` reduce-scatters instead (:func:`reduce_scatter_time`,
+half the all-reduce), and the updated parameters are all-gathered after the
+optimizer step, before the stage's first ``F`` of the next step: ``gather[s]``
+is that time, at the start of the simulated step (see
+:func:`twobp.sim.result.gather_wait`).
 
 Contention: ranks that compute at the same time may slow each other (on a
 CPU they share cores, caches and memory bandwidth). ``contention`` is how many
@@ -70,6 +78,8 @@ PER_STAGE_FIELDS = (
     "parameter_bytes",
     "reduce",
     "weight_rebuild_bytes",
+    "optimizer_bytes",
+    "gather",
 )
 """The fields of :class:`CostModel` that hold one value per stage."""
 
@@ -133,6 +143,14 @@ class CostModel:
             once: a ``W`` of more runs as consecutive groups, its time the
             sum of theirs (``None``: no cap). Set with
             :func:`twobp.sim.recompute.with_recompute`; not saved in cost files.
+        optimizer_bytes: bytes of each stage's optimizer state, unsharded,
+            held all the time (``None``: zeros, not counted).
+        gather: time of the all-gather of a stage's updated parameters over
+            its replicas before its first ``F`` (a sharded optimizer; default 0).
+        shard_optimizer: the optimizer state is sharded over each stage's
+            replicas (ZeRO-1): :meth:`with_reduction` times ``R`` as a
+            reduce-scatter and ``gather`` as an all-gather, and divides
+            ``optimizer_bytes`` by the replicas. Not saved in cost files.
 
     Raises:
         ValueError: if a list does not have one finite, non-negative entry per
@@ -158,6 +176,9 @@ class CostModel:
     weight_group_size: int | None = None
     send_overhead: float = 0.0
     reduce_bandwidth: float | None = None
+    optimizer_bytes: PerStage | None = None
+    gather: PerStage | None = None
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -181,6 +202,8 @@ class CostModel:
             ("parameter_bytes", zeros),
             ("reduce", zeros),
             ("weight_rebuild_bytes", zeros),
+            ("optimizer_bytes", zeros),
+            ("gather", zeros),
         ):
             value = getattr(self, name)
             set_(self, name, _per_stage(name, default if value is None else value, n))
@@ -233,6 +256,7 @@ class CostModel:
         activation_bytes: float = 1.0,
         weight_grad_bytes: float = 1.0,
         parameter_bytes: float = 0.0,
+        optimizer_bytes: float = 0.0,
         weight_concat: Mapping[int, float] | None = None,
         contention: float = 1.0,
         send_overhead: float = 0.0,
@@ -247,6 +271,7 @@ class CostModel:
             send_latency, bandwidth, send_bytes: transfer costs.
             activation_bytes, weight_grad_bytes, parameter_bytes: memory sizes
                 (the defaults count memory in activations of one micro-batch).
+            optimizer_bytes: the optimizer state of a stage, unsharded.
             weight_concat: a table ``{n: time}`` of concatenated ``W``.
             contention: slowdown of a compute action while every rank
                 computes at once (see :class:`CostModel`).
@@ -278,6 +303,7 @@ class CostModel:
             activation_bytes=rep(activation_bytes),
             weight_grad_bytes=rep(weight_grad_bytes),
             parameter_bytes=rep(parameter_bytes),
+            optimizer_bytes=rep(optimizer_bytes),
             contention=contention,
             send_overhead=send_overhead,
             reduce_bandwidth=reduce_bandwidth,
@@ -385,6 +411,10 @@ class CostModel:
     def with_reduction(self, replicas: int, gradient_bytes: Sequence[float]) -> CostModel:
         """This model with the time of each stage's gradient all-reduce over ``replicas`` ranks.
 
+        With :attr:`shard_optimizer`: the reduce-scatter of the gradients as
+        ``reduce``, the all-gather of the updated parameters (as many bytes)
+        as ``gather``, and ``optimizer_bytes`` divided by ``replicas``.
+
         Args:
             replicas: ranks that hold each stage (data parallel degree, times
                 2 under Chimera).
@@ -395,6 +425,17 @@ class CostModel:
         """
         sizes = _per_stage("gradient_bytes", gradient_bytes, self.n_stages)
         bandwidth = self.bandwidth if self.reduce_bandwidth is None else self.reduce_bandwidth
+        if self.shard_optimizer and replicas > 1:
+            half = tuple(
+                reduce_scatter_time(b, replicas, bandwidth, self.send_latency) for b in sizes
+            )
+            assert self.optimizer_bytes is not None
+            return replace(
+                self,
+                reduce=half,
+                gather=half,
+                optimizer_bytes=tuple(b / replicas for b in self.optimizer_bytes),
+            )
         return replace(
             self,
             reduce=tuple(allreduce_time(b, replicas, bandwidth, self.send_latency) for b in sizes),
@@ -473,3 +514,14 @@ def allreduce_time(nbytes: float, n_ranks: int, bandwidth: float, latency: float
     if n_ranks <= 1:
         return 0.0
     return 2 * (n_ranks - 1) * (latency + nbytes / (n_ranks * bandwidth))
+
+
+def reduce_scatter_time(nbytes: float, n_ranks: int, bandwidth: float, latency: float) -> float:
+    """Time of a ring reduce-scatter (or all-gather) of ``nbytes`` over ``n_ranks`` ranks.
+
+    ``n - 1`` steps, each moving ``nbytes / n`` per rank: half of
+    :func:`allreduce_time`; 0 for one rank.
+    """
+    if n_ranks <= 1:
+        return 0.0
+    return (n_ranks - 1) * (latency + nbytes / (n_ranks * bandwidth))

@@ -40,7 +40,8 @@ def memory_timeline(
 
     Args:
         spans: the timeline (communication spans are ignored).
-        costs: memory sizes per stage: ``parameter_bytes`` and the pools
+        costs: memory sizes per stage: ``parameter_bytes`` and
+            ``optimizer_bytes`` (held throughout), and the pools
             the kind table's memory entries name (``activation_bytes``,
             ``weight_grad_bytes``, ``weight_rebuild_bytes``).
         placement: the rank of each stage (``placement[s]``).
@@ -57,6 +58,7 @@ def memory_timeline(
         ValueError: if a span names a stage the cost model does not have.
     """
     assert costs.parameter_bytes is not None
+    optimizer = costs.optimizer_bytes or (0.0,) * costs.n_stages
     n_ranks = max(placement) + 1
     changes: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n_ranks)}
     for span in spans:
@@ -77,7 +79,11 @@ def memory_timeline(
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}
     for rank in range(n_ranks):
-        held = sum(b for s, b in enumerate(costs.parameter_bytes) if placement[s] == rank)
+        held = sum(
+            b + o
+            for s, (b, o) in enumerate(zip(costs.parameter_bytes, optimizer, strict=True))
+            if placement[s] == rank
+        )
         points = [(origin, held)]
         for time, delta in sorted(changes[rank]):
             held += delta
@@ -188,7 +194,8 @@ def _rank_memory(schedule: Schedule, costs: CostModel, rank: int) -> tuple[float
     sizes = [getattr(costs, pool) for pool in held_pools()]
     assert all(size is not None for size in sizes)
     stages = [s for s, r in enumerate(schedule.placement) if r == rank]
-    fixed = sum(costs.parameter_bytes[s] for s in stages)
+    optimizer = costs.optimizer_bytes or (0.0,) * costs.n_stages
+    fixed = sum(costs.parameter_bytes[s] + optimizer[s] for s in stages)
     per_mb = max((size[s] for size in sizes for s in stages), default=0.0)
     return fixed, per_mb
 

@@ -8,10 +8,12 @@ the figures mean the same thing whichever ran. This module imports no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from twobp.schedule._timing import make_timing
+from twobp.schedule.action import Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
@@ -33,6 +35,9 @@ class SimResult:
         bubble_ratios: ``idle / makespan`` per rank.
         bubble_ratio: mean of ``bubble_ratios``.
         peak_memory: the most memory each rank holds (cost model units).
+        gather_wait: how much later the step ends because a stage's first
+            ``F`` waits for the all-gather of its updated parameters (a
+            sharded optimizer, see :func:`gather_wait`); in ``makespan``.
     """
 
     name: str
@@ -43,6 +48,7 @@ class SimResult:
     bubble_ratios: tuple[float, ...]
     bubble_ratio: float
     peak_memory: tuple[float, ...]
+    gather_wait: float = 0.0
 
     @property
     def n_ranks(self) -> int:
@@ -62,7 +68,8 @@ def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> Si
         The result, with the spans sorted by rank and start time.
     """
     ranks = sorted(schedule.actions)
-    total = makespan(spans)
+    waited = gather_wait(schedule, costs, spans)
+    total = makespan(spans) + waited
     busy = tuple(busy_time(spans, r) for r in ranks)
     ratios = tuple(bubble_ratio(spans, r) if spans else 0.0 for r in ranks)
     return SimResult(
@@ -74,7 +81,39 @@ def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> Si
         bubble_ratios=ratios,
         bubble_ratio=sum(ratios) / len(ratios),
         peak_memory=peak_memory(spans, costs, schedule.placement),
+        gather_wait=waited,
     )
+
+
+def gather_wait(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> float:
+    """The time a sharded optimizer's gathers add to a step (``costs.gather``).
+
+    After ``optimizer.step()`` each rank all-gathers the updated parameters
+    of its stages, one after another on its link in the order of their first
+    ``F``, from the start of the step; each stage's first ``F`` waits for its
+    own. The step is taken to end later by the longest such wait: exact for
+    the stage that starts the step (every action after it moves with it), an
+    estimate where a later stage waits within its slack.
+    """
+    assert costs.gather is not None
+    if not any(costs.gather):
+        return 0.0
+    first: dict[int, float] = {}
+    for span in spans:
+        a = span.action
+        if a.kind is Kind.FORWARD:
+            first[a.stage] = min(first.get(a.stage, math.inf), span.start)
+    origin = min((s.start for s in spans), default=0.0)
+    longest = 0.0
+    for rank in range(schedule.n_ranks):
+        stages = sorted(
+            (first[s], s) for s, r in enumerate(schedule.placement) if r == rank and s in first
+        )
+        ready = origin
+        for start, stage in stages:
+            ready += costs.gather[stage]
+            longest = max(longest, ready - start)
+    return longest
 
 
 def simulated(

@@ -56,6 +56,11 @@ class TrainConfig:
         "part of --batch-size; each stage's gradients are all-reduced over its copies",
         1,
     )
+    shard_optimizer: bool = doc(
+        "shard AdamW's state over the data-parallel copies (pipe.shard_optimizer, ZeRO-1): "
+        "gradients reduce-scattered, each copy steps its shard, parameters all-gathered",
+        False,
+    )
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
     )

@@ -155,7 +155,12 @@ def _train_rank(
         n_parameters=sum(p.numel() for p in pipe.parameters()),
         precision=_precision(pipe),
     )
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.shard_optimizer:
+        optimizer = pipe.shard_optimizer(
+            torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     history = checkpointing.resume(pipe, optimizer, cfg)
     if history.step:
         result.resumed_from = history.step
