@@ -216,3 +216,57 @@ def stalled_in_trials(model: str, n_mb: int, batch_size: int, timeout: float) ->
         device="cpu",
         timeout=timeout,
     )
+
+
+def planned_at_first_step(
+    model: str, n_mb: int | str, batch_size: int, **options: Any
+) -> dict[str, Any]:
+    """``schedule="auto"`` without an example input: the optimizer built before the first
+    step (on every block's parameters), one step that plans and runs, one optimizer step."""
+    inputs, targets = make_batch(model, 0, batch_size)
+    pipe = Pipeline(
+        build_blocks(model),
+        loss_fn(model),
+        schedule="auto",
+        n_microbatches=n_mb,
+        device="cpu",
+        timeout=60.0,
+        **options,
+    )
+    before = sum(1 for _ in pipe.parameters())
+    planned_early = pipe.plan is not None
+    try:
+        pipe.timeline()
+        refused = "no error"
+    except PipelineConfigError as exc:
+        refused = str(exc)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loss = pipe.step(inputs if dist.get_rank() == 0 else None, targets)
+    assert pipe.plan is not None
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    optimizer.step()
+    optimizer.zero_grad()
+    second = pipe.step(*needed_batches(pipe, *make_batch(model, 1, batch_size)))
+    return {
+        "parameters_before": before,
+        "parameters_after": sum(1 for _ in pipe.parameters()),
+        "planned_early": planned_early,
+        "refused_before": refused,
+        "n_microbatches": pipe.n_microbatches,
+        "choice": pipe.plan.choice,
+        "ranking": pipe.plan.ranking,
+        "contenders": [c.candidate for c in pipe.plan.contenders],
+        "trial_times": pipe.plan.trial_times,
+        "shown": str(pipe.plan),
+        "schedule": str(pipe.schedule),
+        "loss": loss,
+        "second": second,
+        "grads": grads,
+    }
+
+
+def planned_at_first_step_cases(
+    model: str, batch_size: int, cases: list[tuple[int | str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """:func:`planned_at_first_step` for each ``(n_microbatches, options)``, in one group."""
+    return [planned_at_first_step(model, n_mb, batch_size, **options) for n_mb, options in cases]

@@ -39,6 +39,8 @@ MISTAKES = [
     ("train", ["--ranks", "4", "--data-parallel", "2", "--batch-size", "12"], "x --data-parallel"),
     ("train", ["--schedule", "chimera", "--microbatches", "3", "--batch-size", "6"], "even number"),
     ("train", ["--schedule", "dualpipev", "--microbatches", "2"], "at least 2p = 4 micro-batches"),
+    ("train", ["--microbatches", "auto"], "--microbatches auto is chosen by --schedule auto"),
+    ("train", ["--microbatches", "some"], "--microbatches must be a count or 'auto'"),
     ("simulate", ["--schedule", "foo"], "argument --schedule: invalid choice: 'foo'"),
     ("simulate", ["--stages", "0"], "--stages must be >= 1"),
     ("simulate", ["--schedule", "dualpipe", "--stages", "3"], "mirror each other), got 3"),

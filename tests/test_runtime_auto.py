@@ -10,12 +10,13 @@ import pytest
 from auto_schedule_workers import (
     changed_by_planning,
     chosen_and_trained,
+    planned_at_first_step_cases,
     refused,
     refused_on_rank_1,
     stalled_in_trials,
 )
 from runtime_models import train_reference
-from twobp.runtime import LaunchError, launch
+from twobp.runtime import LaunchError, PipelineConfigError, launch
 from twobp.sim import CostModel
 
 N_MB = 4
@@ -152,3 +153,68 @@ def test_a_rank_stuck_in_a_trial_step_stops_the_others_within_the_timeout():
     assert stuck.stuck
     # Planning (a few seconds here), the timeout and the grace period, not the group's 300 s.
     assert elapsed < 120
+
+
+@pytest.fixture(scope="module")
+def planned_at_first_step() -> list[dict]:
+    # No example input and the count left to auto: the first step's batch plans both.
+    cases = [("auto", {"auto_trials": 2})]
+    return [
+        rank[0]
+        for rank in launch(
+            planned_at_first_step_cases, 2, "mlp", 16, cases, threads_per_rank=1, timeout=240
+        )
+    ]
+
+
+def test_auto_without_an_example_input_plans_on_the_first_steps_batch(planned_at_first_step):
+    first, second = planned_at_first_step
+    assert not first["planned_early"]
+    # Until then parameters() are every block's, so an optimizer can be built first.
+    assert first["parameters_before"] == second["parameters_before"] > first["parameters_after"]
+    assert (
+        "has not planned yet: run a step first, or call plan_on(inputs)"
+        in (first["refused_before"])
+    )
+    assert first["schedule"] == second["schedule"]
+    assert first["choice"] == second["choice"]
+    assert first["trial_times"] == second["trial_times"]
+
+
+def test_auto_microbatches_choose_the_count_among_those_that_cut_the_batch(planned_at_first_step):
+    first, _ = planned_at_first_step
+    counts = {c.n_microbatches for c in first["ranking"] if c.ok}
+    assert counts == {2, 4, 8, 16}
+    assert first["n_microbatches"] == first["choice"].n_microbatches
+    assert f", m={first['n_microbatches']}" in first["shown"].splitlines()[0]
+    assert len(first["trial_times"]) == len(first["contenders"]) >= 1
+
+
+def test_the_count_auto_chose_gives_the_single_process_gradients(planned_at_first_step):
+    first, second = planned_at_first_step
+    reference = train_reference("mlp", first["n_microbatches"], 16)
+    for result in planned_at_first_step:
+        assert result["loss"] == pytest.approx(reference["losses"][0], abs=TOL, rel=0)
+        assert math.isfinite(result["second"])
+    grads = {**first["grads"], **second["grads"]}
+    assert set(grads) == set(reference["grads"])
+    for name, expected in reference["grads"].items():
+        assert (grads[name] - expected).abs().max().item() < TOL, name
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"schedule": "1f1b", "n_microbatches": "auto"}, "n_microbatches='auto' is chosen by"),
+        ({"schedule": "auto", "n_microbatches": "many"}, "n_microbatches='many'"),
+        (
+            {"schedule": "auto", "n_microbatches": "auto", "costs": CostModel.uniform(2)},
+            "drop costs=",
+        ),
+    ],
+)
+def test_auto_microbatches_are_refused_where_nothing_chooses_them(options, said):
+    from twobp.runtime.setup.pipeline_plan import check_microbatches
+
+    with pytest.raises(PipelineConfigError, match=said):
+        check_microbatches(options["schedule"], options["n_microbatches"], options.get("costs"))

@@ -14,7 +14,13 @@ from twobp.engine import TwoStageBackwardError
 from twobp.runtime import Pipeline
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PeerStepFailedError, PeerTimeoutError, PipelineConfigError
-from twobp.runtime.setup.auto.plan import CONTENDER_WINDOW, AutoPlan, Contender, _choose
+from twobp.runtime.setup.auto.plan import (
+    CONTENDER_WINDOW,
+    AutoPlan,
+    Contender,
+    _choose,
+    _Space,
+)
 from twobp.runtime.setup.auto.trials import (
     MAX_TRIAL_ROUNDS,
     TRIAL_ROUNDS,
@@ -228,7 +234,7 @@ def test_the_contenders_are_the_choice_and_the_fastest_of_each_other_schedule():
             n_stages, per_stage, per_stage, per_stage, activation_bytes=per_stage
         )
 
-    plan = _choose(options(m), costs_for, sizes_for, 2, m, None, contenders=100)
+    plan = _choose([_Space(None, m, options(m), costs_for, sizes_for)], 2, None, contenders=100)
     shortlist = plan.contenders
     assert len(shortlist) >= 2 and shortlist[0].candidate == plan.choice
     kinds = {
@@ -243,9 +249,10 @@ def test_the_contenders_are_the_choice_and_the_fastest_of_each_other_schedule():
     assert [c.candidate.makespan for c in shortlist] == sorted(
         c.candidate.makespan for c in shortlist
     )
-    assert _choose(options(m), costs_for, sizes_for, 2, m, None, contenders=1).contenders == ()
+    space = [_Space(None, m, options(m), costs_for, sizes_for)]
+    assert _choose(space, 2, None, contenders=1).contenders == ()
     limit = plan.choice.peak_memory
-    bounded = _choose(options(m), costs_for, sizes_for, 2, m, limit, contenders=6).contenders
+    bounded = _choose(space, 2, limit, contenders=6).contenders
     assert bounded and all(c.candidate.peak_memory <= limit for c in bounded)
 
 

@@ -118,3 +118,14 @@ def test_search_reduces_the_gradients_of_chimera_replicas():
     (slow,) = search([Option("chimera", "paper", 1)], 2, 4, heavy.for_stages)
     (fast,) = search([Option("chimera", "paper", 1)], 2, 4, light.for_stages)
     assert slow.makespan > fast.makespan
+
+
+def test_microbatch_counts_cut_the_batch_evenly_in_multiples_of_the_ranks():
+    from twobp.sim.search import microbatch_counts
+
+    assert microbatch_counts(16, 2) == [2, 4, 8, 16]
+    assert microbatch_counts(12, 2) == [2, 4]
+    assert microbatch_counts(9, 2) == [3, 9]
+    assert microbatch_counts(1, 2) == [1]
+    with pytest.raises(ValueError, match="0 samples"):
+        microbatch_counts(0, 2)

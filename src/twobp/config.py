@@ -48,6 +48,14 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _int_or_word(text: str) -> int | str:
+    """An ``int | str`` option's value: an integer where it reads as one (``4``, not ``auto``)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def add_arguments(
     parser: argparse.ArgumentParser, cls: type[Any], *, only_given: bool = False
 ) -> None:
@@ -98,6 +106,8 @@ def add_arguments(
         if typing.get_origin(tp) in (list, tuple):
             kwargs["type"] = _comma_list(typing.get_args(tp)[0], choices)
             kwargs["metavar"] = "A,B,..."
+        elif tp == int | str:
+            kwargs["type"] = _int_or_word
         else:
             kwargs["type"] = tp if tp in (int, float, str) else str
             if choices is not None:
@@ -176,6 +186,8 @@ def _type_problem(tp: Any, value: Any, choices: Collection[Any] | None) -> str |
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp == int | str:
+        ok = isinstance(value, (int, str)) and not isinstance(value, bool)
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:

@@ -36,14 +36,17 @@ class PipelineOptions:
         default="1f1b",
         metadata=_help(
             "a name of twobp.schedule.SCHEDULES, a Schedule, the path of a CSV file, or 'auto': "
-            "profile the blocks on example_input (or plan on costs), simulate every schedule, 2BP "
-            "policy, W group cap and stages per rank, and run the fastest that fits memory_limit"
+            "profile the blocks on example_input (or plan on costs; without either, on the first "
+            "step's first micro-batch), simulate every schedule, 2BP policy, W group cap and "
+            "stages per rank, and run the fastest that fits memory_limit"
         ),
     )
-    n_microbatches: int | None = field(
+    n_microbatches: int | str | None = field(
         default=None,
         metadata=_help(
-            "micro-batches per step; None takes a Schedule's or CSV's own count, and 8 for a name"
+            "micro-batches per step; None takes a Schedule's or CSV's own count, and 8 for a "
+            "name; 'auto' (with schedule='auto'): chosen with the schedule for the first step's "
+            "batch (the gradient is the same for every count)"
         ),
     )
     two_bp: bool = field(

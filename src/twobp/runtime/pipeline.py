@@ -25,7 +25,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +49,7 @@ from twobp.runtime.communication.agreement import agree, small_buffer
 from twobp.runtime.communication.channel import BoundaryLayouts
 from twobp.runtime.communication.links import make_links
 from twobp.runtime.errors import (
+    PipelineClosedError,
     PipelineConfigError,
     nonfinite_error,
 )
@@ -57,6 +58,8 @@ from twobp.runtime.execution.memory import MemoryMeter, memory_stats
 from twobp.runtime.execution.microbatch import (
     Batch,
     concat_microbatches,
+    flatten,
+    to_device,
     unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
@@ -64,12 +67,18 @@ from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepInputs, start_step
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.auto.plan import CONTENDERS, Contender
+from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
-from twobp.runtime.setup.pipeline_plan import CostsArgument, Trials, plan_pipeline
+from twobp.runtime.setup.pipeline_plan import (
+    AUTO_MICROBATCHES,
+    CostsArgument,
+    Trials,
+    check_microbatches,
+    plan_pipeline,
+)
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
@@ -115,7 +124,11 @@ class Pipeline:
             2BP policy, W group cap and stages per rank, and run the fastest
             that fits ``memory_limit`` (see :attr:`plan`).
         n_microbatches: micro-batches per step; None takes a Schedule's or
-            CSV's own count, and 8 for a name.
+            CSV's own count, and 8 for a name; ``"auto"`` (with
+            ``schedule="auto"``): chosen with the schedule for the first step's
+            batch among ``p``, ``2p``, ``4p`` and ``8p`` (those that divide it;
+            every count gives the same gradient), each profiled on its own
+            micro-batch; later batches are cut into the same count.
         two_bp: split each backward into ``I`` and ``W`` (placing ``W`` by
             ``two_bp_policy``); False runs fused ``B`` (split schedules are merged).
         partition: blocks per stage (one int per stage), ``"uniform"`` or None (uniform).
@@ -204,7 +217,7 @@ class Pipeline:
         blocks: nn.Sequential | Sequence[nn.Module],
         loss_fn: LossFn,
         schedule: str | os.PathLike[str] | Schedule = "1f1b",
-        n_microbatches: int | None = None,
+        n_microbatches: int | str | None = None,
         two_bp: bool = True,
         partition: Sequence[int] | str | None = None,
         *,
@@ -258,6 +271,7 @@ class Pipeline:
         """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`),
         less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
         _check_recompute(recompute)
+        check_microbatches(schedule, n_microbatches, costs)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
@@ -283,30 +297,55 @@ class Pipeline:
         grid = data_parallel_grid(members, data_parallel, mesh)
         self.autocast = autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
+        self.plan: AutoPlan | None = None
+        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
+        ranking, the predicted step time (``print`` shows it); None otherwise, and until
+        the first step where ``auto`` plans on that step's inputs."""
+        self._pending: _Pending | None = None
+        self._closed_unplanned = False
+        if _plans_at_first_step(given, members, self.device, self.timeout):
+            # Every block until the first step: an optimizer built on parameters() now
+            # holds this rank's too (the others never get a gradient here).
+            self._pending = _Pending(all_blocks, names, loss_fn, given, members, grid)
+            close_at_exit(self)
+            return
+        self._build(all_blocks, names, loss_fn, given, members, grid, None)
+
+    def _build(
+        self,
+        all_blocks: list[nn.Module],
+        names: Any,
+        loss_fn: LossFn,
+        given: PipelineOptions,
+        members: Membership,
+        grid: list[list[int]],
+        sample: Batch | None,
+    ) -> None:
+        """Plan the schedule (on ``sample``, the first step's inputs, if given) and build
+        this rank's stages, its reducer and its step runner. Collective."""
         plan = plan_pipeline(
             all_blocks,
             members,
             self.device,
             self.timeout,
-            schedule=schedule,
-            n_microbatches=n_microbatches,
-            two_bp=two_bp,
-            policy=two_bp_policy,
-            stages_per_rank=stages_per_rank,
-            partition=partition,
-            example_input=example_input,
-            nonfinite=nonfinite,
-            costs=costs,
+            schedule=given.schedule,
+            n_microbatches=given.n_microbatches,
+            two_bp=given.two_bp,
+            policy=given.two_bp_policy,
+            stages_per_rank=given.stages_per_rank,
+            partition=given.partition,
+            example_input=given.example_input,
+            nonfinite=given.nonfinite,
+            costs=given.costs,
             pipeline_ranks=grid[0],
-            memory_limit=memory_limit,
-            auto_trials=auto_trials,
-            trials=_trials(all_blocks, given, members, self.device),
+            memory_limit=given.memory_limit,
+            auto_trials=given.auto_trials,
+            trials=_trials(all_blocks, given, members, self.device, sample),
             data_parallel=len(grid),
             tied=tied_across_blocks(all_blocks),
+            sample=sample,
         )
         self.plan = plan.auto
-        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
-        ranking, the predicted step time (``print`` shows it); None otherwise."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.replicated(members, self.schedule, grid)
@@ -318,9 +357,9 @@ class Pipeline:
         self.dp_size = self.topology.dp_size
         """How many copies of the pipeline run side by side."""
         self.n_microbatches = self.schedule.n_microbatches
-        self.nonfinite = nonfinite
+        self.nonfinite = given.nonfinite
         try:
-            per_model_stage = parse_recompute(recompute, self.schedule.pipeline_stages)
+            per_model_stage = parse_recompute(given.recompute, self.schedule.pipeline_stages)
             self.recompute = tuple(
                 per_model_stage[self.schedule.model_stage(s)] for s in range(self.schedule.n_stages)
             )
@@ -340,7 +379,7 @@ class Pipeline:
             self._build_stages(all_blocks, loss_fn)
         except Exception as exc:
             problem = exc
-        del all_blocks, blocks
+        del all_blocks
         # A rank that fails here tells the others, instead of leaving them at the first step.
         agree(members, self.device, self.timeout, problem, "building the stages")
         self._reducer = make_reducer(
@@ -393,7 +432,7 @@ class Pipeline:
             n_microbatches=self.n_microbatches,
             stages=self.stages,
             reducer=self._reducer,
-            weight_group_size=weight_group_size,
+            weight_group_size=given.weight_group_size,
             links=links,
         )
         self._earlier_gradients = EarlierGradients()
@@ -403,6 +442,68 @@ class Pipeline:
         self.last_step_skipped = False
         """True if the last step's loss was not finite and its gradients were dropped."""
         close_at_exit(self)
+
+    def plan_on(self, inputs: Batch | None) -> None:
+        """Plan now on this batch of inputs, as the first step does. Collective.
+
+        A pipeline with ``schedule="auto"`` and no ``example_input`` (or with
+        ``n_microbatches="auto"``) plans at its first :meth:`step` (or
+        :meth:`eval_step`), on that step's batch: rank 0 profiles the blocks
+        on its first micro-batch (the batch of every count it tries, with
+        ``n_microbatches="auto"``), and trial steps run on the batch. Call
+        this to plan before the first step, for example to :meth:`load` a
+        checkpoint into the planned stages. Nothing happens once planned.
+
+        Args:
+            inputs: the batch of model inputs (only rank 0's counts; others may pass None).
+
+        Raises:
+            PipelineConfigError: on every rank, if rank 0 has no inputs or they do
+                not split; and what planning raises.
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        sample: Any = None
+        if pending.members.rank == 0:
+            sample = (
+                "rank 0 was given no inputs"
+                if inputs is None
+                else to_device(_detached(inputs), torch.device("cpu"))
+            )
+        sample = collective.all_gather_objects(pending.members, sample, self.timeout)[0]
+        if isinstance(sample, str):
+            raise PipelineConfigError(
+                f"rank {self.rank}: schedule='auto' plans on the first step's batch of inputs, "
+                f"but {sample}: pass the batch on rank 0, or give example_input= when building "
+                "the pipeline"
+            )
+        self._build(
+            pending.blocks,
+            pending.names,
+            pending.loss_fn,
+            pending.given,
+            pending.members,
+            pending.grid,
+            sample,
+        )
+        self._pending = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what a pipeline that plans at its first step does not have yet.
+        if self.__dict__.get("_closed_unplanned"):
+            raise PipelineClosedError(
+                f"rank {self.__dict__.get('rank')}: this pipeline was closed; build a new "
+                "Pipeline to go on"
+            )
+        if self.__dict__.get("_pending") is not None:
+            raise PipelineConfigError(
+                f"rank {self.__dict__.get('rank')}: this pipeline plans its schedule on the "
+                "first step's batch (schedule='auto' without example_input, or "
+                f"n_microbatches='auto') and has no {name} until then: run a step first, or "
+                "call plan_on(inputs)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _local_blocks(self) -> list[int]:
         """The indices of this rank's blocks, in model order."""
@@ -476,6 +577,8 @@ class Pipeline:
 
     @_same_doc(PipelineState.parameters)
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        if self._pending is not None:  # every block's until the first step plans
+            return (p for b in self._pending.blocks for p in b.parameters(recurse))
         return self.state.parameters(recurse)
 
     @_same_doc(PipelineState.named_parameters)
@@ -533,6 +636,10 @@ class Pipeline:
 
     @_same_doc(PipelineState.zero_grad)
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending is not None:
+            for block in self._pending.blocks:
+                block.zero_grad(set_to_none=set_to_none)
+            return
         self.state.zero_grad(set_to_none)
 
     @_same_doc(PipelineState.clip_grad_norm_)
@@ -554,6 +661,10 @@ class Pipeline:
         the runtime closes every pipeline still open when the interpreter exits.
         Not collective.
         """
+        if self._pending is not None or self._closed_unplanned:
+            self._pending, self._closed_unplanned = None, True
+            forget(self)
+            return
         if self.state.closed:
             return
         self.state.closed = True
@@ -659,6 +770,8 @@ class Pipeline:
             PeerError: if a peer is gone or times out; then end the process
                 (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
+        if self._pending is not None:
+            self.plan_on(inputs)
         self.state.check_open()
         if self._released:
             raise PipelineConfigError(
@@ -783,6 +896,8 @@ class Pipeline:
             gathers the up pipeline's outputs); None on the other ranks. Each
             data-parallel copy returns the outputs of its own batch.
         """
+        if self._pending is not None:
+            self.plan_on(inputs)
         self.state.check_open()
         if self._forward_plan is None:
             forward = forward_only(self.schedule)
@@ -898,11 +1013,12 @@ def _trials(
     options: PipelineOptions,
     members: Membership,
     device: torch.device,
+    sample: Batch | None = None,
 ) -> Trials | None:
     """The trial steps of ``schedule="auto"``: each contender a pipeline built with this
-    pipeline's options but the contender's prepared schedule and partition (None without
-    an example input to run them on)."""
-    if options.example_input is None:
+    pipeline's options but the contender's prepared schedule and partition, stepping on
+    the first step's batch ``sample`` or the example input repeated (None without either)."""
+    if options.example_input is None and sample is None:
         return None
 
     def build(contender: Contender) -> Pipeline:
@@ -928,10 +1044,46 @@ def _trials(
         build=build,
         blocks=blocks,
         example_input=options.example_input,
+        batch=sample,
         world=members,
         device=device,
         timeout=options.timeout,
     )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What a pipeline that plans at its first step builds its stages from then."""
+
+    blocks: list[nn.Module]
+    names: Any
+    loss_fn: LossFn
+    given: PipelineOptions
+    members: Membership
+    grid: list[list[int]]
+
+
+def _plans_at_first_step(
+    given: PipelineOptions, members: Membership, device: torch.device, timeout: float
+) -> bool:
+    """True if ``schedule="auto"`` plans on the first step's batch: with
+    ``n_microbatches="auto"``, or where no rank was given an example input and
+    nothing else is to plan by (collective where it depends on the example input)."""
+    if not (isinstance(given.schedule, str) and given.schedule == AUTO) or given.costs is not None:
+        return False
+    if given.n_microbatches == AUTO_MICROBATCHES:
+        return True
+    # Alike on every rank: if any has an example input, all plan now (and those without
+    # one are refused there, naming what they lack).
+    table = agree(
+        members, device, timeout, None, "building the pipeline", [given.example_input is not None]
+    )
+    return not any(row[0] for row in table)
+
+
+def _detached(batch: Batch) -> Batch:
+    tensors, is_tuple = flatten(batch)
+    return unflatten([t.detach() for t in tensors], is_tuple)
 
 
 def _check_recompute(recompute: object) -> None:

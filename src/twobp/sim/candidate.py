@@ -49,6 +49,8 @@ class Candidate:
             (None: no cap); not the engine's ``weight_group_size``.
         uncontended_makespan: simulated step time with ranks that do not
             slow each other (``contention = 1``); ``nan`` if not simulated.
+        n_microbatches: the micro-batches the batch is cut into, where the
+            search chose that too (``n_microbatches="auto"``); None otherwise.
     """
 
     schedule: str
@@ -62,6 +64,7 @@ class Candidate:
     stages_per_rank: int | None = None
     microbatches_per_w: int | None = None
     uncontended_makespan: float = math.nan
+    n_microbatches: int | None = None
 
     @property
     def group_size(self) -> int | None:
@@ -81,7 +84,8 @@ def describe(c: Candidate) -> str:
     ``interleaved-1f1b (V=2)`` or
     ``1f1b with 2BP (paper), recompute='derivatives', weight_group_size=1``:
     the stages per rank where the schedule takes other counts, the 2BP
-    policy with its cap on ``W`` groups, and the recompute options.
+    policy with its cap on ``W`` groups, the recompute options, and the
+    micro-batch count where the search chose it (``, m=4``).
     """
     info = SCHEDULES.get(c.schedule)
     shown_v = (
@@ -97,6 +101,8 @@ def describe(c: Candidate) -> str:
         label += f", recompute={c.recompute!r}"
     if c.weight_group_size is not None:
         label += f", weight_group_size={c.weight_group_size}"
+    if c.n_microbatches is not None:
+        label += f", m={c.n_microbatches}"
     return label
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "choose",
     "describe",
     "fits",
+    "microbatch_counts",
     "options",
     "rank",
     "search",
@@ -58,6 +59,8 @@ NEAR_TIE = 0.02
 """Candidates within this fraction of the fastest are a tie, broken without contention."""
 GROUPED_POLICIES = ("paper", "fill")
 """The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
+MICROBATCH_MULTIPLES = (1, 2, 4, 8)
+"""The micro-batch counts ``n_microbatches="auto"`` tries, in multiples of the ranks."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,34 @@ def options(
                         for cap in caps if policy in GROUPED_POLICIES else [None]:
                             out.append(Option(name, policy, v, cap, recompute, concat))
     return out
+
+
+def microbatch_counts(batch_size: int, n_ranks: int) -> list[int]:
+    """The micro-batch counts ``n_microbatches="auto"`` tries for a batch.
+
+    Every count cuts the batch into equal micro-batches, so each gives the
+    same gradient: ``p``, ``2p``, ``4p`` and ``8p`` micro-batches
+    (:data:`MICROBATCH_MULTIPLES`) where the batch divides by them; if it
+    divides by none, the divisors of the batch from ``p`` up (at most four,
+    the smallest), or, for a batch smaller than ``p``, its own size.
+
+    Args:
+        batch_size: the samples of the batch (of one copy of the pipeline).
+        n_ranks: ranks of the pipeline ``p``.
+
+    Returns:
+        The counts, smallest first (never empty for a batch of at least one sample).
+
+    Raises:
+        ValueError: if the batch is empty.
+    """
+    if batch_size < 1:
+        raise ValueError(f"a batch of {batch_size} samples cannot be cut into micro-batches")
+    multiples = [k * n_ranks for k in MICROBATCH_MULTIPLES if batch_size % (k * n_ranks) == 0]
+    if multiples:
+        return multiples
+    divisors = [m for m in range(n_ranks, batch_size + 1) if batch_size % m == 0]
+    return divisors[: len(MICROBATCH_MULTIPLES)] or [batch_size]
 
 
 def auto_options(

@@ -67,7 +67,11 @@ class TrainConfig:
     partition: str = doc(
         "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled)", "uniform"
     )
-    microbatches: int = doc("micro-batches per step (of each data-parallel copy)", 4)
+    microbatches: int | str = doc(
+        "micro-batches per step (of each data-parallel copy), or 'auto' (with --schedule auto: "
+        "chosen with the schedule for the batch)",
+        4,
+    )
     batch_size: int = doc(
         "sequences (or images) per step, all copies together; must divide by "
         "--microbatches x --data-parallel",

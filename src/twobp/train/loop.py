@@ -136,13 +136,19 @@ def _train_rank(
         autocast=autocast_dtype(cfg),
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if cfg.partition == "balanced" or cfg.schedule == "auto"
+            if (cfg.partition == "balanced" or cfg.schedule == "auto")
+            and isinstance(cfg.microbatches, int)
             else None
         ),
         data_parallel=cfg.data_parallel,
         memory_limit=cfg.memory_limit,
         auto_trials=cfg.auto_trials,
     )
+    if not isinstance(cfg.microbatches, int):
+        # The count is chosen for the batch: plan on the first one (copy 0's part) now,
+        # before the stages are reported and a checkpoint is loaded into them.
+        first = split_batch(task.batch_at(0, "train")[0], cfg.data_parallel, "inputs")[0]
+        pipe.plan_on(first)
     if pipe.plan is not None and pipe.rank == 0:
         print(pipe.plan, file=progress_stream or sys.stderr)
     result = RankResult(

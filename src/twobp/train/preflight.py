@@ -80,7 +80,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
         "ranks": (cfg.ranks, 1),
         "data_parallel": (cfg.data_parallel, 1),
         "steps": (cfg.steps, 1),
-        "microbatches": (cfg.microbatches, 1),
+        "microbatches": (cfg.microbatches if isinstance(cfg.microbatches, int) else None, 1),
         "auto_trials": (cfg.auto_trials, 0),
         "batch_size": (cfg.batch_size, 1),
         "seq_len": (cfg.seq_len, 1),
@@ -102,6 +102,19 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if not (cfg.timeout > 0 and math.isfinite(cfg.timeout)):
         raise OptionError(f"--timeout must be a number of seconds > 0, got {cfg.timeout}")
+    if cfg.microbatches == AUTO:
+        if cfg.schedule != AUTO:
+            raise OptionError(
+                "--microbatches auto is chosen by --schedule auto: add it, or give a count"
+            )
+        if cfg.batch_size % cfg.data_parallel:
+            raise OptionError(
+                f"--batch-size {cfg.batch_size} does not divide into {cfg.data_parallel} copies; "
+                "pick a multiple of --data-parallel"
+            )
+        return
+    if not isinstance(cfg.microbatches, int):
+        raise OptionError(f"--microbatches must be a count or 'auto', got {cfg.microbatches!r}")
     if cfg.batch_size % (cfg.microbatches * cfg.data_parallel):
         copies = f" x {cfg.data_parallel} copies" if cfg.data_parallel > 1 else ""
         raise OptionError(
@@ -198,7 +211,7 @@ def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
         return resolve_schedule(
             cfg.schedule,
             n_ranks=n_ranks,
-            n_microbatches=cfg.microbatches,
+            n_microbatches=cfg.microbatches if isinstance(cfg.microbatches, int) else None,
             two_bp=cfg.two_bp,
             policy=cfg.policy,
             stages_per_rank=cfg.stages_per_rank,

@@ -43,6 +43,22 @@ def unflatten(tensors: Sequence[Tensor], is_tuple: bool) -> Batch:
     return tuple(tensors) if is_tuple else tensors[0]
 
 
+def batch_size(batch: Batch, what: str = "inputs") -> int:
+    """The size of a batch along dim 0.
+
+    Raises:
+        PipelineConfigError: if a tensor has no dim 0, or the tensors of a tuple disagree.
+    """
+    tensors, _ = flatten(batch, what)
+    sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
+    if None in sizes or len(sizes) != 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise PipelineConfigError(
+            f"every tensor of the {what} needs the same batch size along dim 0, got shapes {shapes}"
+        )
+    return int(next(iter(sizes)))  # type: ignore[arg-type]
+
+
 def split_batch(batch: Batch, n_microbatches: int, what: str = "inputs") -> list[Batch]:
     """Split a batch into ``n_microbatches`` equal micro-batches along dim 0.
 
@@ -59,13 +75,7 @@ def split_batch(batch: Batch, n_microbatches: int, what: str = "inputs") -> list
             tensors of a tuple disagree on it.
     """
     tensors, is_tuple = flatten(batch, what)
-    sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
-    if None in sizes or len(sizes) != 1:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise PipelineConfigError(
-            f"every tensor of the {what} needs the same batch size along dim 0, got shapes {shapes}"
-        )
-    size = int(next(iter(sizes)))  # type: ignore[arg-type]
+    size = batch_size(batch, what)
     if size % n_microbatches != 0:
         raise PipelineConfigError(
             f"the {what} have batch size {size}, which does not split into {n_microbatches} "

@@ -22,7 +22,7 @@ from twobp.partition import stage_ranges
 from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.execution.microbatch import Batch, batch_size, split_batch
 from twobp.runtime.setup.auto.plan import (
     AUTO,
     AutoPlan,
@@ -42,10 +42,13 @@ from twobp.schedule.prepare import DEFAULT_MICROBATCHES, prepare
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
+from twobp.sim.search import microbatch_counts
 
 CostsArgument = Costs | str | os.PathLike[str]
 """What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
 ``"profile"`` (measure the blocks and place W by their costs)."""
+AUTO_MICROBATCHES = "auto"
+"""``n_microbatches=`` that has ``schedule="auto"`` choose the count for the first step's batch."""
 PROFILE = "profile"
 """``costs=`` that measures the blocks on ``example_input`` (as ``schedule="auto"`` does)."""
 
@@ -85,7 +88,7 @@ def plan_pipeline(
     timeout: float,
     *,
     schedule: str | os.PathLike[str] | Schedule,
-    n_microbatches: int | None,
+    n_microbatches: int | str | None,
     two_bp: bool,
     policy: str,
     stages_per_rank: int | None,
@@ -99,6 +102,7 @@ def plan_pipeline(
     trials: Trials | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    sample: Batch | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -108,7 +112,10 @@ def plan_pipeline(
     ``trials`` measures the contenders of ``schedule="auto"`` (rank 0's
     ``auto_trials`` of them; every rank needs it), None: the simulator's choice;
     ``data_parallel`` is the number of copies of the pipeline and ``tied`` says
-    whether a weight is used by several blocks (both place reductions).
+    whether a weight is used by several blocks (both place reductions);
+    ``sample`` is the first step's batch of inputs (the same on every rank)
+    that ``schedule="auto"`` plans on where no ``example_input`` was given,
+    and whose size ``n_microbatches="auto"`` chooses the count for.
 
     Returns:
         The layout, the same on every rank.
@@ -123,6 +130,10 @@ def plan_pipeline(
     auto = None
     if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
         fixed = schedule != AUTO
+        n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
+        planned_counts, examples = _microbatches(n_microbatches, sample, n_ranks)
+        if examples is not None:
+            example_input = next(iter(examples.values()))
         limit, model = _auto_arguments(
             world, device, timeout, memory_limit, costs, example_input, auto_trials
         )
@@ -130,7 +141,8 @@ def plan_pipeline(
             blocks,
             world,
             device,
-            n_microbatches=DEFAULT_MICROBATCHES if n_microbatches is None else n_microbatches,
+            n_microbatches=planned_counts,
+            examples=examples,
             two_bp=two_bp,
             stages_per_rank=(
                 stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
@@ -153,6 +165,7 @@ def plan_pipeline(
         if world.rank == 0:
             log.info("%s", auto.summary())
         partition = list(auto.partition)
+        n_microbatches = auto.schedule.n_microbatches
     elif costs == PROFILE:
         raise PipelineConfigError(
             "costs='profile' places W by the measured costs of a schedule given by name; "
@@ -176,6 +189,7 @@ def plan_pipeline(
             # What the search simulated is what runs: nothing prepares it again.
             resolved = auto.schedule
         else:
+            assert not isinstance(n_microbatches, str)  # check_microbatches refused it
             resolved = prepare(
                 schedule,
                 n_ranks=world.size if pipeline_ranks is None else len(pipeline_ranks),
@@ -200,6 +214,57 @@ def plan_pipeline(
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def check_microbatches(schedule: object, n_microbatches: object, costs: object) -> None:
+    """Refuse a micro-batch count that is neither a positive int, None nor ``"auto"``,
+    and ``"auto"`` where nothing measures what the counts cost.
+
+    Raises:
+        PipelineConfigError: saying what to give instead.
+    """
+    if n_microbatches is None or (
+        isinstance(n_microbatches, int) and not isinstance(n_microbatches, bool)
+    ):
+        return
+    if n_microbatches != AUTO_MICROBATCHES:
+        raise PipelineConfigError(
+            f"n_microbatches={n_microbatches!r}: give a positive int, None (the schedule's "
+            "own count) or 'auto' (with schedule='auto': chosen for the first step's batch)"
+        )
+    if not (isinstance(schedule, str) and schedule == AUTO):
+        raise PipelineConfigError(
+            f"n_microbatches='auto' is chosen by schedule='auto', not with schedule="
+            f"{schedule if isinstance(schedule, str) else type(schedule).__name__!r}: use "
+            "schedule='auto', or give a count"
+        )
+    if costs is not None:
+        raise PipelineConfigError(
+            "n_microbatches='auto' compares micro-batches of different sizes, which a given "
+            "cost model does not price: drop costs= (the blocks are profiled on the first "
+            "step's batch), or give a count"
+        )
+
+
+def _microbatches(
+    n_microbatches: int | str | None, sample: Batch | None, n_ranks: int
+) -> tuple[int | list[int], dict[int, Batch] | None]:
+    """The count (or the counts to choose among) ``schedule="auto"`` plans for, and,
+    planning on the first step's batch, the first micro-batch of each count.
+
+    Raises:
+        PipelineConfigError: if the batch does not split into the count.
+    """
+    if n_microbatches == AUTO_MICROBATCHES:
+        assert sample is not None, "n_microbatches='auto' plans on the first step's batch"
+        size = batch_size(sample)
+        counts: int | list[int] = microbatch_counts(size, n_ranks)
+    else:
+        counts = DEFAULT_MICROBATCHES if n_microbatches is None else int(n_microbatches)
+    if sample is None:
+        return counts, None
+    every = [counts] if isinstance(counts, int) else counts
+    return counts, {m: split_batch(sample, m)[0] for m in every}
 
 
 def _auto_arguments(

@@ -57,6 +57,7 @@ def measure(
     example_input: Batch,
     n_microbatches: int,
     pipeline_ranks: Sequence[int],
+    machine: Measured | None = None,
 ) -> Measured:
     """Rank 0's block profile and W table; the contention and the link of all ranks
     (latency, bandwidth, the sender's time per message; collective); the
@@ -69,6 +70,10 @@ def measure(
     exchange activations, not two copies of the pipeline that only reduce
     gradients. The all-reduce runs over the whole group, on about one stage's
     gradients (the model's parameter bytes over the pipeline's ranks).
+
+    With ``machine`` (the measurement of another micro-batch size), only the
+    blocks are profiled again: the contention, the link and the all-reduce
+    are taken from it.
     """
     homes = [device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
@@ -89,6 +94,8 @@ def measure(
         problem = str(shared[0])
         if problem:
             return figures, tables, 1.0, (0.0, math.inf, 0.0), math.inf, problem
+        if machine is not None:
+            return figures, tables, machine[2], machine[3], machine[4], problem
         contention = _contention(moved, example, world)
         link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
         reduce_bandwidth = math.inf

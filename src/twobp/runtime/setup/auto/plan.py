@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +30,7 @@ from twobp.partition.profiler import solver_costs
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto.cost_measurement import measure
+from twobp.runtime.setup.auto.cost_measurement import Measured, measure
 from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
@@ -43,6 +43,7 @@ from twobp.sim.search import (
     choose,
     describe,
     fits,
+    rank,
     search,
     simulate_option,
 )
@@ -236,7 +237,7 @@ def plan_auto(
     world: Membership,
     device: torch.device,
     *,
-    n_microbatches: int,
+    n_microbatches: int | Sequence[int],
     two_bp: bool,
     stages_per_rank: int | None,
     partition: Sequence[int] | str | None,
@@ -248,6 +249,7 @@ def plan_auto(
     pipeline_ranks: Sequence[int] | None = None,
     contenders: int = 1,
     tied: bool = False,
+    examples: Mapping[int, Batch] | None = None,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -255,15 +257,19 @@ def plan_auto(
         blocks: the whole model's blocks.
         world: the group.
         device: where rank 0 profiles the blocks.
-        n_microbatches: micro-batches per step.
+        n_microbatches: micro-batches per step; or the counts to choose among
+            (``n_microbatches="auto"``: each count's blocks are profiled on its
+            own micro-batch, ``examples[count]``, and every candidate names its
+            count in :attr:`Candidate.n_microbatches`).
         two_bp: False tries only fused schedules without 2BP.
         stages_per_rank: only this many stages per rank, or None for any.
         partition: blocks per stage (only schedules with that many stages
             are tried), ``"uniform"``, or ``"balanced"`` (by the profile);
             None: balanced if the blocks are profiled, else uniform.
-        example_input: one micro-batch of model inputs (needed unless ``costs``).
+        example_input: one micro-batch of model inputs (needed unless ``costs``
+            or ``examples``).
         memory_limit: bytes per rank, or None.
-        costs: a cost model to plan with instead of measuring.
+        costs: a cost model to plan with instead of measuring (one count only).
         schedules: the schedules to try (None: every one).
         policies: the 2BP policies to try (None: every one, or ``off`` without 2BP).
         pipeline_ranks: the group ranks of the first copy of the pipeline, by
@@ -273,6 +279,8 @@ def plan_auto(
             trial steps (:attr:`AutoPlan.contenders`); 1 or less: none.
         tied: some weight is used by several blocks (its stages reduce it, as
             the pipeline will: the simulated schedule is the one that runs).
+        examples: one micro-batch of model inputs per count of ``n_microbatches``
+            (instead of ``example_input``).
 
     Returns:
         The plan, identical on every rank.
@@ -285,49 +293,34 @@ def plan_auto(
     """
     answer: list[AutoPlan | str | None] = [None]
     ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
+    chosen_count = not isinstance(n_microbatches, int)
+    counts = [n_microbatches] if isinstance(n_microbatches, int) else list(n_microbatches)
+    measured: dict[int, Measured] = {}
     if costs is None:
-        example_input = profiling_input(example_input)
-        measured = measure(blocks, world, device, example_input, n_microbatches, ranks)
+        # The machine (contention, link) is measured once, on the largest micro-batch.
+        machine: Measured | None = None
+        for m in counts:
+            example = examples[m] if examples is not None else profiling_input(example_input)
+            measured[m] = measure(blocks, world, device, example, m, ranks, machine)
+            machine = machine or measured[m]
     if world.rank == 0:
         try:
-            if costs is None:
-                figures, tables, contention, link, reduce_bandwidth, problem = measured
-                if problem:
-                    raise PipelineConfigError(problem)
-                # Measured, the blocks split by their costs unless the caller chose.
-                chosen = "balanced" if partition is None else partition
-                sizes_for = partition_for(len(figures), chosen, solver_costs(figures))
-                costs_for = profiled_costs(
-                    figures,
-                    tables,
-                    sizes_for,
-                    contention=contention,
-                    parameter_factor=PARAMETER_FACTOR,
-                    send_latency=link[0],
-                    bandwidth=link[1],
-                    send_overhead=link[2],
-                    reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
+            spaces = []
+            for m in counts:
+                sizes_for, costs_for = _costs_of(
+                    blocks, partition, costs, measured[m] if costs is None else None
                 )
-            else:
-                if partition == "balanced":
-                    raise PipelineConfigError(
-                        "with costs= nothing is profiled, so partition='balanced' has nothing "
-                        "to balance; give block counts or 'uniform'"
-                    )
-                sizes_for, costs_for = partition_for(len(blocks), partition, None), costs.for_stages
-            choices = auto_options(
-                n_microbatches,
-                two_bp=two_bp,
-                schedules=schedules,
-                policies=policies,
-                stages_per_rank=stages_per_rank,
-            )
+                choices = auto_options(
+                    m,
+                    two_bp=two_bp,
+                    schedules=schedules,
+                    policies=policies,
+                    stages_per_rank=stages_per_rank,
+                )
+                spaces.append(_Space(m if chosen_count else None, m, choices, costs_for, sizes_for))
             answer[0] = _choose(
-                choices,
-                costs_for,
-                sizes_for,
+                spaces,
                 len(ranks),
-                n_microbatches,
                 memory_limit,
                 max(1, world.size // len(ranks)),
                 contenders,
@@ -343,31 +336,106 @@ def plan_auto(
     return plan
 
 
+def _costs_of(
+    blocks: Sequence[nn.Module],
+    partition: Sequence[int] | str | None,
+    costs: CostModel | None,
+    measured: Measured | None,
+) -> tuple[SizesFor, CostsFor]:
+    """The blocks per stage and the cost model for a number of stages: from the
+    measurements (balanced by them unless the caller chose), or from ``costs``."""
+    if measured is not None:
+        figures, tables, contention, link, reduce_bandwidth, problem = measured
+        if problem:
+            raise PipelineConfigError(problem)
+        chosen = "balanced" if partition is None else partition
+        sizes_for = partition_for(len(figures), chosen, solver_costs(figures))
+        costs_for = profiled_costs(
+            figures,
+            tables,
+            sizes_for,
+            contention=contention,
+            parameter_factor=PARAMETER_FACTOR,
+            send_latency=link[0],
+            bandwidth=link[1],
+            send_overhead=link[2],
+            reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
+        )
+        return sizes_for, costs_for
+    assert costs is not None
+    if partition == "balanced":
+        raise PipelineConfigError(
+            "with costs= nothing is profiled, so partition='balanced' has nothing "
+            "to balance; give block counts or 'uniform'"
+        )
+    return partition_for(len(blocks), partition, None), costs.for_stages
+
+
+@dataclass(frozen=True)
+class _Space:
+    """The options of one micro-batch count and the costs they are simulated under.
+
+    Args:
+        count: the count candidates name (:attr:`Candidate.n_microbatches`), or
+            None where the count is not chosen.
+        n_microbatches: the micro-batches per step simulated.
+        choices: the options.
+        costs_for: the cost model of the model cut into a number of stages.
+        sizes_for: the blocks per stage of a number of stages.
+    """
+
+    count: int | None
+    n_microbatches: int
+    choices: Sequence[Option]
+    costs_for: CostsFor
+    sizes_for: SizesFor
+
+    def fitted(self, n_stages: int) -> CostModel:
+        self.sizes_for(n_stages)  # raises if the blocks do not split into n_stages
+        return self.costs_for(n_stages)
+
+
 def _choose(
-    choices: Sequence[Option],
-    costs_for: CostsFor,
-    sizes_for: SizesFor,
+    spaces: Sequence[_Space],
     n_ranks: int,
-    n_microbatches: int,
     memory_limit: float | None,
     data_parallel: int = 1,
     contenders: int = 1,
     tied: bool = False,
 ) -> AutoPlan:
-    def fitted(n_stages: int) -> CostModel:
-        sizes_for(n_stages)  # raises if the blocks do not split into n_stages
-        return costs_for(n_stages)
-
     def built(c: Candidate) -> Contender:
-        option = next(o for o in choices if _same(o, c))
+        space = next(s for s in spaces if s.count == c.n_microbatches)
+        option = next(o for o in space.choices if _same(o, c))
         candidate, schedule = simulate_option(
-            option, n_ranks, n_microbatches, fitted, memory_limit, data_parallel, tied
+            option,
+            n_ranks,
+            space.n_microbatches,
+            space.fitted,
+            memory_limit,
+            data_parallel,
+            tied,
         )
+        candidate = replace(candidate, n_microbatches=space.count)
         assert schedule is not None and candidate == c
         n_stages = schedule.n_stages
-        return Contender(c, schedule, sizes_for(n_stages), costs_for(n_stages))
+        return Contender(c, schedule, space.sizes_for(n_stages), space.costs_for(n_stages))
 
-    ranking = search(choices, n_ranks, n_microbatches, fitted, memory_limit, data_parallel, tied)
+    ranking = rank(
+        [
+            replace(c, n_microbatches=space.count)
+            for space in spaces
+            for c in search(
+                space.choices,
+                n_ranks,
+                space.n_microbatches,
+                space.fitted,
+                memory_limit,
+                data_parallel,
+                tied,
+            )
+        ],
+        memory_limit,
+    )
     try:
         best = choose(ranking, memory_limit)
     except NothingFitsError as exc:
@@ -408,10 +476,11 @@ def _shortlist(
     return shortlist
 
 
-def _kind(c: Candidate) -> tuple[str, int | None, bool]:
-    """What makes schedules worth trying apart: the schedule, its stages per rank, and
-    2BP or not (the policies and W caps of one schedule differ less)."""
-    return c.schedule, c.stages_per_rank, c.policy == NO_TWO_BP
+def _kind(c: Candidate) -> tuple[str, int | None, bool, int | None]:
+    """What makes schedules worth trying apart: the schedule, its stages per rank,
+    2BP or not (the policies and W caps of one schedule differ less), and the
+    micro-batch count where it is chosen."""
+    return c.schedule, c.stages_per_rank, c.policy == NO_TWO_BP, c.n_microbatches
 
 
 def _differ(a: Contender, b: Contender) -> bool:

@@ -97,12 +97,13 @@ def run_trials(
     plan: AutoPlan,
     build: Build,
     blocks: Sequence[nn.Module],
-    example_input: Batch,
+    example_input: Batch | None,
     world: Membership,
     device: torch.device,
     rounds: int = TRIAL_ROUNDS,
     clock: Callable[[], float] | None = None,
     timeout: float = 300.0,
+    batch: Batch | None = None,
 ) -> AutoPlan:
     """Measure the plan's contenders in trial steps; the plan of the fastest.
 
@@ -114,6 +115,9 @@ def run_trials(
         blocks: the whole model's blocks (their state is restored afterwards).
         example_input: one micro-batch of model inputs; a step takes it
             ``n_microbatches`` times (as inputs and as the ignored targets).
+        batch: the batch a step takes instead (the first step's, where the
+            pipeline plans on it; contenders of other micro-batch counts cut it
+            into their own).
         world: the group.
         device: where the ranks compute (the clock waits for it).
         rounds: measured rounds (see :func:`trial_times`).
@@ -126,7 +130,9 @@ def run_trials(
     """
     if len(plan.contenders) < 2:
         return plan
-    batch = concat_microbatches([example_input] * plan.schedule.n_microbatches)
+    if batch is None:
+        assert example_input is not None, "trial steps need an example input or a batch"
+        batch = concat_microbatches([example_input] * plan.schedule.n_microbatches)
     with _left_as_found(blocks, device):
         times = trial_times(
             plan.contenders, build, batch, world, clock or _clock(device), rounds, timeout
