@@ -124,17 +124,18 @@ def test_baseline_variants_run_next_to_their_twobp_counterparts():
 
 def test_auto_is_one_variant_that_chooses_its_layout_when_built():
     variants = matrix.build_variants(
-        ["1f1b", "auto"], ["1F1B"], ["paper"], references=(), baseline=True,
+        ["1f1b", "auto", "auto-m"], ["1F1B"], ["paper"], references=(), baseline=True,
         recomputes=(None, "all"),
     )  # fmt: skip
     autos = [v for v in variants if matrix.is_auto(v)]
-    # One, whatever the policies and recompute modes: it chooses its own; no baseline copy.
-    assert [v.label for v in autos] == ["twobp auto"]
-    (auto,) = autos
+    # One each, whatever the policies and recompute modes: it chooses its own; no baseline
+    # copy. auto-m chooses the micro-batch count too.
+    assert [v.label for v in autos] == ["twobp auto", "twobp auto-m"]
+    auto = autos[0]
     assert matrix.placement(auto, 2) == () and matrix.model_stages(auto, 2) == 0
     assert matrix.twobp_refusal(auto, 2, 3) is None
     assert not matrix.is_auto(Variant("twobp", "1f1b"))
-    resolve(BenchConfig(schedules=["auto", "gpipe"]))  # accepted
+    resolve(BenchConfig(schedules=["auto", "auto-m", "gpipe"]))  # accepted
     with pytest.raises(ValueError, match=r"choose from .*auto"):
         resolve(BenchConfig(schedules=["automatic"]))
 

@@ -23,6 +23,7 @@ from typing import Any
 from twobp.config import doc
 from twobp_bench.matrix import (
     AUTO,
+    AUTO_MICROBATCHES,
     REFERENCE_MICROBATCHED,
     REFERENCE_WHOLE_BATCH,
     REFERENCES,
@@ -429,9 +430,10 @@ def _check(cfg: BenchConfig) -> None:
     if cfg.microbatch_size is not None and cfg.microbatch_size < 1:
         raise ValueError(f"--microbatch-size must be >= 1, got {cfg.microbatch_size}")
     for name in cfg.schedules:
-        if name not in SCHEDULES and name != AUTO:
+        if name not in SCHEDULES and name not in (AUTO, AUTO_MICROBATCHES):
             raise ValueError(
-                f"--schedules: unknown {name!r}; choose from {', '.join([*SCHEDULES, AUTO])}"
+                f"--schedules: unknown {name!r}; choose from "
+                f"{', '.join([*SCHEDULES, AUTO, AUTO_MICROBATCHES])}"
             )
     for name in cfg.torch_schedules:
         if name not in TORCH_SCHEDULES:

@@ -27,6 +27,9 @@ PIPELINES_OF_TWOBP = (TWOBP, BASELINE)
 AUTO = "auto"
 """``schedule="auto"``: twobp chooses the schedule, 2BP policy and partition itself
 (its placement is known once it is built)."""
+AUTO_MICROBATCHES = "auto-m"
+"""``schedule="auto", n_microbatches="auto"``: twobp also chooses how many micro-batches
+the variant's batch is cut into (planned on the first step's batch)."""
 
 REFERENCE_MICROBATCHED = "microbatched"
 """Reference (a): one process runs F and B of all m micro-batches of the whole model."""
@@ -147,8 +150,8 @@ def twobp_variants(
     """
     out: list[Variant] = []
     for name in schedules:
-        if name == AUTO:  # it chooses its own policy; without recomputation
-            out.append(Variant(TWOBP, AUTO))
+        if name in (AUTO, AUTO_MICROBATCHES):  # it chooses its own policy; no recomputation
+            out.append(Variant(TWOBP, name))
             continue
         for mode in recomputes:
             if SCHEDULES[name].natively_split:
@@ -195,7 +198,7 @@ def build_variants(
             out.extend(
                 replace(v, framework=BASELINE)
                 for v in ours
-                if v.schedule == name and v.recompute is None and v.schedule != AUTO
+                if v.schedule == name and v.recompute is None and not is_auto(v)
             )
         out.extend(v for v in theirs if v.schedule == SAME_SCHEDULE.get(name))
     out.extend(v for v in theirs if v not in out)
@@ -209,7 +212,10 @@ def build_variants(
 
 def is_auto(variant: Variant) -> bool:
     """Whether twobp chooses the variant's schedule (``schedule="auto"``)."""
-    return variant.framework in PIPELINES_OF_TWOBP and variant.schedule == AUTO
+    return variant.framework in PIPELINES_OF_TWOBP and variant.schedule in (
+        AUTO,
+        AUTO_MICROBATCHES,
+    )
 
 
 def _twobp_schedule(variant: Variant, n_ranks: int) -> Schedule:

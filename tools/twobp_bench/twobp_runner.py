@@ -12,7 +12,7 @@ from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.runtime.execution.stage import LossFn
 from twobp.schedule import Schedule
 from twobp.timeline import Span, bubble_ratio, busy_time
-from twobp_bench.matrix import Variant, is_auto
+from twobp_bench.matrix import AUTO, AUTO_MICROBATCHES, Variant, is_auto
 
 
 class TwobpRunner:
@@ -69,7 +69,11 @@ class TwobpRunner:
             options["recompute"] = variant.recompute
         if weight_group_size is not None and variant.two_bp:
             options["weight_group_size"] = weight_group_size
-        if is_auto(variant):
+        chosen_count = variant.schedule == AUTO_MICROBATCHES
+        if chosen_count:
+            # It plans on the batch: the micro-batch count too.
+            options["n_microbatches"] = "auto"
+        elif is_auto(variant):
             # It profiles the blocks on one micro-batch and chooses the rest.
             options["example_input"] = split_batch(inputs, n_microbatches)[0]
         else:
@@ -79,13 +83,14 @@ class TwobpRunner:
         self.pipe = pipeline_class(
             list(blocks),
             loss_fn,
-            schedule=variant.schedule,
-            n_microbatches=n_microbatches,
+            schedule=AUTO if chosen_count else variant.schedule,
+            **{"n_microbatches": n_microbatches, **options},
             device=device,
             timeout=timeout,
             num_threads=threads,
-            **options,
         )
+        if chosen_count:
+            self.pipe.plan_on(inputs)
         self._shared = shared
         if shared:
             self.pipe.release_blocks()
