@@ -172,10 +172,7 @@ def test_auto_without_an_example_input_plans_on_the_first_steps_batch(planned_at
     assert not first["planned_early"]
     # Until then parameters() are every block's, so an optimizer can be built first.
     assert first["parameters_before"] == second["parameters_before"] > first["parameters_after"]
-    assert (
-        "has not planned yet: run a step first, or call plan_on(inputs)"
-        in (first["refused_before"])
-    )
+    assert "run a step first, or call plan_on(inputs)" in first["refused_before"]
     assert first["schedule"] == second["schedule"]
     assert first["choice"] == second["choice"]
     assert first["trial_times"] == second["trial_times"]
