@@ -33,7 +33,8 @@ Two ways lead the calls to the capture, both handled by
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -219,6 +220,8 @@ class Capture:
         # The parameters whose class the running forward changed (None: it runs
         # under the mode).
         self._swapped: list[nn.Parameter] | None = None
+        # A compiled forward runs (set_aside): its calls come through dispatch only.
+        self._aside = False
 
     # -- the way in ----------------------------------------------------------
 
@@ -256,6 +259,35 @@ class Capture:
             self._swapped = None
         if self._views:
             self.finish()
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Take the parameters' class and the mode away while a compiled forward runs.
+
+        Dynamo would trace them; the compiled graph routes its calls that read
+        parameters to :meth:`dispatch` itself
+        (:mod:`twobp.engine.compiled`).
+        """
+        if self._aside:
+            yield
+            return
+        swapped = self._swapped
+        if swapped is None:
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            for p in swapped:
+                p.__class__ = nn.Parameter
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
+            if swapped is None:
+                self._mode.__enter__()  # type: ignore[no-untyped-call]
+            else:
+                cls = self._parameter_class
+                for p in swapped:
+                    p.__class__ = cls
 
     def dispatch(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Kwargs = None
@@ -437,7 +469,7 @@ class Capture:
                 if step is not None:
                     self._views[id(out)] = (weakref.ref(out), source.then(step))
                     self._watched.add(id(out))
-                    if self._swapped and out.__class__ is Tensor:
+                    if self._swapped and not self._aside and out.__class__ is Tensor:
                         # Later calls reading the view reach the capture too.
                         out.__class__ = self._view_class
                     return

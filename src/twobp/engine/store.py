@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
 from twobp.engine.capture import Capture, running_capture
+from twobp.engine.compiled import compiled_modules, keep_two_stage
 from twobp.engine.coverage import (
     ParameterRoute,
     Route,
@@ -90,6 +91,8 @@ class WeightGradStore:
         )
         self._seen_forward = False
         self._marked = self._mark(module)
+        for compiled in compiled_modules(module):
+            keep_two_stage(compiled)
 
     def _mark(self, module: nn.Module) -> set[int]:
         """Name this store on every submodule with parameters; refuse one another live

@@ -164,6 +164,15 @@ class PipelineOptions:
             "(glibc's malloc) instead of faulting its pages in again every step"
         ),
     )
+    compile: bool | dict[str, Any] = field(
+        default=False,
+        metadata=_help(
+            "compile each block with torch.compile, cut at the calls that read parameters so that "
+            "2BP still defers and concatenates their weight gradients (the regions between are "
+            "compiled); True: inductor; a dict: torch.compile's keywords (backend, mode, "
+            "dynamic, ...). Blocks compiled by the user keep 2BP without it"
+        ),
+    )
     auto_trials: int = field(
         default=CONTENDERS,
         metadata=_help(

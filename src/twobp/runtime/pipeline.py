@@ -69,6 +69,7 @@ from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
+from twobp.runtime.setup.compiled_blocks import compile_blocks, compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
@@ -195,6 +196,13 @@ class Pipeline:
             :attr:`plan`). The simulator cannot tell apart schedules within a
             few per cent of each other; the trials can. 0 or 1: run the
             simulator's choice. Rank 0's count counts.
+        compile: compile each block with ``torch.compile`` (in place: the
+            parameter names stay). In a 2BP stage the graph is cut at the
+            calls that read parameters, which defer their weight gradients as
+            in eager mode, and the regions between are compiled (see
+            :mod:`twobp.engine.compiled`). True: inductor; a dict:
+            ``torch.compile``'s keywords (``backend``, ``mode``, ``dynamic``).
+            Blocks the user compiled keep 2BP without it.
 
     Every argument after ``loss_fn`` is a field of
     :class:`twobp.runtime.options.PipelineOptions`, documented there too, and
@@ -238,6 +246,7 @@ class Pipeline:
         memory_limit: float | str | None = None,
         retain_host_memory: bool = True,
         auto_trials: int = CONTENDERS,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         self._released = False
         all_blocks = as_blocks(blocks)
@@ -264,6 +273,7 @@ class Pipeline:
             memory_limit=memory_limit,
             retain_host_memory=retain_host_memory,
             auto_trials=auto_trials,
+            compile=compile,
         )
         # The pipeline keeps neither the process group nor a mesh of groups alive (destroying
         # the group ends it, see close()), nor the example micro-batch.
@@ -272,6 +282,7 @@ class Pipeline:
         less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
         _check_recompute(recompute)
         check_microbatches(schedule, n_microbatches, costs)
+        self._compile = compile_options(compile)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
@@ -525,6 +536,8 @@ class Pipeline:
             module = nn.Sequential(
                 OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[model_stage])
             )
+            if self._compile is not None:
+                compile_blocks(module, self._compile, split=s in split)
             self.stages[s] = Stage(
                 s,
                 schedule.pipeline_stages,

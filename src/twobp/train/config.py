@@ -102,6 +102,12 @@ class TrainConfig:
         "autocast uses); without it the whole model is cast to --dtype",
         False,
     )
+    compile: bool = doc(
+        "compile every block with torch.compile (inductor); with 2BP the graphs are cut at "
+        "the calls that read parameters, so that the weight gradients stay deferred and "
+        "concatenated",
+        False,
+    )
     seed: int = doc("random seed for weights and data", 0)
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
     out: str = doc("output folder for the report, curves and timelines", "runs/latest")

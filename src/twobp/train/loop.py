@@ -143,6 +143,7 @@ def _train_rank(
         data_parallel=cfg.data_parallel,
         memory_limit=cfg.memory_limit,
         auto_trials=cfg.auto_trials,
+        compile=cfg.compile,
     )
     if not isinstance(cfg.microbatches, int):
         # The count is chosen for the batch: plan on the first one (copy 0's part) now,

@@ -26,6 +26,7 @@ sampled after each pass and after each recomputed forward.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -98,7 +99,13 @@ class MemoryMeter:
             with torch._C.DisableTorchFunction():
                 return t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        hooks = pack, _unpack
+        if "torch._dynamo" in sys.modules:
+            # Dynamo would trace the hooks while it compiles a block (and break
+            # its graph on the storage sizes); they run as they are.
+            disable: Any = torch.compiler.disable
+            hooks = disable(pack), disable(_unpack)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
 
     def saved_beyond(self, stage: int, signature: Signature) -> int | None:

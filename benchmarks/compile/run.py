@@ -1,0 +1,183 @@
+"""torch.compile with 2BP: twobp's compiled pipeline against eager, plain compile and torch's.
+
+For each LLaMA-like regime of ``twobp bench`` (``large``, ``small``: 6 blocks, an
+embedding, 4 decoders and the head), with m micro-batches per step:
+
+- *plain*: one process, one thread, every micro-batch forward and backward through
+  the whole model by plain autograd, eager and with each block ``torch.compile``-d
+  (inductor): the speed-up compile gives plain autograd on these blocks;
+- *pipelines*: 2 ranks (gloo, one thread each), 1F1B over 2 stages: twobp with 2BP
+  eager and with ``compile=True``; ``torch.distributed.pipelining``'s
+  ``Schedule1F1B`` and ``ScheduleGPipe`` with eager and with compiled stages.
+
+Every variant is built first and warmed up (compiled), then the variants step in
+turn, round after round, so that the machine's load weighs on all alike; the
+figures are medians over rounds of the slowest rank's step time.
+
+    PYTHONPATH=src:tools python benchmarks/compile/run.py [--regimes large small] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+M = 4
+WARMUP = 3
+
+
+def _spec(regime: str) -> Any:
+    import torch
+
+    from twobp.models.presets import build_model
+    from twobp_bench.config import REGIMES
+
+    r = REGIMES[regime]
+    return build_model("llama", "tiny", dtype=torch.float32, seed=0, **dict(r.overrides)), r
+
+
+def _plain(regime: str, rounds: int) -> dict[str, float]:
+    """Median step of plain autograd over the micro-batches, eager and compiled."""
+    import torch
+
+    torch.set_num_threads(1)
+    spec, r = _spec(regime)
+    inputs, targets = spec.make_batch(r.microbatch_size * M, 0)
+    from twobp.runtime.execution.microbatch import split_batch
+
+    xs, ys = split_batch(inputs, M), split_batch(targets, M)
+    eager_blocks = _spec(regime)[0].blocks
+    compiled_blocks = [torch.compile(b) for b in _spec(regime)[0].blocks]
+
+    def step(blocks: list[Any]) -> Callable[[], None]:
+        def run() -> None:
+            for x, y in zip(xs, ys, strict=True):
+                h = x
+                for b in blocks:
+                    h = b(h)
+                (spec.loss_fn(h, y) / M).backward()
+
+        return run
+
+    return _interleaved({"eager": step(eager_blocks), "compile": step(compiled_blocks)}, rounds)
+
+
+def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(WARMUP):
+        for run in steps.values():
+            run()
+    for _ in range(rounds):
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _torch_pipeline(
+    spec: Any, schedule: str, compiled: bool, rank: int, inputs: Any, targets: Any
+) -> Callable[[], None]:
+    import torch
+    import torch.distributed.pipelining as pipelining
+
+    from twobp_bench.torch_pipelining import ScaledLoss, StageModule
+
+    blocks = spec.blocks[:3] if rank == 0 else spec.blocks[3:]
+    if compiled:
+        blocks = [torch.compile(b) for b in blocks]
+    module = StageModule(blocks)
+    stage = pipelining.PipelineStage(module, rank, 2, torch.device("cpu"))
+    cls = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}[schedule]
+    run = cls(stage, M, loss_fn=ScaledLoss(spec.loss_fn, M), scale_grads=False)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        if rank == 0:
+            run.step(inputs, return_outputs=False)
+        else:
+            run.step(target=targets, return_outputs=False)
+
+    return step
+
+
+def _pipelines(regime: str, rounds: int) -> dict[str, float]:
+    """On every rank: median step of each pipeline variant, the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    import twobp
+
+    rank = dist.get_rank()
+    _, r = _spec(regime)
+    inputs, targets = _spec(regime)[0].make_batch(r.microbatch_size * M, 0)
+    steps: dict[str, Callable[[], None]] = {}
+    for name, compile_ in (("twobp eager", False), ("twobp compile", True)):
+        spec = _spec(regime)[0]
+        pipe = twobp.Pipeline(
+            spec.blocks, spec.loss_fn, schedule="1f1b", n_microbatches=M, compile=compile_
+        )
+
+        def step(pipe: Any = pipe) -> None:
+            pipe.zero_grad()
+            pipe.step(inputs, targets)
+
+        steps[name] = step
+    for schedule in ("1F1B", "GPipe"):
+        for compiled in (False, True):
+            name = f"torch {schedule}{' compile' if compiled else ''}"
+            steps[name] = _torch_pipeline(
+                _spec(regime)[0], schedule, compiled, rank, inputs, targets
+            )
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(WARMUP):
+        for run in steps.values():
+            run()
+    for _ in range(rounds):
+        for name, run in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regimes", nargs="+", default=["large", "small"])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    import twobp
+
+    table = {}
+    for regime in args.regimes:
+        plain = _plain(regime, args.rounds)
+        piped = twobp.launch(_pipelines, 2, regime, args.rounds, threads_per_rank=1)[0]
+        table[regime] = {"plain": plain, "pipelines": piped}
+        gain = plain["eager"] / plain["compile"]
+        two = piped["twobp eager"] / piped["twobp compile"]
+        print(f"\n{regime}: m = {M}, step times in ms (medians of {args.rounds} rounds)")
+        print(
+            f"  plain autograd, 1 process: eager {plain['eager'] * 1e3:.1f}, "
+            f"compile {plain['compile'] * 1e3:.1f}: speed-up {gain:.3f}x"
+        )
+        for name, t in piped.items():
+            print(
+                f"  {name:<20} {t * 1e3:8.1f}   twobp compile vs this: "
+                f"{t / piped['twobp compile']:.3f}x"
+            )
+        print(
+            f"  twobp compile speed-up over twobp eager {two:.3f}x = "
+            f"{(two - 1) / (gain - 1) * 100 if gain != 1 else float('nan'):.0f}% of plain's gain"
+        )
+    print(json.dumps(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""``torch.compile`` that keeps the 2-stage backward: compiled regions between captured calls.
+
+A compiled module's forward is one dynamo graph. :func:`splitting_backend`
+wraps a dynamo backend (inductor, ``aot_eager``, ...) so that the graph it
+compiles is cut at every call that reads a stage parameter (``F.linear`` of
+``self.fc.weight``, a norm's affine weight, a view of a weight, ``x * gate``):
+
+- those calls run eagerly, routed through the capture of the store whose
+  forward runs (:func:`~twobp.engine.capture.running_capture`), exactly as in
+  an eager forward: a covered operation becomes a deferred op whose input pass
+  stashes what the concatenated weight pass needs, any other use is noted in
+  the store's report;
+- the regions between them (activations, attention, residuals, reshapes) are
+  compiled by the wrapped backend, each with its own forward and backward.
+
+Dynamo sees one frame per module and no graph break; the compiled regions
+never see the capture. Outside a store's forward (no capture runs) the routed
+calls run as they are. :func:`compile_for_two_stage` compiles a module this
+way; :func:`keep_two_stage` makes a module compiled by ``torch.compile``
+compile this way from its next new graph on, with the backend and options the
+user chose, and sets the store's capture aside while it runs.
+
+Why the cut, rather than opaque custom operators inside one graph: the
+weight pass needs the input and the output gradient of each captured call
+kept past the backward; inside a compiled backward graph the output gradient
+is an intermediate buffer that the compiler frees or reuses for another
+buffer, and a captured call whose input needs no gradient (an embedding) has
+no output the graph keeps. At the cut both are tensors the autograd engine
+hands over, the same as in eager mode, and the deferred ops, their
+concatenation and the report are the eager ones. Matrix products are library
+calls in both, so the compiled regions lose no fusion that a single graph
+would make, except across a captured norm.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from twobp.engine.capture import running_capture
+from twobp.engine.operand import VIEW_STEPS
+
+Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+"""A dynamo backend: compiles a graph for its example inputs."""
+
+_ATTRIBUTE_VIEWS = {
+    name: torch._C.TensorBase.__dict__[name].__get__ for name in ("T", "mT", "H", "mH")
+}
+# The dynamo graph names some calls otherwise than the torch function the
+# capture sees in eager mode: dynamo inlines F.rms_norm into torch.rms_norm and
+# writes `a @ b` as operator.matmul.
+_EAGER_NAME: dict[Any, Callable[..., Any]] = {
+    operator.matmul: torch.Tensor.__matmul__,
+    torch.rms_norm: F.rms_norm,
+}
+# Arithmetic on a tensor reaches the capture as the Tensor method in eager mode.
+_OPERATOR_METHODS: dict[Any, Callable[..., Any]] = {
+    operator.add: torch.Tensor.add,
+    operator.sub: torch.Tensor.sub,
+    operator.mul: torch.Tensor.mul,
+    operator.truediv: torch.Tensor.div,
+    operator.neg: torch.Tensor.neg,
+    operator.pow: torch.Tensor.pow,
+}
+
+
+class _Routed:
+    """One call of a compiled module's graph that reads a stage parameter, run eagerly.
+
+    Through the running capture (deferred, or noted as a use left to
+    autograd), or as it is when no store's forward runs.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.func = func
+        self.__name__ = f"routed_{getattr(func, '__name__', 'call').strip('_')}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        capture = running_capture()
+        if capture is None or not torch.is_grad_enabled():
+            return self.func(*args, **kwargs)
+        return capture.dispatch(self.func, args, kwargs or None)
+
+
+class _Region:
+    """A compiled region, as the graph of the routed calls calls it."""
+
+    def __init__(self, compiled: Callable[..., Any], index: int) -> None:
+        self.compiled = compiled
+        self.__name__ = f"compiled_region_{index}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*args)
+
+
+def _eager_function(node: fx.Node) -> Callable[..., Any] | None:
+    """The torch function an eager forward would hand the capture for ``node``."""
+    if node.op == "call_method":
+        method: Callable[..., Any] | None = getattr(torch.Tensor, str(node.target), None)
+        return method
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is getattr and len(node.args) == 2 and node.args[1] in _ATTRIBUTE_VIEWS:
+        view: Callable[..., Any] = _ATTRIBUTE_VIEWS[str(node.args[1])]
+        return view
+    if target is getattr:
+        return None
+    eager = _EAGER_NAME.get(target)
+    if eager is not None:
+        return eager
+    method = _OPERATOR_METHODS.get(target)
+    first = node.args[0] if node.args else None
+    if isinstance(first, fx.Node) and isinstance(first.meta.get("example_value"), Tensor):
+        return method or target  # type: ignore[return-value]
+    return target  # type: ignore[return-value]
+
+
+def _parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> set[fx.Node]:
+    """The placeholders (and attributes) of ``gm`` that hold module parameters."""
+    found: set[fx.Node] = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        if isinstance(value, nn.Parameter) or isinstance(example, nn.Parameter):
+            found.add(node)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, nn.Parameter):
+                found.add(node)
+    return found
+
+
+def routed_calls(
+    gm: fx.GraphModule, example_inputs: Sequence[Any]
+) -> dict[fx.Node, Callable[..., Any]]:
+    """The calls of ``gm`` that read a parameter (or a view of one), with their eager function.
+
+    A reshape, transpose or cast of a parameter is routed too, and calls
+    reading its result are then calls reading a parameter.
+    """
+    reads_parameter = _parameter_nodes(gm, example_inputs)
+    routed: dict[fx.Node, Callable[..., Any]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        if not any(i in reads_parameter for i in node.all_input_nodes):
+            continue
+        func = _eager_function(node)
+        if func is None:
+            continue
+        routed[node] = func
+        if func in VIEW_STEPS:
+            reads_parameter.add(node)
+    return routed
+
+
+class _Run:
+    """A run of consecutive nodes between routed calls, compiled as one graph."""
+
+    def __init__(self) -> None:
+        self.nodes: list[fx.Node] = []
+        self.inputs: list[fx.Node] = []
+        self.outputs: list[fx.Node] = []
+
+    def close(self) -> None:
+        members = set(self.nodes)
+        seen: set[fx.Node] = set()
+        for node in self.nodes:
+            for i in node.all_input_nodes:
+                if i not in members and i not in seen:
+                    seen.add(i)
+                    self.inputs.append(i)
+        self.outputs = [n for n in self.nodes if any(u not in members for u in n.users)]
+
+    def graph_module(self, root: fx.GraphModule) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for i in self.inputs:
+            env[i] = graph.placeholder(i.name)
+            env[i].meta = dict(i.meta)
+        for node in self.nodes:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        graph.output(tuple(env[n] for n in self.outputs))
+        return fx.GraphModule(root, graph)
+
+
+def split_at_routed_calls(
+    gm: fx.GraphModule, example_inputs: list[Any], inner: Backend
+) -> Callable[..., Any]:
+    """``gm`` with the calls that read parameters routed and every region between compiled.
+
+    Args:
+        gm: the dynamo graph of a module's forward.
+        example_inputs: its example inputs, as dynamo hands them to a backend.
+        inner: compiles each region.
+
+    Returns:
+        A callable with the signature of ``gm``.
+    """
+    routed = routed_calls(gm, example_inputs)
+    if not routed:
+        return inner(gm, example_inputs)
+    regions: list[_Run] = []
+    region_of: dict[fx.Node, _Run] = {}
+    current: _Run | None = None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node in routed:
+            current = None
+            continue
+        if current is None:
+            current = _Run()
+            regions.append(current)
+        current.nodes.append(node)
+        region_of[node] = current
+    for region in regions:
+        region.close()
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    emitted: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        elif node.op == "output":
+            graph.node_copy(node, lambda n: env[n])
+        elif node in routed:
+            args = fx.map_arg(node.args, lambda n: env[n])
+            kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
+            if node.op == "call_function" and node.target is getattr:
+                args = args[:1]
+            env[node] = graph.call_function(_Routed(routed[node]), args, kwargs)
+        else:
+            region = region_of[node]
+            if id(region) in emitted:
+                continue
+            emitted.add(id(region))
+            sub = region.graph_module(gm)
+            examples = [i.meta.get("example_value") for i in region.inputs]
+            compiled = inner(sub, examples)
+            call = graph.call_function(
+                _Region(compiled, len(emitted)), tuple(env[i] for i in region.inputs)
+            )
+            for k, out in enumerate(region.outputs):
+                env[out] = graph.call_function(operator.getitem, (call, k))
+    split = fx.GraphModule(gm, graph)
+    return split.forward
+
+
+class SplittingBackend:
+    """A dynamo backend that cuts graphs at the calls reading parameters (see the module doc).
+
+    Two of them with equal inner backends are equal, as torch's own backend
+    wrappers are, so that blocks of one class compiled one by one share
+    dynamo's compiled code instead of counting against its recompile limit.
+
+    Args:
+        inner: the backend that compiles the regions between those calls: a
+            backend's name or a callable.
+    """
+
+    _twobp_splitting = True
+
+    def __init__(self, inner: Backend | str = "inductor") -> None:
+        self.inner = inner
+        self._compile_region: Backend = (
+            torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+        )
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return split_at_routed_calls(gm, example_inputs, self._compile_region)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SplittingBackend) and bool(self.inner == other.inner)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+def splitting_backend(inner: Backend | str = "inductor") -> Backend:
+    """A :class:`SplittingBackend` around ``inner`` (a backend's name or a callable)."""
+    return SplittingBackend(inner)
+
+
+@contextmanager
+def _capture_set_aside() -> Iterator[None]:
+    capture = running_capture()
+    if capture is None:
+        yield
+        return
+    with capture.set_aside():
+        yield
+
+
+class _SettingCaptureAside:
+    """A compiled forward, called with the running capture's parameter classes and mode
+    set aside (dynamo would trace them), routed calls still reaching it."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _capture_set_aside():
+            return self.compiled(*args, **kwargs)
+
+
+def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
+    """Compile ``module`` in place (``module.compile(**options)``) so that 2BP keeps deferring.
+
+    Its parameters keep their names (no ``_orig_mod.`` as with
+    ``torch.compile(module)``), so that checkpoints and the ranks' model
+    check read the same as in eager mode.
+
+    Args:
+        module: the module (a pipeline block, a stage).
+        options: ``torch.compile``'s keyword arguments; ``backend`` (default
+            inductor, with ``mode`` and ``options``) compiles the regions
+            between the calls that read parameters.
+
+    Returns:
+        ``module``.
+    """
+    inner = options.pop("backend", "inductor")
+    if inner == "inductor":
+        from torch import _TorchCompileInductorWrapper
+
+        inner = _TorchCompileInductorWrapper(  # type: ignore[no-untyped-call]
+            options.pop("mode", None), options.pop("options", None), options.get("dynamic"), None
+        )
+    compiled = torch.compile(_inline(module), backend=splitting_backend(inner), **options)
+    module._compiled_call_impl = _set_aside_around(compiled)
+    return module
+
+
+def _inline(module: nn.Module) -> Callable[..., Any]:
+    """What to compile for ``module`` in place, as ``module.compile()`` does: its
+    ``_call_impl``, whose forward frame dynamo catches and shares between modules of one
+    class. Torch's own modules (``nn.Sequential``) have frames dynamo skips: their
+    ``_call_impl`` goes behind a frame it traces (one cache entry per module then, as
+    ``torch.compile(module)`` makes for them)."""
+    trace_rules = torch._dynamo.trace_rules
+    forward = module.forward
+    if isinstance(forward, types.MethodType) and trace_rules.check(forward):
+        wrap_inline: Callable[..., Callable[..., Any]] = torch._dynamo.external_utils.wrap_inline
+        return wrap_inline(module._call_impl)
+    return module._call_impl
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled: a ``torch.compile`` wrapper, or compiled in place."""
+    dynamo = sys.modules.get("torch._dynamo")  # nothing is compiled before it loads
+    if dynamo is None:
+        return False
+    return (
+        isinstance(module, dynamo.eval_frame.OptimizedModule)
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _splitting_context(context: Any) -> Any:
+    """A dynamo context like ``context`` (fullgraph, dynamic), its backend wrapped to split."""
+    backend = torch._dynamo.eval_frame.innermost_backend(context.callback)
+    if getattr(backend, "_twobp_splitting", False):
+        return context
+    return torch._dynamo.optimize(
+        backend=splitting_backend(backend), nopython=context.fullgraph, dynamic=context._dynamic
+    )
+
+
+def _context_of(compiled: Callable[..., Any]) -> Any:
+    """The dynamo context of a function compiled by ``torch.compile``, or None."""
+    contexts = torch._dynamo.eval_frame.OptimizeContext
+    for cell in getattr(compiled, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, contexts):
+            return cell.cell_contents
+    return None
+
+
+def _set_aside_around(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    forward = _SettingCaptureAside(compiled)
+    forward._twobp_keeps_two_stage = True  # type: ignore[attr-defined]
+    return forward
+
+
+def keep_two_stage(module: nn.Module) -> None:
+    """Make a compiled module keep 2BP: graphs cut at the calls reading parameters.
+
+    Its backend (and ``fullgraph``, ``dynamic``) stay the user's; only graphs
+    compiled from now on are cut. Nothing happens to a module already made so,
+    nor to one compiled with ``disable=True``.
+
+    Args:
+        module: a ``torch._dynamo.OptimizedModule`` (``torch.compile(module)``)
+            or a module compiled in place (``module.compile()``).
+    """
+    eval_frame = torch._dynamo.eval_frame
+    if isinstance(module, eval_frame.OptimizedModule):
+        if getattr(module.forward, "_twobp_keeps_two_stage", False):
+            return
+        if isinstance(module.dynamo_ctx, eval_frame.DisableContext):
+            return
+        context = _splitting_context(module.dynamo_ctx)
+        if context is not module.dynamo_ctx:
+            module.dynamo_ctx = context
+            module._initialize()
+        module.forward = _set_aside_around(module.forward)
+        return
+    compiled = module._compiled_call_impl
+    if compiled is None or getattr(compiled, "_twobp_keeps_two_stage", False):
+        return
+    context = _context_of(compiled)
+    if context is None or isinstance(context, eval_frame.DisableContext):
+        return
+    compiled = _splitting_context(context)(_inline(module))
+    module._compiled_call_impl = _set_aside_around(compiled)
+
+
+def compiled_modules(module: nn.Module) -> list[nn.Module]:
+    """The compiled modules in ``module``'s tree (``module`` itself included)."""
+    return [m for m in module.modules() if is_compiled(m)]

@@ -1,0 +1,54 @@
+"""``Pipeline(..., compile=True)``: each block compiled so that 2BP keeps its split.
+
+A block of a stage that runs ``I`` and ``W`` is compiled by
+:func:`twobp.engine.compiled.compile_for_two_stage`: its graph is cut at
+the calls that read parameters, which the store defers as in eager mode, and
+the regions between are compiled. A block of a stage that runs the fused
+``B`` is compiled as it is. Either way in place (``block.compile(...)``), so
+that parameter names, checkpoints and the ranks' model check do not change.
+Blocks the user compiled are left to the store, which makes them keep 2BP too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from twobp.engine.compiled import compile_for_two_stage, is_compiled
+from twobp.runtime.errors import PipelineConfigError
+
+
+def compile_options(value: object) -> dict[str, Any] | None:
+    """``torch.compile``'s keywords for ``compile=value`` (None: do not compile).
+
+    Raises:
+        PipelineConfigError: if ``value`` is neither a bool nor a dict of keywords.
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return dict(value)
+    raise PipelineConfigError(
+        f"compile={value!r}: pass True (inductor), False, or a dict of torch.compile's "
+        f"keyword arguments such as {{'backend': 'aot_eager'}} or {{'mode': 'max-autotune'}}"
+    )
+
+
+def compile_blocks(stage: nn.Module, options: dict[str, Any], split: bool) -> None:
+    """Compile every block of ``stage`` in place that is not compiled yet.
+
+    Args:
+        stage: the stage's blocks (its children).
+        options: ``torch.compile``'s keywords.
+        split: whether the stage runs 2BP (then the graphs are cut for it).
+    """
+    for block in stage.children():
+        if is_compiled(block):
+            continue
+        if split:
+            compile_for_two_stage(block, **options)
+        else:
+            block.compile(**options)

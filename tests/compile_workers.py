@@ -1,0 +1,98 @@
+"""What the compiled-pipeline tests run on every rank of one launched group.
+
+Each case trains the same small model twice, with ``compile`` set and as it is
+(eager), and returns both runs' gradients and losses, the dynamo frames
+compiled after the third step and at the end, the graph breaks, and where
+each stage's parameters got their gradients (the stores' routes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from twobp.runtime import Pipeline
+
+DIM = 8
+N_BLOCKS = 4
+N_MB = 4
+STEPS = 5
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP; a gate read elementwise (left to autograd) and a
+    weight read through its transpose (deferred as a matmul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Parameter(torch.randn(DIM, 2 * DIM) / 4)
+        self.gate = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.gelu(self.up(self.norm(x)))
+        return x + (h @ self.down.t()) * self.gate
+
+
+def blocks(compiled_by_user: bool = False) -> list[nn.Module]:
+    """The model, the same on every rank; compiled by ``torch.compile`` if asked."""
+    torch.manual_seed(0)
+    made: list[nn.Module] = [Block() for _ in range(N_BLOCKS)]
+    if compiled_by_user:
+        made = [torch.compile(b, backend="aot_eager") for b in made]
+    return made
+
+
+def _train(options: dict[str, Any], compiled_by_user: bool = False) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    frames_before = counters["stats"]["unique_graphs"]
+    breaks_before = sum(counters["graph_break"].values())
+    pipe = Pipeline(
+        blocks(compiled_by_user), F.mse_loss, schedule="1f1b", n_microbatches=N_MB, **options
+    )
+    losses, frames = [], []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * N_MB, DIM, generator=gen)
+        y = torch.randn(2 * N_MB, DIM, generator=gen)
+        pipe.zero_grad()
+        losses.append(float(pipe.step(x, y)))
+        frames.append(counters["stats"]["unique_graphs"] - frames_before)
+    routes = {
+        s: {r.name.replace("_orig_mod.", ""): r.route.value for r in stage.gradients.routes()}
+        for s, stage in pipe.stages.items()
+        if hasattr(stage.gradients, "routes")
+    }
+    grads = {
+        n.replace("_orig_mod.", ""): p.grad.clone()
+        for n, p in pipe.module.named_parameters()
+        if p.grad is not None
+    }
+    pipe.close()
+    return {
+        "losses": losses,
+        "grads": grads,
+        "frames": frames,
+        "breaks": sum(counters["graph_break"].values()) - breaks_before,
+        "routes": routes,
+    }
+
+
+def compiled_cases(cases: list[tuple[str, dict[str, Any], bool]]) -> dict[str, Any]:
+    """Every case compiled and eager: ``(name, Pipeline options, blocks compiled by the user)``."""
+    import torch._dynamo
+
+    # The cases' compiled variants of the one block class add up past dynamo's recompile
+    # limit (8 per code object), beyond which it would run the frames uncompiled.
+    torch._dynamo.config.recompile_limit = 64
+
+    out = {}
+    for name, options, by_user in cases:
+        eager = {k: v for k, v in options.items() if k != "compile"}
+        out[name] = (_train(options, by_user), _train(eager))
+    return out
