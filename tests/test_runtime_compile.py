@@ -1,8 +1,9 @@
 """Pipelines of compiled blocks keep 2BP: gradients equal eager, no recompilation, W deferred.
 
 One 2-rank launch trains every case twice, compiled and eager (tests/compile_workers.py):
-``compile=True`` (inductor), ``aot_eager`` with the recompute modes that rebuild W's stash and with autocast, and
-blocks the user compiled with ``torch.compile``. Compile time dominates: tiny blocks, few steps.
+``compile=True`` (inductor), ``aot_eager`` with the recompute modes that rebuild W's stash
+and with autocast, and blocks the user compiled with ``torch.compile``. Compile time
+dominates: tiny blocks, few steps.
 """
 
 from __future__ import annotations
