@@ -14,9 +14,15 @@ N_MB = 4
 PART = 8  # samples per data-parallel copy
 
 
-def _pipeline(model: str, schedule: str, two_bp: bool, **options: Any) -> Pipeline:
+def _pipeline(
+    model: str,
+    schedule: str,
+    two_bp: bool,
+    blocks: list[torch.nn.Module] | None = None,
+    **options: Any,
+) -> Pipeline:
     return Pipeline(
-        build_blocks(model),
+        build_blocks(model) if blocks is None else blocks,
         loss_fn(model),
         schedule=schedule,
         n_microbatches=options.pop("n_microbatches", N_MB),
@@ -33,7 +39,8 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     shape = options.pop("mesh_shape", None)
     if shape is not None:
         options["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp"))
-    pipe = _pipeline(model, schedule, two_bp, **options)
+    blocks = build_blocks(model)
+    pipe = _pipeline(model, schedule, two_bp, blocks, **options)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     losses, grads, norms = [], {}, []
     for step in range(N_STEPS):
@@ -49,6 +56,8 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     inputs, _ = make_batch(model, 0, PART * pipe.dp_size)
     part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
     inputs = tuple(t[part] for t in inputs) if isinstance(inputs, tuple) else inputs[part]
+    for block in blocks:  # BatchNorm normalises by its running statistics
+        block.eval()
     outputs = pipe.eval_step(inputs)
     return {
         "outputs": outputs,

@@ -160,14 +160,51 @@ N_STEPS = 3
 LR = 1e-2
 
 
-def train_reference(name: str, n_mb: int, batch_size: int) -> dict[str, Any]:
-    """Losses, first-step gradients and final state of 3 AdamW steps on one process."""
+def replicas_running_statistics(
+    model: nn.Module, inputs: Any, n_mb: int, replicas: int, before: dict[str, Tensor]
+) -> None:
+    """Set ``model``'s buffers to what ``replicas`` copies of it hold after one step.
+
+    The ``n_mb`` micro-batches of ``inputs`` fall to the copies in contiguous
+    groups, in order (data-parallel copy by copy, and within a copy Chimera's
+    down pipeline before its up one). Each copy starts from the buffers
+    ``before`` the step and updates them on its own micro-batches (BatchNorm in
+    training mode); the floating-point buffers are then averaged over the
+    copies, as the documentation says; the others (a count of batches) are
+    those of one copy, which all count alike.
+    """
+    groups = _chunks(inputs, n_mb)
+    per_copy = n_mb // replicas
+    ends: list[dict[str, Tensor]] = []
+    with torch.no_grad():
+        for copy in range(replicas):
+            model.load_state_dict(before, strict=False)
+            for x in groups[copy * per_copy : (copy + 1) * per_copy]:
+                model(x)
+            ends.append({n: b.clone() for n, b in model.named_buffers()})
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point():
+            buffer.copy_(torch.stack([end[name] for end in ends]).mean(dim=0))
+        else:
+            buffer.copy_(ends[0][name])
+
+
+def train_reference(name: str, n_mb: int, batch_size: int, replicas: int = 1) -> dict[str, Any]:
+    """Losses, first-step gradients and final state of 3 AdamW steps on one process.
+
+    With ``replicas`` > 1 the buffers are those of that many copies of every stage
+    (:func:`replicas_running_statistics`); losses, gradients and parameters do not
+    depend on them.
+    """
     model = nn.Sequential(*build_blocks(name))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(N_STEPS):
         inputs, targets = make_batch(name, step, batch_size)
+        before = {n: b.clone() for n, b in model.named_buffers()}
         losses.append(reference_step(model, name, inputs, targets, n_mb))
+        if replicas > 1 and before:
+            replicas_running_statistics(model, inputs, n_mb, replicas, before)
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()

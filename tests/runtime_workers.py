@@ -122,6 +122,8 @@ class WeightProducts(TorchDispatchMode):
         super().__init__()
         self._shapes = weight_shapes
         self.rows: list[int] = []
+        self.dtypes: list[torch.dtype] = []
+        """The dtype of each product, as ``rows``."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -129,6 +131,7 @@ class WeightProducts(TorchDispatchMode):
             left, right = args[-2:]
             if tuple(out.shape) in self._shapes and left.shape[1] == right.shape[0]:
                 self.rows.append(int(left.shape[1]))
+                self.dtypes.append(out.dtype)
         return out
 
 

@@ -109,6 +109,10 @@ def test_quick_bench_of_chimera_over_two_data_parallel_copies(tmp_path):
     for label in ("twobp 1f1b", "twobp chimera", "twobp chimera+2bp"):
         assert variants[label]["skipped"] is None, label
         assert variants[label]["step_s"]["median"] > 0
+        # Without the whole-batch reference the first variant is the baseline: Chimera's 4
+        # replicas of every stage (2 pipelines x 2 copies) reduce to 1F1B's gradients.
+        assert variants[label]["grad_rel_error"] < 1e-5, label
+    assert variants["twobp 1f1b"]["grad_rel_error"] == 0.0
     for label in ("torch 1F1B", "reference whole-batch"):
         assert "runs twobp's own pipelines only" in variants[label]["skipped"]
     assert "Data parallel: 2 copies" in (out / "report.md").read_text()

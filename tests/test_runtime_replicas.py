@@ -46,6 +46,9 @@ FOUR = [
     ("tied", "chimera", True, {"data_parallel": 2}),
     ("tied", "dualpipe", True, {"data_parallel": 2}),
     ("mlp", "zb-h1", True, {"mesh_shape": (2, 2)}),
+    # BatchNorm's running statistics: averaged over 2 copies, and over 4 replicas.
+    ("conv", "1f1b", True, {"data_parallel": 2}),
+    ("conv", "chimera", True, {"data_parallel": 2}),
 ]
 TWO = [
     ("tied", "1f1b", True, {}),
@@ -57,6 +60,7 @@ TWO = [
     ("tied", "dualpipe", True, {}),
     ("tied", "dualpipe", False, {"n_microbatches": 8}),
     ("tied", "dualpipev", True, {}),
+    ("conv", "chimera", False, {}),
 ]
 BAD = [
     {"data_parallel": 3},
@@ -88,20 +92,22 @@ def _two() -> tuple[dict[str, Any], list[str]]:
     return train_many(TWO), errors(BAD)
 
 
-_REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
+_REFERENCES: dict[tuple[str, int, int, int], dict[str, Any]] = {}
 
 
-def _reference(model: str, copies: int, n_mb: int) -> dict[str, Any]:
-    key = (model, copies, n_mb)
+def _reference(model: str, copies: int, n_mb: int, replicas: int) -> dict[str, Any]:
+    key = (model, copies, n_mb, replicas)
     if key not in _REFERENCES:
-        _REFERENCES[key] = train_reference(model, n_mb * copies, PART * copies)
+        _REFERENCES[key] = train_reference(model, n_mb * copies, PART * copies, replicas)
     return _REFERENCES[key]
 
 
 def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, Any]]) -> None:
-    model, _, _, options = case
+    model, schedule, _, options = case
     copies = options.get("data_parallel", options.get("mesh_shape", (1,))[0])
-    reference = _reference(model, copies, options.get("n_microbatches", N_MB))
+    # Each copy of a stage updates BatchNorm's statistics on its own micro-batches.
+    replicas = copies * SCHEDULES[schedule].pipelines
+    reference = _reference(model, copies, options.get("n_microbatches", N_MB), replicas)
     grads: dict[str, torch.Tensor] = {}
     for rank, r in enumerate(results):
         for got, want in zip(r["losses"], reference["losses"], strict=True):
@@ -122,6 +128,7 @@ def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, 
     # eval_step(x): each copy's outputs of its own batch, on one rank of the copy.
     trained = torch.nn.Sequential(*build_blocks(model))
     trained.load_state_dict(reference["state"])
+    trained.eval()  # as the pipeline's blocks for eval_step
     inputs, _ = make_batch(model, 0, PART * copies)
     with torch.no_grad():
         want = trained(inputs)
