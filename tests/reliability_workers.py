@@ -13,9 +13,11 @@ import datetime
 import os
 import pickle
 import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,11 @@ from twobp.schedule import Kind, generate
 
 N_MB = 4
 BATCH = 2 * N_MB
-FATAL_TIMEOUT = 4.0
-"""Seconds the last pipeline of the bad-inputs session waits on a peer."""
+FATAL_TIMEOUT = 20.0
+"""Seconds the last pipeline of the bad-inputs session waits on a peer: far more than
+learning of a failure takes, even on a loaded machine."""
+MID_STEP_TIMEOUT = 20.0
+"""Seconds the pipelines of the mid-step failures wait on a peer (likewise)."""
 
 Outcome = tuple[str, str] | None
 """``(error class name, message)``, or None if the call returned."""
@@ -152,7 +157,8 @@ def bad_inputs_session(folder: str, timeout: float) -> None:
     save_outcomes(folder, out)
     dist.barrier()
     # Finally a rank raises out of its function: its process ends, the peer must not hang
-    # (the peer would wait 4 s for it; the launcher gives it 5 s to fail on its own).
+    # (the peer would wait FATAL_TIMEOUT for it; the launcher gives it longer to fail on
+    # its own).
     fatal = mlp(FATAL_TIMEOUT, blocks=[*build_blocks("mlp")[:9], _RaisesOnRank1(rank)])
     fatal.step(*needed_batches(fatal, x, y))
 
@@ -193,7 +199,7 @@ def _mid_step_failures(rank: int) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     x, y = make_batch("mlp", 0, BATCH)
-    timeout = 2.0
+    timeout = MID_STEP_TIMEOUT
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     pipe = Pipeline(
         build_blocks("mlp"), _non_scalar_loss, n_microbatches=N_MB, device="cpu", group=group,
@@ -326,6 +332,67 @@ def _damaged_copies(saved: Path, root: Path) -> None:
     data.write_bytes(bytes(raw))
 
 
+@contextmanager
+def held_writes(hold: Callable[[], None]) -> Iterator[None]:
+    """Every checkpoint data write of this process calls ``hold`` first (in DCP's thread,
+    for a background save): a write held back, or one that fails."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def held(self: Any, plan: Any, planner: Any) -> Any:
+        hold()
+        return write(self, plan, planner)
+
+    FileSystemWriter.write_data = held  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = write  # type: ignore[method-assign]
+
+
+def _held_background_saves(pipe: Pipeline, optimizer: Any, root: Path) -> dict[str, Any]:
+    """Background saves whose write waits until after the next step, or fails on rank 1."""
+    out: dict[str, Any] = {}
+    release = threading.Event()
+    events: list[str] = []
+
+    def wait_for_release() -> None:
+        events.append("write waits")
+        if not release.wait(timeout=30):
+            events.append("never released")
+
+    with held_writes(wait_for_release):
+        out["held state"] = _state(pipe)
+        out["held path"] = str(pipe.save(root / "held", optimizer, step=8, async_save=True))
+        events.append("save returned")
+        # The weights and the optimizer's state change while the write waits: the
+        # checkpoint must hold what they were at the save.
+        train_steps(pipe, optimizer, range(5, 6))
+        events.append("stepped")
+        out["held after step"] = _state(pipe)
+        release.set()
+        out["held waited"] = str(pipe.wait_for_checkpoint())
+    out["held events"] = events
+
+    def fail_on_rank_1() -> None:
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+
+    # (The writes run in DCP's thread after save returns: the failing writer stays in
+    # place until their outcome is collected.)
+    with held_writes(fail_on_rank_1):
+        pipe.save(root / "failing", optimizer, step=9, async_save=True)
+        out["failed write, next wait"] = outcome_of(pipe.wait_for_checkpoint)
+    out["failed write, wait again"] = pipe.wait_for_checkpoint()
+    with held_writes(fail_on_rank_1):
+        pipe.save(root / "failing", optimizer, step=10, async_save=True)
+        out["failed write, next save"] = outcome_of(
+            lambda: pipe.save(root / "failing", optimizer, step=11)
+        )
+    return out
+
+
 def checkpoint_session(folder: str, timeout: float, one_process: str) -> None:
     """Save, load into the same and another layout, fail to load, then die while saving.
 
@@ -396,6 +463,7 @@ def checkpoint_session(folder: str, timeout: float, one_process: str) -> None:
     train_steps(b, opt_b, range(4, 5))
     out["async waited"] = str(b.wait_for_checkpoint())
     out["nothing to wait for"] = b.wait_for_checkpoint()
+    out.update(_held_background_saves(b, opt_b, root))
 
     # A checkpoint of one process, loaded by two ranks.
     d = conv(timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -117,6 +118,29 @@ def save_and_load(folder: str) -> dict[str, Any]:
     return {"state": pipe.state_dict(), "path": str(path)}
 
 
+def adamw_across_copies(folder: str) -> dict[str, torch.Tensor]:
+    """2 AdamW steps of the MLP in 2 copies of 2 ranks, a checkpoint; then one pipeline
+    over all 4 ranks loads it and takes the third step. Its state on this rank."""
+    torch.set_num_threads(1)
+    copies = _pipeline("mlp", "1f1b", True, data_parallel=2)
+    optimizer = torch.optim.AdamW(copies.parameters(), lr=LR)
+    part = slice(copies.dp_rank * PART, (copies.dp_rank + 1) * PART)
+    for step in range(2):
+        inputs, targets = make_batch("mlp", step, 2 * PART)
+        copies.step(inputs[part], targets[part])
+        optimizer.step()
+        copies.zero_grad()
+    copies.save(folder, optimizer)
+    copies.close()
+    one = _pipeline("mlp", "1f1b", True, n_microbatches=2 * N_MB)
+    optimizer = torch.optim.AdamW(one.parameters(), lr=LR)
+    one.load(folder, optimizer)
+    inputs, targets = make_batch("mlp", 2, 2 * PART)
+    one.step(inputs, targets)
+    optimizer.step()
+    return one.state_dict()
+
+
 def load_tied(folder: str) -> dict[str, Any]:
     """Load a checkpoint into one tied pipeline over all the ranks."""
     torch.set_num_threads(1)
@@ -125,16 +149,49 @@ def load_tied(folder: str) -> dict[str, Any]:
     return {"state": pipe.state_dict()}
 
 
-def groups_around_a_pipeline() -> tuple[int, int, int, float]:
+def groups_around_a_pipeline() -> tuple[int, int, int, float, float]:
     """Process groups alive before a tied pipeline, once built and stepped, and once a
-    second pipeline is built on the same blocks after its close; the second's loss."""
+    second pipeline is built on the same blocks after its close; the two losses."""
     torch.set_num_threads(1)
     groups = torch.distributed.distributed_c10d._world.pg_map
     before = len(groups)
     blocks = build_blocks("tied")
     inputs, targets = make_batch("tied", 0, PART)
     with Pipeline(blocks, loss_fn("tied"), "1f1b", n_microbatches=N_MB, timeout=30.0) as first:
-        first.step(inputs, targets)
+        first_loss = first.step(inputs, targets)
         built = len(groups)
     with Pipeline(blocks, loss_fn("tied"), "1f1b", n_microbatches=N_MB, timeout=30.0) as second:
-        return before, built, len(groups), second.step(inputs, targets)
+        return before, built, len(groups), first_loss, second.step(inputs, targets)
+
+
+LATE = 1.0
+"""Seconds rank 1 waits before its last W in :func:`late_reduction`."""
+
+
+def late_reduction() -> dict[str, Any]:
+    """Chimera with 2BP on 2 ranks, where rank 1 is late for its last ``R``; one step.
+
+    Rank 0 runs ``... 3W2-3 3R2-3 0W0-1 0R0-1``; the replica of its stage 3 is rank
+    1's stage 1, whose ``1W1 1R0-1`` end rank 1's step. Rank 1 sleeps :data:`LATE`
+    before ``1W1``, after its last transfer to rank 0: rank 0's all-reduce of
+    ``3R2-3`` cannot complete before then. Returns this rank's spans by action, the
+    step's wall time and the gradients.
+    """
+    torch.set_num_threads(1)
+    pipe = _pipeline("mlp", "chimera", True)
+    if pipe.pp_rank == 1:
+        stage = pipe.stages[1]
+        weight = stage.weight
+
+        def late_weight(mbs: Any, group_size: int | None) -> None:
+            time.sleep(LATE)
+            weight(mbs, group_size)
+
+        stage.weight = late_weight  # type: ignore[method-assign]
+    inputs, targets = make_batch("mlp", 0, PART)
+    start = time.perf_counter()
+    pipe.step(inputs, targets)
+    wall = time.perf_counter() - start
+    spans = {str(s.action): (s.start, s.end) for s in pipe.local_spans}
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return {"spans": spans, "wall": wall, "grads": grads}

@@ -266,6 +266,38 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_when_saved(sessi
     assert all(torch.equal(merged[k], want[k]) for k in want)
 
 
+def test_a_background_save_copies_the_state_before_the_next_step_changes_it(session):
+    # The write waited (in DCP's thread) until after the next optimizer step: a save that
+    # wrote the live tensors instead of a copy would hold the weights after that step.
+    folder, outcomes, *_ = session
+    for out in outcomes:
+        assert out["held events"] == ["save returned", "write waits", "stepped"] or out[
+            "held events"
+        ] == ["write waits", "save returned", "stepped"], out["held events"]
+        assert out["held waited"] == out["held path"] == str(folder / "held" / "step-00000008")
+    merged = merge(folder / "held")
+    want = _union(outcomes, "held state")
+    assert set(merged) == set(want)
+    after = _union(outcomes, "held after step")
+    assert any(not torch.equal(want[k], after[k]) for k in want)
+    for name, tensor in want.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+def test_a_failed_background_save_is_reported_by_the_next_wait_or_save(session):
+    folder, outcomes, *_ = session
+    # Rank 1's write failed in DCP's thread; every rank hears of it, once.
+    said = "rank 1 cannot write its part of the checkpoint: OSError: [Errno 28] No space left"
+    for out in outcomes:
+        for key in ("failed write, next wait", "failed write, next save"):
+            name, message = out[key]
+            assert name == "CheckpointError" and said in message, (key, message)
+        assert out["failed write, wait again"] is None
+    # Nothing incomplete is ever loaded: no checkpoint came out of the failed writes.
+    assert latest_checkpoint(folder / "failing") is None
+    assert not [p for p in (folder / "failing").iterdir() if is_checkpoint(p)]
+
+
 def test_a_one_process_checkpoint_loads_into_two_ranks(session, single):
     _, outcomes, *_ = session
     got = _union(outcomes, "from one process state")

@@ -40,7 +40,9 @@ def test_every_rank_runs_the_one_schedule_rank_0_chose(profiled):
     assert profiled[0]["shown"].startswith(f"schedule='auto' chose {choice.schedule}")
     # Over gloo, posting a boundary's message holds the sender: measured, and simulated.
     assert profiled[0]["send_overhead"] == profiled[1]["send_overhead"]
-    assert 0 < profiled[0]["send_overhead"] < 0.1
+    # Posting one message holds the sender for less than a whole step, which posts one per
+    # micro-batch beside its compute: the same clock under the same load.
+    assert 0 < profiled[0]["send_overhead"] < min(profiled[0]["trial_times"])
 
 
 def test_trial_steps_time_the_contenders_alike_on_every_rank_and_keep_the_fastest(profiled):
@@ -108,8 +110,9 @@ def _zb_h2_profiled() -> dict:
     )
 
 
-def test_planning_leaves_the_running_statistics_and_gradients_as_they_were():
-    # Profiling and the contention runs train the blocks: BatchNorm updates its statistics.
+def test_planning_leaves_the_running_statistics_gradients_and_random_state_as_they_were():
+    # Profiling, the contention runs and the trial steps train the blocks: BatchNorm
+    # updates its statistics, dropout draws from the generator.
     changed = launch(changed_by_planning, 2, "conv", N_MB, BATCH, threads_per_rank=1, timeout=120)
     assert changed == [[], []]
 

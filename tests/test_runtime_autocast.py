@@ -19,8 +19,12 @@ def _float32_blocks() -> list[nn.Module]:
     return [b.float() for b in build_blocks("mlp")]
 
 
-@pytest.mark.parametrize("two_bp", [False, True])
-def test_bf16_autocast_pipeline_matches_autocast_autograd(two_bp):
+@pytest.mark.parametrize(
+    ("two_bp", "recompute"),
+    [(False, None), (True, None), (False, "activations"), (True, "all")],
+)
+def test_bf16_autocast_pipeline_matches_autocast_autograd(two_bp, recompute):
+    # Recomputed forwards run under autocast as the first ones did: the same numbers.
     inputs, targets = (t.float() for t in make_batch("mlp", 0, 2 * N_MB))
     blocks = _float32_blocks()
     pipe = Pipeline(
@@ -31,6 +35,7 @@ def test_bf16_autocast_pipeline_matches_autocast_autograd(two_bp):
         two_bp=two_bp,
         device="cpu",
         autocast=torch.bfloat16,
+        recompute=recompute,
     )
     weight_shapes = {tuple(p.shape) for p in pipe.parameters() if p.dim() == 2}
     with WeightProducts(weight_shapes) as products:

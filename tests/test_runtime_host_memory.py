@@ -53,15 +53,16 @@ def _faults_in_fresh_process(mode: str) -> int:
 def test_retained_memory_is_not_faulted_in_again():
     plain = _faults_in_fresh_process("default")
     retained = _faults_in_fresh_process("retain")
-    # Without the setting, each later round faults most of its pages again.
-    assert plain > PAGES, plain
+    # Without the setting, one to all three later rounds fault their pages again (25,551 or
+    # 73,614 faults); with it, a few pages of the rounds are faulted in once (about 1,024).
+    assert plain > PAGES // 2, plain
     assert retained < PAGES // 8, retained
 
 
 def test_a_cpu_pipeline_retains_freed_memory_unless_told_not_to():
     kept = launch(faults_after_pipeline, 1, True, timeout=120)[0]
     released = launch(faults_after_pipeline, 1, False, timeout=120)[0]
-    assert released > PAGES, released
+    assert released > PAGES // 2, released
     # After a pipeline, up to 3 of the 24 blocks are faulted in again now and then (0-3,073
     # faults over 24 runs); without the setting every round faults them all (> 24,576).
     assert kept < PAGES // 4, kept

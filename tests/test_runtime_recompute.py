@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from recompute_workers import MODES, RecomputeCase, session
+from recompute_workers import MODES, RecomputeCase, dropout_batch, dropout_blocks, session
 from runtime_models import build_blocks, loss_fn, needs_no_process_group, train_reference
 from twobp.runtime import NonRepeatableForwardError, Pipeline, PipelineConfigError, launch
 
@@ -170,3 +170,43 @@ def test_memory_stats_counts_the_optimizer_it_is_given():
 
 def test_the_error_type_is_a_config_error():
     assert issubclass(NonRepeatableForwardError, PipelineConfigError)
+
+
+@needs_no_process_group
+@pytest.mark.parametrize("two_bp", [True, False])
+def test_dropout_in_a_world_of_one_matches_plain_autograd(two_bp):
+    # One rank runs the forwards in micro-batch order, as autograd micro-batch by
+    # micro-batch does: the same masks from the same generator, with and without
+    # recomputation, and the generator left where autograd leaves it.
+    inputs, targets = dropout_batch(2 * DROPOUT_MB)
+    reference = torch.nn.Sequential(*dropout_blocks())
+    torch.manual_seed(1000)
+    want_loss = 0.0
+    for x, y in zip(inputs.chunk(DROPOUT_MB), targets.chunk(DROPOUT_MB), strict=True):
+        loss = torch.nn.functional.mse_loss(reference(x), y) / DROPOUT_MB
+        loss.backward()
+        want_loss += float(loss.detach())
+    want_after = float(torch.rand(()))
+    for mode in (None, *MODES):
+        case = RecomputeCase("dropout", "1f1b", mode, two_bp=two_bp)
+        with _dropout_pipeline(case) as pipe:
+            torch.manual_seed(1000)
+            got_loss = pipe.step(inputs, targets)
+            after = float(torch.rand(()))
+            grads = dict(pipe.named_parameters())
+        assert got_loss == pytest.approx(want_loss, rel=0, abs=EXACT), mode
+        assert after == want_after, mode
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=0, atol=EXACT, msg=name)
+
+
+def _dropout_pipeline(case: RecomputeCase) -> Pipeline:
+    return Pipeline(
+        dropout_blocks(),
+        torch.nn.functional.mse_loss,
+        case.schedule,
+        DROPOUT_MB,
+        two_bp=case.two_bp,
+        recompute=case.recompute,
+        device="cpu",
+    )

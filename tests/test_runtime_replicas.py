@@ -20,10 +20,13 @@ import pytest
 import torch
 
 from replica_workers import (
+    LATE,
     N_MB,
     PART,
+    adamw_across_copies,
     errors,
     groups_around_a_pipeline,
+    late_reduction,
     load_tied,
     save_and_load,
     train_many,
@@ -49,6 +52,8 @@ FOUR = [
     # BatchNorm's running statistics: averaged over 2 copies, and over 4 replicas.
     ("conv", "1f1b", True, {"data_parallel": 2}),
     ("conv", "chimera", True, {"data_parallel": 2}),
+    # Recomputation in copies of a pipeline.
+    ("mlp", "zb-h1", True, {"data_parallel": 2, "recompute": "all"}),
 ]
 TWO = [
     ("tied", "1f1b", True, {}),
@@ -61,6 +66,9 @@ TWO = [
     ("tied", "dualpipe", False, {"n_microbatches": 8}),
     ("tied", "dualpipev", True, {}),
     ("conv", "chimera", False, {}),
+    # Recomputation with Chimera's replicas and a tied weight.
+    ("tied", "chimera", True, {"recompute": "all"}),
+    ("tied", "1f1b", True, {"recompute": "derivatives"}),
 ]
 BAD = [
     {"data_parallel": 3},
@@ -78,9 +86,10 @@ def four(tmp_path_factory) -> list[Any]:
     return launch(_four, 4, folder, timeout=600)
 
 
-def _four(folder: str) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any]]:
+def _four(folder: str) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any], Any]:
     saved = save_and_load(folder)
-    return train_many(FOUR), unequal_parts(), saved, load_tied(folder)
+    across = adamw_across_copies(f"{folder}/adamw")
+    return train_many(FOUR), unequal_parts(), saved, load_tied(folder), across
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +97,8 @@ def two() -> list[Any]:
     return launch(_two, 2, timeout=600)
 
 
-def _two() -> tuple[dict[str, Any], list[str]]:
-    return train_many(TWO), errors(BAD)
+def _two() -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    return train_many(TWO), errors(BAD), late_reduction()
 
 
 _REFERENCES: dict[tuple[str, int, int, int], dict[str, Any]] = {}
@@ -230,7 +239,37 @@ def test_two_copies_of_chimera_on_four_ranks_each_match_one_process():
 
 def test_a_later_pipeline_shares_the_groups_of_the_same_reductions():
     results = launch(groups_around_a_pipeline, 2, timeout=120)
-    for before, built, again, loss in results:
+    # The blocks did not change (no optimizer step): both give one process's first loss.
+    want = _reference("tied", 1, N_MB, 1)["losses"][0]
+    for before, built, again, first, second in results:
         assert built > before  # the tied weight's reduction has a group of its own
         assert again == built
-        assert math.isfinite(loss)
+        assert math.isclose(first, want, rel_tol=0, abs_tol=TOL)
+        assert math.isclose(second, want, rel_tol=0, abs_tol=TOL)
+
+
+def test_r_starts_the_reduction_and_the_rank_goes_on_with_its_next_action(two):
+    # Rank 1 is LATE for the R that rank 0's 3R2-3 reduces with (see late_reduction):
+    # rank 0 posts it and runs 0W0-1 at once, and waits for it only at the step's end.
+    rank0, rank1 = (r[2] for r in two)
+    start, end = rank0["spans"]["3R2-3"]
+    assert end - start < LATE / 4
+    assert rank0["spans"]["0W0-1"][0] - end < LATE / 4
+    assert rank0["wall"] > LATE  # ... it did wait for it
+    want = _reference("mlp", 1, N_MB, 1)["grads"]
+    grads = {**rank0["grads"], **rank1["grads"]}
+    assert set(grads) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(grads[name], value, rtol=0, atol=TOL, msg=name)
+
+
+def test_adamw_state_saved_by_two_copies_goes_on_in_one_pipeline_over_all_ranks(four):
+    # 2 AdamW steps in 2 copies of 2 ranks, saved; the third in one pipeline of 4 ranks
+    # loaded from it (the moments and step counts of every parameter): one process's 3.
+    want = _reference("mlp", 2, N_MB, 1)["state"]
+    state: dict[str, torch.Tensor] = {}
+    for r in four:
+        state.update(r[4])
+    assert set(state) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=TOL, msg=name)

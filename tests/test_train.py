@@ -41,19 +41,45 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
 
 
-def test_train_two_copies_of_a_chimera_pipeline(tmp_path):
+def _one_process_losses(argv: list[str]) -> list[float]:
+    """The losses of the run ``argv`` describes, as plain PyTorch on one process trains it:
+    the same model, batches, learning rates, clipping and AdamW."""
+    from twobp.cli.main import build_parser
+    from twobp.cli.train import train_config
+    from twobp.train.task import build_task
+
+    cfg = train_config(build_parser().parse_args(argv))[0]
+    task = build_task(cfg)
+    model = torch.nn.Sequential(*task.spec.blocks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses = []
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        inputs, targets = task.batch_at(step, "train")
+        loss = task.spec.loss_fn(model(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_train_two_copies_of_a_chimera_pipeline(tmp_path, torch_one_thread):
     out = tmp_path / "run"
-    code = main(
-        [
-            "train", "--ranks", "4", "--data-parallel", "2", "--schedule", "chimera",
-            "--steps", "3", "--batch-size", "16", "--microbatches", "4", "--seq-len", "16",
-            "--threads", "1", "--timeout", "60", "--out", str(out),
-        ]
-    )  # fmt: skip
-    assert code == 0
+    argv = [
+        "train", "--ranks", "4", "--data-parallel", "2", "--schedule", "chimera",
+        "--steps", "3", "--batch-size", "16", "--microbatches", "4", "--seq-len", "16",
+        "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_run"] == 3
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1", "2", "3"}
+    # 2 copies x 2 pipelines, every stage on 4 ranks: the losses of one process.
+    want = _one_process_losses(argv)
+    assert metrics["losses"] == pytest.approx(want, rel=0, abs=1e-10)
 
 
 def test_train_with_recompute_reports_memory(tmp_path, capsys):
