@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from twobp.engine import TwoStageBackwardError, WeightGradStore, defer_weight_grads
     from twobp.runtime import (
         CheckpointError,
+        GradScaler,
         LaunchError,
         ModelMismatchError,
         NonFiniteLossError,
@@ -37,6 +38,7 @@ _LAZY = {
     "split": "twobp.cut",
     "SplitError": "twobp.cut",
     "ModelBlocks": "twobp.cut",
+    "GradScaler": "twobp.runtime",
     "LaunchError": "twobp.runtime",
     "NonFiniteLossError": "twobp.runtime",
     "NonRepeatableForwardError": "twobp.runtime",
@@ -70,6 +72,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointError",
+    "GradScaler",
     "LaunchError",
     "ModelBlocks",
     "ModelMismatchError",

@@ -39,9 +39,11 @@ from twobp.runtime.errors import (
 from twobp.runtime.launch import launch
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline import Pipeline
+from twobp.runtime.state.grad_scaler import GradScaler
 
 __all__ = [
     "CheckpointError",
+    "GradScaler",
     "LaunchError",
     "ModelMismatchError",
     "NonFiniteLossError",

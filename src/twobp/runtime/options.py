@@ -21,6 +21,7 @@ import torch.distributed as dist
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.setup.auto.plan import CONTENDERS
 from twobp.runtime.setup.pipeline_plan import CostsArgument
+from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.schedule.schedule import Schedule
 
 
@@ -179,6 +180,14 @@ class PipelineOptions:
             "with schedule='auto' on measured costs, how many of the fastest simulated schedules "
             "run a few trial steps before the fastest measured is kept; 0 or 1: the simulator's "
             "choice"
+        ),
+    )
+    grad_scaler: GradScaler | None = field(
+        default=None,
+        metadata=_help(
+            "a twobp.GradScaler for float16: every micro-batch's loss is multiplied by its scale "
+            "before the backward, and its unscale_/step/update agree on overflows over every "
+            "rank of the pipeline and its copies (skipped or stepped together); None: no scaling"
         ),
     )
 

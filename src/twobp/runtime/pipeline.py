@@ -83,6 +83,7 @@ from twobp.runtime.setup.pipeline_plan import (
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
+from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
 from twobp.runtime.state.optimizer_and_rng import parameter_names
@@ -203,6 +204,16 @@ class Pipeline:
             :mod:`twobp.engine.compiled`). True: inductor; a dict:
             ``torch.compile``'s keywords (``backend``, ``mode``, ``dynamic``).
             Blocks the user compiled keep 2BP without it.
+        grad_scaler: a :class:`twobp.GradScaler` for float16 (with
+            ``autocast=torch.float16``): every micro-batch's loss is
+            multiplied by its scale before its backward, so I and W see scaled
+            gradients (:meth:`step` still returns the unscaled mean loss);
+            ``scaler.unscale_``, ``step`` and ``update`` agree on overflows by
+            one all-reduce over every rank of the pipeline and its copies, so
+            all ranks skip or step together and the scale moves identically.
+            An overflow is then a skipped step, not a ``NonFiniteLossError``
+            (a loss that is not finite itself still follows ``nonfinite``).
+            None: no loss scaling.
 
     Every argument after ``loss_fn`` is a field of
     :class:`twobp.runtime.options.PipelineOptions`, documented there too, and
@@ -247,6 +258,7 @@ class Pipeline:
         retain_host_memory: bool = True,
         auto_trials: int = CONTENDERS,
         compile: bool | dict[str, Any] = False,
+        grad_scaler: GradScaler | None = None,
     ) -> None:
         self._released = False
         all_blocks = as_blocks(blocks)
@@ -274,6 +286,7 @@ class Pipeline:
             retain_host_memory=retain_host_memory,
             auto_trials=auto_trials,
             compile=compile,
+            grad_scaler=grad_scaler,
         )
         # The pipeline keeps neither the process group nor a mesh of groups alive (destroying
         # the group ends it, see close()), nor the example micro-batch.
@@ -283,6 +296,7 @@ class Pipeline:
         _check_recompute(recompute)
         check_microbatches(schedule, n_microbatches, costs)
         self._compile = compile_options(compile)
+        _check_grad_scaler(grad_scaler, self)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
@@ -312,6 +326,10 @@ class Pipeline:
         """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
         ranking, the predicted step time (``print`` shows it); None otherwise, and until
         the first step where ``auto`` plans on that step's inputs."""
+        self.grad_scaler = grad_scaler
+        """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
+        if grad_scaler is not None:
+            grad_scaler.bind(self, members, self.device, self.timeout)
         self._pending: _Pending | None = None
         self._closed_unplanned = False
         if _plans_at_first_step(given, members, self.device, self.timeout):
@@ -682,6 +700,9 @@ class Pipeline:
             return
         self.state.closed = True
         forget(self)
+        scaler = getattr(self, "grad_scaler", None)
+        if scaler is not None:
+            scaler.unbind(self)
         for stage in self.stages.values():
             stage.abandon_step()
             # The blocks are free again: another pipeline may be built on them.
@@ -765,8 +786,8 @@ class Pipeline:
 
         Returns:
             The mean loss over the batch (mean of the micro-batch losses), on
-            every rank. NaN or infinite only with ``nonfinite="skip"``, when
-            the step was skipped.
+            every rank, unscaled under a ``grad_scaler``. NaN or infinite only
+            with ``nonfinite="skip"``, when the step was skipped.
 
         Raises:
             PipelineConfigError: on every rank, if a needed batch is missing or
@@ -792,6 +813,9 @@ class Pipeline:
                 "call claim_blocks() before its next step"
             )
         mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
+        scale = 1.0 if self.grad_scaler is None else self.grad_scaler.loss_scale()
+        for stage in self.stages.values():
+            stage.set_loss_scale(scale)
         # The step reduces and settles its own gradients only (see accumulation).
         self._earlier_gradients.set_aside(self.module.parameters())
         try:
@@ -1049,6 +1073,8 @@ def _trials(
             memory_limit=None,
             nonfinite="skip",
             auto_trials=0,
+            # Trial steps take no optimizer step: the scaler stays with the pipeline.
+            grad_scaler=None,
         )
         return Pipeline(blocks, stand_in_loss, **trial.keywords())
 
@@ -1097,6 +1123,28 @@ def _plans_at_first_step(
 def _detached(batch: Batch) -> Batch:
     tensors, is_tuple = flatten(batch)
     return unflatten([t.detach() for t in tensors], is_tuple)
+
+
+def _check_grad_scaler(scaler: object, pipe: Pipeline) -> None:
+    """Refuse a scaler that cannot agree across ranks, or that another pipeline holds, at once."""
+    if scaler is None:
+        return
+    if isinstance(scaler, GradScaler):
+        if scaler.belongs_elsewhere(pipe):
+            raise PipelineConfigError(
+                "grad_scaler belongs to another open pipeline: close that one first "
+                "(pipe.close()), or give each pipeline its own twobp.GradScaler"
+            )
+        return
+    if isinstance(scaler, torch.amp.GradScaler):
+        raise PipelineConfigError(
+            "grad_scaler is a torch.amp.GradScaler, which looks only at this rank's gradients "
+            "(one rank would skip a step that another applies); use twobp.GradScaler, which "
+            "takes the same arguments and methods"
+        )
+    raise PipelineConfigError(
+        f"grad_scaler must be a twobp.GradScaler or None, not {type(scaler).__name__}"
+    )
 
 
 def _check_recompute(recompute: object) -> None:

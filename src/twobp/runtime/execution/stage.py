@@ -107,11 +107,17 @@ class Stage:
         self.recompute = recompute
         self.memory = memory if memory is not None else MemoryMeter(torch.device("cpu"))
         self._loss_fn = loss_fn
+        self._n_microbatches = n_microbatches
         self._scale = 1.0 / n_microbatches
         self._kept: dict[int, _Kept] = {}
         self._pending: dict[int, _Kept] = {}
         self._autocast = autocast
         self._label = label or f"stage {index}"
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Start the backward of every later micro-batch's loss from ``scale / n_microbatches``
+        (a loss scale for float16: :class:`twobp.runtime.state.grad_scaler.GradScaler`)."""
+        self._scale = scale / self._n_microbatches
 
     def _cast(self) -> contextlib.AbstractContextManager[Any]:
         if self._autocast is None:
@@ -217,7 +223,8 @@ class Stage:
             mb: the micro-batch.
             grad_outputs: gradients of the outputs that require grad, in
                 order; ignored by the last stage, which starts from its loss
-                scaled by ``1 / n_microbatches``.
+                scaled by ``1 / n_microbatches`` (times the loss scale, see
+                :meth:`set_loss_scale`).
             split: run the input pass only, leaving the weights to :meth:`weight`.
 
         Returns:
