@@ -196,3 +196,41 @@ def test_autocast_dtype_the_device_cannot_run_is_refused():
         check_autocast_dtype(torch.device("cpu"), torch.float64)
     with pytest.raises(ValueError, match="not available on device type 'meta'"):
         check_autocast_dtype(torch.device("meta"), torch.bfloat16)
+
+
+WIDE_CALLS = {
+    name: CALLS[name] for name in ("linear", "addmm", "matmul left", "bmm", "conv1d")
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_CALLS))
+def test_a_float16_weight_gradient_concatenated_over_micro_batches_does_not_overflow(name):
+    """Each micro-batch's float16 weight gradient is finite (about 30000, below 65504) but
+    four of them sum to about 120000: W over all four gives that sum, as four separate
+    passes into the float32 .grad would, not infinity."""
+    call, shape = WIDE_CALLS[name]
+    module, reference = Operands(), Operands()
+    with torch.no_grad():
+        for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+            p.fill_(0.01)
+            q.fill_(0.01)
+    store = defer_weight_grads(module)
+    n = 4
+    xs = [torch.full(shape, 60.0) for _ in range(n)]
+    for mb, x in enumerate(xs):
+        with torch.autocast("cpu", dtype=torch.float16):
+            want = call(reference, x)
+            with store.forward(mb):
+                got = call(module, x)
+        seed = torch.full_like(got, 500.0 / (x.numel() // shape[-1]))
+        want.backward(seed)
+        store.backward_input(mb, [got], [seed], [])
+    store.backward_weight(range(n))
+    store.finish_step()
+    for (label, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            continue
+        assert torch.isfinite(q.grad).all(), label
+        if label in ("w2", "w3"):
+            assert q.grad.abs().max() > 65504, label
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-3, atol=0)

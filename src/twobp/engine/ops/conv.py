@@ -3,7 +3,8 @@
 I and W both call ``aten.convolution_backward``, I with only the input
 gradient requested, W with only the weight (and bias) gradients, over the
 stashed inputs and output gradients concatenated along the batch dimension
-(one call per distinct shape).
+(one call per distinct shape; float16 stashes one call each, summed in the
+float32 gradient, so that the sum does not overflow float16).
 
 ``padding="same"`` that needs more on one side than the other (an even
 kernel) pads the input with ``F.pad`` first, as ATen does, so that autograd
@@ -23,6 +24,7 @@ from torch import Tensor
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import cast
+from twobp.engine.precision import wide
 from twobp.engine.stash import SharedRows, cat_rows, group_by_shape
 
 _convolution = torch.ops.aten.convolution.default
@@ -64,7 +66,10 @@ class DeferredConv(DeferredOp):
         assert weight is not None
         bias_sizes = None if bias is None else [stashes[0][1].shape[1]]
         mask = self.weight_grad_mask()
-        for group in group_by_shape(stashes):
+        # Float16 results are summed in float32 .grad one micro-batch at a time: a
+        # concatenated float16 convolution gradient could overflow where its parts do not.
+        groups = [[s] for s in stashes] if wide(stashes[0][0]) else group_by_shape(stashes)
+        for group in groups:
             x = cat_rows([s[0] for s in group], group[0][0].shape[1:])
             dy = cat_rows([s[1] for s in group], group[0][1].shape[1:])
             # The weight gradient reads only the weight's shape, in the stashes' dtype.

@@ -1,7 +1,8 @@
 """``F.linear`` with a deferred weight gradient.
 
 I computes ``dX = dY @ W``; W computes ``dW = cat(dY)^T @ cat(X)`` and
-``db = sum(cat(dY))``, whatever the leading dimensions of the stashed calls.
+``db = sum(cat(dY))``, whatever the leading dimensions of the stashed calls
+(float16 stashes in float32: :mod:`twobp.engine.precision`).
 Stashes are concatenated only up to :data:`~twobp.engine.stash.CONCAT_ROWS`
 rows per product: small micro-batches gain from fewer, larger products (fewer
 passes over the gradient), large ones would only pay for the copy.
@@ -19,6 +20,7 @@ from torch import Tensor
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import cast
+from twobp.engine.precision import row_sum, weight_mm
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
 
 
@@ -68,9 +70,9 @@ class DeferredLinear(DeferredOp):
                 elif direct and grad is None and param.dtype == dy.dtype:
                     param.grad = torch.mm(dy.t(), x)
                 else:
-                    weight.add_grad(torch.mm(dy.t(), x))
+                    weight.add_grad(weight_mm(dy.t(), x))
             if bias is not None:
-                bias.add_grad(dy.sum(0))
+                bias.add_grad(row_sum(dy))
 
 
 _LINEAR = (("input", "weight", "bias"), (None,))

@@ -6,7 +6,8 @@ The parameter ``P`` is either operand. On the right (``y = x @ P``, GPT-2's
 (``y = P @ x``, Mamba's ``dt_proj.weight @ x``) I computes ``dx = P^T @ dY``
 and W ``dP = cat(dY) @ cat(x)^T`` over the columns. A 2-D parameter takes any
 batch dimensions of ``x``; a batched parameter (``bmm``) takes an ``x`` with
-the same batch dimensions, and W concatenates per batch entry.
+the same batch dimensions, and W concatenates per batch entry. Float16
+stashes give float32 products (:mod:`twobp.engine.precision`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
 from twobp.engine.deferred import DeferredOp, in_input_dtype
 from twobp.engine.operand import Operand, cast
+from twobp.engine.precision import row_sum, weight_matmul, weight_mm
 from twobp.engine.stash import SharedRows, cat_rows, row_chunks
 
 
@@ -85,9 +87,9 @@ def _right_weight_grads(
         x = shared.cat([s[0] for s in chunk], (k,))
         dy = cat_rows([s[1] for s in chunk], (m,))
         if weight.param.requires_grad:
-            weight.add_grad(torch.mm(x.t(), dy))
+            weight.add_grad(weight_mm(x.t(), dy))
         if bias is not None:
-            bias.add_grad(dy.sum(0))
+            bias.add_grad(row_sum(dy))
 
 
 def _left_weight_grads(weight: Operand, stashes: Sequence[tuple[Tensor, ...]]) -> None:
@@ -99,7 +101,7 @@ def _left_weight_grads(weight: Operand, stashes: Sequence[tuple[Tensor, ...]]) -
     dys = [_columns(s[1], m) for s in stashes]
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)
-    weight.add_grad(torch.mm(dy.t(), x))
+    weight.add_grad(weight_mm(dy.t(), x))
 
 
 def _batched_weight_grads(
@@ -108,7 +110,7 @@ def _batched_weight_grads(
     dim = -2 if side == "right" else -1
     x = torch.cat([s[0] for s in stashes], dim=dim)
     dy = torch.cat([s[1] for s in stashes], dim=dim)
-    weight.add_grad(torch.matmul(x.mT, dy) if side == "right" else torch.matmul(dy, x.mT))
+    weight.add_grad(weight_matmul(x.mT, dy) if side == "right" else weight_matmul(dy, x.mT))
 
 
 def _columns(t: Tensor, size: int) -> Tensor:
