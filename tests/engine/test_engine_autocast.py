@@ -198,9 +198,7 @@ def test_autocast_dtype_the_device_cannot_run_is_refused():
         check_autocast_dtype(torch.device("meta"), torch.bfloat16)
 
 
-WIDE_CALLS = {
-    name: CALLS[name] for name in ("linear", "addmm", "matmul left", "bmm", "conv1d")
-}
+WIDE_CALLS = {name: CALLS[name] for name in ("linear", "addmm", "matmul left", "bmm", "conv1d")}
 
 
 @pytest.mark.parametrize("name", list(WIDE_CALLS))

@@ -437,6 +437,7 @@ class Pipeline:
             ),
             tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
             model_names=None if names is None else ModelNames(names),
+            grad_scaler=given.grad_scaler,
         )
         """This rank's blocks as a model: parameters, state dicts, checkpoints
         (:class:`twobp.runtime.state.model_state.PipelineState`)."""

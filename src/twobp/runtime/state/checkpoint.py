@@ -8,7 +8,8 @@ A folder of checkpoints holds one sub-folder per saved step::
         __1_0.distcp      format: weights and buffers, optimizer state, RNG states, by name
         .metadata         DCP's index of every tensor (written once all data is in place)
         manifest.json     written last: step, schedule, stages, optimizer groups, RNG
-                          rest, every rank's extra, each file's size and CRC-32 (JSON)
+                          rest, every rank's extra, the loss scaler's state, each
+                          file's size and CRC-32 (JSON)
 
 The tensors are named as in the single-process model (``model.3.attn.q.weight``,
 ``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.checkpoint_entries`),
@@ -277,6 +278,8 @@ def _manifest(
             {key: parts[r][key] for key in ("extra", "rng", "optimizer")}
             for r in range(pipe.topology.pp_size)
         ],
+        # The same on every rank (the ranks agree on every update).
+        "grad_scaler": pipe.grad_scaler.state_dict() if pipe.grad_scaler is not None else None,
         "meta": dict(meta or {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -334,6 +337,8 @@ class _LoadPlan:
     step: int
     shards: dict[int, dict[str, Any]] | None = None
     """A sharded optimizer's state by the index of its parameters, filled by DCP."""
+    grad_scaler: dict[str, Any] | None = None
+    """The loss scaler's state (None: saved without one, or from a disabled one)."""
 
 
 def load(
@@ -380,6 +385,8 @@ def load(
         load_optimizer_state_by_name(optimizer, names, [saved])
     if plan.rng is not None:
         set_rng_state(rng_state_from_entries(plan.home, plan.tensors, plan.rng), pipe.device)
+    if pipe.grad_scaler is not None and plan.grad_scaler:
+        pipe.grad_scaler.load_state_dict(plan.grad_scaler)
     pipe.step_count = plan.step
     return plan.extra
 
@@ -464,6 +471,7 @@ def _plan(
         home=home,
         extra=manifest["ranks"][home]["extra"],
         step=int(manifest["step"]),
+        grad_scaler=manifest.get("grad_scaler"),
     )
 
 

@@ -132,7 +132,9 @@ class GradScaler:
         other = self._binding.owner()
         return other is not None and other is not owner
 
-    def bind(self, owner: object, members: Membership, device: torch.device, timeout: float) -> None:
+    def bind(
+        self, owner: object, members: Membership, device: torch.device, timeout: float
+    ) -> None:
         """Attach the scaler to the pipeline ``owner`` (``Pipeline`` calls this).
 
         Raises:
@@ -220,9 +222,7 @@ class GradScaler:
                     groups[(values.device, values.dtype)].append(values)
             for (device, _), grads in groups.items():
                 here = found_inf if device == found_inf.device else found_inf.to(device)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, here, inv_scale.to(device)
-                )
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
                 if here is not found_inf:
                     found_inf.copy_(torch.maximum(found_inf, here.to(found_inf.device)))
         collective.all_reduce(

@@ -21,6 +21,7 @@ from twobp.runtime.base.topology import Topology
 from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
+from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule.schedule import Schedule
@@ -46,6 +47,8 @@ class PipelineState:
             whole model), to its first.
         model_names: the names of the model the blocks were cut from
             (``twobp.split``), or None: the blocks' own.
+        grad_scaler: the pipeline's :class:`twobp.GradScaler`, saved and loaded
+            with the checkpoints; None: none.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class PipelineState:
         written_blocks: frozenset[int],
         tied_names: Mapping[str, str] | None = None,
         model_names: ModelNames | None = None,
+        grad_scaler: GradScaler | None = None,
     ) -> None:
         self.module = module
         self.rank = rank
@@ -77,6 +81,8 @@ class PipelineState:
         self._aliases = dict(aliases)
         self._tied_names = dict(tied_names or {})
         self._model_names = model_names
+        self.grad_scaler = grad_scaler
+        """The loss scaler of the pipeline, whose state its checkpoints keep (None: none)."""
         self.step_count = 0
         """Steps run so far (restored by :meth:`load`); the index of the next step."""
         self.background_saves = checkpoint.BackgroundSaves()
@@ -229,7 +235,8 @@ class PipelineState:
         The tensors go to ``torch.distributed.checkpoint`` (DCP) format: the
         parameters and buffers and the optimizer's state under single-process
         names, and each rank's RNG states; the rest (step, schedule, stages,
-        optimizer hyper-parameters, ``extra``) goes to a JSON manifest that rank
+        optimizer hyper-parameters, the ``grad_scaler``'s state, ``extra``) goes
+        to a JSON manifest that rank
         0 writes last. The write is atomic: until the new checkpoint is
         complete, the earlier ones stay as they were (see
         :mod:`twobp.runtime.state.checkpoint`).
@@ -282,7 +289,8 @@ class PipelineState:
 
         The checkpoint may come from another partition, schedule or number of
         ranks: every rank reads the tensors (and optimizer state) of the
-        parameters it holds now, by name. RNG states are restored when the
+        parameters it holds now, by name. The ``grad_scaler`` gets its saved
+        scale back. RNG states are restored when the
         number of ranks is the same; :attr:`step_count` is restored. Nothing in
         the checkpoint is unpickled: tensors, DCP's index and JSON only.
 
