@@ -17,7 +17,7 @@ import torch
 from twobp.cli.main import main
 from twobp.train.config import TrainConfig
 from twobp.train.preflight import OptionError, check_dtype
-from twobp.train.task import autocast_dtype, build_task, parameter_dtype
+from twobp.train.task import autocast_dtype, build_task, grad_scaler, parameter_dtype
 
 SHORT = [
     "--steps", "3", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
@@ -83,3 +83,55 @@ def test_the_config_file_takes_autocast_and_names_the_key(tmp_path, capsys):
     path.write_text('dtype = "float32"\nautocast = true\n')
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
     assert f"{path}, key autocast: --autocast computes" in capsys.readouterr().err
+
+
+SCALED = [
+    "--steps", "100", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
+    "--warmup", "5", "--threads", "1", "--timeout", "120", "--log-every", "50",
+]  # fmt: skip
+
+
+def test_float16_autocast_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path):
+    """100 steps in two runs (50, then --resume to 100): the loss falls as in float32, the
+    report gives the scale, and the resumed run goes on counting the scaler's steps."""
+    f16, f32 = tmp_path / "f16", tmp_path / "f32"
+    half = ["--dtype", "float16", "--autocast", *SCALED, "--out", str(f16)]
+    assert main(["train", *half, "--stop-after", "50"]) == 0
+    assert main(["train", *half, "--resume", "auto"]) == 0
+    assert main(["train", *SCALED, "--no-save", "--out", str(f32)]) == 0
+    scaled = json.loads((f16 / "metrics.json").read_text())
+    plain = json.loads((f32 / "metrics.json").read_text())
+    assert scaled["steps_run"] == 100 and scaled["resumed_from_step"] == 50
+    assert scaled["loss_scale"] == "dynamic"
+    state = scaled["loss_scale_state"]
+    # The tracker counts steps since the last overflow over both runs, not this run's 50.
+    overflows = scaled["overflow_steps"]
+    assert state["_growth_tracker"] == 100 - (max(overflows) + 1 if overflows else 0)
+    assert state["scale"] == 2.0**16 * 0.5 ** len(overflows)
+    assert scaled["loss_first"] - scaled["loss_last"] > 1.0
+    assert abs(scaled["loss_last"] - plain["loss_last"]) < 0.05 * plain["loss_last"]
+    report = (f16 / "report.md").read_text()
+    assert f"dynamic loss scale, {state['scale']:g} at the end" in report
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--dtype", "bfloat16", "--autocast", "--loss-scale", "dynamic"], "bfloat16 has"),
+        (["--dtype", "float16", "--loss-scale", "1024"], "for float16 computation with float32"),
+        (["--dtype", "float16", "--autocast", "--loss-scale", "-3"], "--loss-scale -3: give"),
+    ],
+)
+def test_a_loss_scale_that_cannot_apply_is_one_line_and_exit_2(argv, named, tmp_path, capsys):
+    assert main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err, err
+
+
+def test_the_loss_scale_option_builds_the_scaler():
+    assert grad_scaler(TrainConfig(dtype="float16", autocast=True)).get_scale() == 2.0**16
+    static = grad_scaler(TrainConfig(dtype="float16", autocast=True, loss_scale="128"))
+    assert static.get_scale() == 128.0 and static.get_growth_factor() == 1.0
+    assert static.get_backoff_factor() == 1.0
+    assert grad_scaler(TrainConfig(dtype="float16", autocast=True, loss_scale="off")) is None
+    assert grad_scaler(TrainConfig(dtype="bfloat16", autocast=True)) is None

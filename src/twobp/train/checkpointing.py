@@ -2,8 +2,8 @@
 
 A run saves into ``OUT/checkpoints`` every ``--save-every`` steps and at its
 end. A checkpoint holds, besides the pipeline's weights, optimizer and RNG
-states, the run's history (the step reached, the loss of every step, the
-skipped steps) and, in its manifest, the run's options. Data batches are a
+states and the loss scale, the run's history (the step reached, the loss of
+every step, the skipped steps) and, in its manifest, the run's options. Data batches are a
 pure function of ``(seed, step)``, so the step is the data position: a
 resumed run sees the batches an uninterrupted run would have seen, and ends
 with the same weights (bitwise on the CPU).
@@ -44,6 +44,8 @@ class History:
     """The mean loss of every step done."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose loss was not finite and whose gradients were dropped."""
+    overflow_steps: list[int] = field(default_factory=list)
+    """Steps skipped by the loss scaler: some gradient overflowed float16 (``--loss-scale``)."""
 
 
 def checkpoint_root(cfg: TrainConfig) -> Path:

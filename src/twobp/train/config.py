@@ -108,6 +108,13 @@ class TrainConfig:
         "concatenated",
         False,
     )
+    loss_scale: str | None = doc(
+        "loss scaling under --dtype float16 --autocast (twobp.GradScaler; every rank skips a "
+        "step whose gradients overflow, together): dynamic (start at 2**16, halve on an "
+        "overflow, double after 2000 steps without), a number (a static scale), or off; "
+        "default: dynamic with --dtype float16 --autocast, off otherwise (bfloat16 needs none)",
+        None,
+    )
     seed: int = doc("random seed for weights and data", 0)
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
     out: str = doc("output folder for the report, curves and timelines", "runs/latest")

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -24,7 +24,7 @@ from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
 from twobp.train.stopping import StopSignals, agree_to_stop
-from twobp.train.task import Task, autocast_dtype, build_task
+from twobp.train.task import Task, autocast_dtype, build_task, grad_scaler
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
@@ -71,6 +71,12 @@ class RankResult:
     """The step the run continued from (None: a fresh start)."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose loss was not finite and whose gradients were dropped (``--nonfinite skip``)."""
+    overflow_steps: list[int] = field(default_factory=list)
+    """Steps the loss scaler skipped on every rank: a gradient overflowed float16."""
+    loss_scale: str | None = None
+    """The loss scaling: ``"dynamic"`` or ``"static"``; None: none."""
+    loss_scale_state: dict[str, Any] = field(default_factory=dict)
+    """The loss scaler's state at the end (``GradScaler.state_dict()``; empty without one)."""
     save_seconds: list[float] = field(default_factory=list)
     """Wall time of every checkpoint this run wrote."""
     checkpoint: str = ""
@@ -119,6 +125,7 @@ def _train_rank(
     cfg: TrainConfig, on_step: StepHook | None, progress_stream: TextIO | None, stop: StopSignals
 ) -> RankResult:
     task = build_task(cfg)
+    scaler = grad_scaler(cfg)
     pipe = Pipeline(
         task.spec.blocks,
         task.spec.loss_fn,
@@ -144,6 +151,7 @@ def _train_rank(
         memory_limit=cfg.memory_limit,
         auto_trials=cfg.auto_trials,
         compile=cfg.compile,
+        grad_scaler=scaler,
     )
     if not isinstance(cfg.microbatches, int):
         # The count is chosen for the batch: plan on the first one (copy 0's part) now,
@@ -171,8 +179,17 @@ def _train_rank(
     history = checkpointing.resume(pipe, optimizer, cfg)
     if history.step:
         result.resumed_from = history.step
+    if scaler is not None:
+        static = scaler.get_growth_factor() == 1.0 and scaler.get_backoff_factor() == 1.0
+        result.loss_scale = "static" if static else "dynamic"
+        if static:
+            # A checkpoint restores its scale; a static --loss-scale is the scale asked for.
+            configured = grad_scaler(cfg)
+            assert configured is not None
+            scaler.load_state_dict(configured.state_dict())
     # The same lists: what the loop appends is in the next checkpoint's history.
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
+    result.overflow_steps = history.overflow_steps
     progress, metrics = _reporters(pipe.rank, cfg, progress_stream, history.step)
     try:
         _train_steps(pipe, optimizer, task, cfg, history, result, on_step, progress, metrics, stop)
@@ -180,6 +197,8 @@ def _train_rank(
         if progress is not None and metrics is not None:
             progress.close()
             metrics.close()
+    if scaler is not None:
+        result.loss_scale_state = scaler.state_dict()
     spans = pipe.timeline()
     if pipe.rank == 0:
         result.spans = spans
@@ -245,16 +264,27 @@ def _train_steps(
         grad_norm: float | None = None
         start = time.perf_counter()
         loss = float(pipe.step(inputs, targets))
+        scaler = pipe.grad_scaler
         if pipe.last_step_skipped:
             result.skipped_steps.append(step)
             _check_skipped_in_a_row(result.skipped_steps, pipe.rank)
         else:
+            if scaler is not None:
+                # Collective: every rank learns whether any gradient overflowed.
+                scaler.unscale_(optimizer)
             if cfg.grad_clip > 0:
                 grad_norm = float(pipe.clip_grad_norm_(cfg.grad_clip))
             elif log_due:
                 # An infinite limit scales by exactly 1: the norm, with the gradients unchanged.
                 grad_norm = float(pipe.clip_grad_norm_(math.inf))
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+                if scaler.last_step_skipped:
+                    result.overflow_steps.append(step)
+                    grad_norm = None
         pipe.zero_grad()
         result.step_seconds.append(time.perf_counter() - start)
         result.losses.append(loss)

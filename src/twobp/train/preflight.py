@@ -31,7 +31,7 @@ from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition, run_name
 from twobp.train.data import check_text_file
 from twobp.train.out_folder import check_out_folder
-from twobp.train.task import AUTOCAST_DTYPES, DTYPES, model_overrides
+from twobp.train.task import AUTOCAST_DTYPES, DTYPES, loss_scale_mode, model_overrides
 
 
 class OptionError(ValueError):
@@ -52,6 +52,10 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
     ranks = cfg.ranks if n_ranks is None else n_ranks
     _check_numbers(cfg)
     check_dtype(cfg)
+    try:
+        loss_scale_mode(cfg)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     n_blocks = _model_blocks(cfg)
     if ranks % cfg.data_parallel:
         raise OptionError(

@@ -50,6 +50,9 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         "steps_this_run": len(lead.step_seconds),
         "resumed_from_step": lead.resumed_from,
         "skipped_steps": lead.skipped_steps,
+        "loss_scale": lead.loss_scale,
+        "loss_scale_state": lead.loss_scale_state or None,
+        "overflow_steps": lead.overflow_steps,
         "checkpoint": lead.checkpoint or None,
         "checkpoint_seconds_median": (
             statistics.median(lead.save_seconds) if lead.save_seconds else None
@@ -125,7 +128,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         f"# twobp train: {title}",
         "",
         f"- data: {summary['data']}",
-        f"- precision: {summary['precision']}",
+        f"- precision: {summary['precision']}{_loss_scale_text(summary)}",
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
         f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
@@ -207,6 +210,19 @@ def _reliability_lines(summary: dict[str, Any]) -> list[str]:
         seconds = summary["checkpoint_seconds_median"]
         lines.append(f"- checkpoint: {summary['checkpoint']} (median save {seconds:.3f} s)")
     return lines
+
+
+def _loss_scale_text(summary: dict[str, Any]) -> str:
+    """``"; dynamic loss scale, 32768 at the end, 2 steps skipped for an overflow (0, 1)"``."""
+    if summary["loss_scale"] is None:
+        return ""
+    scale = summary["loss_scale_state"]["scale"]
+    text = f"; {summary['loss_scale']} loss scale, {scale:g} at the end"
+    steps = summary["overflow_steps"]
+    if steps:
+        shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
+        text += f", {len(steps)} steps skipped for an overflow ({shown})"
+    return text
 
 
 def _loss_png(losses: Sequence[float], path: Path, title: str) -> None:

@@ -9,6 +9,7 @@ the report says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from twobp.models import ModelSpec, build_model, mask_tokens
 from twobp.models.spec import stacked_kinds
+from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData, SyntheticData, file_corpus, stdlib_corpus
 
@@ -66,6 +68,54 @@ def parameter_dtype(cfg: TrainConfig) -> torch.dtype:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
     return torch.float32 if cfg.autocast else DTYPES[cfg.dtype]
+
+
+def loss_scale_mode(cfg: TrainConfig) -> str | float | None:
+    """What ``--loss-scale`` asks for: ``"dynamic"``, a static scale, or None (no scaling).
+
+    Raises:
+        ValueError: on a value that is neither ``dynamic``, ``off`` nor a finite number above 0,
+            or a scale asked for where there is nothing to scale (not float16 autocast).
+    """
+    text = cfg.loss_scale
+    float16_autocast = cfg.autocast and cfg.dtype == "float16"
+    if text is None:
+        return "dynamic" if float16_autocast else None
+    if text == "off":
+        return None
+    if text == "dynamic":
+        mode: str | float = text
+    else:
+        try:
+            mode = float(text)
+        except ValueError:
+            mode = math.nan
+        if not (math.isfinite(mode) and mode > 0):
+            raise ValueError(
+                f"--loss-scale {text}: give dynamic, off, or a scale above 0 (e.g. 1024)"
+            )
+    if not float16_autocast:
+        why = (
+            "bfloat16 has float32's range and needs no loss scale"
+            if cfg.dtype == "bfloat16"
+            else "loss scaling is for float16 computation with float32 parameters"
+        )
+        raise ValueError(
+            f"--loss-scale {text} with --dtype {cfg.dtype}{' --autocast' if cfg.autocast else ''}: "
+            f"{why}; use --dtype float16 --autocast, or leave --loss-scale out"
+        )
+    return mode
+
+
+def grad_scaler(cfg: TrainConfig) -> GradScaler | None:
+    """The run's :class:`twobp.GradScaler` (see :func:`loss_scale_mode`), or None."""
+    mode = loss_scale_mode(cfg)
+    if mode is None:
+        return None
+    if mode == "dynamic":
+        return GradScaler()
+    # A static scale: it never moves; a step that overflows is still skipped.
+    return GradScaler(init_scale=float(mode), growth_factor=1.0, backoff_factor=1.0)
 
 
 def autocast_dtype(cfg: TrainConfig) -> torch.dtype | None:
