@@ -86,19 +86,21 @@ def test_the_config_file_takes_autocast_and_names_the_key(tmp_path, capsys):
 
 
 SCALED = [
-    "--steps", "100", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
-    "--warmup", "5", "--threads", "1", "--timeout", "120", "--log-every", "50",
+    "--steps", "100", "--batch-size", "2", "--microbatches", "2", "--seq-len", "8",
+    "--warmup", "5", "--threads", "1", "--timeout", "120", "--log-every", "100",
 ]  # fmt: skip
 
 
 def test_float16_autocast_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path):
-    """100 steps in two runs (50, then --resume to 100): the loss falls as in float32, the
-    report gives the scale, and the resumed run goes on counting the scaler's steps."""
+    """100 steps on 2 ranks in two runs (50, then --resume to 100): the loss falls as in
+    float32, the report gives the scale, and the resumed run goes on counting the scaler's
+    steps."""
     f16, f32 = tmp_path / "f16", tmp_path / "f32"
     half = ["--dtype", "float16", "--autocast", *SCALED, "--out", str(f16)]
     assert main(["train", *half, "--stop-after", "50"]) == 0
     assert main(["train", *half, "--resume", "auto"]) == 0
-    assert main(["train", *SCALED, "--no-save", "--out", str(f32)]) == 0
+    # The float32 curve, on one rank: the same gradients as the pipeline, at less cost.
+    assert main(["train", *SCALED, "--ranks", "1", "--no-save", "--out", str(f32)]) == 0
     scaled = json.loads((f16 / "metrics.json").read_text())
     plain = json.loads((f32 / "metrics.json").read_text())
     assert scaled["steps_run"] == 100 and scaled["resumed_from_step"] == 50
