@@ -106,12 +106,22 @@ def overflow(steps: int) -> dict[str, Any]:
     }
 
 
-def parity(steps: int, lr: float, scaler_args: dict[str, Any]) -> dict[str, Any]:
-    """SGD steps under a scaler whose scale grows; then a loss that is NaN itself."""
+def parity(
+    steps: int, lr: float, scaler_args: dict[str, Any], sharded: bool = False
+) -> dict[str, Any]:
+    """SGD steps under a scaler whose scale grows; then a loss that is NaN itself.
+
+    ``sharded``: the optimizer of ``pipe.shard_optimizer`` (ZeRO-1), whose
+    parameters are this rank's shards and their reduced gradients.
+    """
     torch.set_num_threads(1)
     scaler = GradScaler(**scaler_args)
     pipe = _pipeline(False, scaler)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+    optimizer = (
+        pipe.shard_optimizer(torch.optim.SGD, lr=lr)
+        if sharded
+        else torch.optim.SGD(pipe.parameters(), lr=lr)
+    )
     losses, scales, norms, skipped = [], [], [], []
     for step in range(steps):
         losses.append(pipe.step(*_own(pipe, step)))

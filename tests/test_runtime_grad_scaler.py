@@ -8,7 +8,8 @@ One launched session runs every distributed case:
 * without overflow, a scale that grows every two steps: the scales, the global norms after
   ``unscale_`` and the parameters match one process on the whole batch with
   ``torch.amp.GradScaler("cpu")`` under float16 autocast, within float16 tolerance;
-* a loss that is NaN itself still raises ``NonFiniteLossError`` (``nonfinite="raise"``).
+* a loss that is NaN itself still raises ``NonFiniteLossError`` (``nonfinite="raise"``);
+* the same with ``pipe.shard_optimizer`` (ZeRO-1): the same scales, norms and parameters.
 
 The rest runs in this process (a one-rank pipeline): torch's API, its errors and its state.
 """
@@ -35,17 +36,21 @@ PARITY_LR = 0.2
 PARITY_SCALER = {"init_scale": 2.0**8, "growth_interval": 2}
 
 
-def _session() -> tuple[dict[str, Any], dict[str, Any]]:
-    return overflow(OVERFLOW_STEPS), parity(PARITY_STEPS, PARITY_LR, PARITY_SCALER)
+def _session() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    return (
+        overflow(OVERFLOW_STEPS),
+        parity(PARITY_STEPS, PARITY_LR, PARITY_SCALER),
+        parity(PARITY_STEPS, PARITY_LR, PARITY_SCALER, sharded=True),
+    )
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def ranks() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     return launch(_session, 4, timeout=600)
 
 
 def test_every_rank_skips_the_same_overflowing_steps_then_the_loss_falls(ranks):
-    runs = [run for run, _ in ranks]
+    runs = [run for run, _, _ in ranks]
     first = runs[0]
     for run in runs[1:]:
         assert run["skipped"] == first["skipped"]
@@ -92,7 +97,7 @@ def _reference() -> dict[str, Any]:
 
 def test_without_overflow_the_pipeline_matches_torch_grad_scaler_on_one_process(ranks):
     want = _reference()
-    runs = [run for _, run in ranks]
+    runs = [run for _, run, _ in ranks]
     assert want["scales"] == [256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]
     state: dict[str, torch.Tensor] = {}
     for run in runs:
@@ -108,7 +113,19 @@ def test_without_overflow_the_pipeline_matches_torch_grad_scaler_on_one_process(
 
 
 def test_a_loss_that_is_not_finite_itself_still_follows_nonfinite(ranks):
-    assert [run["nonfinite"] for _, run in ranks] == ["NonFiniteLossError"] * 4
+    assert [run["nonfinite"] for _, run, _ in ranks] == ["NonFiniteLossError"] * 4
+
+
+def test_a_sharded_optimizer_steps_and_skips_as_the_plain_one(ranks):
+    """pipe.shard_optimizer (ZeRO-1): the scaler unscales and checks the optimizer's own
+    gradients, this rank's shards of the reduced ones; the run is the plain optimizer's."""
+    for _, plain, sharded in ranks:
+        assert sharded["scales"] == plain["scales"]
+        assert sharded["skipped"] == plain["skipped"]
+        assert sharded["norms"] == pytest.approx(plain["norms"], rel=1e-6)
+        assert sharded["nonfinite"] == "NonFiniteLossError"
+        for name, value in plain["state"].items():
+            torch.testing.assert_close(sharded["state"][name], value, rtol=1e-6, atol=1e-7)
 
 
 # -- in this process ------------------------------------------------------------------------
