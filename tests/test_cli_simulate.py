@@ -15,7 +15,7 @@ def test_simulate_prints_grid_and_figures(capsys):
     lines = out.splitlines()
     assert lines[0] == "1f1b: makespan 21, bubble ratio 42.9% (1 column = 1)"
     assert lines[1] == "rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0~~~ .  B1~~~ .  B2~~~ .  B3~~~"
-    assert "makespan 21 " in out
+    assert "makespan 21 time units (0.1905 micro-batches per time unit)" in out
     assert "bubble ratio 42.9%" in out
     # rank, busy, idle, bubble, peak memory: rank 0 holds all 4 micro-batches.
     assert "   0        12         9    42.9%            4" in out
@@ -52,7 +52,7 @@ def test_simulate_reads_a_profile(tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     # F + F + B + B with F = 2, B = 4.
-    assert "makespan 12 " in capsys.readouterr().out
+    assert "makespan 12 s (0.08333 micro-batches per s)" in capsys.readouterr().out
 
 
 def test_simulate_error_is_one_clear_line(capsys):

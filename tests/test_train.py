@@ -147,6 +147,8 @@ def test_a_memory_limit_is_checked_and_needs_schedule_auto(tmp_path):
         check_config(TrainConfig(memory_limit="2GiB", out=out))
     with pytest.raises(ValueError, match="--memory-limit lots: cannot read"):
         check_config(TrainConfig(schedule="auto", memory_limit="lots", out=out))
+    with pytest.raises(ValueError, match=r"--memory-limit 1KiB: no schedule fits.*at least"):
+        check_config(TrainConfig(schedule="auto", memory_limit="1KiB", out=out))
     with pytest.raises(ValueError, match="--auto-trials must be >= 0, got -1"):
         check_config(TrainConfig(schedule="auto", auto_trials=-1, out=out))
 
@@ -196,3 +198,10 @@ def test_the_printed_memory_line_gives_every_figure_in_mib():
         "rank 0 1.5, 0.0, 0.0, 0.0, 5.0; rank 1 0.0, 0.2, 0.0, 0.0, 0.0"
     )
     assert memory_line({0: {}, 1: {}}) is None
+
+
+def test_a_nonfinite_loss_names_the_step_as_the_progress_line_counts():
+    from twobp.runtime.errors import nonfinite_error
+
+    message = str(nonfinite_error(0, 3, float("nan"), 1, 1))
+    assert "the mean loss of step 4 (step_count 3) is nan" in message

@@ -101,13 +101,21 @@ def cost_model(costs: str, costs_file: str | None, n_ranks: int) -> CostModel:
         raise ValueError(f"--costs-file {costs_file}: {message}") from exc
 
 
-def report(result: SimResult, schedule: Schedule, costs: CostModel) -> str:
-    """The figures printed under the grid."""
+def time_unit(costs_file: str | None) -> str:
+    """The unit of the simulated times: seconds for a profile, else the costs' own unit."""
+    return "s" if costs_file else "time units"
+
+
+def report(
+    result: SimResult, schedule: Schedule, costs: CostModel, unit: str = "time units"
+) -> str:
+    """The figures printed under the grid; times in ``unit``."""
     steady = steady_state(schedule, costs)
     m = schedule.n_microbatches
+    per = "s" if unit == "s" else "time unit"
     lines = [
         f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, {m} micro-batches",
-        f"makespan {result.makespan:.4g} ({m / result.makespan:.4g} micro-batches per time unit)"
+        f"makespan {result.makespan:.4g} {unit} ({m / result.makespan:.4g} micro-batches per {per})"
         if result.makespan > 0
         else "makespan 0",
         f"bubble ratio {result.bubble_ratio:.1%}; with steps back to back (no barrier between "
@@ -179,11 +187,18 @@ def run(config: SimulateConfig) -> int:
         raise ValueError(f"--width {config.width}: {exc}") from exc
     print(grid)
     print()
-    print(report(result, schedule, fitted))
+    unit = time_unit(config.costs_file)
+    print(report(result, schedule, fitted, unit))
     if config.png:
         from twobp.viz.png import render_png
 
-        png = render_png(result.spans, config.png, title=schedule.name, n_ranks=schedule.n_ranks)
+        png = render_png(
+            result.spans,
+            config.png,
+            title=schedule.name,
+            n_ranks=schedule.n_ranks,
+            time_unit=unit,
+        )
         print(f"wrote {png}")
     if config.trace:
         from twobp.viz.trace import write_trace

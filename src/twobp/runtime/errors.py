@@ -201,7 +201,8 @@ def nonfinite_error(
     first = f"; micro-batch {microbatch} was the first" if microbatch >= 0 else ""
     where = f"computed on rank {rank}, a last stage" if rank >= 0 else "computed on a last stage"
     return NonFiniteLossError(
-        f"rank {world_rank}: the mean loss of step {step} is {loss} ({where}"
+        f"rank {world_rank}: the mean loss of step {step + 1} (step_count {step}) is {loss} "
+        f"({where}"
         f"{first}). The step's gradients were dropped on every rank. Lower the "
         "learning rate, clip gradients, check the data and the loss for division by zero or "
         "log(0), use a wider dtype, or pass nonfinite='skip' to skip such steps",

@@ -24,8 +24,8 @@ class TrainConfig:
     """Everything one training run needs, with defaults that run on a fresh 2-core CPU."""
 
     model: str = doc(
-        "model family: llama (byte-level LM on real text), bert, mamba (synthetic token "
-        "streams), resnet (synthetic images)",
+        "model family: llama and mamba (next byte of real text), bert (masked bytes of real "
+        "text), resnet (synthetic images); the text is Python's own sources or --data",
         "llama",
         choices=MODEL_FAMILIES,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import signal
@@ -25,6 +26,7 @@ from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
 from twobp.train.stopping import StopSignals, agree_to_stop
 from twobp.train.task import Task, autocast_dtype, build_task, grad_scaler
+from twobp.train.what_ran import what_ran
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
@@ -44,7 +46,10 @@ class RankResult:
     step_seconds: list[float] = field(default_factory=list)
     """Wall time of every step on this rank, optimizer included."""
     eval_loss: float = math.nan
-    """Mean loss of one held-out batch after training."""
+    """Mean loss of one held-out batch after training (in ``eval()`` mode)."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, held-out loss)`` at every record of this run (``--log-every``), in ``eval()``
+    mode, and after the last step."""
     peak_rss_bytes: int = 0
     """Peak resident memory of this rank's process."""
     peak_stashed_bytes: int = 0
@@ -83,6 +88,17 @@ class RankResult:
     """The last checkpoint this run wrote ("" if none)."""
     interrupted: bool = False
     """The run stopped early on a signal (at the same step on every rank)."""
+    stages: list[int] = field(default_factory=list)
+    """The stages this rank runs (a data-parallel copy's rank: its copy's stages)."""
+    ran: dict[str, Any] = field(default_factory=dict)
+    """What ran: the schedule (``auto``'s choice and why), copies, recompute, precision,
+    scaler (see :mod:`twobp.train.what_ran`)."""
+    bubbles: list[float] = field(default_factory=list)
+    """The measured bubble ratio of every recorded step (rank 0; the mean over ranks)."""
+    bubbles_per_rank: list[dict[int, float]] = field(default_factory=list)
+    """Each rank's measured bubble ratio at every recorded step (rank 0)."""
+    step_times: dict[str, float] = field(default_factory=dict)
+    """``Pipeline.step_times`` summed over this run's steps, and ``steps``: how many."""
 
 
 StepHook = Callable[[int, int], None]
@@ -169,7 +185,9 @@ def _train_rank(
         tokens_per_sample=task.tokens_per_sample,
         n_parameters=sum(p.numel() for p in pipe.parameters()),
         precision=_precision(pipe),
+        stages=sorted(pipe.stages),
     )
+    result.ran = what_ran(pipe, cfg, result.precision)
     if cfg.shard_optimizer:
         optimizer = pipe.shard_optimizer(
             torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -202,10 +220,30 @@ def _train_rank(
     spans = pipe.timeline()
     if pipe.rank == 0:
         result.spans = spans
-    eval_inputs, eval_targets = own_part(pipe, task.batch_at(0, "eval"))
-    result.eval_loss = float(pipe.eval_step(eval_inputs, eval_targets))
+    result.eval_loss = held_out_loss(pipe, task)
+    if not result.eval_losses or result.eval_losses[-1][0] != history.step:
+        result.eval_losses.append((history.step, result.eval_loss))
     result.peak_rss_bytes = _peak_rss_bytes()
     return result
+
+
+def held_out_loss(pipe: Pipeline, task: Task) -> float:
+    """The mean loss of the held-out batch, in ``eval()`` mode (dropout off, BatchNorm's
+    running statistics), then back to the mode the pipeline was in. Collective."""
+    inputs, targets = own_part(pipe, task.batch_at(0, "eval"))
+    training = pipe.module.training
+    pipe.eval()
+    try:
+        return float(pipe.eval_step(inputs, targets))
+    finally:
+        pipe.train(training)
+
+
+def _add_step_times(total: dict[str, float], pipe: Pipeline) -> None:
+    """Add the last step's ``Pipeline.step_times`` to ``total``."""
+    for name, value in dataclasses.asdict(pipe.step_times).items():
+        total[name] = total.get(name, 0.0) + value
+    total["steps"] = total.get("steps", 0.0) + 1
 
 
 def _precision(pipe: Pipeline) -> str:
@@ -287,6 +325,7 @@ def _train_steps(
                     grad_norm = None
         pipe.zero_grad()
         result.step_seconds.append(time.perf_counter() - start)
+        _add_step_times(result.step_times, pipe)
         result.losses.append(loss)
         result.peak_stashed_bytes = max(result.peak_stashed_bytes, pipe.peak_stashed_bytes())
         for name, value in pipe.memory_stats(optimizer).items():
@@ -297,6 +336,7 @@ def _train_steps(
         if log_due:
             # Collective: every rank's spans and memory.
             record = _step_metrics(pipe, result, history.step, loss, lr, grad_norm, samples, tokens)
+            result.eval_losses.append((history.step, held_out_loss(pipe, task)))
             logged = len(result.step_seconds)
             if metrics is not None:
                 metrics.write(record)
@@ -342,6 +382,10 @@ def _step_metrics(
     )
     mine = (_peak_rss_bytes(), result.peak_stashed_bytes, device_peak)
     every = all_gather_objects(pipe.topology.members, mine)
+    if pipe.rank == 0 and spans:
+        result.bubbles.append(bubble_ratio(spans))
+        ranks = sorted({s.rank for s in spans})
+        result.bubbles_per_rank.append({r: bubble_ratio(spans, r) for r in ranks})
     return StepMetrics(
         step=step,
         loss=loss,

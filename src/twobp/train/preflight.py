@@ -26,7 +26,7 @@ from twobp.runtime.base.group import default_device
 from twobp.runtime.setup.auto.plan import AUTO
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
-from twobp.sim.cost_io import parse_amount
+from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition, run_name
 from twobp.train.data import check_text_file
@@ -62,7 +62,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
             f"--data-parallel {cfg.data_parallel}: {ranks} ranks do not form "
             f"{cfg.data_parallel} copies of a pipeline; start data-parallel x pipeline ranks"
         )
-    _check_memory_limit(cfg)
+    _check_memory_limit(cfg, ranks // cfg.data_parallel)
     if cfg.schedule != AUTO:
         schedule = _schedule(cfg, ranks // cfg.data_parallel)
         _check_partition(cfg, n_blocks, schedule)
@@ -193,7 +193,18 @@ def _model_blocks(cfg: TrainConfig) -> int:
     return spec.n_blocks
 
 
-def _check_memory_limit(cfg: TrainConfig) -> None:
+def _parameter_bytes(cfg: TrainConfig) -> float | None:
+    """The bytes of the run's model parameters (each tied weight once), in the dtype they
+    train in; None for a Hugging Face model (not built here)."""
+    if cfg.hf_config is not None:
+        return None
+    spec = build_model(cfg.model, cfg.size, device="meta", seed=None, **model_overrides(cfg))
+    unique = {id(p): p for block in spec.blocks for p in block.parameters()}
+    dtype = torch.float32 if cfg.autocast else DTYPES.get(cfg.dtype, torch.float32)
+    return float(sum(p.numel() for p in unique.values()) * dtype.itemsize)
+
+
+def _check_memory_limit(cfg: TrainConfig, pipeline_ranks: int = 1) -> None:
     if cfg.memory_limit is None:
         return
     if cfg.schedule != AUTO:
@@ -207,6 +218,15 @@ def _check_memory_limit(cfg: TrainConfig) -> None:
         raise OptionError(f"--memory-limit {cfg.memory_limit}: {exc}") from None
     if not limit > 0:
         raise OptionError(f"--memory-limit must be > 0 bytes, got {cfg.memory_limit}")
+    weights = _parameter_bytes(cfg)
+    # Some rank holds at least its share of the parameters and their gradients.
+    floor = None if weights is None else 2 * weights / max(1, pipeline_ranks)
+    if floor is not None and limit < floor:
+        raise OptionError(
+            f"--memory-limit {cfg.memory_limit}: no schedule fits, the parameters of "
+            f"{run_name(cfg)} and their gradients alone need at least {format_amount(floor)} "
+            f"per rank on {pipeline_ranks} pipeline rank(s); raise it or drop it"
+        )
 
 
 def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
