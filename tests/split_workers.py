@@ -81,6 +81,12 @@ def train(name: str, folder: str) -> dict[str, Any]:
         losses.append(pipe.step(*batch(name, step)))
         optimizer.step()
         pipe.zero_grad()
+    compute = pipe.timeline()
+    waits = [s for s in pipe.timeline(waits=True) if s not in set(compute)]
+    timeline = {
+        "compute": [(s.rank, str(s.action), s.start, s.end) for s in compute],
+        "waits": [(s.rank, str(s.action), s.start, s.end) for s in waits],
+    }
     pipe.save(f"{folder}/{name}", optimizer)
     names = [n for n, _ in pipe.named_parameters()]
     state = {k: v.clone() for k, v in pipe.state_dict().items()}
@@ -96,7 +102,13 @@ def train(name: str, folder: str) -> dict[str, Any]:
     again.load(f"{folder}/{name}")
     loaded = again.state_dict()
     again.close()
-    return {"losses": losses, "state": state, "names": names, "loaded": loaded}
+    return {
+        "losses": losses,
+        "state": state,
+        "names": names,
+        "loaded": loaded,
+        "timeline": timeline,
+    }
 
 
 def train_all(folder: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from split_workers import CASES, build, reference, train_all
 from twobp.cut import SplitError
 from twobp.runtime import PipelineConfigError, launch
 from twobp.runtime.state.checkpoint import merge
+from twobp.schedule.action import Action, Kind
 
 TOL = 1e-10
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -117,3 +118,17 @@ def test_parameters_are_listed_under_the_models_names(trained):
     names = [n for rank in results for n in rank["gpt"]["names"]]
     assert "tok.weight" in names and "head.weight" not in names
     assert "blocks.3.mlp.0.weight" in names
+
+
+def test_the_timeline_shows_the_waits_on_peers_and_for_the_tied_weights_reduction(trained):
+    results, _ = trained
+    timeline = results[0]["gpt"]["timeline"]  # the tied weight is reduced over both ranks
+    compute, waits = timeline["compute"], timeline["waits"]
+    for rank in (0, 1):
+        mine = [(Action.parse(a).kind, start, end) for r, a, start, end in waits if r == rank]
+        assert any(kind in (Kind.RECV_F, Kind.RECV_B) for kind, _, _ in mine), mine
+        reductions = [(start, end) for kind, start, end in mine if kind is Kind.REDUCE]
+        assert len(reductions) == 1, mine  # the wait for the all-reduce, at the end
+        last_compute = max(end for r, _, _, end in compute if r == rank)
+        assert reductions[0][0] >= last_compute - 1e-9
+        assert all(end >= start for _, start, end in mine)

@@ -923,6 +923,11 @@ class Pipeline:
     def eval_step(self, inputs: Batch | None, targets: Batch | None = None) -> Any:
         """Forward only, without autograd. Collective: every rank calls it.
 
+        It runs in the mode the blocks are in, as a module's forward does:
+        after training that is training mode (dropout on, BatchNorm on the
+        batch's statistics). For a held-out loss call :meth:`eval` first and
+        :meth:`train` after, as with an ``nn.Module``.
+
         Args:
             inputs: the batch (needed on the rank of stage 0).
             targets: the targets (needed on the rank of the last stage); None for outputs.
@@ -1030,14 +1035,22 @@ class Pipeline:
         """
         return self._steps.times
 
-    def timeline(self) -> list[Span]:
+    def timeline(self, waits: bool = False) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.
 
         Times are seconds from the step start, which the all-reduce that opens every
         step aligns across ranks.
+
+        Args:
+            waits: also the time each rank waited on its peers: every receive
+                (a span of its ``RECV`` action, from posting it until the tensors
+                arrived) and the wait for the gradient reductions at the end of
+                the step (a span of the rank's last ``R``, after its compute).
+                They are not compute: ``bubble_ratio`` counts them as idle.
         """
         self.state.check_open()
-        mine = [(s.rank, str(s.action), s.start, s.end) for s in self._steps.spans]
+        spans = [*self._steps.spans, *(self._steps.waits if waits else ())]
+        mine = [(s.rank, str(s.action), s.start, s.end) for s in spans]
         merged = [
             Span(r, Action.parse(a), start, end)
             for spans in collective.all_gather_objects(self.topology.members, mine)

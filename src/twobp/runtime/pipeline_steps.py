@@ -29,6 +29,7 @@ from twobp.runtime.execution.step_run import (
     StepTimes,
     reductions_wait_for_transfers,
 )
+from twobp.schedule.action import Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
@@ -83,6 +84,9 @@ class StepRunner:
         """How and where the last failed step failed on this rank."""
         self.spans: list[Span] = []
         """The compute spans of this rank in the last step."""
+        self.waits: list[Span] = []
+        """Where this rank waited on peers in the last step: its receives, and (as its last
+        ``R``) the wait for its gradient reductions at the end of the step."""
         self.times = StepTimes()
         """Where this rank's last step went outside its compute."""
         self.peak_stashed_bytes = 0
@@ -152,8 +156,14 @@ class StepRunner:
             self._abandon(channel)
             raise
         if self._reducer is not None:
+            waiting = clock.mark()
             self._reducer.finish()
+            reductions = [s.action for s in result.spans if s.action.kind is Kind.REDUCE]
+            if reductions:
+                end = clock.seconds(clock.mark())
+                result.waits.append(Span(self.rank, reductions[-1], clock.seconds(waiting), end))
         self.spans = result.spans
+        self.waits = result.waits
         self.times = result.times
         self.peak_stashed_bytes = result.peak_stashed_bytes
         return result

@@ -58,6 +58,9 @@ class RankResult:
     """The largest of each ``Pipeline.memory_stats`` figure over the steps of this run."""
     spans: list[Span] = field(default_factory=list)
     """Timeline of the last step, all ranks merged (filled on rank 0)."""
+    waits: list[Span] = field(default_factory=list)
+    """Where the ranks waited on peers in the last step (``Pipeline.timeline(waits=True)``
+    less :attr:`spans`; filled on rank 0)."""
     stage_blocks: list[list[int]] = field(default_factory=list)
     """Block indices of every stage."""
     placement: list[int] = field(default_factory=list)
@@ -88,8 +91,9 @@ class RankResult:
     """The last checkpoint this run wrote ("" if none)."""
     interrupted: bool = False
     """The run stopped early on a signal (at the same step on every rank)."""
-    stages: list[int] = field(default_factory=list)
-    """The stages this rank runs (a data-parallel copy's rank: its copy's stages)."""
+    stages: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(stage, first block, last block)`` of every stage this rank runs (a data-parallel
+    copy's rank: its copy's; -1 for a stage without blocks)."""
     ran: dict[str, Any] = field(default_factory=dict)
     """What ran: the schedule (``auto``'s choice and why), copies, recompute, precision,
     scaler (see :mod:`twobp.train.what_ran`)."""
@@ -185,7 +189,7 @@ def _train_rank(
         tokens_per_sample=task.tokens_per_sample,
         n_parameters=sum(p.numel() for p in pipe.parameters()),
         precision=_precision(pipe),
-        stages=sorted(pipe.stages),
+        stages=_stages(pipe),
     )
     result.ran = what_ran(pipe, cfg, result.precision)
     if cfg.shard_optimizer:
@@ -218,13 +222,24 @@ def _train_rank(
     if scaler is not None:
         result.loss_scale_state = scaler.state_dict()
     spans = pipe.timeline()
+    shown = set(spans)
+    waits = [s for s in pipe.timeline(waits=True) if s not in shown]
     if pipe.rank == 0:
-        result.spans = spans
+        result.spans, result.waits = spans, waits
     result.eval_loss = held_out_loss(pipe, task)
     if not result.eval_losses or result.eval_losses[-1][0] != history.step:
         result.eval_losses.append((history.step, result.eval_loss))
     result.peak_rss_bytes = _peak_rss_bytes()
     return result
+
+
+def _stages(pipe: Pipeline) -> list[tuple[int, int, int]]:
+    """``(stage, first block, last block)`` of this rank's stages."""
+    out = []
+    for s in sorted(pipe.stages):
+        blocks = pipe.stage_blocks[pipe.schedule.model_stage(s)]
+        out.append((s, blocks[0], blocks[-1]) if len(blocks) else (s, -1, -1))
+    return out
 
 
 def held_out_loss(pipe: Pipeline, task: Task) -> float:
@@ -336,13 +351,15 @@ def _train_steps(
         if log_due:
             # Collective: every rank's spans and memory.
             record = _step_metrics(pipe, result, history.step, loss, lr, grad_norm, samples, tokens)
-            result.eval_losses.append((history.step, held_out_loss(pipe, task)))
             logged = len(result.step_seconds)
             if metrics is not None:
                 metrics.write(record)
         if progress is not None:
             progress.update(step + 1, loss, samples, tokens)
         stopping = agree_to_stop(pipe.topology.members, pipe.device, cfg.timeout, stop.requested)
+        if log_due and not stopping and history.step < end:
+            # After the last step, train_rank evaluates once its timeline is taken.
+            result.eval_losses.append((history.step, held_out_loss(pipe, task)))
         if stopping and progress is not None:
             saving = "saving a checkpoint" if cfg.save else "not saving (--no-save)"
             progress.note(f"stopping after step {history.step}, as asked; {saving}")

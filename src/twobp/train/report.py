@@ -4,12 +4,18 @@ Writes into the output folder:
 
 - ``report.md``: throughput, bubble ratio and peak memory per rank, loss figures;
 - ``metrics.json``: the same and the whole loss curve, for machines;
-- ``loss.png``: the loss curve;
+- ``loss.png``: the training loss and the held-out loss;
 - ``timeline.png`` and ``trace.json``: the last step as measured (open the trace
   in chrome://tracing or ui.perfetto.dev).
 
 and, when the run starts, ``config.toml``: the options it runs with, which
-``twobp train --config OUT/config.toml`` repeats.
+``twobp train --config OUT/config.toml`` repeats (for ``--schedule auto``,
+rewritten at the end with the choice in the place of ``auto``).
+
+The report says what ran (:mod:`twobp.train.what_ran`): the schedule and, for
+``auto``, its choice with the predicted and measured step, the copies, the
+recompute mode, the precision and the gradient scaler. The bubble ratio is the
+median over the recorded steps (``--log-every``), whose timelines are gathered.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from twobp.config import to_toml
 from twobp.timeline import bubble_ratio, makespan
 from twobp.train.config import TrainConfig, run_name
 from twobp.train.loop import WARMUP_STEPS, RankResult
+from twobp.train.what_ran import chosen_options
 from twobp.viz import render_ascii, render_png, write_trace
 
 
@@ -42,6 +49,9 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
     first = statistics.fmean(finite[:window])
     last = statistics.fmean(finite[-window:])
     ranks = sorted({s.rank for s in lead.spans}) or [r.rank for r in results]
+    last_bubble = bubble_ratio(lead.spans) if lead.spans else float("nan")
+    bubbles = _after_warmup(lead.bubbles)
+    per_rank = _after_warmup(lead.bubbles_per_rank)
     return {
         "config": dataclasses.asdict(cfg),
         "data": lead.data_source,
@@ -67,11 +77,24 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         "loss_drop": first - last,
         "loss_window": window,
         "eval_loss": lead.eval_loss,
+        "eval_losses": [list(pair) for pair in lead.eval_losses],
+        "ran": lead.ran,
         "last_step_makespan_s": makespan(lead.spans),
-        "bubble_ratio": bubble_ratio(lead.spans) if lead.spans else float("nan"),
+        "bubble_ratio": statistics.median(bubbles) if bubbles else last_bubble,
+        "bubble_ratio_steps": len(bubbles),
+        "bubble_ratio_last_step": last_bubble,
         "bubble_ratio_per_rank": {
-            r: bubble_ratio(lead.spans, r) if lead.spans else float("nan") for r in ranks
+            r: (
+                statistics.median(b[r] for b in per_rank if r in b)
+                if any(r in b for b in per_rank)
+                else bubble_ratio(lead.spans, r)
+                if lead.spans
+                else float("nan")
+            )
+            for r in ranks
         },
+        "stages_per_rank": {r.rank: [list(s) for s in r.stages] for r in results},
+        "step_times_per_rank": {r.rank: _per_step(r.step_times) for r in results},
         "peak_rss_bytes_per_rank": {r.rank: r.peak_rss_bytes for r in results},
         "peak_stashed_bytes_per_rank": {r.rank: r.peak_stashed_bytes for r in results},
         "memory_per_rank": {r.rank: dict(r.memory) for r in results},
@@ -81,11 +104,33 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
     }
 
 
+def _after_warmup(values: Sequence[Any]) -> list[Any]:
+    """The recorded steps' figures, less the first (which agrees shapes and warms up)
+    while later ones exist."""
+    return list(values[1:] if len(values) > 1 else values)
+
+
+def _per_step(total: dict[str, float]) -> dict[str, float]:
+    """``Pipeline.step_times`` summed over the steps, as the mean per step (pure)."""
+    steps = total.get("steps", 0.0)
+    if not steps:
+        return {}
+    return {name: value / steps for name, value in total.items() if name != "steps"}
+
+
 CONFIG_FILE = "config.toml"
 
 
-def write_config(cfg: TrainConfig, out: Path) -> Path:
-    """Write the run's options to ``out/config.toml``; returns its path."""
+def write_config(cfg: TrainConfig, out: Path, ran: dict[str, Any] | None = None) -> Path:
+    """Write the run's options to ``out/config.toml``; returns its path.
+
+    Args:
+        cfg: the run's options.
+        out: the output folder.
+        ran: what ran (:func:`twobp.train.what_ran.what_ran`); for an ``auto``
+            run, its choice replaces ``auto`` so that the file repeats the same
+            pipeline without choosing again.
+    """
     out.mkdir(parents=True, exist_ok=True)
     path = out / CONFIG_FILE
     header = (
@@ -95,6 +140,12 @@ def write_config(cfg: TrainConfig, out: Path) -> Path:
     # --overwrite is a decision about the folder, not an option of the run: a repeat of the
     # run into the same folder asks again.
     options = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+    if ran and ran.get("auto"):
+        options.update(chosen_options(ran))
+        header += (
+            f"\nschedule = 'auto' chose {ran['auto']['choice']}; the options below are that "
+            'choice (set schedule = "auto" to choose again)'
+        )
     path.write_text(to_toml(options, header))
     return path
 
@@ -104,14 +155,31 @@ def write_report(cfg: TrainConfig, results: Sequence[RankResult], out: Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, results)
     lead = results[0]
-    title = f"{run_name(cfg)} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
+    title = run_title(cfg, lead.ran)
     (out / "metrics.json").write_text(json.dumps(summary, indent=2, default=str))
-    _loss_png(summary["losses"], out / "loss.png", title)
+    if cfg.schedule == "auto" and lead.ran.get("auto"):
+        write_config(cfg, out, lead.ran)
+    _loss_png(summary["losses"], lead.eval_losses, out / "loss.png", title)
     if lead.spans:
-        render_png(lead.spans, out / "timeline.png", title=f"{title}: last step (measured)")
+        render_png(
+            lead.spans,
+            out / "timeline.png",
+            title=f"{title}: last step (measured)",
+            waits=lead.waits,
+        )
         write_trace(lead.spans, out / "trace.json", title=title)
     (out / "report.md").write_text(render_markdown(summary, lead, title))
     return summary
+
+
+def run_title(cfg: TrainConfig, ran: dict[str, Any]) -> str:
+    """``"llama-tiny 1f1b 2BP:paper"``: the model and the schedule that ran (``auto``'s
+    choice, marked so) (pure)."""
+    if not ran:
+        return f"{run_name(cfg)} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
+    chosen = " (auto)" if ran.get("auto") else ""
+    two_bp = f" 2BP:{ran['policy']}" if ran["two_bp"] else ""
+    return f"{run_name(cfg)} {ran['schedule']}{two_bp}{chosen}"
 
 
 def throughput(summary: dict[str, Any]) -> str:
@@ -128,13 +196,13 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         f"# twobp train: {title}",
         "",
         f"- data: {summary['data']}",
-        f"- precision: {summary['precision']}{_loss_scale_text(summary)}",
+        *_ran_lines(summary.get("ran") or {}, summary["precision"] + _loss_scale_text(summary)),
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
         f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
         f"{summary['loss_last']:.4f} (mean of last {summary['loss_window']}), "
         f"drop {summary['loss_drop']:.4f}; held-out loss {summary['eval_loss']:.4f}",
-        f"- bubble ratio of the last step (measured): {summary['bubble_ratio']:.3f}",
+        _bubble_line(summary),
         *_reliability_lines(summary),
         "",
         "| rank | stages (blocks) | parameters | bubble | peak RSS MiB | peak 2BP stash MiB |",
@@ -142,9 +210,8 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
     ]
     for rank, rss in summary["peak_rss_bytes_per_rank"].items():
         stages = [
-            f"{s}: {blocks[0]}-{blocks[-1]}" if blocks else f"{s}: -"
-            for s, blocks in enumerate(summary["stage_blocks"])
-            if lead.placement[s] == rank
+            f"{s}: {first}-{last}" if first >= 0 else f"{s}: -"
+            for s, first, last in summary["stages_per_rank"].get(rank, [])
         ]
         lines.append(
             f"| {rank} | {'; '.join(stages)} | {summary['parameters_per_rank'][rank]:,} | "
@@ -152,6 +219,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
             f"{summary['peak_stashed_bytes_per_rank'][rank] / MIB:.2f} |"
         )
     lines += _memory_lines(summary.get("memory_per_rank", {}))
+    lines += _step_time_lines(summary.get("step_times_per_rank", {}))
     if lead.spans:
         lines += ["", "Last step:", "", "```", render_ascii(lead.spans, width=100), "```"]
     return "\n".join(lines) + "\n"
@@ -192,6 +260,67 @@ def _in_mib(figures: dict[str, int], digits: int) -> list[str]:
     return [f"{figures.get(name, 0) / MIB:.{digits}f}" for name in MEMORY_FIGURES]
 
 
+def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
+    """What ran: schedule, auto's choice and why, copies, recompute, precision, scaler (pure)."""
+    if not ran:
+        return [f"- precision: {precision}"]
+    two_bp = f"with 2BP ({ran['policy']})" if ran["two_bp"] else "without 2BP"
+    cap = "" if ran["weight_group_size"] is None else f", W groups <= {ran['weight_group_size']}"
+    lines = [
+        f"- schedule: {ran['schedule']} {two_bp}{cap}, {ran['stages_per_rank']} stage(s) per "
+        f"rank, partition {ran['partition']}; {ran['data_parallel']} data-parallel "
+        f"cop{'y' if ran['data_parallel'] == 1 else 'ies'}; recompute: {ran['recompute']}",
+    ]
+    auto = ran.get("auto")
+    if auto:
+        measured = auto["measured_step_s"]
+        lines.append(
+            f"- chosen by schedule='auto': {auto['choice']}, predicted step "
+            f"{auto['predicted_step_s'] * 1e3:.4g} ms, "
+            + (
+                f"measured {measured * 1e3:.4g} ms in trial steps (fastest of {auto['tried']} "
+                "tried)"
+                if measured is not None
+                else "no trial steps (no other contender close enough)"
+            )
+            + f"; best of {auto['simulated']} simulated"
+        )
+    lines.append(f"- precision: {precision}; gradient scaler: {ran['scaler']}")
+    return lines
+
+
+def _bubble_line(summary: dict[str, Any]) -> str:
+    steps = summary.get("bubble_ratio_steps", 0)
+    if not steps:
+        return f"- bubble ratio of the last step (measured): {summary['bubble_ratio']:.3f}"
+    return (
+        f"- bubble ratio (measured): {summary['bubble_ratio']:.3f}, the median over {steps} "
+        f"recorded step(s) (last step {summary['bubble_ratio_last_step']:.3f})"
+    )
+
+
+STEP_TIMES = ("compute", "dispatch", "sending", "receiving")
+
+
+def _step_time_lines(times: dict[int, dict[str, float]]) -> list[str]:
+    """The table of ``Pipeline.step_times`` per rank, the mean per step (pure)."""
+    if not any(times.values()):
+        return []
+    lines = [
+        "",
+        "Where a step went (ms per step, the mean over the steps; `Pipeline.step_times`: "
+        "receiving includes waiting on peers):",
+        "",
+        "| rank | " + " | ".join(STEP_TIMES) + " | sends | receives |",
+        "|---:|" + "---:|" * (len(STEP_TIMES) + 2),
+    ]
+    for rank, figures in times.items():
+        cells = [f"{figures.get(name, 0.0) * 1e3:.2f}" for name in STEP_TIMES]
+        counts = [f"{figures.get(n, 0.0):.0f}" for n in ("sends", "receives")]
+        lines.append(f"| {rank} | {' | '.join(cells + counts)} |")
+    return lines
+
+
 def _reliability_lines(summary: dict[str, Any]) -> list[str]:
     """Resume, skipped steps and checkpoint lines of the report (pure)."""
     lines = []
@@ -225,16 +354,22 @@ def _loss_scale_text(summary: dict[str, Any]) -> str:
     return text
 
 
-def _loss_png(losses: Sequence[float], path: Path, title: str) -> None:
+def _loss_png(
+    losses: Sequence[float], held_out: Sequence[tuple[int, float]], path: Path, title: str
+) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot(range(1, len(losses) + 1), losses, lw=1)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1, label="training loss")
+    if held_out:
+        steps, values = zip(*held_out, strict=True)
+        ax.plot(steps, values, "o-", ms=3, lw=1, label="held-out loss")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(f"{title}: loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from twobp.schedule.action import format_microbatches
 from twobp.schedule.kinds import KINDS, Kind, kind_spec
@@ -48,6 +49,7 @@ def render_png(
     dpi: int = 100,
     n_ranks: int | None = None,
     time_unit: str = "s",
+    waits: Sequence[Span] = (),
 ) -> Path:
     """Draw ``spans`` and write the picture to ``path``.
 
@@ -59,6 +61,10 @@ def render_png(
         dpi: dots per inch of the file (the pixel size does not change).
         n_ranks: rows to draw (default: up to the highest rank seen).
         time_unit: the unit written on the time axis.
+        waits: where ranks waited on peers (``Pipeline.timeline(waits=True)``
+            less the compute spans): receives and the wait for the gradient
+            reductions (``R``), drawn as thin bars under each rank's row, with
+            the start of every ``R`` marked. Empty: neither is drawn.
 
     Returns:
         The path written.
@@ -127,13 +133,45 @@ def render_png(
     drawn = {s.action.kind for s in work}
     kinds = [Kind(code) for code in KINDS if Kind(code) in drawn]
     legend_px = 0
-    if kinds:
-        handles = [
-            Patch(facecolor=kind_colour(k), edgecolor="black", label=kind_label(k)) for k in kinds
-        ]
-        figure.legend(handles=handles, loc="lower center", ncol=len(kinds), frameon=False)
+    handles = [
+        Patch(facecolor=kind_colour(k), edgecolor="black", label=kind_label(k)) for k in kinds
+    ]
+    if waits:
+        handles += _draw_waits(axes, waits, [s for s in timed if s not in work], origin)
+    if handles:
+        figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
         legend_px = 36
     figure.tight_layout(rect=(0.0, min(legend_px / height_px, 0.5), 1.0, 1.0))
     out = Path(path)
     figure.savefig(out, dpi=dpi, format="png")
     return out
+
+
+_WAIT_COLOUR = "#888888"
+
+
+def _draw_waits(
+    axes: Any, waits: Sequence[Span], reductions: Sequence[Span], origin: float
+) -> list[Any]:
+    """Draw the waits on peers under each row and mark where each ``R`` starts; returns
+    the legend entries of what was drawn."""
+    from matplotlib.patches import Patch
+
+    reduce_colour = kind_colour(Kind.REDUCE)
+    for s in waits:
+        waiting_for_r = s.action.kind is Kind.REDUCE
+        axes.barh(
+            s.rank + 0.32,
+            s.duration,
+            left=s.start - origin,
+            height=0.16,
+            color=reduce_colour if waiting_for_r else _WAIT_COLOUR,
+            edgecolor="none",
+        )
+    for s in reductions:
+        axes.plot([s.start - origin] * 2, [s.rank + 0.2, s.rank + 0.4], color="black", lw=1)
+        axes.text(s.start - origin, s.rank + 0.2, "R", fontsize=6, ha="center", va="bottom")
+    handles = [Patch(facecolor=_WAIT_COLOUR, label="waiting on a peer (receive)")]
+    if any(s.action.kind is Kind.REDUCE for s in waits):
+        handles.append(Patch(facecolor=reduce_colour, label="waiting for R (all-reduce)"))
+    return handles

@@ -74,6 +74,8 @@ class StepResult:
         outputs: the last stage's output of each micro-batch (evaluation without targets).
         peak_stashed_bytes: the most bytes this rank's stages kept for W at once.
         times: where the step went outside the compute.
+        waits: every receive from another rank, from posting it until its tensors
+            arrived (the time this rank waited on a peer), in seconds from the step start.
     """
 
     spans: list[Span] = field(default_factory=list)
@@ -81,6 +83,7 @@ class StepResult:
     outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = field(default_factory=dict)
     peak_stashed_bytes: int = 0
     times: StepTimes = field(default_factory=StepTimes)
+    waits: list[Span] = field(default_factory=list)
 
 
 class StepRun:
@@ -127,6 +130,7 @@ class StepRun:
         self._targets = targets
         self._clock = clock
         self._marks: list[tuple[Action, Any, Any]] = []
+        self._waits: list[tuple[Action, Any, Any]] = []
         self._group_size = weight_group_size
         self._reducer = reducer
         self._defer_reductions = reductions_after_transfers
@@ -168,6 +172,7 @@ class StepRun:
             if self._channel is not None:
                 self._channel.action = served
             started = time.perf_counter()
+            receiving = self._clock.mark() if action.kind.role is Role.RECEIVE else None
             try:
                 handlers[action.kind](action)
             except Exception as exc:
@@ -178,6 +183,8 @@ class StepRun:
                     )
                 raise
             self._count(action, time.perf_counter() - started)
+            if receiving is not None:
+                self._waits.append((action, receiving, self._clock.mark()))
         if self._channel is not None:
             self._channel.finish()
         if self._reducer is not None:
@@ -186,6 +193,10 @@ class StepRun:
         self.result.spans = [
             Span(self._rank, a, self._clock.seconds(start), self._clock.seconds(end))
             for a, start, end in self._marks
+        ]
+        self.result.waits = [
+            Span(self._rank, a, self._clock.seconds(start), self._clock.seconds(end))
+            for a, start, end in self._waits
         ]
         times = self.result.times
         times.compute = sum(s.end - s.start for s in self.result.spans)

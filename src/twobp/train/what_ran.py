@@ -1,0 +1,84 @@
+"""What a run ran, as its report and its ``config.toml`` say it.
+
+``schedule="auto"`` chooses the schedule, the 2BP policy, the stages per rank,
+the partition and the W cap when the pipeline is built; the report names that
+choice and why (its predicted and measured step), and the run's
+``config.toml`` is rewritten with the choice in the place of ``auto``, so that
+``twobp train --config OUT/config.toml`` runs the same pipeline again without
+choosing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from twobp.runtime import Pipeline
+from twobp.schedule.lowering import is_split
+from twobp.sim.candidate import describe
+from twobp.train.config import TrainConfig
+
+
+def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]:
+    """The pipeline's schedule, policy, copies, recompute mode, precision and scaler, and
+    for ``auto`` its choice with the predicted and measured step (seconds)."""
+    schedule = pipe.schedule
+    plan = pipe.plan
+    policy = plan.choice.policy if plan is not None else cfg.policy
+    split = is_split(schedule)
+    modes = sorted({m or "none" for m in pipe.recompute})
+    scaler = getattr(pipe.options, "grad_scaler", None)
+    ran: dict[str, Any] = {
+        # The generator's name (the schedule's own says how it was transformed: 1f1b+2bp:paper).
+        "schedule": plan.choice.schedule if plan is not None else cfg.schedule,
+        "schedule_text": schedule.name,
+        "two_bp": split,
+        "policy": policy if split else None,
+        "stages_per_rank": schedule.pipeline_stages // max(1, schedule.n_ranks),
+        "partition": [len(r) for r in pipe.stage_blocks],
+        "weight_group_size": (
+            plan.choice.weight_group_size if plan is not None else cfg.weight_group_size
+        ),
+        "data_parallel": pipe.dp_size,
+        "recompute": modes[0] if len(modes) == 1 else [m or "none" for m in pipe.recompute],
+        "precision": precision,
+        "scaler": _scaler_name(scaler),
+        "auto": None,
+    }
+    if cfg.schedule == "auto" and plan is not None:
+        measured = plan.trial_time(plan.choice)
+        if measured is not None and not math.isfinite(measured):
+            measured = None
+        ran["auto"] = {
+            "choice": describe(plan.choice),
+            "predicted_step_s": plan.predicted_step_time,
+            "measured_step_s": measured,
+            "tried": sum(math.isfinite(t) for t in plan.trial_times),
+            "simulated": sum(c.ok for c in plan.ranking),
+            "why": plan.summary(),
+        }
+    return ran
+
+
+def _scaler_name(scaler: object) -> str:
+    """``"none"``, or the class of the gradient scaler the pipeline steps with."""
+    if scaler is None or scaler is False:
+        return "none"
+    if scaler is True:
+        return "GradScaler"
+    return type(scaler).__name__
+
+
+def chosen_options(ran: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``config.toml`` that repeat the choice of ``auto`` (pure)."""
+    options: dict[str, Any] = {
+        "schedule": ran["schedule"],
+        "two_bp": ran["two_bp"],
+        "partition": ",".join(map(str, ran["partition"])),
+        "stages_per_rank": ran["stages_per_rank"] if ran["stages_per_rank"] != 1 else None,
+        "weight_group_size": ran["weight_group_size"],
+        "memory_limit": None,
+    }
+    if ran["policy"] is not None:
+        options["policy"] = ran["policy"]
+    return options

@@ -1,0 +1,86 @@
+"""What the report of a `twobp train --schedule auto` run says ran, and the config it leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from twobp.cli.main import main
+from twobp.config import read_toml
+from twobp.train.config import TrainConfig
+from twobp.train.preflight import check_config
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("auto") / "run"
+    code = main(
+        [
+            "train", "--ranks", "4", "--data-parallel", "2", "--schedule", "auto",
+            "--auto-trials", "2", "--recompute", "activations", "--steps", "5",
+            "--log-every", "2", "--batch-size", "16", "--microbatches", "4",
+            "--seq-len", "16", "--threads", "1", "--timeout", "120", "--no-save",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+def test_the_report_names_autos_choice_copies_recompute_precision_and_scaler(auto_run):
+    out, metrics = auto_run
+    ran = metrics["ran"]
+    assert ran["schedule"] != "auto" and ran["data_parallel"] == 2
+    assert ran["recompute"] == "activations" and ran["precision"] == "float32"
+    assert ran["scaler"] == "none"
+    auto = ran["auto"]
+    assert auto["choice"].startswith(ran["schedule"])
+    assert auto["predicted_step_s"] > 0
+    # Measured in trial steps where other contenders came close enough to try.
+    assert (auto["measured_step_s"] or 0) > 0 or auto["tried"] == 0
+    report = (out / "report.md").read_text()
+    assert f"- schedule: {ran['schedule']} " in report and "2 data-parallel copies" in report
+    assert "recompute: activations" in report
+    assert f"- chosen by schedule='auto': {auto['choice']}, predicted step " in report
+    assert ("ms in trial steps" in report) == (auto["measured_step_s"] is not None)
+    assert report.startswith(f"# twobp train: llama-tiny {ran['schedule']}")
+    assert "- precision: float32; gradient scaler: none" in report
+
+
+def test_every_rank_row_shows_its_stages_copies_included(auto_run):
+    out, metrics = auto_run
+    stages = metrics["stages_per_rank"]
+    assert set(stages) == {"0", "1", "2", "3"}
+    assert stages["0"] == stages["2"] and stages["1"] == stages["3"]  # the copies' ranks
+    rows = [line for line in (out / "report.md").read_text().splitlines() if line[:3] == "| 2"]
+    assert rows and ": " in rows[0].split("|")[2], rows
+
+
+def test_bubble_is_a_median_and_held_out_loss_and_step_times_are_reported(auto_run):
+    out, metrics = auto_run
+    assert metrics["bubble_ratio_steps"] >= 1
+    assert 0 <= metrics["bubble_ratio"] < 1
+    assert [step for step, _ in metrics["eval_losses"]] == [2, 4, 5]
+    times = metrics["step_times_per_rank"]
+    assert set(times) == {"0", "1", "2", "3"}
+    assert all(t["compute"] > 0 and t["receives"] > 0 for t in times.values())
+    assert (
+        "| rank | compute | dispatch | sending | receiving | sends | receives |"
+        in (out / "report.md").read_text()
+    )
+
+
+def test_the_config_of_an_auto_run_repeats_its_choice(auto_run):
+    out, metrics = auto_run
+    ran = metrics["ran"]
+    text = (out / "config.toml").read_text()
+    assert f"schedule = 'auto' chose {ran['auto']['choice']}" in text
+    options = read_toml(TrainConfig, out / "config.toml")
+    cfg = dataclasses.replace(TrainConfig(), **options)
+    assert cfg.schedule == ran["schedule"] and cfg.two_bp == ran["two_bp"]
+    assert cfg.partition == ",".join(map(str, ran["partition"]))
+    check_config(dataclasses.replace(cfg, out=str(out.parent / "again")), 4)
