@@ -264,4 +264,5 @@ def test_the_end_of_a_step_names_the_first_nonfinite_microbatch_and_its_rank():
     fine = end_step(alone, torch.device("cpu"), 5.0, {0: torch.tensor(2.0)}, None)
     assert (fine.loss, fine.first_bad, fine.bad_rank) == (2.0, -1, -1)
     text = str(nonfinite_error(1, 7, math.nan, end.first_bad, end.bad_rank))
-    assert "step 7 is nan (computed on rank 0, a last stage; micro-batch 2 was the first)" in text
+    # The step as the progress line counts it (1-based), and its index.
+    assert "step 8 (step_count 7) is nan (computed on rank 0, a last stage; micro-batch 2" in text
