@@ -68,14 +68,21 @@ def refused(model: str, n_mb: int, batch_size: int, **options: Any) -> str:
 
 
 def changed_by_planning(model: str, n_mb: int, batch_size: int) -> list[str]:
-    """Build a pipeline (``schedule="auto"``); the names of the model's entries it changed."""
+    """Build a pipeline (``schedule="auto"``) of ``model`` with a dropout in block 4; the
+    names of the model's entries it changed, and ``"random state"`` if it changed that."""
     blocks = build_blocks(model)
+    blocks[4] = nn.Sequential(blocks[4], nn.Dropout(0.2))  # the trial steps draw masks
     whole = nn.Sequential(*blocks)
     before = {k: v.clone() for k, v in whole.state_dict().items()}
+    torch.manual_seed(5)
+    random_state = torch.get_rng_state()
     _auto_pipeline(model, n_mb, batch_size, blocks=blocks).close()
     after = whole.state_dict()
     grads = [n for n, p in whole.named_parameters() if p.grad is not None]
-    return sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads
+    changed = sorted(k for k, v in before.items() if not torch.equal(v, after[k])) + grads
+    if not torch.equal(torch.get_rng_state(), random_state):
+        changed.append("random state")
+    return changed
 
 
 def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:

@@ -110,8 +110,9 @@ def _zb_h2_profiled() -> dict:
     )
 
 
-def test_planning_leaves_the_running_statistics_and_gradients_as_they_were():
-    # Profiling and the contention runs train the blocks: BatchNorm updates its statistics.
+def test_planning_leaves_the_running_statistics_gradients_and_random_state_as_they_were():
+    # Profiling, the contention runs and the trial steps train the blocks: BatchNorm
+    # updates its statistics, dropout draws from the generator.
     changed = launch(changed_by_planning, 2, "conv", N_MB, BATCH, threads_per_rank=1, timeout=120)
     assert changed == [[], []]
 

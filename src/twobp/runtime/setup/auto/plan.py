@@ -299,10 +299,12 @@ def plan_auto(
     if costs is None:
         # The machine (contention, link) is measured once, on the largest micro-batch.
         machine: Measured | None = None
-        for m in counts:
-            example = examples[m] if examples is not None else profiling_input(example_input)
-            measured[m] = measure(blocks, world, device, example, m, ranks, machine)
-            machine = machine or measured[m]
+        # The measurements run the blocks (dropout draws): the random state is left as found.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for m in counts:
+                example = examples[m] if examples is not None else profiling_input(example_input)
+                measured[m] = measure(blocks, world, device, example, m, ranks, machine)
+                machine = machine or measured[m]
     if world.rank == 0:
         try:
             spaces = []
