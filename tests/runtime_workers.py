@@ -202,15 +202,6 @@ def _default_pipeline_threads(n_mb: int, timeout: float) -> tuple[int, int]:
         torch.set_num_threads(before)
 
 
-def step_twice_changing_shape(n_mb: int, timeout: float) -> None:
-    """Two steps with different micro-batch sizes: the second must fail."""
-    pipe = _pipeline(Case("transformer", "1f1b", True), n_mb, timeout)
-    inputs, targets = make_batch("transformer", 0, 2 * n_mb)
-    pipe.step(*needed_batches(pipe, inputs, targets))
-    inputs, targets = make_batch("transformer", 1, 4 * n_mb)
-    pipe.step(*needed_batches(pipe, inputs, targets))
-
-
 class _DiesOnRank1:
     """A loss that notes the time in ``folder/killed_at`` and kills its process."""
 

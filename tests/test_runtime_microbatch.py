@@ -7,7 +7,12 @@ import torch
 
 from twobp.runtime.communication.tensor_layout import BoundaryMeta, TensorMeta, describe_mismatch
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.microbatch import concat_microbatches, flatten, split_batch
+from twobp.runtime.execution.microbatch import (
+    concat_microbatches,
+    flatten,
+    microbatch_sizes,
+    split_batch,
+)
 
 
 def test_split_and_concat_a_tensor():
@@ -25,9 +30,19 @@ def test_split_and_concat_a_tuple():
     assert torch.equal(joined[0], ids) and torch.equal(joined[1], mask)
 
 
+def test_uneven_batches_split_as_tensor_split_does():
+    x = torch.arange(22.0).reshape(11, 2)
+    for n in (1, 2, 3, 4, 11):
+        parts = split_batch((x, x[:, 0]), n)
+        expected = torch.tensor_split(x, n)
+        assert [p[0].tolist() for p in parts] == [e.tolist() for e in expected]
+        assert microbatch_sizes(11, n) == tuple(len(e) for e in expected)
+        assert torch.equal(concat_microbatches(parts)[0], x)
+
+
 def test_split_errors_name_the_sizes():
-    with pytest.raises(PipelineConfigError, match=r"batch size 10.*4 equal micro-batches"):
-        split_batch(torch.zeros(10, 3), 4, "inputs")
+    with pytest.raises(PipelineConfigError, match=r"batch size 3, fewer rows than the 4 micro"):
+        split_batch(torch.zeros(3, 3), 4, "inputs")
     with pytest.raises(PipelineConfigError, match=r"same batch size.*\(4, 1\), \(3, 1\)"):
         split_batch((torch.zeros(4, 1), torch.zeros(3, 1)), 2, "targets")
     with pytest.raises(PipelineConfigError, match="tensor or a tuple of tensors"):

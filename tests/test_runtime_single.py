@@ -92,8 +92,8 @@ def test_local_timeline_has_every_compute_action():
 
 def test_configuration_errors_say_what_to_change():
     inputs, targets = make_batch("mlp", 0, 2 * N_MB)
-    with pytest.raises(PipelineConfigError, match=r"batch size 6.*4 equal micro-batches"):
-        _pipe().step(inputs[:6], targets[:6])
+    with pytest.raises(PipelineConfigError, match=r"batch size 3, fewer rows than the 4"):
+        _pipe().step(inputs[:3], targets[:3])
     with pytest.raises(PipelineConfigError, match="holds stage 0 and needs the inputs"):
         _pipe().step(None, targets)
     with pytest.raises(PipelineConfigError, match=r"partition \[10\] has 1 stages"):
@@ -193,8 +193,18 @@ def test_loss_must_be_a_scalar():
         n_microbatches=N_MB,
         device="cpu",
     )
-    with pytest.raises(ValueError, match=r"shape \[2, 4\]; it must return a scalar"):
+    with pytest.raises(ValueError, match=r"shapes \[2, 4\]; it must return a scalar"):
         pipe.step(*make_batch("mlp", 0, 2 * N_MB))
+    pipe.close()
+    three = Pipeline(
+        build_blocks("mlp"),
+        lambda out, y: ((out - y).sum(), y.new_tensor(1.0), y.new_tensor(2.0)),
+        schedule="gpipe",
+        n_microbatches=N_MB,
+        device="cpu",
+    )
+    with pytest.raises(ValueError, match=r"a tuple of tensors of shapes \[\], \[\], \[\]"):
+        three.step(*make_batch("mlp", 0, 2 * N_MB))
 
 
 def test_the_example_trains_in_a_world_of_one():

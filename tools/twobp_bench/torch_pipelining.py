@@ -81,7 +81,8 @@ class ScaledLoss:
         self._scale = 1.0 / n_microbatches
 
     def __call__(self, output: Any, target: Any) -> Tensor:
-        return self._loss_fn(output, target) * self._scale
+        loss: Tensor = self._loss_fn(output, target)
+        return loss * self._scale
 
 
 class TorchRunner:

@@ -60,11 +60,12 @@ class PeerStepFailedError(PeerFailedError):
 
 
 class ShapeMismatchError(PipelineError):
-    """A tensor sent between two stages changed shape, dtype or count since the first step.
+    """A tensor sent between two stages differs from the layout its input shapes passed before.
 
-    The runtime exchanges shapes once, on the first step, and pre-allocates the
-    receive buffers from them; every later step must send tensors of the same
-    layout across each stage boundary.
+    The runtime learns each boundary's layout once per signature of the step's
+    input shapes (:mod:`twobp.runtime.communication.layout_cache`) and allocates
+    the receive buffers from it: a block's output shape may follow its input's
+    shape but not its values.
     """
 
 

@@ -46,7 +46,7 @@ from twobp.runtime.base.process_state import close_at_exit, forget
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.agreement import agree, small_buffer
-from twobp.runtime.communication.channel import BoundaryLayouts
+from twobp.runtime.communication.layout_cache import LayoutCache
 from twobp.runtime.communication.links import make_links
 from twobp.runtime.errors import (
     PipelineClosedError,
@@ -64,7 +64,7 @@ from twobp.runtime.execution.microbatch import (
 )
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
-from twobp.runtime.execution.step_start import StepInputs, start_step
+from twobp.runtime.execution.step_start import StepBatches, StepInputs, start_step
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender
@@ -119,7 +119,9 @@ class Pipeline:
             of tensors to the next; non-float tensors (masks, ids) get no
             gradient. Only this rank's blocks are kept: pass blocks you do not
             hold elsewhere, so the others are freed.
-        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over one micro-batch.
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over one
+            micro-batch; or ``-> (sum, count)`` for an exact mean over the whole
+            batch when micro-batches count different numbers of items (padding).
         schedule: a name of :data:`twobp.schedule.SCHEDULES`, a ``Schedule``,
             the path of a CSV file, or ``"auto"``: profile the blocks on
             ``example_input`` (or plan on ``costs``), simulate every schedule,
@@ -450,7 +452,8 @@ class Pipeline:
             if not members.is_single
             else None
         )
-        self._layouts: BoundaryLayouts = {}
+        self._layouts = LayoutCache()
+        self._eval_layouts = LayoutCache()
         self._forward_schedule: Schedule | None = None
         self._forward_plan: CommPlan | None = None
         self._steps = StepRunner(
@@ -711,7 +714,8 @@ class Pipeline:
         self._steps.abandon_reductions()
         if self.state.sharded is not None:
             self.state.sharded.abandon()
-        self._layouts = {}
+        self._layouts.clear()
+        self._eval_layouts.clear()
         self._forward_plan = None
 
     def release_blocks(self) -> None:
@@ -785,19 +789,26 @@ class Pipeline:
             targets: the batch of targets; only the rank of the last stage
                 needs it (others may pass None).
 
+        The batch may have any size (at least ``n_microbatches`` rows) and
+        other shapes than the last step's: it splits as ``torch.tensor_split``
+        does, and each micro-batch's loss is weighted by its share of the rows.
+
         Returns:
-            The mean loss over the batch (mean of the micro-batch losses), on
-            every rank, unscaled under a ``grad_scaler``. NaN or infinite only
-            with ``nonfinite="skip"``, when the step was skipped.
+            The mean loss over the batch (the micro-batch losses weighted by
+            their rows; for a loss returning ``(sum, count)``, the sum over
+            the batch by the count over the batch), on every rank, unscaled
+            under a ``grad_scaler``. NaN or infinite only with
+            ``nonfinite="skip"``, when the step was skipped.
 
         Raises:
             PipelineConfigError: on every rank, if a needed batch is missing or
-                does not split on any rank, the inputs and targets disagree on
+                holds fewer rows than micro-batches on any rank, the inputs and targets disagree on
                 the batch size, or the ranks are not at the same step.
             NonFiniteLossError: on every rank, if the mean loss is not finite
                 (with ``nonfinite="raise"``); the step's gradients were dropped,
                 the earlier steps' are kept (so with ``nonfinite="skip"``).
-            ShapeMismatchError: if activations change shape after the first step.
+            ShapeMismatchError: if a block's output shape depends on the values of
+                its inputs, not only on their shapes (named by its boundary).
             PeerStepFailedError: on every other rank, when the step failed on
                 one rank (in a block, the loss, a shape check); that rank raises
                 its own error. The step's gradients are dropped on every rank (the
@@ -813,22 +824,23 @@ class Pipeline:
                 f"rank {self.rank}: this pipeline released its blocks (release_blocks()); "
                 "call claim_blocks() before its next step"
             )
-        mb_inputs, mb_targets = self._prepare(inputs, targets, training=True)
+        batches = self._prepare(inputs, targets, training=True)
         scale = 1.0 if self.grad_scaler is None else self.grad_scaler.loss_scale()
         for stage in self.stages.values():
             stage.set_loss_scale(scale)
         # The step reduces and settles its own gradients only (see accumulation).
         self._earlier_gradients.set_aside(self.module.parameters())
         try:
-            _, loss, first_bad, bad_rank = self._steps.run_step(
-                self.lowered_schedule, self._plan, self._layouts, mb_inputs, mb_targets, True
-            )
+            _, end = self._steps.run_step(self.lowered_schedule, self._plan, batches, True)
         except BaseException:
             self._earlier_gradients.put_back()
             if self.state.sharded is not None:
                 self.state.sharded.discard()
             raise
+        loss, first_bad, bad_rank = end.loss, end.first_bad, end.bad_rank
         assert loss is not None
+        if end.count is not None and math.isfinite(loss):
+            self._divide_gradients(end.count / self.topology.dp_size)
         step = self.state.step_count
         self.state.step_count += 1
         self.last_step_skipped = not math.isfinite(loss)
@@ -947,14 +959,13 @@ class Pipeline:
             self._forward_schedule = add_communication(forward)
             self._forward_plan = plan_communication(forward, self.pp_rank)
         assert self._forward_schedule is not None
-        mb_inputs, mb_targets = self._prepare(inputs, targets, training=False)
-        # Shapes may differ from training (no gradient flags, other batch size):
-        # exchange layouts afresh each call.
-        result, loss, _, _ = self._steps.run_step(
-            self._forward_schedule, self._forward_plan, {}, mb_inputs, mb_targets, False
+        # Layouts of their own: no gradient flags, and other shapes than training's.
+        batches = self._prepare(inputs, targets, training=False)
+        result, end = self._steps.run_step(
+            self._forward_schedule, self._forward_plan, batches, False
         )
-        if loss is not None:
-            return loss
+        if end.loss is not None:
+            return end.loss
         outputs = result.outputs
         if self.schedule.n_pipelines > 1:
             outputs = self._gather_outputs(outputs)
@@ -976,9 +987,7 @@ class Pipeline:
                 gathered[m] = (tuple(t.to(self.device) for t in ts), is_tuple)
         return gathered
 
-    def _prepare(
-        self, inputs: Batch | None, targets: Batch | None, training: bool
-    ) -> tuple[list[Batch] | None, list[Batch] | None]:
+    def _prepare(self, inputs: Batch | None, targets: Batch | None, training: bool) -> StepBatches:
         schedule = self.schedule
         last = schedule.pipeline_stages - 1
         return start_step(
@@ -987,9 +996,20 @@ class Pipeline:
             self.timeout,
             StepInputs(inputs, targets, training, self.step_count),
             self.n_microbatches,
+            self._layouts if training else self._eval_layouts,
             self._start_buffer,
             (schedule.replicas_of(0), schedule.replicas_of(last)),
         )
+
+    @torch.no_grad()
+    def _divide_gradients(self, divisor: float) -> None:
+        """Divide the step's own gradients (earlier steps' are set aside) by ``divisor``:
+        a loss that returned ``(sum, count)`` is the mean over the count of the whole batch."""
+        seen: set[int] = set()
+        for p in self.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.grad.div_(divisor)
 
     # -- timing ------------------------------------------------------------------------
 

@@ -15,20 +15,20 @@ from collections.abc import Callable
 import torch
 
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.communication.channel import BoundaryLayouts, StepChannel
+from twobp.runtime.communication.channel import StepChannel
 from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PeerError
 from twobp.runtime.execution.clock import StepClock
-from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.execution.stage import Stage
-from twobp.runtime.execution.step_end import Failure, end_step, lost_peer
+from twobp.runtime.execution.step_end import Failure, StepEnd, end_step, lost_peer
 from twobp.runtime.execution.step_run import (
     StepResult,
     StepRun,
     StepTimes,
     reductions_wait_for_transfers,
 )
+from twobp.runtime.execution.step_start import StepBatches
 from twobp.schedule.action import Kind
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
@@ -103,9 +103,7 @@ class StepRunner:
         self,
         schedule: Schedule,
         plan: CommPlan,
-        layouts: BoundaryLayouts,
-        mb_inputs: list[Batch] | None,
-        mb_targets: list[Batch] | None,
+        batches: StepBatches,
     ) -> StepResult:
         clock = StepClock(self.device)
         channel = None
@@ -116,23 +114,25 @@ class StepRunner:
                 self.topology,
                 self._links,
                 self.device,
-                layouts,
+                batches.layouts,
                 self.timeout,
                 schedule.n_stages,
                 self.n_microbatches,
+                batches.rows,
             )
         run = StepRun(
             self.rank,
             schedule.graph,
             self.stages,
             channel,
-            mb_inputs,
-            mb_targets,
+            batches.inputs,
+            batches.targets,
             clock,
             self._weight_group_size,
             reducer=self._reducer,
             reductions_after_transfers=reductions_wait_for_transfers(self.topology.members.backend),
             wait_parameters=self.wait_parameters,
+            weights=batches.weights,
         )
         try:
             result = run.run(schedule.actions[self.pp_rank])
@@ -179,17 +179,17 @@ class StepRunner:
         self,
         schedule: Schedule,
         plan: CommPlan,
-        layouts: BoundaryLayouts,
-        mb_inputs: list[Batch] | None,
-        mb_targets: list[Batch] | None,
+        batches: StepBatches,
         training: bool,
-    ) -> tuple[StepResult, float | None, int, int]:
+    ) -> tuple[StepResult, StepEnd]:
         """Run a step and settle it with every rank: the loss, or the failure.
 
         Returns:
-            The step's result, the mean loss (None without targets), the
-            first micro-batch whose loss is not finite and the rank that
-            computed it (-1 and -1 if none).
+            The step's result, and what every rank learnt at its end: the
+            mean loss (None without targets), the first micro-batch whose
+            loss is not finite and the rank that computed it (-1 and -1 if
+            none), and the count that divides the gradients of a loss that
+            returns ``(sum, count)``.
 
         Raises:
             Exception: on the rank where the step failed, its own error; on the
@@ -199,7 +199,7 @@ class StepRunner:
         failure: Exception | None = None
         result = StepResult()
         try:
-            result = self._run(schedule, plan, layouts, mb_inputs, mb_targets)
+            result = self._run(schedule, plan, batches)
         except Exception as exc:
             for stage in self.stages.values():
                 stage.abandon_step()
@@ -220,10 +220,12 @@ class StepRunner:
             recorded = self.failure
             known = recorded is not None and recorded.error is failure
             mine = recorded if known else Failure(failure, None, time.time())
-        end = end_step(self.topology.members, self.device, self.timeout, losses, mine)
+        end = end_step(
+            self.topology.members, self.device, self.timeout, losses, mine, batches.weights
+        )
         if failure is not None or end.error is not None:
             if end.error is not None:
                 raise end.error
             assert failure is not None
             raise failure
-        return result, end.loss, end.first_bad, end.bad_rank
+        return result, end

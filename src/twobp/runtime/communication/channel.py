@@ -10,10 +10,12 @@ into buffers allocated from the boundary's known layout; a gradient once the
 activation it answers has gone out (its sender cannot send it before). So a
 receive is posted before its sender can send it, and its data moves while
 this rank computes, whatever else the pair exchanges in the other direction.
-On the first step a boundary's layout is unknown: the sender puts a small
-layout message before the first activation, and the receiver posts the data
-receives once it has read it. All sends are completed in
-:meth:`StepChannel.finish`.
+A layout holds for the micro-batches of one number of rows under one signature
+of the step's inputs (:mod:`twobp.runtime.communication.layout_cache`); where it
+is not known yet (the first step of a signature), the sender puts a small
+layout message before the first activation of that many rows, and the
+receiver posts the data receives once it has read it. All sends are completed
+in :meth:`StepChannel.finish`.
 
 Tags are unique per (direction, boundary, micro-batch, tensor) within a step,
 which gloo honours; NCCL ignores tags and relies on the order of each link,
@@ -36,7 +38,7 @@ hanging (see docs/reliability.md).
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,7 @@ from torch import Tensor
 
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.collective import wait_work
+from twobp.runtime.communication.layout_cache import BoundaryLayouts
 from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.tensor_layout import (
     MESSAGE_LENGTH,
@@ -69,8 +72,6 @@ ORDER_ONLY_VARIABLE = "TWOBP_ORDER_ONLY_MATCHING"
 _TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
 _META_CODE = 2
 
-BoundaryLayouts = MutableMapping[int, BoundaryMeta]
-"""Known activation layout of each remote boundary, kept across steps."""
 
 
 def order_only_matching() -> bool:
@@ -140,10 +141,13 @@ class StepChannel:
         topology: where the pipeline ranks run (never a single process world).
         links: the process group of each direction to every peer.
         device: where receive buffers live.
-        layouts: activation layouts learnt so far; filled in on the first step.
+        layouts: activation layouts learnt so far for the step's input
+            signature; filled in where unknown.
         timeout: seconds to wait on a peer before raising.
         n_stages: stages of the schedule (to make tags unique).
         n_microbatches: micro-batches per step (to make tags unique).
+        rows: the rows of each micro-batch (None: all alike). Micro-batches of
+            as many rows share a layout.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class StepChannel:
         timeout: float,
         n_stages: int,
         n_microbatches: int,
+        rows: Sequence[int] | None = None,
     ) -> None:
         self._plan = plan
         self._topology = topology
@@ -166,15 +171,19 @@ class StepChannel:
         self._timeout = timeout
         self._n_stages = n_stages
         self._n_mb = n_microbatches
+        self._rows = tuple(rows) if rows is not None else (0,) * n_microbatches
         self._order_only = order_only_matching()
         self._split = links.split
         self._peers = {p: _Peer.of(p, ops) for p, ops in plan.peers.items()}
         self._posted: dict[tuple[Direction, int, int], _Posted] = {}
-        self._meta_works: dict[int, tuple[Any, Tensor]] = {}
+        self._meta_works: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self._sent_nothing: set[tuple[Direction, int, int]] = set()
         self._sent_activations: set[tuple[Direction, int, int]] = set()
         self.action: Action | None = None
         """The action being run, named in errors."""
+        self.layout_messages = 0
+        """Layout messages this rank sent or read in the step (none when every layout
+        was known)."""
 
     # -- public ---------------------------------------------------------------
 
@@ -317,14 +326,14 @@ class StepChannel:
                 peer.received += 1
 
     def _send_placeholder(self, transfer: Transfer) -> None:
-        known = self._layouts.get(transfer.boundary)
+        known = self._layouts.get(self._key(transfer))
         if transfer.direction is Direction.GRADIENT:
             if known is None:
                 return  # neither side learnt the layout: nothing crosses
             layout = known.gradient
         elif known is None:
             message = failure_message().to(self._device)
-            self._post_send(transfer, message, self._meta_tag(transfer.boundary))
+            self._post_send(transfer, message, self._meta_tag(transfer))
             return
         else:
             layout = known.tensors
@@ -401,7 +410,7 @@ class StepChannel:
                 self._sent_activations
             ):
                 return False
-            meta = self._layouts.get(transfer.boundary)
+            meta = self._layouts.get(self._key(transfer))
             if meta is None:
                 # Only after a failure: the activations never crossed, so neither does this.
                 self._sent_nothing.add(transfer.key)
@@ -429,27 +438,28 @@ class StepChannel:
         return True
 
     def _activation_layout(self, transfer: Transfer, block: bool) -> BoundaryMeta | None:
-        boundary = transfer.boundary
-        if boundary in self._layouts:
-            return self._layouts[boundary]
-        if boundary not in self._meta_works:
+        key = self._key(transfer)
+        if key in self._layouts:
+            return self._layouts[key]
+        if key not in self._meta_works:
             message = torch.empty(MESSAGE_LENGTH, dtype=torch.int64, device=self._device)
             work = dist.irecv(
                 message,
                 src=self._global(transfer.src),
                 group=self._link(transfer),
-                tag=self._meta_tag(boundary),
+                tag=self._meta_tag(transfer),
             )
-            self._meta_works[boundary] = (work, message)
-        work, message = self._meta_works[boundary]
+            self._meta_works[key] = (work, message)
+        work, message = self._meta_works[key]
         if not block and not work.is_completed():
             return None
         self._wait(work, transfer.src, f"the layout of the {transfer}")
-        del self._meta_works[boundary]
+        del self._meta_works[key]
+        self.layout_messages += 1
         if is_failure_message(message.cpu()):
             return _NOTHING
-        self._layouts[boundary] = BoundaryMeta.decode(message.cpu())
-        return self._layouts[boundary]
+        self._layouts[key] = BoundaryMeta.decode(message.cpu())
+        return self._layouts[key]
 
     # -- layouts and tags -------------------------------------------------------
 
@@ -461,28 +471,31 @@ class StepChannel:
                 f"stage {transfer.boundary} passes {len(tensors)} tensors to the next stage; "
                 f"at most {MAX_TENSORS} are supported"
             )
+        key = self._key(transfer)
         if transfer.direction is Direction.GRADIENT:
-            expected = self._layouts[transfer.boundary].gradient
+            expected = self._layouts[key].gradient
             got = tuple(TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors)
         else:
             meta = BoundaryMeta.of(tensors, is_tuple)
-            if transfer.boundary not in self._layouts:
+            if key not in self._layouts:
                 self._send_layout(transfer, meta)
-            expected, got = self._layouts[transfer.boundary].tensors, meta.tensors
+            expected, got = self._layouts[key].tensors, meta.tensors
         problem = describe_mismatch(expected, got)
         if problem is not None:
             raise ShapeMismatchError(
                 f"rank {transfer.src} -> rank {transfer.dst}, boundary stage {transfer.boundary}"
                 f" -> stage {transfer.boundary + 1}, {transfer.direction.value} of micro-batch "
-                f"{transfer.microbatch}: {problem}. The first step fixed the layout "
-                f"[{', '.join(map(str, expected))}]; every step must pass tensors of the same "
-                "shapes (same batch size and sequence length), or build a new Pipeline"
+                f"{transfer.microbatch}: {problem}. Inputs of these shapes passed the layout "
+                f"[{', '.join(map(str, expected))}] there before (in this step or an earlier "
+                "one); the shapes a block passes on may follow the shapes of its inputs, not "
+                "their values (pad or cut such an output to a size fixed by the input's shape)"
             )
         return expected
 
     def _send_layout(self, transfer: Transfer, meta: BoundaryMeta) -> None:
-        self._post_send(transfer, meta.encode().to(self._device), self._meta_tag(transfer.boundary))
-        self._layouts[transfer.boundary] = meta
+        self._post_send(transfer, meta.encode().to(self._device), self._meta_tag(transfer))
+        self._layouts[self._key(transfer)] = meta
+        self.layout_messages += 1
 
     def _post_send(self, transfer: Transfer, payload: Tensor, tag: int) -> None:
         """Post one send of ``transfer``'s; :meth:`finish` completes it."""
@@ -498,10 +511,17 @@ class StepChannel:
         slot = (code * self._n_stages + transfer.boundary) * self._n_mb + transfer.microbatch
         return slot * MAX_TENSORS + index
 
-    def _meta_tag(self, boundary: int) -> int:
+    def _key(self, transfer: Transfer) -> tuple[int, int]:
+        """Where the layout of ``transfer`` is kept: its boundary and its micro-batch's rows."""
+        return transfer.boundary, self._rows[transfer.microbatch]
+
+    def _meta_tag(self, transfer: Transfer) -> int:
         if self._order_only:
             return 0
-        return (_META_CODE * self._n_stages + boundary) * self._n_mb * MAX_TENSORS
+        # A step's micro-batches have at most two sizes (the larger first): one tag each.
+        size_class = int(self._rows[transfer.microbatch] != self._rows[0])
+        base = (_META_CODE * self._n_stages + transfer.boundary) * self._n_mb * MAX_TENSORS
+        return base + size_class
 
     def _link(self, transfer: Transfer) -> dist.ProcessGroup:
         """The group of the direction ``transfer`` goes (looked up when posted)."""

@@ -1,8 +1,9 @@
 """The layout of what crosses a stage boundary: shapes, dtypes, gradient flags.
 
-The sender of the first activation of a boundary describes it once in a small
+The sender of the first activation of a boundary, for one size of micro-batch
+and one signature of the step's inputs, describes it once in a small
 fixed-size integer message; the receiver allocates its buffers from it for
-every later micro-batch and step. A rank that failed before it could describe
+every later micro-batch and step of those shapes. A rank that failed before it could describe
 an activation sends a failure message in its place. Gradients need no message: the gradient of
 a boundary has the layout of its activations that require grad, which both
 sides already know.

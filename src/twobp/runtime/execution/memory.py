@@ -17,7 +17,9 @@ so it watches a stage's forward once per *signature*: the shapes and dtypes of
 the stage's inputs and target, and which of its parameters require a
 gradient. Every later forward of that signature, in this step or a later one,
 saves as many bytes beyond its inputs, outputs and target, which the meter
-counts for it. (An operation whose saved sizes depend on the values rather
+counts for it; the figures of the :data:`SIGNATURES_KEPT` signatures used
+last are kept, so batches of ever new shapes cost one watched forward per
+new shape and no memory beyond that. (An operation whose saved sizes depend on the values rather
 than the shapes, a data-dependent routing, keeps the figure first seen.) The
 meter keeps the peak of each heading, and of both together, over the step,
 sampled after each pass and after each recomputed forward.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -40,6 +43,9 @@ Signature = tuple[Any, ...]
 
 ACTIVATIONS = "activations"
 STASH = "stash"
+SIGNATURES_KEPT = 64
+"""How many (stage, signature) figures of watched forwards a meter keeps, the least
+recently used dropped first."""
 
 
 def storages(tensors: Iterable[Any]) -> dict[StorageKey, int]:
@@ -73,7 +79,7 @@ class MemoryMeter:
         self._bytes = {ACTIVATIONS: 0, STASH: 0, "": 0}
         self.peaks = {ACTIVATIONS: 0, STASH: 0, "": 0}
         """The most bytes held at once in the last step: per heading, and ``""`` for both."""
-        self._saved_beyond: dict[tuple[int, Signature], int] = {}
+        self._saved_beyond: OrderedDict[tuple[int, Signature], int] = OrderedDict()
 
     def start_step(self, modules: Iterable[nn.Module]) -> None:
         """Forget the last step's holdings; parameters and buffers of ``modules`` are
@@ -112,7 +118,11 @@ class MemoryMeter:
         """What a watched forward of ``stage`` with this ``signature`` saved beyond its
         inputs, outputs and target, in bytes; None before one (which :meth:`saved`
         must watch)."""
-        return self._saved_beyond.get((stage, signature))
+        key = (stage, signature)
+        if key not in self._saved_beyond:
+            return None
+        self._saved_beyond.move_to_end(key)
+        return self._saved_beyond[key]
 
     def learn_saved(
         self,
@@ -126,6 +136,8 @@ class MemoryMeter:
         self._saved_beyond[(stage, signature)] = sum(
             size for key, size in saved.items() if key not in kept and key not in self._excluded
         )
+        while len(self._saved_beyond) > SIGNATURES_KEPT:
+            self._saved_beyond.popitem(last=False)
 
     def hold(self, heading: str, key: Any, held: dict[StorageKey, int]) -> None:
         """Count ``held`` under ``heading`` until :meth:`release` of the same ``key``."""

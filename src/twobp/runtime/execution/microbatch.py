@@ -43,11 +43,29 @@ def unflatten(tensors: Sequence[Tensor], is_tuple: bool) -> Batch:
     return tuple(tensors) if is_tuple else tensors[0]
 
 
-def batch_size(batch: Batch, what: str = "inputs") -> int:
-    """The size of a batch along dim 0.
+def microbatch_sizes(size: int, n_microbatches: int, what: str = "inputs") -> tuple[int, ...]:
+    """The rows of each micro-batch of a batch of ``size`` rows, as ``torch.tensor_split``
+    cuts it: the first ``size % n_microbatches`` hold one row more than the others.
 
     Raises:
-        PipelineConfigError: if a tensor has no dim 0, or the tensors of a tuple disagree.
+        PipelineConfigError: if the batch holds fewer rows than micro-batches.
+    """
+    if size < n_microbatches:
+        raise PipelineConfigError(
+            f"the {what} have batch size {size}, fewer rows than the {n_microbatches} "
+            f"micro-batches of a step; pass at least {n_microbatches} rows or lower "
+            "n_microbatches"
+        )
+    small, extra = divmod(size, n_microbatches)
+    return tuple(small + 1 if m < extra else small for m in range(n_microbatches))
+
+
+def batch_size(batch: Batch, what: str = "inputs") -> int:
+    """The rows of a batch: the first dimension its tensors share.
+
+    Raises:
+        PipelineConfigError: if it is not a batch, or the tensors of a tuple
+            disagree on it.
     """
     tensors, _ = flatten(batch, what)
     sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
@@ -60,7 +78,8 @@ def batch_size(batch: Batch, what: str = "inputs") -> int:
 
 
 def split_batch(batch: Batch, n_microbatches: int, what: str = "inputs") -> list[Batch]:
-    """Split a batch into ``n_microbatches`` equal micro-batches along dim 0.
+    """Split a batch into ``n_microbatches`` micro-batches along dim 0, as
+    ``torch.tensor_split`` does: sizes differ by at most one row, the larger first.
 
     Args:
         batch: a tensor or a tuple of tensors with the same first dimension.
@@ -71,18 +90,12 @@ def split_batch(batch: Batch, n_microbatches: int, what: str = "inputs") -> list
         The micro-batches (views of ``batch``), each of the same structure.
 
     Raises:
-        PipelineConfigError: if the batch size does not divide evenly, or the
-            tensors of a tuple disagree on it.
+        PipelineConfigError: if the batch holds fewer rows than
+            ``n_microbatches``, or the tensors of a tuple disagree on its size.
     """
     tensors, is_tuple = flatten(batch, what)
-    size = batch_size(batch, what)
-    if size % n_microbatches != 0:
-        raise PipelineConfigError(
-            f"the {what} have batch size {size}, which does not split into {n_microbatches} "
-            f"equal micro-batches; use a batch size that is a multiple of {n_microbatches} "
-            f"or change n_microbatches"
-        )
-    chunks = [torch.split(t, size // n_microbatches, dim=0) for t in tensors]
+    sizes = list(microbatch_sizes(batch_size(batch, what), n_microbatches, what))
+    chunks = [torch.split(t, sizes, dim=0) for t in tensors]
     return [unflatten([c[m] for c in chunks], is_tuple) for m in range(n_microbatches)]
 
 

@@ -36,8 +36,11 @@ from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
 from twobp.runtime.execution.recompute import BufferCheck, RngState
 from twobp.sim.recompute import Mode, recomputes_activations, recomputes_derivatives
 
-LossFn = Callable[[Any, Any], Tensor]
-"""``loss_fn(output, target) -> scalar``, the mean over one micro-batch."""
+LossFn = Callable[[Any, Any], Any]
+"""``loss_fn(output, target)``: a scalar, the mean over one micro-batch; or a pair of
+scalars ``(sum, count)``, the sum of the losses of the micro-batch's items and how many
+items it counts (tokens that are not padding): the step's loss is then the sum over the
+whole batch divided by the count over the whole batch."""
 
 
 @dataclass
@@ -52,6 +55,8 @@ class _Kept:
     """The generator states of the first forward (None without recomputation)."""
     flags: tuple[bool, ...]
     """Which outputs were sent as needing a gradient: those a recomputation returns."""
+    weight: float = 1.0
+    """What the last stage's backward starts from: the weight of the micro-batch's loss."""
     outputs: tuple[Tensor, ...] = ()
     """The outputs that require grad, until I; none when I recomputes them."""
     grad_outputs: tuple[Tensor, ...] = ()
@@ -71,7 +76,8 @@ class Stage:
         module: the stage's blocks (an ``nn.Sequential`` named by global block index).
         gradients: the stage's backward machinery.
         loss_fn: the loss, used by the last stage.
-        n_microbatches: micro-batches per step; each loss is scaled by its inverse.
+        n_microbatches: micro-batches per step; each loss is scaled by its inverse
+            unless :meth:`forward` is given the micro-batch's weight.
         model_stage: which stage of the model it runs, when the schedule has
             several pipelines (``n_stages`` is then the stages of one); None: ``index``.
         autocast: ``(device type, dtype)`` to run the forward (and loss) under
@@ -109,6 +115,7 @@ class Stage:
         self._loss_fn = loss_fn
         self._n_microbatches = n_microbatches
         self._scale = 1.0 / n_microbatches
+        self._loss_scale = 1.0
         self._kept: dict[int, _Kept] = {}
         self._pending: dict[int, _Kept] = {}
         self._autocast = autocast
@@ -118,6 +125,7 @@ class Stage:
         """Start the backward of every later micro-batch's loss from ``scale / n_microbatches``
         (a loss scale for float16: :class:`twobp.runtime.state.grad_scaler.GradScaler`)."""
         self._scale = scale / self._n_microbatches
+        self._loss_scale = scale
 
     def _cast(self) -> contextlib.AbstractContextManager[Any]:
         if self._autocast is None:
@@ -128,10 +136,18 @@ class Stage:
         output = self.module(unflatten(inputs, is_tuple))
         if self.is_last and target is not None:
             output = self._loss_fn(output, target)
+            if isinstance(output, (tuple, list)) and len(output) == 2:
+                # (sum, count): the count takes no part in the backward.
+                output = (output[0], torch.as_tensor(output[1]).detach())
         return output
 
     def forward(
-        self, mb: int, inputs: Sequence[Tensor], is_tuple: bool, target: Batch | None
+        self,
+        mb: int,
+        inputs: Sequence[Tensor],
+        is_tuple: bool,
+        target: Batch | None,
+        weight: float | None = None,
     ) -> tuple[tuple[Tensor, ...], bool]:
         """F of ``mb``; keeps what its backward needs when autograd is on.
 
@@ -142,10 +158,18 @@ class Stage:
             is_tuple: whether to pass them to the first block as a tuple.
             target: the micro-batch's targets (last stage only; None in
                 evaluation without targets).
+            weight: the weight of the micro-batch's mean loss in the step's
+                (last stage only; None: ``1 / n_microbatches``). A loss
+                returning ``(sum, count)`` is not weighted: the step divides
+                its gradients by the count of the whole batch at its end.
 
         Returns:
             The output tensors and whether they form a tuple; for the last
-            stage with a target, the detached loss as a one-tensor output.
+            stage with a target, the detached loss as a one-tensor output,
+            or the detached sum and count as two.
+
+        Raises:
+            ValueError: if the loss is neither a scalar nor a pair of scalars.
         """
         inputs = tuple(inputs)
         training = torch.is_grad_enabled()
@@ -169,11 +193,11 @@ class Stage:
         with context, self._cast():
             output = self._run(inputs, is_tuple, target)
         tensors, out_is_tuple = flatten(output, f"the output of stage {self.index}")
-        if self.is_last and target is not None and tensors[0].numel() != 1:
-            raise ValueError(
-                f"loss_fn returned a tensor of shape {list(tensors[0].shape)}; it must return "
-                "a scalar, the mean loss over the micro-batch (use reduction='mean')"
-            )
+        seed = self._scale if weight is None else weight * self._loss_scale
+        if self.is_last and target is not None:
+            check_loss(tensors, out_is_tuple)
+            if out_is_tuple:
+                seed = self._loss_scale
         if training:
             if recomputes_activations(self.recompute):
                 # Flagged as the forward with autograd would have (the next stage
@@ -185,7 +209,8 @@ class Stage:
                     t.detach().requires_grad_() if wanted and t.is_floating_point() else t
                     for t in tensors
                 )
-            kept = _Kept(inputs, is_tuple, target, rng, tuple(t.requires_grad for t in tensors))
+            flags = tuple(t.requires_grad for t in tensors)
+            kept = _Kept(inputs, is_tuple, target, rng, flags, weight=seed)
             if not recomputes_activations(self.recompute):
                 kept.outputs = tuple(t for t in tensors if t.requires_grad)
             self._kept[mb] = kept
@@ -200,7 +225,7 @@ class Stage:
             self.memory.hold(ACTIVATIONS, (self.index, mb), held)
             self.memory.sample()
         if self.is_last and target is not None:
-            return (tensors[0].detach(),), False
+            return tuple(t.detach() for t in tensors), False
         return tensors, out_is_tuple
 
     def _forward_again(self, mb: int, kept: _Kept, saved: dict[Any, int]) -> tuple[Tensor, ...]:
@@ -223,8 +248,8 @@ class Stage:
             mb: the micro-batch.
             grad_outputs: gradients of the outputs that require grad, in
                 order; ignored by the last stage, which starts from its loss
-                scaled by ``1 / n_microbatches`` (times the loss scale, see
-                :meth:`set_loss_scale`).
+                scaled by the micro-batch's weight (see :meth:`forward`), times
+                the loss scale (see :meth:`set_loss_scale`).
             split: run the input pass only, leaving the weights to :meth:`weight`.
 
         Returns:
@@ -243,7 +268,7 @@ class Stage:
                 outputs = self._forward_again(mb, kept, saved)
             self.memory.sample(saved)
         if self.is_last:
-            grad_outputs = [torch.full_like(t, self._scale) for t in outputs]
+            grad_outputs = [torch.full_like(t, kept.weight) for t in outputs]
         # A recomputed output sent as needing a gradient may not depend on anything
         # that needs one: it takes no part in the backward.
         used = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
@@ -313,3 +338,21 @@ class Stage:
         # The store complains about the unfinished work, and forgets it.
         with contextlib.suppress(RuntimeError):
             self.gradients.finish_step()
+
+
+def check_loss(tensors: Sequence[Tensor], is_pair: bool) -> None:
+    """Refuse a loss that is neither a scalar mean nor a pair of scalars ``(sum, count)``.
+
+    Raises:
+        ValueError: saying what the loss returned and what it must return.
+    """
+    if (len(tensors) == 2 if is_pair else len(tensors) == 1) and all(
+        t.numel() == 1 for t in tensors
+    ):
+        return
+    got = ", ".join(str(list(t.shape)) for t in tensors)
+    raise ValueError(
+        f"loss_fn returned {'a tuple of ' if is_pair else ''}tensors of shapes {got}; it "
+        "must return a scalar, the mean loss over the micro-batch (use reduction='mean'), "
+        "or a pair (sum, count) of scalars for an exact mean over the whole batch"
+    )

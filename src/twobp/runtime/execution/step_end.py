@@ -1,9 +1,11 @@
 """The end of a step, the same on every rank: the loss, or who failed, where and why.
 
 Every step ends with one small all-reduce (it replaces the broadcast of the
-loss): the sum and count of the micro-batch losses from the ranks of the last
-stages (one per pipeline and per data-parallel copy), so that every rank gets
-the mean over the global batch, the first micro-batch whose loss is not
+loss): the weighted sum of the micro-batch losses and the sum of their weights
+from the ranks of the last stages (one per pipeline and per data-parallel
+copy), or, for a loss that returns ``(sum, count)``, the sums and the counts,
+so that every rank gets the mean over the global batch (and the count that
+divides the gradients of such a loss), the first micro-batch whose loss is not
 finite, and each rank's status (0 fine, 1 failed by its own
 error, 2 failed because a peer did). Only when some rank failed do the ranks
 also exchange what went wrong; the earliest failure is the cause, since a
@@ -12,7 +14,8 @@ peer may fail in turn on the zeros a failed rank sent in place of its tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +24,7 @@ from torch import Tensor
 
 from twobp.runtime.base.group import Membership
 from twobp.runtime.communication import collective
-from twobp.runtime.errors import PeerError, PeerStepFailedError
+from twobp.runtime.errors import PeerError, PeerStepFailedError, PipelineConfigError
 from twobp.schedule.action import Action
 
 OWN_ERROR = 1
@@ -70,20 +73,25 @@ class StepEnd:
         error: for this rank, the error that says another rank failed the
             step; None if the step went through or this rank's own error is
             the cause.
+        count: for a loss that returns ``(sum, count)``, the count over the
+            global batch, by which the step's gradients are divided; None
+            for a mean loss (weighted at the start of each backward).
     """
 
     loss: float | None
     first_bad: int
     error: PeerStepFailedError | None
     bad_rank: int = -1
+    count: float | None = None
 
 
 def end_step(
     members: Membership,
     device: torch.device,
     timeout: float,
-    losses: Mapping[int, Tensor] | None,
+    losses: Mapping[int, Tensor | tuple[Tensor, ...]] | None,
     failure: Failure | None,
+    weights: Sequence[float] | None = None,
 ) -> StepEnd:
     """Settle a step with every rank. Collective: every rank calls it, failed or not.
 
@@ -92,33 +100,51 @@ def end_step(
         device: where the all-reduce runs.
         timeout: seconds to wait for the other ranks.
         losses: the losses of the micro-batches whose last stage ran here,
-            by micro-batch, when the step went through; None or empty elsewhere.
+            by micro-batch, when the step went through: a mean, ``(mean,)``
+            or ``(sum, count)``; None or empty elsewhere.
         failure: this rank's failure, or None.
+        weights: the weight of each micro-batch's mean loss (None: 1 each).
 
     Returns:
         The loss and, when some rank failed, this rank's error.
+
+    Raises:
+        PipelineConfigError: on every rank, if some micro-batches' losses
+            returned a mean and others ``(sum, count)``.
     """
     n = members.size
-    # [count, sum, first bad + 1 of each rank, status of each rank]
-    status = torch.zeros(2 + 2 * n, dtype=torch.float64, device=device)
+    # [weights or counts, weighted losses or sums, micro-batches of each kind (mean,
+    # sum and count), first bad + 1 of each rank, status of each rank]
+    head = 4
+    status = torch.zeros(head + 2 * n, dtype=torch.float64, device=device)
     if failure is None and losses:
         order = sorted(losses)
-        stacked = torch.stack([losses[m].double() for m in order])
+        parts = [_parts(losses[m], None if weights is None else weights[m]) for m in order]
+        stacked = torch.stack([value for value, _, _ in parts])
         bad = (~torch.isfinite(stacked)).nonzero()
-        status[0] = float(len(order))
+        status[0] = sum(float(w) for _, w, _ in parts)
         status[1] = stacked.sum()
-        status[2 + members.rank] = float(order[int(bad[0, 0])]) + 1 if len(bad) else 0.0
+        status[2] = sum(1 for *_, pair in parts if not pair)
+        status[3] = sum(1 for *_, pair in parts if pair)
+        status[head + members.rank] = float(order[int(bad[0, 0])]) + 1 if len(bad) else 0.0
     if failure is not None:
         own = not isinstance(failure.error, PeerStepFailedError)
-        status[2 + n + members.rank] = OWN_ERROR if own else PEER_FAILED
+        status[head + n + members.rank] = OWN_ERROR if own else PEER_FAILED
     collective.all_reduce(members, status, dist.ReduceOp.SUM, timeout, "the end of the step")
     values = status.tolist()
-    loss = values[1] / values[0] if values[0] else None
-    codes = [int(v) for v in values[2 + n :]]
+    loss = values[1] / values[0] if values[0] else (math.nan if values[3] else None)
+    codes = [int(v) for v in values[head + n :]]
     if not any(codes):
-        nonfinite = [(int(v) - 1, r) for r, v in enumerate(values[2 : 2 + n]) if v]
+        if values[2] and values[3]:
+            raise PipelineConfigError(
+                f"rank {members.rank}: loss_fn returned a mean for {int(values[2])} "
+                f"micro-batches and (sum, count) for {int(values[3])}; return one or the "
+                "other for every micro-batch"
+            )
+        nonfinite = [(int(v) - 1, r) for r, v in enumerate(values[head : head + n]) if v]
         first_bad, bad_rank = min(nonfinite, default=(-1, -1))
-        return StepEnd(loss, first_bad, None, bad_rank)
+        count = values[0] if values[3] else None
+        return StepEnd(loss, first_bad, None, bad_rank, count)
     mine = None
     if failure is not None and codes[members.rank] == OWN_ERROR:
         mine = (failure.when, failure.describe())
@@ -136,3 +162,14 @@ def end_step(
         first,
     )
     return StepEnd(loss, -1, error)
+
+
+def _parts(loss: Tensor | tuple[Tensor, ...], weight: float | None) -> tuple[Tensor, Tensor, bool]:
+    """A micro-batch's part of the step's loss: what it adds to the numerator and to
+    the denominator, and whether it is a ``(sum, count)``."""
+    if isinstance(loss, Tensor):
+        loss = (loss,)
+    if len(loss) == 2:
+        return loss[0].double().reshape(()), loss[1].double().reshape(()), True
+    w = 1.0 if weight is None else weight
+    return loss[0].double().reshape(()) * w, torch.tensor(w, dtype=torch.float64), False

@@ -53,6 +53,9 @@ class StepTimes:
         compute_actions: compute actions run.
         sends: remote transfers sent.
         receives: remote transfers received.
+        layout_messages: layout messages sent and read (see
+            :mod:`twobp.runtime.communication.layout_cache`): none in a step
+            whose input shapes the pipeline has seen before.
     """
 
     compute: float = 0.0
@@ -62,6 +65,7 @@ class StepTimes:
     compute_actions: int = 0
     sends: int = 0
     receives: int = 0
+    layout_messages: int = 0
 
 
 @dataclass
@@ -70,7 +74,8 @@ class StepResult:
 
     Args:
         spans: start and end of every compute action, in seconds from the step start.
-        losses: the (detached) loss of each micro-batch, on the rank of the last stage.
+        losses: the (detached) loss of each micro-batch, on the rank of the last
+            stage: ``(mean,)``, or ``(sum, count)`` for a loss that returns both.
         outputs: the last stage's output of each micro-batch (evaluation without targets).
         peak_stashed_bytes: the most bytes this rank's stages kept for W at once.
         times: where the step went outside the compute.
@@ -79,7 +84,7 @@ class StepResult:
     """
 
     spans: list[Span] = field(default_factory=list)
-    losses: dict[int, Tensor] = field(default_factory=dict)
+    losses: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     outputs: dict[int, tuple[tuple[Tensor, ...], bool]] = field(default_factory=dict)
     peak_stashed_bytes: int = 0
     times: StepTimes = field(default_factory=StepTimes)
@@ -105,6 +110,7 @@ class StepRun:
             :func:`reduction_order` (on NCCL: see :func:`reductions_wait_for_transfers`).
         wait_parameters: called with a stage before each of its forwards: waits
             for the gathers of its updated parameters (a sharded optimizer).
+        weights: the weight of each micro-batch's loss (None: ``1 / n_microbatches``).
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class StepRun:
         reducer: GradientReducer | None = None,
         reductions_after_transfers: bool = False,
         wait_parameters: Callable[[int], None] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self._rank = rank
         self._graph = graph
@@ -136,6 +143,7 @@ class StepRun:
         self._defer_reductions = reductions_after_transfers
         self._deferred: list[int] = []
         self._wait_parameters = wait_parameters
+        self._weights = weights
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
         self.current: Action | None = None
@@ -187,6 +195,7 @@ class StepRun:
                 self._waits.append((action, receiving, self._clock.mark()))
         if self._channel is not None:
             self._channel.finish()
+            self.result.times.layout_messages = self._channel.layout_messages
         if self._reducer is not None:
             for stage in reduction_order(self._deferred, self._graph):
                 self._reducer.start(stage)
@@ -233,12 +242,13 @@ class StepRun:
         else:
             inputs, is_tuple = self._take(action)
         target = self._targets[mb] if stage.is_last and self._targets is not None else None
+        weight = self._weights[mb] if self._weights is not None else None
         start = self._clock.mark()
-        outputs, out_is_tuple = stage.forward(mb, inputs, is_tuple, target)
+        outputs, out_is_tuple = stage.forward(mb, inputs, is_tuple, target, weight)
         self._record(action, start)
         if stage.is_last:
             if target is not None:
-                self.result.losses[mb] = outputs[0]
+                self.result.losses[mb] = outputs
             else:
                 self.result.outputs[mb] = (outputs, out_is_tuple)
             return

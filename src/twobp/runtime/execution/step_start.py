@@ -4,10 +4,18 @@ Only the rank of the first stage sees the inputs and only the rank of the last
 stage the targets, so only they can tell that a batch is missing or does not
 split. Every step starts with one small all-reduce, which replaces the barrier
 that aligns the ranks' clocks: each rank says whether its batches are fine,
-which call it is in, its step count and the size of the batch it holds, all in
-31 bits (:func:`twobp.runtime.communication.agreement.agree_small`; with 2 ranks, one integer).
-A problem on any rank is then raised on every rank, before any rank sends
-anything, and the pipeline stays usable.
+which call it is in, its step count, the size of the batch it holds and, on
+the rank of each copy's first stage, which slot of learnt boundary layouts
+the step's input shapes use (:mod:`twobp.runtime.communication.layout_cache`),
+all in 30 bits (:func:`twobp.runtime.communication.agreement.agree_small`;
+with 2 ranks, one integer). A problem on any rank is then raised on every rank,
+before any rank sends anything, and the pipeline stays usable.
+
+A batch of ``B`` rows splits into ``n_microbatches`` micro-batches as
+``torch.tensor_split`` cuts it, and each micro-batch's loss is weighted by its
+share of the rows of the global batch (every data-parallel copy's together),
+so that a mean-reduced loss gives the step the loss and gradients of one
+process on the whole batch.
 """
 
 from __future__ import annotations
@@ -19,15 +27,32 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.communication.agreement import SMALL_BITS, agree_small
+from twobp.runtime.communication.agreement import SMALL_BITS, agree, agree_small
+from twobp.runtime.communication.layout_cache import (
+    NO_SLOT,
+    SLOT_BITS,
+    BoundaryLayouts,
+    LayoutCache,
+    input_signature,
+)
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.microbatch import Batch, flatten, split_batch, to_device
+from twobp.runtime.execution.microbatch import (
+    Batch,
+    batch_size,
+    flatten,
+    microbatch_sizes,
+    split_batch,
+    to_device,
+)
 
 _CALLS = {1: "step()", 0: "eval_step()"}
-# 1 bit for the call, then the step count and the batch size, both modulo (a
-# collision only skips a consistency check).
-_STEP_BITS = 11
-_SIZE_BITS = SMALL_BITS - 1 - _STEP_BITS
+# 1 bit for the call, the step count modulo 2**6 (a collision only skips a
+# consistency check), the layout slot, and the batch size (exact below OVERFLOW).
+_STEP_BITS = 6
+_SIZE_BITS = SMALL_BITS - 1 - _STEP_BITS - SLOT_BITS
+OVERFLOW = (1 << _SIZE_BITS) - 1
+"""The size field of a batch this large or larger: the exact sizes follow in a second
+all-reduce."""
 
 
 @dataclass(frozen=True)
@@ -53,27 +78,58 @@ class CallInfo:
 
     Args:
         training: True for ``step``, False for ``eval_step``.
-        step_count: the step count, modulo ``2**11``.
+        step_count: the step count, modulo ``2**6``.
         size: the batch size this rank holds (inputs if it holds stage 0,
-            else targets), modulo ``2**18``; 0 if it holds none.
+            else targets), at most :data:`OVERFLOW`; 0 if it holds none.
+        slot: on the rank that decides the layouts of its copy, the slot code
+            of :meth:`LayoutCache.propose`; else 0.
     """
 
     training: bool
     step_count: int
     size: int
+    slot: int = NO_SLOT
 
     def pack(self) -> int:
         """This as one integer below ``2**SMALL_BITS``."""
         step = self.step_count % (1 << _STEP_BITS)
-        size = self.size % (1 << _SIZE_BITS)
-        return (((int(self.training) << _STEP_BITS) | step) << _SIZE_BITS) | size
+        value = (int(self.training) << _STEP_BITS) | step
+        value = (value << SLOT_BITS) | self.slot
+        return (value << _SIZE_BITS) | min(self.size, OVERFLOW)
 
     @classmethod
     def unpack(cls, value: int) -> CallInfo:
-        """Inverse of :meth:`pack`."""
-        size = value & ((1 << _SIZE_BITS) - 1)
+        """Inverse of :meth:`pack` (a size of :data:`OVERFLOW` or more reads as it)."""
+        size = value & OVERFLOW
         value >>= _SIZE_BITS
-        return cls(bool(value >> _STEP_BITS), value & ((1 << _STEP_BITS) - 1), size)
+        slot = value & ((1 << SLOT_BITS) - 1)
+        value >>= SLOT_BITS
+        return cls(bool(value >> _STEP_BITS), value & ((1 << _STEP_BITS) - 1), size, slot)
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """What one rank runs a step on, as every rank agreed.
+
+    Args:
+        inputs: this rank's micro-batches of inputs (rank of a first stage), else None.
+        targets: its micro-batches of targets (rank of a last stage, when
+            targets are needed or given), else None.
+        rows: the rows of each micro-batch of this copy of the pipeline.
+        weights: the weight of each micro-batch's loss: its rows over the
+            rows of every copy's batch, times the number of copies (whose
+            gradients are averaged).
+        layouts: the boundary layouts learnt for the step's input shapes
+            (empty when the step learns them).
+        learning: True when the step learns its layouts afresh.
+    """
+
+    inputs: list[Batch] | None
+    targets: list[Batch] | None
+    rows: tuple[int, ...]
+    weights: tuple[float, ...]
+    layouts: BoundaryLayouts
+    learning: bool
 
 
 def start_step(
@@ -82,9 +138,10 @@ def start_step(
     timeout: float,
     given: StepInputs,
     n_microbatches: int,
+    layouts: LayoutCache,
     buffer: Tensor | None = None,
     ends: tuple[Sequence[int], Sequence[int]] = ((0,), (-1,)),
-) -> tuple[list[Batch] | None, list[Batch] | None]:
+) -> StepBatches:
     """This rank's micro-batches of inputs and targets, once every rank's are known to fit.
 
     Collective: every rank calls it.
@@ -96,18 +153,18 @@ def start_step(
         timeout: seconds to wait for the other ranks.
         given: this rank's batches and call.
         n_microbatches: micro-batches per step.
+        layouts: the layouts learnt for this kind of call, by input signature.
         buffer: the all-reduce buffer to reuse (see :func:`agree_small`).
         ends: the first stages and the last stages of the schedule (one of
             each per pipeline; -1: the last stage). Their ranks, in this
             process's copy of the pipeline, need the inputs and the targets.
 
     Returns:
-        The micro-batches of inputs (rank of stage 0, else None) and of targets
-        (rank of the last stage when targets are needed or given, else None).
+        The step's micro-batches, their rows and loss weights, and its layouts.
 
     Raises:
         PipelineConfigError: on every rank, if a rank lacks a batch it needs, a
-            batch does not split into equal micro-batches, inputs and targets
+            batch holds fewer rows than micro-batches, inputs and targets
             differ in size, or the ranks are in different calls or steps.
     """
     world = topology.members
@@ -117,8 +174,11 @@ def start_step(
     last_stages = [s % n_stages for s in ends[1]]
     firsts = {topology.rank_of_stage(s): s for s in first_stages}
     lasts = {topology.rank_of_stage(s): s for s in last_stages}
+    decider = topology.rank_of_stage(first_stages[0])
     mb_inputs = mb_targets = None
     size = 0
+    slot = NO_SLOT
+    signature = None
     problem = None
     try:
         if rank in firsts:
@@ -128,7 +188,10 @@ def start_step(
                     "pass the batch of inputs on this rank"
                 )
             mb_inputs = split_batch(to_device(given.inputs, device), n_microbatches)
-            size = flatten(given.inputs)[0][0].shape[0]
+            size = batch_size(given.inputs)
+            if rank == decider:
+                signature = input_signature(*flatten(given.inputs))
+                slot = layouts.propose(signature)
         if rank in lasts and (given.training or given.targets is not None):
             if given.targets is None:
                 raise PipelineConfigError(
@@ -137,29 +200,69 @@ def start_step(
                     "this rank (eval_step(inputs) without targets returns the outputs)"
                 )
             mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
-            n_targets = flatten(given.targets)[0][0].shape[0]
+            n_targets = batch_size(given.targets, "targets")
             if rank in firsts:
                 check_sizes(rank, size, rank, n_targets)
             size = n_targets if rank not in firsts else size
     except PipelineConfigError as exc:
         problem = exc
     call = _CALLS[int(given.training)]
-    mine = CallInfo(given.training, given.step_count, size)
+    mine = CallInfo(given.training, given.step_count, size, slot)
     where = f"at the start of {call} {given.step_count}"
     values = agree_small(world, device, timeout, problem, where, mine.pack(), buffer)
-    check_same_call([CallInfo.unpack(v) for v in values])
-    return mb_inputs, mb_targets
+    calls = [CallInfo.unpack(v) for v in values]
+    if any(c.size == OVERFLOW for c in calls):
+        exact = agree(world, device, timeout, None, where, [size])
+        calls = [
+            CallInfo(c.training, c.step_count, e[0], c.slot)
+            for c, e in zip(calls, exact, strict=True)
+        ]
+    copies = copy_ends(topology, first_stages, last_stages)
+    check_same_call(calls, copies)
+    rows = microbatch_sizes(calls[decider].size, n_microbatches)
+    total = sum(calls[first[0]].size for first, _ in copies)
+    weights = tuple(r * topology.dp_size / total for r in rows)
+    code = calls[decider].slot
+    return StepBatches(
+        mb_inputs,
+        mb_targets,
+        rows,
+        weights,
+        layouts.settle(code, signature),
+        learning=layouts.learns(code),
+    )
 
 
-def check_same_call(calls: Sequence[CallInfo]) -> None:
+def copy_ends(
+    topology: Topology, first_stages: Sequence[int], last_stages: Sequence[int]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """For each copy of the pipeline, the group ranks of its first stages and of its last.
+
+    The first rank of a copy's first stages decides its layouts.
+    """
+    firsts = topology.replicas(first_stages[0])
+    lasts = topology.replicas(last_stages[0])
+    n_first, n_last = len(firsts) // topology.dp_size, len(lasts) // topology.dp_size
+    return [
+        (firsts[d * n_first : (d + 1) * n_first], lasts[d * n_last : (d + 1) * n_last])
+        for d in range(topology.dp_size)
+    ]
+
+
+def check_same_call(
+    calls: Sequence[CallInfo],
+    copies: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+) -> None:
     """Raise if the ranks are in different calls or steps, or disagree on the batch size.
 
-    Every rank that holds a batch (inputs or targets, in any copy of the
-    pipeline) must hold as many samples as the others: each data-parallel
-    copy passes its own part of the global batch, all parts of one size.
+    Every rank of one copy of the pipeline that holds a batch (inputs or
+    targets) must hold as many samples as the others of that copy; copies
+    may hold parts of the global batch of different sizes.
 
     Args:
         calls: what each rank reported, by rank.
+        copies: for each copy, the ranks of its first stages and of its last
+            stages (None: one copy, whose ranks are all those that hold a batch).
 
     Raises:
         PipelineConfigError: saying which ranks differ and how.
@@ -178,9 +281,11 @@ def check_same_call(calls: Sequence[CallInfo]) -> None:
                 f"{call.step_count}; every rank must call step() the same number of times "
                 "(a rank skipped or repeated one)"
             )
-    holders = [r for r, call in enumerate(calls) if call.size]
-    for rank in holders[1:]:
-        check_sizes(holders[0], calls[holders[0]].size, rank, calls[rank].size)
+    groups = [range(len(calls))] if copies is None else [[*first, *last] for first, last in copies]
+    for group in groups:
+        holders = [r for r in dict.fromkeys(group) if calls[r].size]
+        for rank in holders[1:]:
+            check_sizes(holders[0], calls[holders[0]].size, rank, calls[rank].size)
 
 
 def check_sizes(input_rank: int, n_inputs: int, target_rank: int, n_targets: int) -> None:
@@ -189,5 +294,6 @@ def check_sizes(input_rank: int, n_inputs: int, target_rank: int, n_targets: int
         raise PipelineConfigError(
             f"the batch on rank {input_rank} holds {n_inputs} samples but the one on rank "
             f"{target_rank} holds {n_targets}; pass the same batch on every rank of a pipeline "
-            "(with data_parallel, each copy's own part of the global batch, all of one size)"
+            "(with data_parallel, each copy the same part of the global batch on each of its "
+            "ranks)"
         )
