@@ -76,6 +76,8 @@ def test_train_two_copies_of_a_chimera_pipeline(tmp_path, torch_one_thread):
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_run"] == 3
+    written = (out / "config.toml").read_text()
+    assert "min_seq_len = 8" in written and "seq_len = 16" in written
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1", "2", "3"}
     # 2 copies x 2 pipelines, every stage on 4 ranks: the losses of one process.
     want = _one_process_losses(argv)

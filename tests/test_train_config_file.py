@@ -85,7 +85,7 @@ def test_to_toml_writes_what_read_toml_reads(tmp_path):
         ('model = "gpt"', "run.toml: key 'model' = \"gpt\": choose from llama, bert, mamba"),
         ("steps = 0", "run.toml, key steps: --steps must be >= 1, got 0"),
         ('schedule = "foo"', "run.toml, key schedule: --schedule foo: unknown schedule 'foo'"),
-        ("batch_size = 10", "run.toml, key batch_size: --batch-size 10 does not divide into 4"),
+        ("batch_size = 3", "run.toml, key batch_size: --batch-size 3 holds fewer samples than 4"),
         ("steps =", "--config {path}: not valid TOML: "),
     ],
 )

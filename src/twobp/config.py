@@ -29,7 +29,8 @@ T = TypeVar("T")
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A dataclass field with help text (and optional ``choices``/``short``)."""
+    """A dataclass field with help text (and optional ``choices``/``short``, or ``parse``
+    and ``metavar``: the command line's own parser of the option, and its name in the help)."""
     metadata = {"help": text, **kwargs}
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata)
@@ -103,7 +104,11 @@ def add_arguments(
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
         choices = f.metadata.get("choices")
-        if typing.get_origin(tp) in (list, tuple):
+        if "parse" in f.metadata:
+            # The command line's own form of the option (``--seq-len 64:256``).
+            kwargs["type"] = f.metadata["parse"]
+            kwargs["metavar"] = f.metadata.get("metavar")
+        elif typing.get_origin(tp) in (list, tuple):
             kwargs["type"] = _comma_list(typing.get_args(tp)[0], choices)
             kwargs["metavar"] = "A,B,..."
         elif tp == int | str:

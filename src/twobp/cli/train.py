@@ -65,6 +65,8 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]]
             raise UsageError(str(exc)) from None
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {name: value for name, value in vars(args).items() if name in names}
+    if isinstance(given.get("seq_len"), tuple):
+        given["min_seq_len"], given["seq_len"] = given["seq_len"]
     return TrainConfig(**{**from_file, **given}), {
         name: value for name, value in from_file.items() if name not in given
     }

@@ -26,7 +26,17 @@ from twobp.runtime.state.checkpoint import find_checkpoint, read_manifest
 from twobp.runtime.state.checkpoint_files import complete_checkpoints
 from twobp.train.config import TrainConfig
 
-SAME_MODEL_OPTIONS = ("model", "hf_config", "size", "seq_len", "dtype", "autocast", "seed", "data")
+SAME_MODEL_OPTIONS = (
+    "model",
+    "hf_config",
+    "size",
+    "seq_len",
+    "min_seq_len",
+    "dtype",
+    "autocast",
+    "seed",
+    "data",
+)
 """Options a resumed run must share with the run it continues: they define the model and data
 (``--hf-config`` replaces ``--model``, ``--autocast`` sets the parameters' dtype). A checkpoint
 that predates an option ran with its default."""

@@ -8,6 +8,8 @@ from :class:`twobp.runtime.options.PipelineOptions` (``--policy`` is
 
 from __future__ import annotations
 
+import argparse
+import random
 from dataclasses import dataclass
 
 from twobp.config import doc
@@ -84,7 +86,18 @@ class TrainConfig:
         choices=RECOMPUTE_MODES,
     )
     weight_group_size: int | None = doc(option_help("weight_group_size"), None)
-    seq_len: int = doc("tokens per sequence (language models)", 64)
+    seq_len: int = doc(
+        "tokens per sequence (language models); LO:HI draws each step's length from LO to "
+        "HI (the model is built for HI; sets --min-seq-len LO)",
+        64,
+        parse=lambda text: parse_seq_len(text),
+        metavar="N|LO:HI",
+    )
+    min_seq_len: int | None = doc(
+        "draw each training step's sequence length from this to --seq-len, the same on every "
+        "rank (evaluation uses --seq-len); default: every step --seq-len",
+        None,
+    )
     steps: int = doc("optimizer steps", 300)
     lr: float = doc("peak learning rate of AdamW (linear warm-up, cosine decay)", 3e-3)
     weight_decay: float = doc("AdamW weight decay", 0.01)
@@ -176,6 +189,43 @@ def run_name(cfg: TrainConfig) -> str:
     """The model of a run as the report names it: ``llama-tiny``, ``hf-gpt2-tiny``."""
     model = cfg.model if cfg.hf_config is None else f"hf-{cfg.hf_config}"
     return f"{model}-{cfg.size}"
+
+
+def parse_seq_len(text: str) -> int | tuple[int, int]:
+    """The ``--seq-len`` option: a length ``N``, or a range ``LO:HI`` to draw each step's from.
+
+    Raises:
+        argparse.ArgumentTypeError: if it is neither.
+    """
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        return values[0]
+    if len(values) == 2 and 1 <= values[0] <= values[1]:
+        return values[0], values[1]
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give a length N or a range LO:HI with 1 <= LO <= HI (e.g. 64:256)"
+    )
+
+
+def step_seq_len(cfg: TrainConfig, step: int) -> int:
+    """The sequence length of training step ``step``: ``--seq-len``, or with
+    ``--min-seq-len`` one drawn from the range by ``(seed, step)`` alone, so that every
+    rank, and a resumed run, draws the same."""
+    if cfg.min_seq_len is None or cfg.min_seq_len >= cfg.seq_len:
+        return cfg.seq_len
+    gen = random.Random(cfg.seed * 1_000_003 + step)
+    return gen.randint(cfg.min_seq_len, cfg.seq_len)
+
+
+def mean_seq_len(cfg: TrainConfig) -> float:
+    """The mean tokens per training sequence (for tokens per second)."""
+    if cfg.min_seq_len is None or cfg.min_seq_len >= cfg.seq_len:
+        return float(cfg.seq_len)
+    return (cfg.min_seq_len + cfg.seq_len) / 2
 
 
 def parse_partition(text: str) -> list[int] | str:

@@ -125,13 +125,21 @@ class ByteLMData:
         return int(len(self.tokens) * (1.0 - self.eval_fraction))
 
     def batch(
-        self, step: int, batch_size: int, seed: int, *, split: str = "train"
+        self,
+        step: int,
+        batch_size: int,
+        seed: int,
+        *,
+        split: str = "train",
+        seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets, each ``(batch_size, seq_len)``, for ``step``."""
+        """Inputs and next-token targets, each ``(batch_size, seq_len)``, for ``step``
+        (``seq_len``: at most :attr:`seq_len`; None: it)."""
+        length = self.seq_len if seq_len is None else min(seq_len, self.seq_len)
         lo, hi = (0, self._split) if split == "train" else (self._split, len(self.tokens))
         gen = torch.Generator().manual_seed(_mix(seed, step, split))
         starts = torch.randint(lo, hi - self.seq_len - 1, (batch_size,), generator=gen)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        idx = starts[:, None] + torch.arange(length + 1)
         window = self.tokens[idx]
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 

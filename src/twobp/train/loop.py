@@ -68,7 +68,7 @@ class RankResult:
     schedule_text: str = ""
     """The schedule that ran, as text."""
     data_source: str = ""
-    tokens_per_sample: int | None = None
+    tokens_per_sample: float | None = None
     """Tokens in one sample (None for images)."""
     n_parameters: int = 0
     """Parameters held by this rank."""

@@ -119,12 +119,18 @@ def _check_numbers(cfg: TrainConfig) -> None:
         return
     if not isinstance(cfg.microbatches, int):
         raise OptionError(f"--microbatches must be a count or 'auto', got {cfg.microbatches!r}")
-    if cfg.batch_size % (cfg.microbatches * cfg.data_parallel):
+    if cfg.batch_size < cfg.microbatches * cfg.data_parallel:
         copies = f" x {cfg.data_parallel} copies" if cfg.data_parallel > 1 else ""
         raise OptionError(
-            f"--batch-size {cfg.batch_size} does not divide into {cfg.microbatches} "
-            f"micro-batches{copies}; pick a batch size that is a multiple of --microbatches"
+            f"--batch-size {cfg.batch_size} holds fewer samples than {cfg.microbatches} "
+            f"micro-batches{copies}; pass at least --microbatches"
             + (" x --data-parallel" if cfg.data_parallel > 1 else "")
+            + " samples (a batch that does not divide splits into micro-batches of sizes "
+            "that differ by one)"
+        )
+    if cfg.min_seq_len is not None and not 1 <= cfg.min_seq_len <= cfg.seq_len:
+        raise OptionError(
+            f"--min-seq-len {cfg.min_seq_len} must be from 1 to --seq-len {cfg.seq_len}"
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from twobp.models import ModelSpec, build_model, mask_tokens
 from twobp.models.spec import stacked_kinds
 from twobp.runtime.state.grad_scaler import GradScaler
-from twobp.train.config import TrainConfig
+from twobp.train.config import TrainConfig, mean_seq_len, step_seq_len
 from twobp.train.data import ByteLMData, SyntheticData, file_corpus, stdlib_corpus
 
 DTYPES = {
@@ -45,8 +45,9 @@ class Task:
     """The batch of a step (``split`` is ``"train"`` or ``"eval"``)."""
     data_source: str
     """Where the data comes from, for the report."""
-    tokens_per_sample: int | None
-    """Tokens in one sample, for tokens/s (None for images: they have no tokens)."""
+    tokens_per_sample: float | None
+    """Tokens in one sample (on average, under ``--seq-len LO:HI``), for tokens/s (None
+    for images: they have no tokens)."""
 
 
 def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
@@ -152,21 +153,35 @@ def build_task(cfg: TrainConfig) -> Task:
     raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
     spec = build_model(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **model_overrides(cfg))
     text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
+    tokens = mean_seq_len(cfg)
     if cfg.model != "bert":
 
         def next_byte_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-            return text.batch(step, cfg.batch_size, cfg.seed, split=split)
+            length = _length(cfg, step, split)
+            return text.batch(step, cfg.batch_size, cfg.seed, split=split, seq_len=length)
 
-        return Task(spec, next_byte_batch, f"{source} (byte-level, next byte)", cfg.seq_len)
+        return Task(spec, next_byte_batch, f"{source} (byte-level, next byte)", tokens)
 
     bert = spec.config
 
     def masked_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split)
+        length = _length(cfg, step, split)
+        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split, seq_len=length)
         gen = torch.Generator().manual_seed(cfg.seed * 31 + step * 2 + (split != "train"))
-        return mask_tokens(ids, bert.n_masked, bert.mask_token_id, gen)
+        n_masked = bert.n_masked if length == cfg.seq_len else _masked(length)
+        return mask_tokens(ids, n_masked, bert.mask_token_id, gen)
 
-    return Task(spec, masked_batch, f"{source} (byte-level, masked bytes)", cfg.seq_len)
+    return Task(spec, masked_batch, f"{source} (byte-level, masked bytes)", tokens)
+
+
+def _length(cfg: TrainConfig, step: int, split: str) -> int:
+    """The sequence length of a batch: drawn for training steps, the longest for evaluation."""
+    return step_seq_len(cfg, step) if split == "train" else cfg.seq_len
+
+
+def _masked(length: int) -> int:
+    """Positions to mask in a sequence of ``length``: 15%, at least one."""
+    return max(1, length * 15 // 100)
 
 
 HF_MASK_TOKEN = 256
@@ -195,14 +210,13 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     parts = list(hf.blocks(model))
     raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
     text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
-    n_masked = max(1, cfg.seq_len * 15 // 100)
-
     def batch_at(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split)
+        length = _length(cfg, step, split)
+        ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split, seq_len=length)
         if not masked:
             return ids, ids
         gen = torch.Generator().manual_seed(cfg.seed * 31 + step * 2 + (split != "train"))
-        return mask_tokens(ids, n_masked, HF_MASK_TOKEN, gen)
+        return mask_tokens(ids, _masked(length), HF_MASK_TOKEN, gen)
 
     spec = ModelSpec(
         family=f"hf-{kind}",
@@ -214,4 +228,4 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
         make_batch=lambda batch_size, seed: batch_at(seed, "train"),
     )
     task = "masked bytes" if masked else "next byte"
-    return Task(spec, batch_at, f"{source} (byte-level, {task})", cfg.seq_len)
+    return Task(spec, batch_at, f"{source} (byte-level, {task})", mean_seq_len(cfg))
