@@ -180,7 +180,7 @@ def test_a_text_too_short_to_hold_out_a_sequence_is_refused_before_any_rank_star
         ByteLMData.from_bytes(bytes(need - 1), 64, "text")
 
 
-def test_each_data_parallel_copy_takes_its_rows_and_an_uneven_batch_is_refused():
+def test_each_data_parallel_copy_takes_its_rows_and_a_too_small_batch_is_refused():
     ids = torch.arange(6).reshape(6, 1)
     batch = ((ids, ids + 10), ids + 20)
     copy = SimpleNamespace(dp_size=3, dp_rank=1)
@@ -188,8 +188,11 @@ def test_each_data_parallel_copy_takes_its_rows_and_an_uneven_batch_is_refused()
     assert inputs.flatten().tolist() == [2, 3] and mask.flatten().tolist() == [12, 13]
     assert targets.flatten().tolist() == [22, 23]
     assert own_part(SimpleNamespace(dp_size=1, dp_rank=0), batch) is batch
-    with pytest.raises(PipelineConfigError, match="batch size 6, which does not split into 4"):
-        own_part(SimpleNamespace(dp_size=4, dp_rank=0), batch)
+    # 6 rows over 4 copies: 2, 2, 1 and 1, as torch.tensor_split cuts them.
+    (inputs, _), _ = own_part(SimpleNamespace(dp_size=4, dp_rank=3), batch)
+    assert inputs.flatten().tolist() == [5]
+    with pytest.raises(PipelineConfigError, match="batch size 6, fewer rows than the 7"):
+        own_part(SimpleNamespace(dp_size=7, dp_rank=0), batch)
 
 
 def test_the_printed_memory_line_gives_every_figure_in_mib():

@@ -445,7 +445,8 @@ def own_part(pipe: Pipeline, batch: tuple[Batch, Batch]) -> tuple[Batch, Batch]:
     """This data-parallel copy's part of a global batch (the whole of it without copies).
 
     Raises:
-        PipelineConfigError: if the batch does not split evenly over the copies.
+        PipelineConfigError: if the batch holds fewer samples than copies (a batch that
+            does not divide gives copies whose sizes differ by one).
     """
     if pipe.dp_size == 1:
         return batch
