@@ -173,6 +173,10 @@ def test_the_layout_cache_keeps_the_most_recent_signatures():
     assert step("c") == (4, True)
     assert step("a") == (1, False) and step("b")[1] is True
     assert other.settle(1) == {(0, 1): "a"}
+    # A failed step's slot is forgotten on every rank: its signature is learnt again.
+    decider.forget(1)
+    other.forget(1)
+    assert step("a") == (3, True) and other.settle(1) == {(0, 1): "a"}
     with pytest.raises(ValueError, match="1 to 15"):
         LayoutCache(LAYOUT_SLOTS + 1)
 

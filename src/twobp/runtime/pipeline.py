@@ -836,6 +836,7 @@ class Pipeline:
             self._earlier_gradients.put_back()
             if self.state.sharded is not None:
                 self.state.sharded.discard()
+            self._layouts.forget(batches.code)
             raise
         loss, first_bad, bad_rank = end.loss, end.first_bad, end.bad_rank
         assert loss is not None
@@ -961,9 +962,13 @@ class Pipeline:
         assert self._forward_schedule is not None
         # Layouts of their own: no gradient flags, and other shapes than training's.
         batches = self._prepare(inputs, targets, training=False)
-        result, end = self._steps.run_step(
-            self._forward_schedule, self._forward_plan, batches, False
-        )
+        try:
+            result, end = self._steps.run_step(
+                self._forward_schedule, self._forward_plan, batches, False
+            )
+        except BaseException:
+            self._eval_layouts.forget(batches.code)
+            raise
         if end.loss is not None:
             return end.loss
         outputs = result.outputs

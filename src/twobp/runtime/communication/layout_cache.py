@@ -73,10 +73,8 @@ class LayoutCache:
         slot = self._recent.get(signature)
         if slot is not None:
             return 1 + slot
-        if len(self._recent) < self._size:
-            slot = len(self._recent)
-        else:
-            slot = next(iter(self._recent.values()))
+        free = sorted(set(range(self._size)) - set(self._recent.values()))
+        slot = free[0] if free else next(iter(self._recent.values()))
         return 1 + self._size + slot
 
     def settle(self, code: int, signature: Signature | None = None) -> BoundaryLayouts:
@@ -106,6 +104,14 @@ class LayoutCache:
         if learn:
             self._slots[slot] = {}
         return self._slots[slot]
+
+    def forget(self, code: int) -> None:
+        """Drop the layouts of slot code ``code``: its step failed on some rank, and every
+        rank forgets them alike (the next step of its signature learns them again)."""
+        slot = (code - 1) % self._size
+        self._slots[slot] = {}
+        for old in [s for s, n in self._recent.items() if n == slot]:
+            del self._recent[old]
 
     def learns(self, code: int) -> bool:
         """True if a step of slot code ``code`` learns its layouts afresh."""

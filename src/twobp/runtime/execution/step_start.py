@@ -122,6 +122,7 @@ class StepBatches:
         layouts: the boundary layouts learnt for the step's input shapes
             (empty when the step learns them).
         learning: True when the step learns its layouts afresh.
+        code: the slot code every rank agreed on (see :class:`LayoutCache`).
     """
 
     inputs: list[Batch] | None
@@ -130,6 +131,7 @@ class StepBatches:
     weights: tuple[float, ...]
     layouts: BoundaryLayouts
     learning: bool
+    code: int = 0
 
 
 def start_step(
@@ -230,6 +232,7 @@ def start_step(
         weights,
         layouts.settle(code, signature),
         learning=layouts.learns(code),
+        code=code,
     )
 
 
