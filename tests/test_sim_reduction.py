@@ -90,9 +90,7 @@ def test_a_sharded_optimizer_reduce_scatters_gathers_and_holds_a_share_of_its_st
     costs = CostModel.uniform(4, parameter_bytes=10, optimizer_bytes=16, bandwidth=10.0)
     schedule = apply_two_bp(generate("1f1b", 4, 8), "paper")
     plain_schedule, plain = with_reductions(schedule, costs, 8)
-    sharded_schedule, sharded = with_reductions(
-        schedule, replace(costs, shard_optimizer=True), 8
-    )
+    sharded_schedule, sharded = with_reductions(schedule, replace(costs, shard_optimizer=True), 8)
     assert sharded.reduce[0] == pytest.approx(plain.reduce[0] / 2)
     assert sharded.gather[0] == pytest.approx(plain.reduce[0] / 2)
     assert sharded.optimizer_bytes == (2.0,) * 4

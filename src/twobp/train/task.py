@@ -210,6 +210,7 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     parts = list(hf.blocks(model))
     raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
     text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
+
     def batch_at(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         length = _length(cfg, step, split)
         ids, _ = text.batch(step, cfg.batch_size, cfg.seed, split=split, seq_len=length)

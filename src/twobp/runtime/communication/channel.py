@@ -73,7 +73,6 @@ _TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
 _META_CODE = 2
 
 
-
 def order_only_matching() -> bool:
     """True if :data:`ORDER_ONLY_VARIABLE` asks for every tag to be 0."""
     return os.environ.get(ORDER_ONLY_VARIABLE, "") == "1"
