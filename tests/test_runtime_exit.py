@@ -39,7 +39,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("keep_pipeline", [False, True], ids=["dropped", "kept"])
 def test_a_destroyed_group_stops_its_threads_at_once(keep_pipeline):
-    results = launch(group_threads_after_destroy, 2, keep_pipeline, threads_per_rank=1, timeout=120)
+    results = launch(
+        group_threads_after_destroy,
+        2,
+        keep_pipeline,
+        threads_per_rank=1,
+        timeout=120,
+        start_method="spawn",
+    )
     for rank, result in enumerate(results):
         assert result["during"] > result["before"], result
         assert result["after"] == result["before"], f"rank {rank}: {result}"

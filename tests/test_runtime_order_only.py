@@ -30,7 +30,7 @@ from runtime_models import build_blocks, loss_fn, make_batch, train_reference
 from runtime_workers import Case, needed_batches, train_cases
 from step_failure_workers import BATCH as FAILURE_BATCH
 from step_failure_workers import failing_steps
-from test_runtime_distributed import BATCH, N_MB, _check_case
+from test_runtime_distributed import BATCH, N_MB, _check_case, _replicas
 from test_runtime_step_failure import _check
 from twobp.runtime import Pipeline, launch
 from twobp.runtime.communication.channel import (
@@ -144,7 +144,7 @@ def failure_reference() -> tuple[float, dict[str, Any]]:
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_two_ranks_match_single_process_with_every_tag_zero(case, two_ranks):
     assert all(r["order only"] for r in two_ranks)
-    reference = train_reference(case.model, case.n_microbatches or N_MB, BATCH)
+    reference = train_reference(case.model, case.n_microbatches or N_MB, BATCH, _replicas(case))
     _check_case(case, [r["trained"] for r in two_ranks], reference)
 
 

@@ -167,10 +167,10 @@ def test_each_rank_knows_its_copy_and_reduces_after_its_last_weight_gradient(fou
                 assert own[-1].startswith(f"{stage}R"), row
 
 
-def test_copies_passing_batches_of_other_sizes_fail_on_every_rank(four):
-    for r in four:
-        assert r[1].startswith("PipelineConfigError"), r[1]
-        assert "holds 8 samples" in r[1] and "holds 16" in r[1], r[1]
+def test_copies_passing_batches_of_other_sizes_step_together(four):
+    # Each copy's micro-batches are weighted by their share of the global batch's rows.
+    said = {r[1] for r in four}
+    assert len(said) == 1 and said.pop().startswith("loss "), [r[1] for r in four]
 
 
 @pytest.mark.parametrize("case", TWO, ids=repr)

@@ -128,6 +128,10 @@ class Links:
         return group
 
 
+def _world() -> dist.ProcessGroup | None:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
 def make_links(
     members: Membership,
     schedule: Schedule,
@@ -154,7 +158,9 @@ def make_links(
         PeerTimeoutError, PeerFailedError: if a peer does not warm up a link.
     """
     me = members.global_rank(members.rank)
-    if members.size != dist.get_world_size():
+    if members.size != dist.get_world_size() or members.group is not _world():
+        # A group of the caller's own (Pipeline(group=...)): no groups made behind it, which
+        # would outlive its destroy_process_group(group).
         return Links(me, {}, members)
     pairs = [
         (members.global_rank(row[a]), members.global_rank(row[b]))
