@@ -75,7 +75,8 @@ def chosen_options(ran: dict[str, Any]) -> dict[str, Any]:
         "schedule": ran["schedule"],
         "two_bp": ran["two_bp"],
         "partition": ",".join(map(str, ran["partition"])),
-        "stages_per_rank": ran["stages_per_rank"] if ran["stages_per_rank"] != 1 else None,
+        # Always written: a schedule that runs 1 stage per rank may default to more.
+        "stages_per_rank": ran["stages_per_rank"],
         "weight_group_size": ran["weight_group_size"],
         "memory_limit": None,
     }
