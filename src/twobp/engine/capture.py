@@ -239,24 +239,16 @@ class Capture:
         swappable = self._swappable
         if not self.checked or swappable is None:
             self._swapped = None
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
-            return token
-        cls = self._parameter_class
-        swapped = self._swapped = [p for p in swappable if p.requires_grad]
-        for p in swapped:
-            p.__class__ = cls
+        else:
+            self._swapped = [p for p in swappable if p.requires_grad]
+        self._install(self._swapped)
         return token
 
     def end(self, token: Token[Capture | None]) -> None:
         """The forward (or input pass) begun with :meth:`begin` ended, or failed."""
         _running.reset(token)
-        swapped = self._swapped
-        if swapped is None:
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        else:
-            for p in swapped:
-                p.__class__ = nn.Parameter
-            self._swapped = None
+        self._withdraw(self._swapped)
+        self._swapped = None
         if self._views:
             self.finish()
 
@@ -272,22 +264,30 @@ class Capture:
             yield
             return
         swapped = self._swapped
-        if swapped is None:
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        else:
-            for p in swapped:
-                p.__class__ = nn.Parameter
+        self._withdraw(swapped)
         self._aside = True
         try:
             yield
         finally:
             self._aside = False
-            if swapped is None:
-                self._mode.__enter__()  # type: ignore[no-untyped-call]
-            else:
-                cls = self._parameter_class
-                for p in swapped:
-                    p.__class__ = cls
+            self._install(swapped)
+
+    def _install(self, swapped: list[nn.Parameter] | None) -> None:
+        """Route the calls: by the torch function mode (None), or the class of ``swapped``."""
+        if swapped is None:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+        else:
+            cls = self._parameter_class
+            for p in swapped:
+                p.__class__ = cls
+
+    def _withdraw(self, swapped: list[nn.Parameter] | None) -> None:
+        """Undo :meth:`_install`."""
+        if swapped is None:
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            for p in swapped:
+                p.__class__ = nn.Parameter
 
     def dispatch(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Kwargs = None
