@@ -20,8 +20,9 @@ from runtime_models import (
 )
 from runtime_workers import Case, train_case
 from twobp.runtime import Pipeline, PipelineConfigError
+from twobp.runtime.setup.pipeline_plan import default_partition
 from twobp.runtime.setup.replicas import shared_parameters
-from twobp.schedule import SCHEDULES
+from twobp.schedule import SCHEDULES, generate
 
 N_MB = 4
 TOL = 1e-10
@@ -111,6 +112,47 @@ def _heavy_tailed_blocks() -> list[nn.Module]:
         layers += [nn.Linear(8, 8), nn.Tanh()]
     blocks[-1] = nn.Sequential(*layers, nn.Linear(8, 4)).double()
     return blocks
+
+
+def test_a_v_shaped_schedule_is_balanced_by_default_given_an_example_input(monkeypatch):
+    from twobp.partition import profiler, solve, stage_ranges
+
+    profiled = []
+    real_profile = profiler.profile_blocks
+    monkeypatch.setattr(
+        profiler,
+        "profile_blocks",
+        lambda *a, **k: profiled.append(real_profile(*a, **k)) or profiled[-1],
+    )
+    example = make_batch("mlp", 0, 2)[0]
+
+    def stage_blocks(schedule, **options):
+        pipe = Pipeline(
+            _heavy_tailed_blocks(),
+            loss_fn("mlp"),
+            schedule=schedule,
+            n_microbatches=N_MB,
+            device="cpu",
+            **options,
+        )
+        return pipe.stage_blocks
+
+    balanced = stage_blocks("zb-v", example_input=example)
+    (costs,) = profiled
+    assert balanced == tuple(stage_ranges(solve(profiler.solver_costs(costs), 2).sizes))
+    assert balanced[-1] == range(9, 10)  # the costly last block alone
+    # Without an example input, or with a partition given: uniform, nothing profiled.
+    assert stage_blocks("zb-v") == stage_blocks("zb-v", partition="uniform", example_input=example)
+    assert stage_blocks("zb-v") == tuple(stage_ranges([5, 5]))
+    assert len(profiled) == 1
+    # Only a V: on 2 ranks, zb-v and dualpipev, not interleaved-1f1b, Chimera or DualPipe.
+    v_shaped = {name for name in SCHEDULES if generate(name, 2, N_MB).is_v_shaped}
+    assert v_shaped == {"zb-v", "dualpipev"}
+    for name in SCHEDULES:
+        want = "balanced" if name in v_shaped else None
+        assert default_partition(generate(name, 2, N_MB), None, example) == want, name
+        assert default_partition(generate(name, 2, N_MB), None, None) is None, name
+        assert default_partition(generate(name, 2, N_MB), [5, 5], example) == [5, 5], name
 
 
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):

@@ -61,7 +61,8 @@ class PipelineOptions:
         default=None,
         metadata=_help(
             "blocks per stage (one int per stage), 'uniform', 'balanced' (profiled on "
-            "example_input) or None (uniform)"
+            "example_input) or None: uniform, except for a V-shaped schedule (zb-v, dualpipev: "
+            "rank 0 holds the first stage and the last), balanced where example_input is given"
         ),
     )
     two_bp_policy: str = field(

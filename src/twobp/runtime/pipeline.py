@@ -135,7 +135,9 @@ class Pipeline:
             micro-batch; later batches are cut into the same count.
         two_bp: split each backward into ``I`` and ``W`` (placing ``W`` by
             ``two_bp_policy``); False runs fused ``B`` (split schedules are merged).
-        partition: blocks per stage (one int per stage), ``"uniform"`` or None (uniform).
+        partition: blocks per stage (one int per stage), ``"uniform"``, ``"balanced"``
+            or None: uniform, but balanced (profiled on ``example_input``) for a
+            V-shaped schedule (``zb-v``, ``dualpipev``) given an example input.
         two_bp_policy: ``"paper"``, ``"eager"`` or ``"fill"`` (see ``apply_two_bp``).
         stages_per_rank: stages per rank for a schedule name (None: its default).
         device: this rank's device; None picks ``cuda:LOCAL_RANK`` if CUDA is

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from twobp.schedule.action import Action
 
@@ -103,6 +104,21 @@ class Schedule:
     def pipeline_stages(self) -> int:
         """Stages of one pipeline: the number of stages the model is cut into."""
         return len(self.placement) // self.n_pipelines
+
+    @property
+    def is_v_shaped(self) -> bool:
+        """True if one pipeline places several stages per rank in a V (``zb-v``,
+        ``dualpipev``): the stages run down the ranks and back up, so that two
+        consecutive stages share the rank at the turn and rank 0 holds the first
+        stage and the last. Such a placement puts the model's two ends (an
+        embedding and a head: often its lightest blocks) on one rank, which a
+        uniform partition leaves underloaded."""
+        stages = self.placement[: self.pipeline_stages]
+        return (
+            self.n_pipelines == 1
+            and len(stages) > self.n_ranks
+            and any(a == b for a, b in pairwise(stages))
+        )
 
     def model_stage(self, stage: int) -> int:
         """Which stage of the model ``stage`` runs (itself, with one pipeline)."""

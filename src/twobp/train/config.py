@@ -66,8 +66,10 @@ class TrainConfig:
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
     )
-    partition: str = doc(
-        "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled)", "uniform"
+    partition: str | None = doc(
+        "blocks per stage as A,B,..., or 'uniform', or 'balanced' (profiled); default: "
+        "uniform, balanced for a V-shaped schedule (zb-v, dualpipev)",
+        None,
     )
     microbatches: int | str = doc(
         "micro-batches per step (of each data-parallel copy), or 'auto' (with --schedule auto: "
@@ -228,13 +230,14 @@ def mean_seq_len(cfg: TrainConfig) -> float:
     return (cfg.min_seq_len + cfg.seq_len) / 2
 
 
-def parse_partition(text: str) -> list[int] | str:
-    """The ``--partition`` option as the ``partition`` of a pipeline: counts or a strategy name.
+def parse_partition(text: str | None) -> list[int] | str | None:
+    """The ``--partition`` option as the ``partition`` of a pipeline: counts, a strategy
+    name, or None (the pipeline's default).
 
     Raises:
         ValueError: if it is neither ``uniform``, ``balanced`` nor integers ``A,B,...``.
     """
-    if text in ("uniform", "balanced"):
+    if text is None or text in ("uniform", "balanced"):
         return text
     try:
         return [int(x) for x in text.split(",") if x.strip()]

@@ -163,7 +163,7 @@ def _train_rank(
         autocast=autocast_dtype(cfg),
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if (cfg.partition == "balanced" or cfg.schedule == "auto")
+            if (cfg.partition in (None, "balanced") or cfg.schedule == "auto")
             and isinstance(cfg.microbatches, int)
             else None
         ),

@@ -201,6 +201,7 @@ def plan_pipeline(
                 data_parallel=data_parallel,
                 tied=tied,
             )
+        partition = default_partition(resolved, partition, example_input)
         counts = stage_counts(len(blocks), resolved.pipeline_stages, partition)
         if counts is None:
             example_input_needed(example_input)
@@ -214,6 +215,21 @@ def plan_pipeline(
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+
+
+def default_partition(
+    schedule: Schedule, partition: Sequence[int] | str | None, example_input: Batch | None
+) -> Sequence[int] | str | None:
+    """The partition a pipeline cuts ``schedule``'s model by: ``partition`` if given;
+    without one, ``"balanced"`` for a V-shaped schedule (:attr:`Schedule.is_v_shaped`)
+    with an example input to profile on, and uniform (None) otherwise.
+
+    A V puts the first stage and the last on one rank: a uniform partition of a
+    model whose ends are light (an embedding, a head) leaves that rank idle.
+    """
+    if partition is None and schedule.is_v_shaped and example_input is not None:
+        return "balanced"
+    return partition
 
 
 def check_microbatches(schedule: object, n_microbatches: object, costs: object) -> None:
