@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ import torch
 from torch import Tensor, fx, nn
 
 from twobp.engine import defer_weight_grads
-from twobp.engine.compiled import compile_for_two_stage, routed_calls
+from twobp.engine.compiled import (
+    SplittingBackend,
+    compile_for_two_stage,
+    routed_calls,
+    split_at_routed_calls,
+)
+from twobp.engine.region_choice import RegionChoice, prefer_compiled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compile_workers import DIM, Block
@@ -91,8 +98,11 @@ def _plain(model: nn.Module) -> dict[str, Tensor]:
 COMPILERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "torch.compile": lambda m: torch.compile(m, backend="aot_eager"),
     "in place": lambda m: (m.compile(backend="aot_eager"), m)[1],
-    "compile_for_two_stage": lambda m: compile_for_two_stage(m, backend="aot_eager"),
-    "inductor": lambda m: compile_for_two_stage(m),
+    "compile_for_two_stage": lambda m: compile_for_two_stage(
+        m, backend="aot_eager", regions="compiled"
+    ),
+    "inductor": lambda m: compile_for_two_stage(m, regions="compiled"),
+    "measured": lambda m: compile_for_two_stage(m, backend="aot_eager"),
 }
 
 
@@ -196,3 +206,101 @@ def test_routed_calls_are_the_reads_of_parameters() -> None:
     assert names == ["__matmul__", "layer_norm", "linear", "mul", "t"]
     kept = [n for n in gm.graph.nodes if n.op.startswith("call") and n not in routed]
     assert [getattr(n.target, "__name__", n.target) for n in kept] == ["gelu", "add"]
+
+
+class _Projections(nn.Module):
+    """Two projections of one input, each followed by its own activation: in source order
+    the regions interleave with the routed calls."""
+
+    def __init__(self, random: bool = False) -> None:
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM)
+        self.wk = nn.Linear(DIM, DIM)
+        self.wo = nn.Linear(DIM, DIM)
+        self.random = random
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = torch.relu(self.wq(x))
+        if self.random:
+            q = torch.nn.functional.dropout(q, 0.5)
+        k = torch.tanh(self.wk(x))
+        return self.wo(q * k) + x
+
+
+def _regions(module: nn.Module) -> list[RegionChoice]:
+    graphs: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(module, backend=keep)(torch.randn(2, DIM))
+    choices: list[RegionChoice] = []
+    split_at_routed_calls(*graphs[0], keep, "compiled", choices)
+    return choices
+
+
+def test_independent_routed_calls_share_a_region() -> None:
+    """wq and wk run one after the other: relu, tanh and the product are one region (not
+    two); a random draw keeps the source order (three regions)."""
+    assert [c.ops for c in _regions(_Projections())] == [3, 1]
+    assert [c.ops for c in _regions(_Projections(random=True))] == [2, 2, 1]
+
+
+def test_regions_are_measured_once() -> None:
+    """Every region of a measured graph is timed on its first call and runs the faster way."""
+    assert prefer_compiled(1.0, 0.5) and not prefer_compiled(1.0, 0.99)
+    backend = SplittingBackend("aot_eager")
+    model = _Projections()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend)
+    store = defer_weight_grads(compiled)
+    x = torch.randn(2, DIM)
+    for _ in range(2):
+        with store.forward(0):
+            out = compiled(x)
+        store.backward_input(0, [out], [torch.ones_like(out)], [])
+        store.backward_weight([0])
+        store.finish_step()
+    eager(x).sum().mul(2).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert [c.ops for c in backend.choices] == [3, 1]
+    for choice in backend.choices:
+        assert choice.mode in ("compiled", "eager")
+        assert choice.eager_s and choice.compiled_s
+        assert (choice.mode == "compiled") == prefer_compiled(choice.eager_s, choice.compiled_s)
+    with pytest.raises(ValueError, match="regions='fast'"):
+        SplittingBackend(regions="fast")  # type: ignore[arg-type]
+
+
+class _Shaped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.fc(x))
+
+
+def test_a_block_past_the_recompile_limit_warns_once() -> None:
+    """Past dynamo's recompile limit a frame runs uncompiled (its weight gradients in I):
+    one warning names the block and says what to do."""
+    stage = nn.Sequential(nn.Linear(DIM, DIM), _Shaped())
+    compile_for_two_stage(stage[1], backend="eager", dynamic=False)
+    store = defer_weight_grads(stage, label="stage 1")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows, warns in ((2, False), (3, True), (4, False)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with store.forward(0):
+                    out = stage(torch.randn(rows, DIM))
+            ours = [str(w.message) for w in caught if "ran uncompiled" in str(w.message)]
+            assert len(ours) == warns, (rows, ours)
+            if warns:
+                assert ours[0].startswith("stage 1: the compiled block '1' (_Shaped) ran")
+                assert "recompile_limit = 1" in ours[0]
+                assert "dynamic=True" in ours[0]
+            store.backward_input(0, [out], [torch.ones_like(out)], [])
+            store.backward_weight([0])
+            store.finish_step()

@@ -34,12 +34,15 @@ would make, except across a captured norm.
 
 from __future__ import annotations
 
+import logging
 import operator
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,15 @@ from torch import Tensor, fx, nn
 
 from twobp.engine.capture import running_capture
 from twobp.engine.operand import VIEW_STEPS
+from twobp.engine.region_choice import (
+    REGION_MODES,
+    RegionChoice,
+    RegionMode,
+    prefer_compiled,
+    time_both,
+)
+
+_log = logging.getLogger(__name__)
 
 Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 """A dynamo backend: compiles a graph for its example inputs."""
@@ -72,6 +84,43 @@ _OPERATOR_METHODS: dict[Any, Callable[..., Any]] = {
 }
 
 
+_IN_PLACE_OPERATORS = {
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.ipow,
+    operator.imod,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.imatmul,
+}
+_NOT_CALLS = ("placeholder", "get_attr", "output")
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson")
+
+_compiled_graph_ran: ContextVar[list[bool] | None] = ContextVar(
+    "twobp_compiled_graph_ran", default=None
+)
+"""Set by a cut graph when it runs, for the compiled module's call that waits on it."""
+
+
+def _marking_run(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, noting that a cut graph ran (dynamo did not run the frame uncompiled)."""
+
+    def run(*args: Any) -> Any:
+        ran = _compiled_graph_ran.get()
+        if ran is not None:
+            ran[0] = True
+        return forward(*args)
+
+    return run
+
+
 class _Routed:
     """One call of a compiled module's graph that reads a stage parameter, run eagerly.
 
@@ -93,16 +142,47 @@ class _Routed:
 
 
 class _Region:
-    """A compiled region, as the graph of the routed calls calls it."""
+    """A region of the cut graph, as the graph of the routed calls calls it: compiled, or
+    eagerly (its own graph's code), or chosen by timing both on its first call."""
 
-    def __init__(self, compiled: Callable[..., Any], index: int) -> None:
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        eager: Callable[..., Any],
+        choice: RegionChoice,
+        mode: RegionMode,
+    ) -> None:
         self.compiled = compiled
-        self.__name__ = f"compiled_region_{index}"
+        self.eager = eager
+        self.choice = choice
+        self.run: Callable[..., Any] | None = None
+        if mode != "measured":
+            self._settle(mode)
+        self.__name__ = choice.name
         self.__qualname__ = self.__name__
         self.__module__ = __name__
 
+    def _settle(self, mode: Literal["compiled", "eager"]) -> None:
+        self.choice.mode = mode
+        self.run = self.compiled if mode == "compiled" else self.eager
+
     def __call__(self, *args: Any) -> Any:
-        return self.compiled(*args)
+        run = self.run
+        if run is None:
+            eager_s, compiled_s = time_both(self.eager, self.compiled, args)
+            self.choice.eager_s, self.choice.compiled_s = eager_s, compiled_s
+            self._settle("compiled" if prefer_compiled(eager_s, compiled_s) else "eager")
+            _log.info(
+                "%s (%d calls): eager %.0f us, compiled %.0f us: runs %s",
+                self.choice.name,
+                self.choice.ops,
+                eager_s * 1e6,
+                compiled_s * 1e6,
+                self.choice.mode,
+            )
+            run = self.run
+            assert run is not None
+        return run(*args)
 
 
 def _eager_function(node: fx.Node) -> Callable[..., Any] | None:
@@ -201,8 +281,63 @@ class _Run:
         return fx.GraphModule(root, graph)
 
 
+def _order_sensitive(node: fx.Node) -> bool:
+    """Whether moving ``node`` past another call could change what the graph computes:
+    an in-place change, a random draw, a side effect."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.is_impure() or node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = str(getattr(node.target, "__name__", node.target))
+    return (name.endswith("_") and not name.endswith("__")) or any(
+        word in name for word in _RANDOM_WORDS
+    )
+
+
+def _phases(
+    gm: fx.GraphModule, routed: dict[fx.Node, Callable[..., Any]]
+) -> tuple[dict[fx.Node, int], bool]:
+    """The phase of every call of ``gm``: phase k runs its routed calls, then one region.
+
+    Each call goes to the earliest phase its inputs allow (a routed call after
+    the region whose output it reads, a region's call with the routed calls it
+    reads), so that independent routed calls (``wq``, ``wk``, ``wv`` of one
+    input) run one after another and the calls between them join one region.
+    Routed calls keep their order (the capture sees them as in eager mode). A
+    graph with an in-place change, a random draw or a side effect keeps its
+    order: each region is then a run of consecutive calls.
+
+    Returns:
+        The phase of each call, and whether the graph was reordered.
+    """
+    calls = [n for n in gm.graph.nodes if n.op not in _NOT_CALLS]
+    if any(_order_sensitive(n) for n in calls):
+        phase, k = {}, 0
+        for node, previous in zip(calls, [None, *calls], strict=False):
+            if previous is not None and (node in routed) != (previous in routed):
+                k += node in routed
+            phase[node] = k
+        return phase, False
+    phase = {}
+    last_routed = 0
+    for node in calls:
+        is_routed = node in routed
+        level = last_routed if is_routed else 0
+        for i in node.all_input_nodes:
+            if i in phase:
+                level = max(level, phase[i] + (is_routed and i not in routed))
+        phase[node] = level
+        if is_routed:
+            last_routed = level
+    return phase, True
+
+
 def split_at_routed_calls(
-    gm: fx.GraphModule, example_inputs: list[Any], inner: Backend
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    inner: Backend,
+    regions: RegionMode = "compiled",
+    choices: list[RegionChoice] | None = None,
 ) -> Callable[..., Any]:
     """``gm`` with the calls that read parameters routed and every region between compiled.
 
@@ -210,6 +345,8 @@ def split_at_routed_calls(
         gm: the dynamo graph of a module's forward.
         example_inputs: its example inputs, as dynamo hands them to a backend.
         inner: compiles each region.
+        regions: how the regions run (:data:`~twobp.engine.region_choice.RegionMode`).
+        choices: where to note each region's :class:`RegionChoice`.
 
     Returns:
         A callable with the signature of ``gm``.
@@ -217,50 +354,55 @@ def split_at_routed_calls(
     routed = routed_calls(gm, example_inputs)
     if not routed:
         return inner(gm, example_inputs)
-    regions: list[_Run] = []
+    phase, _ = _phases(gm, routed)
+    calls = [n for n in gm.graph.nodes if n.op not in _NOT_CALLS]
+    order = sorted(range(len(calls)), key=lambda k: (phase[calls[k]], calls[k] not in routed, k))
+    by_phase: dict[int, _Run] = {}
     region_of: dict[fx.Node, _Run] = {}
-    current: _Run | None = None
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or node in routed:
-            current = None
-            continue
-        if current is None:
-            current = _Run()
-            regions.append(current)
-        current.nodes.append(node)
-        region_of[node] = current
-    for region in regions:
+    for k in order:
+        node = calls[k]
+        if node not in routed:
+            region = by_phase.setdefault(phase[node], _Run())
+            region.nodes.append(node)
+            region_of[node] = region
+    for region in by_phase.values():
         region.close()
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     emitted: set[int] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             env[node] = graph.node_copy(node, lambda n: env[n])
-        elif node.op == "output":
-            graph.node_copy(node, lambda n: env[n])
-        elif node in routed:
+    for k in order:
+        node = calls[k]
+        if node in routed:
             args = fx.map_arg(node.args, lambda n: env[n])
             kwargs = fx.map_arg(node.kwargs, lambda n: env[n])
             if node.op == "call_function" and node.target is getattr:
                 args = args[:1]
             env[node] = graph.call_function(_Routed(routed[node]), args, kwargs)
-        else:
-            region = region_of[node]
-            if id(region) in emitted:
-                continue
-            emitted.add(id(region))
-            sub = region.graph_module(gm)
-            examples = [i.meta.get("example_value") for i in region.inputs]
-            compiled = inner(sub, examples)
-            call = graph.call_function(
-                _Region(compiled, len(emitted)), tuple(env[i] for i in region.inputs)
-            )
-            for k, out in enumerate(region.outputs):
-                env[out] = graph.call_function(operator.getitem, (call, k))
+            continue
+        region = region_of[node]
+        if id(region) in emitted:
+            continue
+        emitted.add(id(region))
+        sub = region.graph_module(gm)
+        examples = [i.meta.get("example_value") for i in region.inputs]
+        choice = RegionChoice(f"compiled_region_{len(emitted)}", len(region.nodes))
+        if choices is not None:
+            choices.append(choice)
+        compiled = sub.forward if regions == "eager" else inner(sub, examples)
+        call = graph.call_function(
+            _Region(compiled, sub.forward, choice, regions), tuple(env[i] for i in region.inputs)
+        )
+        for j, out in enumerate(region.outputs):
+            env[out] = graph.call_function(operator.getitem, (call, j))
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            graph.node_copy(node, lambda n: env[n])
     split = fx.GraphModule(gm, graph)
-    return split.forward
+    return _marking_run(split.forward)
 
 
 class SplittingBackend:
@@ -273,51 +415,103 @@ class SplittingBackend:
     Args:
         inner: the backend that compiles the regions between those calls: a
             backend's name or a callable.
+        regions: how the regions run: each the faster of compiled and eager,
+            timed on its first call (``"measured"``), all compiled, or all eager.
+
+    Raises:
+        ValueError: if ``regions`` is none of those.
     """
 
     _twobp_splitting = True
 
-    def __init__(self, inner: Backend | str = "inductor") -> None:
+    def __init__(self, inner: Backend | str = "inductor", regions: RegionMode = "measured") -> None:
+        if regions not in REGION_MODES:
+            raise ValueError(
+                f"regions={regions!r}: pass one of {', '.join(map(repr, REGION_MODES))}"
+            )
         self.inner = inner
+        self.regions: RegionMode = regions
+        self.choices: list[RegionChoice] = []
+        """Every region of the graphs compiled so far, and how it runs."""
         self._compile_region: Backend = (
             torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
         )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        return split_at_routed_calls(gm, example_inputs, self._compile_region)
+        return split_at_routed_calls(
+            gm, example_inputs, self._compile_region, self.regions, self.choices
+        )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, SplittingBackend) and bool(self.inner == other.inner)
+        return (
+            isinstance(other, SplittingBackend)
+            and bool(self.inner == other.inner)
+            and self.regions == other.regions
+        )
 
     def __hash__(self) -> int:
         return hash(type(self))
 
 
-def splitting_backend(inner: Backend | str = "inductor") -> Backend:
+def splitting_backend(
+    inner: Backend | str = "inductor", regions: RegionMode = "measured"
+) -> SplittingBackend:
     """A :class:`SplittingBackend` around ``inner`` (a backend's name or a callable)."""
-    return SplittingBackend(inner)
-
-
-@contextmanager
-def _capture_set_aside() -> Iterator[None]:
-    capture = running_capture()
-    if capture is None:
-        yield
-        return
-    with capture.set_aside():
-        yield
+    return SplittingBackend(inner, regions)
 
 
 class _SettingCaptureAside:
-    """A compiled forward, called with the running capture's parameter classes and mode
-    set aside (dynamo would trace them), routed calls still reaching it."""
+    """A compiled module's forward, called with the running capture's parameter classes
+    and mode set aside (dynamo would trace them), routed calls still reaching it.
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+    Where dynamo runs the frame uncompiled (past its recompile limit, or with
+    compiling disabled), nothing routes the block's calls to the capture: its
+    weight gradients are computed during I. That is warned once per module.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], module: nn.Module) -> None:
         self.compiled = compiled
+        self._module = weakref.ref(module)
+        self._warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _capture_set_aside():
+        capture = running_capture()
+        if capture is None:
             return self.compiled(*args, **kwargs)
+        ran = [False]
+        token = _compiled_graph_ran.set(ran)
+        try:
+            with capture.set_aside():
+                out = self.compiled(*args, **kwargs)
+        finally:
+            _compiled_graph_ran.reset(token)
+        if not ran[0] and not self._warned and torch.is_grad_enabled():
+            self._warned = True
+            warnings.warn(self._uncompiled_message(capture), stacklevel=2)
+        return out
+
+    def _uncompiled_message(self, capture: Any) -> str:
+        module = self._module()
+        inner = getattr(module, "_orig_mod", module)
+        name = type(inner).__name__
+        where = f"{capture._label}: " if getattr(capture, "_label", "") else ""
+        for relative, p in inner.named_parameters() if inner is not None else ():
+            full = capture.names.get(id(p))
+            if full is not None and full.endswith(relative):
+                prefix = full[: -len(relative)].rstrip(".")
+                name = f"'{prefix}' ({name})" if prefix else name
+                break
+        limit = torch._dynamo.config.recompile_limit
+        return (
+            f"{where}the compiled block {name} ran uncompiled: dynamo ran its frame as plain "
+            f"Python (past torch._dynamo.config.recompile_limit = {limit} compiled variants of "
+            f"its code, or with compiling disabled), so its weight gradients are computed "
+            f"during I instead of deferred to W (gradients stay exact). Keep the variants of a "
+            f"block class below the limit (input shapes: compile with dynamic=True; "
+            f"torch._dynamo.reset() between unrelated models in one process) or raise "
+            f"torch._dynamo.config.recompile_limit; TORCH_LOGS=recompiles shows why it "
+            f"recompiled"
+        )
 
 
 def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
@@ -331,7 +525,9 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
         module: the module (a pipeline block, a stage).
         options: ``torch.compile``'s keyword arguments; ``backend`` (default
             inductor, with ``mode`` and ``options``) compiles the regions
-            between the calls that read parameters.
+            between the calls that read parameters. One more, ``regions``
+            (``"measured"``, ``"compiled"``, ``"eager"``), says how those
+            regions run (:class:`SplittingBackend`).
 
     Returns:
         ``module``.
@@ -343,8 +539,10 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
         inner = _TorchCompileInductorWrapper(  # type: ignore[no-untyped-call]
             options.pop("mode", None), options.pop("options", None), options.get("dynamic"), None
         )
-    compiled = torch.compile(_inline(module), backend=splitting_backend(inner), **options)
-    module._compiled_call_impl = _set_aside_around(compiled)
+    regions = options.pop("regions", "measured")
+    backend = splitting_backend(inner, regions)
+    compiled = torch.compile(_inline(module), backend=backend, **options)
+    module._compiled_call_impl = _set_aside_around(compiled, module)
     return module
 
 
@@ -376,7 +574,8 @@ def is_compiled(module: nn.Module) -> bool:
 def _splitting_context(context: Any) -> Any:
     """A dynamo context like ``context`` (fullgraph, dynamic), its backend wrapped to split."""
     backend = torch._dynamo.eval_frame.innermost_backend(context.callback)
-    if getattr(backend, "_twobp_splitting", False):
+    # torch.compile(backend=callable) wraps the callable in a _TorchCompileWrapper.
+    if getattr(getattr(backend, "compiler_fn", backend), "_twobp_splitting", False):
         return context
     return torch._dynamo.optimize(
         backend=splitting_backend(backend), nopython=context.fullgraph, dynamic=context._dynamic
@@ -392,8 +591,8 @@ def _context_of(compiled: Callable[..., Any]) -> Any:
     return None
 
 
-def _set_aside_around(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    forward = _SettingCaptureAside(compiled)
+def _set_aside_around(compiled: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    forward = _SettingCaptureAside(compiled, module)
     forward._twobp_keeps_two_stage = True  # type: ignore[attr-defined]
     return forward
 
@@ -419,7 +618,7 @@ def keep_two_stage(module: nn.Module) -> None:
         if context is not module.dynamo_ctx:
             module.dynamo_ctx = context
             module._initialize()
-        module.forward = _set_aside_around(module.forward)
+        module.forward = _set_aside_around(module.forward, module)
         return
     compiled = module._compiled_call_impl
     if compiled is None or getattr(compiled, "_twobp_keeps_two_stage", False):
@@ -428,7 +627,7 @@ def keep_two_stage(module: nn.Module) -> None:
     if context is None or isinstance(context, eval_frame.DisableContext):
         return
     compiled = _splitting_context(context)(_inline(module))
-    module._compiled_call_impl = _set_aside_around(compiled)
+    module._compiled_call_impl = _set_aside_around(compiled, module)
 
 
 def compiled_modules(module: nn.Module) -> list[nn.Module]:
