@@ -17,7 +17,7 @@ from compile_workers import compiled_cases
 from twobp.runtime import PipelineConfigError, launch
 from twobp.runtime.setup.compiled_blocks import compile_options
 
-AOT = {"backend": "aot_eager"}
+AOT = {"backend": "aot_eager", "regions": "compiled"}
 CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("inductor", {"compile": True}, False),
     ("user-compiled", {}, True),
@@ -69,3 +69,6 @@ def test_compile_option_is_checked() -> None:
     assert compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
     with pytest.raises(PipelineConfigError, match="compile='yes'"):
         compile_options("yes")
+    assert compile_options({"regions": "eager"}) == {"regions": "eager"}
+    with pytest.raises(PipelineConfigError, match="regions is one of 'measured'"):
+        compile_options({"regions": "fast"})

@@ -16,20 +16,33 @@ from typing import Any
 from torch import nn
 
 from twobp.engine.compiled import compile_for_two_stage, is_compiled
+from twobp.engine.region_choice import REGION_MODES
 from twobp.runtime.errors import PipelineConfigError
 
 
 def compile_options(value: object) -> dict[str, Any] | None:
     """``torch.compile``'s keywords for ``compile=value`` (None: do not compile).
 
+    One keyword is twobp's: ``regions`` (``"measured"``, the default;
+    ``"compiled"``; ``"eager"``) says how the regions between the calls that read
+    parameters run (:class:`twobp.engine.compiled.SplittingBackend`).
+
     Raises:
-        PipelineConfigError: if ``value`` is neither a bool nor a dict of keywords.
+        PipelineConfigError: if ``value`` is neither a bool nor a dict of keywords,
+            or its ``regions`` is none of those.
     """
     if value is False or value is None:
         return None
     if value is True:
         return {}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        regions = value.get("regions", "measured")
+        if regions not in REGION_MODES:
+            raise PipelineConfigError(
+                f"compile={{'regions': {regions!r}, ...}}: regions is one of "
+                f"{', '.join(map(repr, REGION_MODES))} (how the regions between the calls "
+                f"that read parameters run: the faster way timed once, compiled, or eagerly)"
+            )
         return dict(value)
     raise PipelineConfigError(
         f"compile={value!r}: pass True (inductor), False, or a dict of torch.compile's "
@@ -50,5 +63,5 @@ def compile_blocks(stage: nn.Module, options: dict[str, Any], split: bool) -> No
             continue
         if split:
             compile_for_two_stage(block, **options)
-        else:
-            block.compile(**options)
+        else:  # a fused B: the graph is compiled whole
+            block.compile(**{k: v for k, v in options.items() if k != "regions"})
