@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import fcntl
+import sys
 import time
 
 import torch
 
+from twobp_bench.config import BenchPlan, Regime
+from twobp_bench.job import RankReport, run_regime
 from twobp_bench.profile import measure_contention, measure_link
 
 
@@ -36,3 +39,10 @@ def exclusive_contention(lock_path: str, seconds: float) -> float:
 def link(nbytes: int) -> tuple[float, float]:
     """The bench's measure of the link between ranks 0 and 1."""
     return measure_link(nbytes, torch.device("cpu"))
+
+
+def regime_without_deepspeed(plan: BenchPlan, regime: Regime) -> RankReport:
+    """One regime of the bench on a rank where ``import deepspeed`` fails, as where it is
+    not installed (a ``None`` in ``sys.modules`` makes the import raise ModuleNotFoundError)."""
+    sys.modules["deepspeed"] = None  # type: ignore[assignment]
+    return run_regime(plan, regime)

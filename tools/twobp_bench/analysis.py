@@ -265,6 +265,11 @@ def _variant(
     entry["bubble_ratio"] = statistics.median(lead.bubble_ratios) if lead.bubble_ratios else None
     entry["busy_s"] = statistics.median(lead.busy_seconds) if lead.busy_seconds else None
     entry["cpu_s"] = [statistics.median(r.cpu_seconds) if r.cpu_seconds else None for r in records]
+    if any(r.update_seconds for r in records):
+        # The optimizer update a DeepSpeed step includes, per rank (the others have none).
+        entry["update_s"] = [
+            statistics.median(r.update_seconds) if r.update_seconds else None for r in records
+        ]
     if lead.rank_bubble_ratios:
         per_rank = zip(*lead.rank_bubble_ratios, strict=True)
         entry["rank_bubble"] = [statistics.median(b) for b in per_rank]
@@ -451,15 +456,22 @@ def _fastest(
 def _best(
     variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
 ) -> dict[str, Any]:
-    """The fastest twobp and torch variants and twobp's speedup over torch."""
+    """The fastest twobp, torch and DeepSpeed variants and twobp's speedup over the other two
+    (``speedup``: over torch; ``deepspeed_speedup``: over DeepSpeed, where it ran)."""
     ours = _fastest(variants, lambda v: v["framework"] == matrix.TWOBP)
     theirs = _fastest(variants, lambda v: v["framework"] == matrix.TORCH)
+    deepspeed = _fastest(variants, lambda v: v["framework"] == matrix.DEEPSPEED)
     out: dict[str, Any] = {
         "twobp": ours["label"] if ours else None,
         "torch": theirs["label"] if theirs else None,
+        "deepspeed": deepspeed["label"] if deepspeed else None,
     }
     if ours and theirs:
         out["speedup"] = speedup(times[theirs["label"]], times[ours["label"]]).as_dict()
+    if ours and deepspeed:
+        out["deepspeed_speedup"] = speedup(
+            times[deepspeed["label"]], times[ours["label"]]
+        ).as_dict()
     return out
 
 

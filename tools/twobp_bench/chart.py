@@ -3,7 +3,7 @@
 One panel per regime and micro-batch count; one horizontal bar per variant
 (median, with the interquartile range as an error bar), coloured by kind:
 twobp without 2BP, twobp with 2BP, the baseline revision's twobp,
-torch.distributed.pipelining. Dashed
+torch.distributed.pipelining, DeepSpeed. Dashed
 lines mark what ``p`` ranks would reach at the speed of each single-process
 reference. matplotlib is imported inside :func:`render_chart` and drawn
 without ``pyplot``, so no global state is left behind.
@@ -20,12 +20,13 @@ COLOURS = {
     "twobp+2bp": "#009E73",
     "torch": "#E69F00",
     "baseline": "#999999",
+    "deepspeed": "#CC79A7",
 }
 REFERENCE_STYLES = {"microbatched": ":", "whole-batch": "--", "2bp-limit": "-."}
 
 
 def _colour(variant: Mapping[str, Any]) -> str:
-    if variant["framework"] in ("torch", "baseline"):
+    if variant["framework"] in ("torch", "baseline", "deepspeed"):
         return COLOURS[variant["framework"]]
     return COLOURS["twobp+2bp" if variant["two_bp"] else "twobp"]
 
@@ -74,6 +75,9 @@ def render_chart(results: Mapping[str, Any], path: str | Path) -> Path:
         Patch(color=COLOURS["twobp+2bp"], label="twobp, 2BP"),
         Patch(color=COLOURS["torch"], label="torch.distributed.pipelining"),
     ]
+    ran = [v for _, g in panels for v in g["variants"] if "step_s" in v]
+    if any(v["framework"] == "deepspeed" for v in ran):
+        handles.append(Patch(color=COLOURS["deepspeed"], label="DeepSpeed PipelineEngine"))
     if results.get("baseline"):
         handles.append(Patch(color=COLOURS["baseline"], label=f"twobp {results['baseline']}"))
     figure.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8)

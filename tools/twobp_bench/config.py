@@ -24,6 +24,7 @@ from twobp.config import doc
 from twobp_bench.matrix import (
     AUTO,
     AUTO_MICROBATCHES,
+    DEEPSPEED_SCHEDULES,
     REFERENCE_MICROBATCHED,
     REFERENCE_WHOLE_BATCH,
     REFERENCES,
@@ -53,6 +54,7 @@ DEFAULT_TORCH_SCHEDULES = [
     "ZBVZeroBubble",
     "DualPipeV",
 ]
+DEFAULT_DEEPSPEED_SCHEDULES = ["1F1B"]
 DEFAULT_POLICIES = ["paper"]
 LARGE_MICROBATCH_COUNT = 8
 """The third micro-batch count of the default matrix, next to ``p`` and ``2p``."""
@@ -168,6 +170,13 @@ class BenchConfig:
         "torch.distributed.pipelining schedules, without the 'Schedule' prefix",
         DEFAULT_TORCH_SCHEDULES,
     )
+    deepspeed_schedules: list[str] | None = doc(  # noqa: RUF009
+        "schedules of DeepSpeed's PipelineEngine (1F1B: its TrainSchedule, one stage per "
+        "rank; a step is train_batch, with its SGD update at learning rate 0); skipped, with "
+        "the reason, where deepspeed is not installed (pip install 'twobp[bench]'); "
+        "default: 1F1B, none with --quick and --overhead",
+        None,
+    )
     policies: list[str] = doc(  # noqa: RUF009
         "2BP placement policies of W to run (paper, eager, fill)", DEFAULT_POLICIES
     )
@@ -232,6 +241,8 @@ class BenchPlan:
         microbatch_counts: the micro-batch counts m.
         schedules: twobp schedule names.
         torch_schedules: torch schedule names (without ``Schedule``).
+        deepspeed_schedules: DeepSpeed schedule names (see
+            :data:`~twobp_bench.matrix.DEEPSPEED_SCHEDULES`).
         policies: 2BP policies.
         without_2bp: also run fused twobp schedules without 2BP.
         rounds: timed rounds.
@@ -275,6 +286,7 @@ class BenchPlan:
     recomputes: tuple[str | None, ...] = (None,)
     weight_group_size: int | None = None
     share_model: bool = False
+    deepspeed_schedules: tuple[str, ...] = ()
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -319,6 +331,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
             cfg,
             schedules=_unless_chosen(cfg.schedules, DEFAULT_SCHEDULES, ["1f1b"]),
             torch_schedules=_unless_chosen(cfg.torch_schedules, DEFAULT_TORCH_SCHEDULES, []),
+            deepspeed_schedules=_chosen_or(cfg.deepspeed_schedules, []),
             policies=_unless_chosen(cfg.policies, DEFAULT_POLICIES, ["paper", "eager"]),
             simulate=False,
         )
@@ -335,6 +348,8 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
                 DEFAULT_TORCH_SCHEDULES,
                 ["1F1B", "ZBVZeroBubble", "DualPipeV"],
             ),
+            # DeepSpeed takes seconds to import and to build its engine: asked for only.
+            deepspeed_schedules=_chosen_or(cfg.deepspeed_schedules, []),
             rounds=min(cfg.rounds, 2),
             warmup=min(cfg.warmup, 1),
         )
@@ -366,6 +381,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         recomputes=_recomputes(cfg),
         weight_group_size=cfg.weight_group_size,
         share_model=cfg.share_model,
+        deepspeed_schedules=tuple(_chosen_or(cfg.deepspeed_schedules)),
     )
 
 
@@ -376,6 +392,13 @@ def _recomputes(cfg: BenchConfig) -> tuple[str | None, ...]:
 
 def _unless_chosen(given: list[str], default: list[str], quick: list[str]) -> list[str]:
     return quick if given == default else given
+
+
+def _chosen_or(given: list[str] | None, default: list[str] | None = None) -> list[str]:
+    """The DeepSpeed schedules given, else ``default``, else the default schedules."""
+    if given is not None:
+        return given
+    return list(DEFAULT_DEEPSPEED_SCHEDULES if default is None else default)
 
 
 def _regime_names(cfg: BenchConfig) -> list[tuple[str, str]]:
@@ -440,6 +463,12 @@ def _check(cfg: BenchConfig) -> None:
             raise ValueError(
                 f"--torch-schedules: unknown {name!r}; choose from {', '.join(TORCH_SCHEDULES)}"
             )
+    for name in _chosen_or(cfg.deepspeed_schedules):
+        if name not in DEEPSPEED_SCHEDULES:
+            raise ValueError(
+                f"--deepspeed-schedules: unknown {name!r}; choose from "
+                f"{', '.join(DEEPSPEED_SCHEDULES)}"
+            )
     for name in cfg.policies:
         if name not in TWO_BP_POLICIES:
             raise ValueError(
@@ -457,8 +486,10 @@ def _check(cfg: BenchConfig) -> None:
         raise ValueError("--recompute: give at least one mode (off: none)")
     if cfg.weight_group_size is not None and cfg.weight_group_size < 1:
         raise ValueError(f"--weight-group-size must be >= 1, got {cfg.weight_group_size}")
-    if not (cfg.schedules or cfg.torch_schedules):
-        raise ValueError("nothing to measure: give --schedules or --torch-schedules")
+    if not (cfg.schedules or cfg.torch_schedules or _chosen_or(cfg.deepspeed_schedules)):
+        raise ValueError(
+            "nothing to measure: give --schedules, --torch-schedules or --deepspeed-schedules"
+        )
     if cfg.cprofile:
         labels = [v.label for v in _every_variant(cfg)]
         if cfg.cprofile not in labels:
@@ -477,4 +508,5 @@ def _every_variant(cfg: BenchConfig) -> list[Variant]:
         references=REFERENCES if cfg.references else (),
         baseline=bool(cfg.baseline),
         recomputes=_recomputes(cfg),
+        deepspeed_schedules=_chosen_or(cfg.deepspeed_schedules),
     )

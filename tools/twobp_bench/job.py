@@ -43,6 +43,7 @@ from twobp.sim.search import describe
 from twobp.timeline import Span, bubble_ratio
 from twobp_bench import baseline, matrix
 from twobp_bench.config import BenchPlan, Regime
+from twobp_bench.deepspeed_engine import DeepSpeedRunner, deepspeed_refusal
 from twobp_bench.measure import barrier, peak_rss_bytes, step_peak_bytes, timed_step
 from twobp_bench.profile import (
     BlockProfiler,
@@ -98,6 +99,8 @@ class VariantRecord:
             the loss; twobp only).
         chose: what ``auto`` chose: schedule, stages per rank, 2BP policy
             (:func:`twobp.sim.search.describe`; None for the other variants).
+        update_seconds: per timed round, this rank's time in the optimizer
+            update its step includes (DeepSpeed only: ``train_batch`` ends with one).
     """
 
     variant: matrix.Variant
@@ -121,6 +124,7 @@ class VariantRecord:
     send_seconds: list[float] = field(default_factory=list)
     outside_seconds: list[float] = field(default_factory=list)
     chose: str | None = None
+    update_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -212,6 +216,7 @@ def _variants(plan: BenchPlan, regime: Regime) -> list[matrix.Variant]:
         references=regime.references if plan.references else (),
         baseline=plan.baseline is not None,
         recomputes=plan.recomputes,
+        deepspeed_schedules=plan.deepspeed_schedules,
     )
 
 
@@ -239,6 +244,10 @@ def _run_group(
             reason = f"--data-parallel {plan.data_parallel} runs twobp's own pipelines only"
         if reason is None and variant.framework == matrix.TORCH:
             reason = tie_refusal(spec.blocks, partition, stage_ranks)
+        if reason is None and variant.framework == matrix.DEEPSPEED:
+            reason = deepspeed_refusal() or tie_refusal(
+                spec.blocks, partition, stage_ranks, "DeepSpeed's PipelineEngine"
+            )
         if reason is None:
             try:
                 runner = _build(
@@ -278,6 +287,8 @@ def _run_group(
         if timed:
             record.step_seconds.append(seconds)
             record.cpu_seconds.append(cpu)
+            if "update_s" in figures:
+                record.update_seconds.append(figures["update_s"])
             if isinstance(runner, TwobpRunner):
                 record.bubble_ratios.append(figures["bubble_ratio"])
                 record.busy_seconds.append(figures["busy_s"])
@@ -368,6 +379,19 @@ def _build(
         )
     if variant.framework == matrix.TORCH:
         return TorchRunner(
+            variant,
+            blocks,
+            spec.loss_fn,
+            m,
+            partition,
+            inputs,
+            targets,
+            rank=rank,
+            n_ranks=plan.n_ranks,
+            device=device,
+        )
+    if variant.framework == matrix.DEEPSPEED:
+        return DeepSpeedRunner(
             variant,
             blocks,
             spec.loss_fn,

@@ -2,11 +2,12 @@
 
 A *variant* is one way to run a training step of the same model on the same
 batch: a twobp schedule with or without 2BP (of this twobp, or of the twobp of
-a baseline git revision), a ``torch.distributed.pipelining`` schedule, or a
-single-process reference. Every pipeline variant with the same
-number of stages gets the same partition (:func:`stage_partition`), and the
-variants run in turn, round after round (:func:`round_robin`), so that a
-change of machine load touches them all alike. This module imports no torch.
+a baseline git revision), a ``torch.distributed.pipelining`` schedule, a
+schedule of DeepSpeed's ``PipelineEngine``, or a single-process reference.
+Every pipeline variant with the same number of stages gets the same partition
+(:func:`stage_partition`), and the variants run in turn, round after round
+(:func:`round_robin`), so that a change of machine load touches them all alike.
+This module imports no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ TWOBP = "twobp"
 BASELINE = "baseline"
 """twobp of the baseline git revision (``--baseline``), with this twobp's schedule names."""
 TORCH = "torch"
+DEEPSPEED = "deepspeed"
 REFERENCE = "reference"
 PIPELINES_OF_TWOBP = (TWOBP, BASELINE)
 AUTO = "auto"
@@ -95,14 +97,19 @@ TORCH_SCHEDULES: Mapping[str, TorchScheduleInfo] = MappingProxyType(
 )
 """The torch schedules the bench knows, by name."""
 
+DEEPSPEED_SCHEDULES: Mapping[str, str] = MappingProxyType({"1F1B": "TrainSchedule"})
+"""DeepSpeed's pipeline schedules the bench knows: its name here and DeepSpeed's class.
+``PipelineEngine.train_batch`` runs ``TrainSchedule`` (1F1B, one stage per rank)."""
+
 
 @dataclass(frozen=True)
 class Variant:
     """One way to run the step.
 
     Args:
-        framework: ``"twobp"``, ``"baseline"``, ``"torch"`` or ``"reference"``.
-        schedule: the twobp or torch schedule name, or the reference name.
+        framework: ``"twobp"``, ``"baseline"``, ``"torch"``, ``"deepspeed"`` or
+            ``"reference"``.
+        schedule: the twobp, torch or DeepSpeed schedule name, or the reference name.
         two_bp: whether the backward is split into I and W.
         policy: the 2BP policy of a fused twobp schedule run with 2BP (else None).
         recompute: the twobp recompute mode of every stage (None: none).
@@ -126,7 +133,7 @@ class Variant:
 
     @property
     def is_pipeline(self) -> bool:
-        """True for twobp, baseline and torch variants (False for references)."""
+        """True for twobp, baseline, torch and DeepSpeed variants (False for references)."""
         return self.framework != REFERENCE
 
     @property
@@ -174,12 +181,14 @@ def build_variants(
     references: Sequence[str] = REFERENCES,
     baseline: bool = False,
     recomputes: Sequence[str | None] = (None,),
+    deepspeed_schedules: Sequence[str] = (),
 ) -> list[Variant]:
     """Every variant of one group, in run order.
 
     Each twobp schedule's variants come with their baseline copies (if
-    ``baseline``) and the torch schedule of the same order
-    (:data:`SAME_SCHEDULE`), then the other torch schedules, then the references.
+    ``baseline``) and the torch and DeepSpeed schedules of the same order
+    (:data:`SAME_SCHEDULE`), then the other torch and DeepSpeed schedules, then
+    the references.
 
     Raises:
         ValueError: on an unknown reference name.
@@ -189,6 +198,7 @@ def build_variants(
         raise ValueError(f"unknown reference(s) {unknown}; choose from {', '.join(REFERENCES)}")
     ours = twobp_variants(schedules, policies, without_2bp, recomputes)
     theirs = [Variant(TORCH, name, two_bp="ZeroBubble" in name) for name in torch_schedules]
+    theirs += [Variant(DEEPSPEED, name) for name in deepspeed_schedules]
     # Variants compared with each other run next to each other: a burst of load
     # from another process then touches both sides of a comparison alike.
     out: list[Variant] = []
@@ -239,6 +249,8 @@ def placement(variant: Variant, n_ranks: int) -> tuple[int, ...]:
         return _twobp_schedule(variant, n_ranks).placement
     if variant.framework == REFERENCE:
         return (0,)
+    if variant.framework == DEEPSPEED:
+        return tuple(range(n_ranks))
     info = TORCH_SCHEDULES[variant.schedule]
     n_stages = n_ranks * info.stages_per_rank
     if info.placement == "v":

@@ -2,7 +2,7 @@
 
 Sections: the 2BP table in the layout of the 2BP paper (throughput and memory
 increase per model and schedule), twobp against its baseline revision (with
-``--baseline``), twobp against torch.distributed.pipelining, the targets, then
+``--baseline``), twobp against torch.distributed.pipelining and DeepSpeed, the targets, then
 per regime and micro-batch count a table of every variant and one of each
 rank's bubble, CPU time and compute per action kind. This module imports no torch.
 """
@@ -217,22 +217,22 @@ def _versus_baseline(regimes: Sequence[Mapping[str, Any]], revision: str) -> lis
 
 
 def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
-    best_rows, same_rows = [], []
+    best_rows, same_rows, updates = [], [], []
+    with_deepspeed = any(g["best"].get("deepspeed") for _, g, _ in _groups(regimes))
     for regime, group, variants in _groups(regimes):
         best = group["best"]
-        if best.get("twobp") and best.get("torch"):
-            ours, theirs = variants[best["twobp"]], variants[best["torch"]]
-            best_rows.append(
-                [
-                    _model_name(regime),
-                    str(group["n_microbatches"]),
-                    best["twobp"],
-                    f"{ours['samples_per_s']['median']:.1f}",
-                    best["torch"],
-                    f"{theirs['samples_per_s']['median']:.1f}",
-                    _ratio(best.get("speedup")),
-                ]
-            )
+        if best.get("twobp") and (best.get("torch") or best.get("deepspeed")):
+            ours = variants[best["twobp"]]
+            row = [
+                _model_name(regime),
+                str(group["n_microbatches"]),
+                best["twobp"],
+                f"{ours['samples_per_s']['median']:.1f}",
+                *_peer(variants, best.get("torch"), best.get("speedup")),
+            ]
+            if with_deepspeed:
+                row += _peer(variants, best.get("deepspeed"), best.get("deepspeed_speedup"))
+            best_rows.append(row)
         for pair in group["same_schedule"]:
             same_rows.append(
                 [
@@ -243,18 +243,43 @@ def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
                     _ratio(pair["speedup"]),
                 ]
             )
+        for v in group["variants"]:
+            if v.get("update_s"):
+                updates.append(
+                    f"{regime['name']}, m = {group['n_microbatches']}: "
+                    + " / ".join("-" if t is None else f"{t * 1e3:.1f}" for t in v["update_s"])
+                    + f" ms of {v['step_s']['median'] * 1e3:.1f} ms"
+                )
     if not (best_rows or same_rows):
         return []
     head = ["model", "m", "best twobp", "samples/s", "best torch", "samples/s", "speedup [IQR]"]
+    if with_deepspeed:
+        head += ["DeepSpeed", "samples/s", "speedup over DeepSpeed [IQR]"]
     same_head = ["model", "m", "twobp", "torch", "twobp speedup [IQR]"]
-    return [
-        "## twobp against torch.distributed.pipelining",
+    title = "## twobp against torch.distributed.pipelining"
+    lines = [
+        title + (" and DeepSpeed" if with_deepspeed else ""),
         "",
         *_table(head, best_rows),
-        "Same schedule order:",
-        "",
-        *_table(same_head, same_rows),
     ]
+    if updates:
+        lines += [
+            "A DeepSpeed step (`PipelineEngine.train_batch`) ends with its optimizer step, which "
+            "the other variants' steps do not have: SGD at learning rate 0 (every parameter "
+            "updated, the weights unchanged) and DeepSpeed's `zero_grad`. The update took, per "
+            "rank (rank 0 / rank 1 / ...): " + "; ".join(updates) + ".",
+            "",
+        ]
+    return [*lines, "Same schedule order:", "", *_table(same_head, same_rows)]
+
+
+def _peer(
+    variants: Mapping[str, Mapping[str, Any]], label: str | None, ratio: Mapping[str, Any] | None
+) -> list[str]:
+    """A peer framework's best variant, its samples/s and twobp's speedup over it."""
+    if label is None:
+        return ["n/a", "n/a", "n/a"]
+    return [label, f"{variants[label]['samples_per_s']['median']:.1f}", _ratio(ratio)]
 
 
 def _targets(targets: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -481,6 +506,11 @@ def _notes() -> list[str]:
         "- torch.distributed.pipelining runs with the loss scaled by 1/m and "
         "`scale_grads=False` (the same gradients as twobp, without an extra pass over them) and "
         "`return_outputs=False`.",
+        "- DeepSpeed (where installed) runs its `PipelineEngine` on the same stage modules and "
+        "micro-batches: one step is `train_batch`, its 1F1B `TrainSchedule`, which ends with "
+        "an optimizer step (SGD at learning rate 0, timed on its own and given above) and "
+        "`zero_grad`; its gradient all-reduce over a data-parallel group of one rank is off "
+        "(the same gradients, without an extra pass over them).",
         "- References run on every rank at once, each rank alone with the whole model; the bound "
         "is their time divided by p. Efficiency = bound / step time.",
         "- Step peak: the most bytes allocated during the last warm-up step beyond what was held "

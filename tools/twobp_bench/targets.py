@@ -4,7 +4,7 @@ Targets of the two LLaMA regimes, on 2 CPU cores with 1 thread per rank:
 
 * best twobp (``auto`` among them, when it ran) against best
   torch.distributed.pipelining at the largest ``m``: >= 1.2x (large micro-batches),
-  >= 1.4x (small);
+  >= 1.4x (small); against DeepSpeed's ``PipelineEngine`` (where it ran), the same;
 * 1F1B with 2BP against without, at ``m = p``: >= 1.2x;
 * efficiency of the best twobp variant at the largest ``m``: >= 0.95 against
   the whole-batch reference (large), >= 0.9 against the 2BP limit (small);
@@ -73,6 +73,8 @@ def evaluate(regimes: Sequence[Mapping[str, Any]], n_ranks: int) -> list[dict[st
             continue
         largest = groups[max(groups)]
         out.append(_over_torch(name, largest))
+        if largest["best"].get("deepspeed"):
+            out.append(_over_deepspeed(name, largest))
         if n_ranks in groups:
             out.append(_two_bp_at_p(name, groups[n_ranks], n_ranks))
         out.append(_efficiency(name, largest))
@@ -131,6 +133,24 @@ def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
         detail,
         above=True,
         bound=bound,
+    )
+
+
+def _over_deepspeed(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
+    """Best twobp over DeepSpeed's PipelineEngine, with the threshold over torch."""
+    best = group["best"]
+    ratio = best.get("deepspeed_speedup")
+    detail = f"m={group['n_microbatches']}: {best['twobp']} vs {best['deepspeed']}"
+    step = _variant(group, best["deepspeed"]).get("step_s", {}).get("median")
+    if step:
+        detail += _same_microbatches(step, group["reference_bounds_s"])
+    return _target(
+        regime,
+        "best twobp / DeepSpeed",
+        ratio["median"] if ratio else None,
+        SPEEDUP_OVER_TORCH.get(regime),
+        detail,
+        above=True,
     )
 
 

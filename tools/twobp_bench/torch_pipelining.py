@@ -29,7 +29,10 @@ from twobp_bench.matrix import TORCH_SCHEDULES, Variant, placement, stages_of_ra
 
 
 def tie_refusal(
-    blocks: Sequence[nn.Module], partition: Sequence[int], stage_ranks: Sequence[int]
+    blocks: Sequence[nn.Module],
+    partition: Sequence[int],
+    stage_ranks: Sequence[int],
+    framework: str = "torch.distributed.pipelining",
 ) -> str | None:
     """Why torch cannot run this layout: a weight that stages on several ranks share.
 
@@ -37,12 +40,15 @@ def tie_refusal(
     the first and the last stage. ``torch.distributed.pipelining`` gives each
     rank's stages their own copy and never sums the copies' gradients, so the
     step would differ from the model's. Stages on one rank hold one object,
-    whose gradient collects both uses.
+    whose gradient collects both uses. DeepSpeed's ``PipelineEngine`` sums a
+    tied weight's gradients only where the model declares it with its own
+    ``TiedLayerSpec``, which plain blocks do not.
 
     Args:
         blocks: the whole model's blocks.
         partition: blocks per stage.
         stage_ranks: the rank of each stage.
+        framework: the name the reason gives the runtime that cannot run it.
 
     Returns:
         The reason to skip the variant, or None if it can run.
@@ -52,7 +58,7 @@ def tie_refusal(
         if len(ranks) > 1:
             return (
                 f"{' and '.join(tie.names)} are one tied weight on ranks "
-                f"{', '.join(map(str, ranks))}; torch.distributed.pipelining keeps a copy per "
+                f"{', '.join(map(str, ranks))}; {framework} keeps a copy per "
                 "rank and does not sum their gradients"
             )
     return None
