@@ -38,11 +38,12 @@ def test_without_deepspeed_its_variant_is_skipped_with_the_reason_and_the_rest_r
 @pytest.mark.skipif(not INSTALLED, reason="deepspeed is not installed (the bench extra)")
 def test_deepspeed_steps_with_the_reference_gradients_beside_torch(tmp_path):
     out = tmp_path / "bench"
-    # Two warm-up rounds: the gradients checked are those of DeepSpeed's second step, after
-    # its optimizer step has run once (at learning rate 0 the weights stay the reference's).
-    argv = ["bench", "--quick", "--schedules", "1f1b", "--policies", "",
-            "--torch-schedules", "1F1B", "--deepspeed-schedules", "1F1B", "--no-simulate",
-            "--warmup", "2", "--rounds", "2", "--out", str(out)]  # fmt: skip
+    # Two warm-up rounds (--quick would allow one): the gradients checked are those of
+    # DeepSpeed's second step, after its optimizer step has run once (at learning rate 0
+    # the weights stay the reference's).
+    argv = ["bench", "--regimes", "quick", "--microbatches", "2", "--schedules", "1f1b",
+            "--policies", "", "--torch-schedules", "1F1B", "--deepspeed-schedules", "1F1B",
+            "--no-simulate", "--warmup", "2", "--rounds", "2", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     (group,) = results["regimes"][0]["groups"]

@@ -14,6 +14,7 @@ from twobp.schedule import generate
 from twobp.schedule.two_bp import apply_two_bp
 from twobp_bench import matrix
 from twobp_bench.analysis import analyse_regime, gradient_error
+from twobp_bench.chart import COLOURS, _colour
 from twobp_bench.config import Regime
 from twobp_bench.job import RankReport, VariantRecord
 from twobp_bench.profile import RankProfile
@@ -468,3 +469,45 @@ def test_the_report_gives_the_measured_all_reduce_bandwidth_once():
         report.profiles[2] = profile
     text = render_markdown(_results([analyse_regime(reports, 2)]))
     assert text.count("An all-reduce over every rank moved 1.50 GB/s per rank") == 1
+
+
+def test_deepspeed_stands_beside_torch_in_the_figures_the_report_and_the_chart(tmp_path):
+    times = {
+        "twobp 1f1b": [2.0, 2.0],
+        "twobp 1f1b+2bp": [1.0, 1.0],
+        "torch 1F1B": [2.0, 2.2],
+        "deepspeed 1F1B": [1.5, 1.6],
+    }
+    variants = matrix.build_variants(
+        ["1f1b"], ["1F1B"], ["paper"], references=(), deepspeed_schedules=["1F1B"]
+    )
+    assert [v.label for v in variants] == list(times)
+
+    def fill(rec: VariantRecord, rank: int) -> None:
+        rec.step_seconds = list(times[rec.variant.label])
+        if rec.variant.framework == matrix.DEEPSPEED:
+            rec.update_seconds = [0.01 + rank * 0.01, 0.01 + rank * 0.01]
+
+    regime = analyse_regime(_preset_reports(variants, fill), 2)
+    (group,) = regime["groups"]
+    deepspeed = {v["label"]: v for v in group["variants"]}["deepspeed 1F1B"]
+    assert deepspeed["stage_ranks"] == [0, 1]
+    assert deepspeed["update_s"] == pytest.approx([0.01, 0.02])
+    best = group["best"]
+    assert (best["torch"], best["deepspeed"]) == ("torch 1F1B", "deepspeed 1F1B")
+    assert best["speedup"]["median"] == pytest.approx(2.1)
+    assert best["deepspeed_speedup"]["median"] == pytest.approx(1.55)
+    results = _results([regime], command="twobp bench", rounds=2)
+    (target,) = [t for t in results["targets"] if t["target"] == "best twobp / DeepSpeed"]
+    assert target["value"] == pytest.approx(1.55)
+    text = render_markdown(results)
+    assert "## twobp against torch.distributed.pipelining and DeepSpeed" in text
+    row = (
+        "| preset (4 samples/micro-batch) | 2 | twobp 1f1b+2bp | 8.0 | torch 1F1B | 3.8 | "
+        "2.10x [2.05-2.15] | deepspeed 1F1B | 5.2 | 1.55x [1.52-1.58] |"
+    )
+    assert row in text
+    assert "The update took, per rank (rank 0 / rank 1 / ...): preset, m = 2: 10.0 / 20.0 ms" in text
+    write_outputs(results, tmp_path)
+    assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG")
+    assert _colour({"framework": "deepspeed", "two_bp": False}) == COLOURS["deepspeed"]
