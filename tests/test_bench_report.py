@@ -507,7 +507,7 @@ def test_deepspeed_stands_beside_torch_in_the_figures_the_report_and_the_chart(t
         "2.10x [2.05-2.15] | deepspeed 1F1B | 5.2 | 1.55x [1.52-1.58] |"
     )
     assert row in text
-    assert "The update took, per rank (rank 0 / rank 1 / ...): preset, m = 2: 10.0 / 20.0 ms" in text
+    assert "The update took, per rank (rank 0 / rank 1 / ...): preset, m = 2: 10.0 / 20.0" in text
     write_outputs(results, tmp_path)
     assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG")
     assert _colour({"framework": "deepspeed", "two_bp": False}) == COLOURS["deepspeed"]
