@@ -4,7 +4,8 @@ Each case trains 3 AdamW steps through ``pipe.shard_optimizer`` (clipped to a
 small global norm, with a StepLR schedule) and must match one process
 running plain AdamW on the global batch: loss, global norm and every
 parameter, to 1e-10. The optimizer state per rank must be at most 0.55 of the
-unsharded state for two copies.
+unsharded state for two copies (Chimera's and DualPipe's two pipelines are two
+copies of each stage).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ FOUR = [
     ("mlp", "1f1b", True, {"data_parallel": 2}),
     ("mlp", "zb-h1", True, {"data_parallel": 2}),
     ("mlp", "interleaved-1f1b", True, {"data_parallel": 2}),
+    # Replicas of another kind: Chimera's and DualPipe's two pipelines, a weight tied
+    # across ranks, and DualPipeV's V under copies. (Chimera with a tied weight first: it
+    # makes more reduction groups on some ranks than on others, which the pipelines
+    # built after it must not trip over.)
+    ("tied", "chimera", True, {}),
+    ("mlp", "dualpipe", True, {"n_microbatches": 2 * N_MB}),
+    ("tied", "1f1b", True, {"data_parallel": 2}),
+    ("mlp", "dualpipev", True, {"data_parallel": 2}),
 ]
 EIGHT = [("mlp", "1f1b", True, {"data_parallel": 2})]
 

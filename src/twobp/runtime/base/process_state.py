@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch.distributed as dist
@@ -120,6 +121,44 @@ def shared_group(
         _made[index] = weakref.ref(held)
         return group if member else None
     return held if dist.get_rank() in ranks else None
+
+
+def mark_made(key: str, ranks: list[int], timeout: float) -> bool:
+    """On a rank outside ``ranks``: remember that the group of ``key`` exists now.
+
+    A rank that makes no group of a reduction still counts the groups the
+    others made (:func:`even_out`). Returns True if it was new.
+    """
+    index = (key, tuple(ranks), timeout, False)
+    ref = _made.get(index)
+    if ref is not None and ref() is not None:
+        return False
+    world = dist.group.WORLD
+    assert world is not None
+    _made[index] = weakref.ref(world)
+    return True
+
+
+def even_out(made: Iterable[Iterable[int]], me: int, timeout: float) -> None:
+    """One-rank groups so that ``me`` belongs to as many of the groups ``made`` as the most.
+
+    torch names a group made with ``use_local_synchronization`` by its ranks and
+    the number of groups the making rank belongs to: two ranks that belong to
+    different numbers of groups would look for different names and wait for
+    each other until the timeout. Every rank calls it with the same ``made``
+    (global ranks of each group made since the ranks last agreed).
+    """
+    counts: dict[int, int] = {}
+    for ranks in made:
+        for rank in ranks:
+            counts[rank] = counts.get(rank, 0) + 1
+    for _ in range(max(counts.values(), default=0) - counts.get(me, 0)):
+        dist.new_group(
+            [me],
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=True,
+        )
 
 
 def is_made(key: str, ranks: list[int], timeout: float, *, every_rank: bool = False) -> bool:

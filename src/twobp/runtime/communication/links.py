@@ -39,7 +39,6 @@ different orders.
 
 from __future__ import annotations
 
-import datetime
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from twobp.runtime.base.group import Membership
-from twobp.runtime.base.process_state import is_made, shared_group
+from twobp.runtime.base.process_state import even_out, is_made, shared_group
 from twobp.runtime.communication.collective import complete
 from twobp.runtime.errors import PipelineClosedError, PipelineError
 from twobp.schedule.schedule import Schedule
@@ -177,26 +176,11 @@ def make_links(
         group = shared_group(key, ranks, timeout, every_rank=True)
         if group is not None:
             groups[(src, dst)] = weakref.ref(group)
-    _even_out(made, me, timeout)
+    even_out(made, me, timeout)
     mine = [link for link in order if me in link]
     links = Links(me, groups, members)
     warm_up(links, mine, device, timeout)
     return links
-
-
-def _even_out(made: list[tuple[int, int]], me: int, timeout: float) -> None:
-    """One-rank groups so that every rank belongs to as many of the groups ``made`` as the most."""
-    counts: dict[int, int] = {}
-    for link in made:
-        for rank in link:
-            counts[rank] = counts.get(rank, 0) + 1
-    for _ in range(max(counts.values(), default=0) - counts.get(me, 0)):
-        dist.new_group(
-            [me],
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=True,
-        )
 
 
 def warm_up(

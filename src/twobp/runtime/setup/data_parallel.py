@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from twobp.runtime.base.group import Membership
-from twobp.runtime.base.process_state import reduction_group
+from twobp.runtime.base.process_state import even_out, is_made, mark_made, reduction_group
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication.reduction import Bucket, GradientReducer, buckets
 from twobp.runtime.errors import PipelineConfigError
@@ -106,10 +106,19 @@ def make_reducer(
     if not groups:
         return None
     made: dict[str, dist.ProcessGroup] = {}
+    new: list[list[int]] = []
     for group in groups:
+        ranks = [members.global_rank(r) for r in group.ranks]
         if members.rank in group.ranks:
-            ranks = [members.global_rank(r) for r in group.ranks]
+            if not is_made(group.key, ranks, timeout):
+                new.append(ranks)
             made[group.key] = reduction_group(group.key, ranks, timeout)
+        elif mark_made(group.key, ranks, timeout):
+            new.append(ranks)
+    if members.size == dist.get_world_size() and members.group is dist.group.WORLD:
+        # The next groups made by their ranks alone (a later pipeline's) need every rank
+        # to belong to as many groups as the others (see process_state.even_out).
+        even_out(new, members.global_rank(members.rank), timeout)
     # The R of a parameter: the last of its stages here, in this rank's order.
     order = [a.stage for a in schedule.actions[topology.pp_rank] if makes_weight_gradients(a.kind)]
     last = {s: max(i for i, x in enumerate(order) if x == s) for s in stage_modules}
