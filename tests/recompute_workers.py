@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches, train_steps
 from twobp.runtime import Pipeline
+from twobp.schedule.rebuild import rebuilt_microbatches
+from twobp.sim import CostModel
 
 Mode = Any  # None, a mode name, or a list of them
 
@@ -30,12 +32,23 @@ class RecomputeCase:
     recompute: Mode
     two_bp: bool = True
     weight_group_size: int | None = None
+    memory_limit: float | None = None
+    """With ``recompute="auto"``: the limit, in the units of :func:`unit_costs`."""
 
     def __str__(self) -> str:
         group = f" group={self.weight_group_size}" if self.weight_group_size else ""
+        limit = f" limit={self.memory_limit}" if self.memory_limit is not None else ""
         return (
-            f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}{group}"
+            f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}"
+            f"{group}{limit}"
         )
+
+
+def unit_costs(n_stages: int = 2) -> CostModel:
+    """Unit times; a stash and a micro-batch's activations 1 each, what crosses a
+    boundary 0.25 (so a rebuilt stash keeps 0.5): a limit in these units picks the
+    stashes ``recompute="auto"`` rebuilds, the same on every machine."""
+    return CostModel.uniform(n_stages, send_bytes=0.25)
 
 
 WIDTH = 32
@@ -66,6 +79,8 @@ def dropout_batch(batch_size: int) -> tuple[Tensor, Tensor]:
 
 
 def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int) -> Pipeline:
+    # recompute="auto" plans on unit costs: which stashes are rebuilt is fixed by the limit.
+    planned = {} if case.memory_limit is None else {"costs": unit_costs()}
     return Pipeline(
         blocks,
         loss,
@@ -74,8 +89,10 @@ def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int
         two_bp=case.two_bp,
         recompute=case.recompute,
         weight_group_size=case.weight_group_size,
+        memory_limit=case.memory_limit,
         device="cpu",
         timeout=30.0,
+        **planned,
     )
 
 
@@ -84,6 +101,8 @@ def train(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, Any]:
     pipe = _pipeline(build_blocks(case.model), loss_fn(case.model), case, n_mb)
     losses, grads = train_steps(pipe, case.model, batch_size)
     out = {"losses": losses, "grads": grads, "state": pipe.state_dict()}
+    out["rebuilt"] = rebuilt_microbatches(pipe.schedule)
+    out["schedule"] = str(pipe.schedule)
     pipe.close()
     return out
 
@@ -106,6 +125,7 @@ def dropout_step(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, A
         "grads": grads,
         "memory": pipe.memory_stats(optimizer),
         "after": float(torch.rand(()).item()),  # the generator goes on as without recompute
+        "rebuilt": rebuilt_microbatches(pipe.schedule),
     }
     pipe.close()
     return out

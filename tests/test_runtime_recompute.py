@@ -35,12 +35,25 @@ TRAINED = [
     RecomputeCase("mlp", "1f1b", "all", two_bp=False),
     RecomputeCase("mlp", "1f1b", "derivatives", weight_group_size=1),
     RecomputeCase("mlp", "1f1b", ["all", "derivatives"]),
+    # recompute="auto" on unit costs: the stashes over the limit rebuilt, the rest kept.
+    *(RecomputeCase("mlp", "1f1b", "auto", memory_limit=limit) for limit in (3.5, 3.0)),
+    RecomputeCase("transformer", "1f1b", "auto", memory_limit=3.0),
 ]
 DROPOUT = [
-    RecomputeCase("dropout", s, m, weight_group_size=g)
-    for s, g in (("1f1b", None), ("1f1b", 1), ("zb-h1", None), ("interleaved-1f1b", 2))
-    for m in (None, *MODES)
+    *(
+        RecomputeCase("dropout", s, m, weight_group_size=g)
+        for s, g in (("1f1b", None), ("1f1b", 1), ("zb-h1", None), ("interleaved-1f1b", 2))
+        for m in (None, *MODES)
+    ),
+    RecomputeCase("dropout", "1f1b", "auto", memory_limit=6.5),
 ]
+# Which stashes recompute="auto" rebuilds, by hand: 1F1B on 2 ranks holds every stash of
+# the step (1 each) and two activations at its peak; a rebuilt one keeps 0.5 instead.
+REBUILT = {
+    "mlp 1f1b two_bp=True recompute=auto limit=3.5": {0: (1,), 1: (0,)},
+    "mlp 1f1b two_bp=True recompute=auto limit=3.0": {0: (0, 1), 1: (0, 1)},
+    "dropout 1f1b two_bp=True recompute=auto limit=6.5": {0: (1, 2, 3), 1: (0, 1, 2)},
+}
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -71,6 +84,19 @@ def test_recompute_matches_single_process(case, results, references):
         torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
     for name, want in reference["state"].items():
         torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+    if case.recompute == "auto":
+        rebuilt = results[0]["trained"][str(case)]["rebuilt"]
+        assert rebuilt == REBUILT.get(str(case), rebuilt) and rebuilt, rebuilt
+
+
+def test_auto_rebuilds_what_the_plan_chose(results):
+    for key, want in REBUILT.items():
+        part = "dropout" if key.startswith("dropout") else "trained"
+        for per_rank in results:
+            assert per_rank[part][key]["rebuilt"] == want, key
+    schedule = results[0]["trained"]["mlp 1f1b two_bp=True recompute=auto limit=3.0"]["schedule"]
+    # Shown in the schedule: rank 1 drops the stashes of 0 and 1 and rebuilds them last.
+    assert "1F0 1IR0 1F1 1IR1 1F2 1I2 1F3 1I3 1W2-3 1WR0 1WR1" in schedule
 
 
 @pytest.mark.parametrize("case", [c for c in DROPOUT if c.recompute is not None], ids=str)
@@ -210,3 +236,21 @@ def _dropout_pipeline(case: RecomputeCase) -> Pipeline:
         recompute=case.recompute,
         device="cpu",
     )
+
+
+@needs_no_process_group
+def test_auto_needs_a_memory_limit_and_a_schedule_it_builds():
+    with pytest.raises(PipelineConfigError, match=r"recompute='auto' .* pass memory_limit="):
+        _mlp_pipeline(recompute="auto")
+    from twobp.schedule import prepare
+
+    given = prepare("1f1b", n_ranks=1, n_microbatches=N_MB)
+    with pytest.raises(PipelineConfigError, match=r"schedule=.* is given whole: use a name"):
+        Pipeline(
+            build_blocks("mlp"),
+            loss_fn("mlp"),
+            given,
+            recompute="auto",
+            memory_limit=1e9,
+            device="cpu",
+        )

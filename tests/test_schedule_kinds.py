@@ -57,7 +57,19 @@ def make(rows: list[str], n_microbatches: int = 1, name: str = "hand") -> Schedu
 
 
 def test_every_built_in_kind_has_one_entry():
-    assert list(KINDS) == ["F", "I", "W", "B", "R", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert list(KINDS) == [
+        "F",
+        "I",
+        "W",
+        "B",
+        "IR",
+        "WR",
+        "R",
+        "SEND_F",
+        "RECV_F",
+        "SEND_B",
+        "RECV_B",
+    ]
     assert {Kind(code) for code in KINDS} == set(Kind)
     cost_fields = {f.name for f in dataclasses.fields(CostModel)}
     made = {tag for spec in KINDS.values() for tag in spec.makes}
@@ -76,7 +88,7 @@ def test_memory_read_from_the_table():
     # A micro-batch is held from its F through its I (activations become
     # stored derivatives) to its W, or from its F to its fused B.
     held = {code: held_change(code) for code in KINDS}
-    assert held == {"F": 1, "I": 0, "W": -1, "B": -1, "R": 0} | dict.fromkeys(
+    assert held == {"F": 1, "I": 0, "W": -1, "B": -1, "IR": 0, "WR": -1, "R": 0} | dict.fromkeys(
         ["SEND_F", "RECV_F", "SEND_B", "RECV_B"], 0
     )
     assert [pool_change(k, ACTIVATIONS) for k in "FIWB"] == [1, -1, 0, -1]

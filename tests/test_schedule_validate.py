@@ -30,7 +30,7 @@ def test_deadlock_shows_grid_and_marks_stuck_steps():
         validate(s)
     text = str(info.value)
     assert "hand-made deadlocks at step 1" in text
-    assert "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 (rank 1" in text
+    assert "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 or 1IR0 (rank 1" in text
     assert "rank 1 is stuck at 1F1 (its action #0): waits for 0F1 (rank 0" in text
     assert ">0B0<" in text and ">1F1<" in text
     grid = text[text.index("step |") :].splitlines()

@@ -153,13 +153,14 @@ def test_deadlock_names_rank_action_and_wait():
     text = str(info.value)
     assert "rank 1 is stuck at 1B0 (its action #0): waits for 1F0 (rank 1, its action #1" in text
     assert (
-        "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 (rank 1, its action #0"
+        "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 or 1IR0 "
+        "(rank 1, its action #0"
         in text
     )
 
 
 def test_deadlock_on_missing_action():
-    with pytest.raises(DeadlockError, match=r"0I1 or 0B1, which no rank lists"):
+    with pytest.raises(DeadlockError, match=r"0I1 or 0B1 or 0IR1, which no rank lists"):
         simulate(make([0], 2, {0: "0F0 0F1 0I0 0W0-1"}), CostModel.uniform(1))
 
 

@@ -88,11 +88,13 @@ from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
 from twobp.runtime.state.optimizer_and_rng import parameter_names
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
+from twobp.schedule import SCHEDULES
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
+from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
-from twobp.sim.recompute import effective_modes, parse_recompute
+from twobp.sim.recompute import RECOMPUTE_AUTO, effective_modes, parse_recompute
 from twobp.timeline import Span
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -297,7 +299,7 @@ class Pipeline:
         self.options = replace(given, group=None, mesh=None, example_input=None)
         """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`),
         less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
-        _check_recompute(recompute)
+        _check_recompute(recompute, memory_limit)
         check_microbatches(schedule, n_microbatches, costs)
         self._compile = compile_options(compile)
         _check_grad_scaler(grad_scaler, self)
@@ -377,6 +379,7 @@ class Pipeline:
             data_parallel=len(grid),
             tied=tied_across_blocks(all_blocks),
             sample=sample,
+            recompute=given.recompute,
         )
         self.plan = plan.auto
         self.schedule = plan.schedule
@@ -392,7 +395,9 @@ class Pipeline:
         self.n_microbatches = self.schedule.n_microbatches
         self.nonfinite = given.nonfinite
         try:
-            per_model_stage = parse_recompute(given.recompute, self.schedule.pipeline_stages)
+            # Under "auto" the schedule says which stashes are rebuilt (IR and WR), no mode.
+            mode = None if _rebuilds(given.recompute) else given.recompute
+            per_model_stage = parse_recompute(mode, self.schedule.pipeline_stages)
             self.recompute = tuple(
                 per_model_stage[self.schedule.model_stage(s)] for s in range(self.schedule.n_stages)
             )
@@ -555,6 +560,7 @@ class Pipeline:
         split = split_stages(schedule)
         self._memory = MemoryMeter(self.device)
         modes = effective_modes(self.recompute, split)
+        rebuilt = rebuilt_microbatches(schedule)
         for s in schedule.stages_of(self.pp_rank):
             model_stage = schedule.model_stage(s)
             module = nn.Sequential(
@@ -574,6 +580,7 @@ class Pipeline:
                 recompute=modes[s],
                 memory=self._memory,
                 label=f"rank {self.rank} stage {s}",
+                rebuilt=rebuilt.get(s, ()),
             )
 
     def _check_reductions_placed(self) -> None:
@@ -1108,10 +1115,12 @@ def _trials(
             partition=list(contender.partition),
             stages_per_rank=None,
             device=device,
-            # The contender is prepared: nothing is profiled, costed or bounded again.
+            # The contender is prepared: nothing is profiled, costed or bounded again
+            # (what it rebuilds is in its schedule).
             example_input=None,
             costs=None,
             memory_limit=None,
+            recompute=None if _rebuilds(options.recompute) else options.recompute,
             nonfinite="skip",
             auto_trials=0,
             # Trial steps take no optimizer step: the scaler stays with the pipeline.
@@ -1149,7 +1158,10 @@ def _plans_at_first_step(
     """True if ``schedule="auto"`` plans on the first step's batch: with
     ``n_microbatches="auto"``, or where no rank was given an example input and
     nothing else is to plan by (collective where it depends on the example input)."""
-    if not (isinstance(given.schedule, str) and given.schedule == AUTO) or given.costs is not None:
+    planned = isinstance(given.schedule, str) and (
+        given.schedule == AUTO or (_rebuilds(given.recompute) and given.schedule in SCHEDULES)
+    )
+    if not planned or given.costs is not None:
         return False
     if given.n_microbatches == AUTO_MICROBATCHES:
         return True
@@ -1188,8 +1200,22 @@ def _check_grad_scaler(scaler: object, pipe: Pipeline) -> None:
     )
 
 
-def _check_recompute(recompute: object) -> None:
-    """Refuse an unknown recompute mode at once, before any collective work."""
+def _rebuilds(recompute: object) -> bool:
+    """True for ``recompute="auto"``: rebuild only the stashes that do not fit."""
+    return isinstance(recompute, str) and recompute == RECOMPUTE_AUTO
+
+
+def _check_recompute(recompute: object, memory_limit: object) -> None:
+    """Refuse an unknown recompute mode, or ``"auto"`` without a limit, at once,
+    before any collective work."""
+    if _rebuilds(recompute):
+        if memory_limit is None:
+            raise PipelineConfigError(
+                "recompute='auto' rebuilds only the stashes that do not fit memory_limit, "
+                "and none was given: pass memory_limit= (bytes per rank, or a size such as "
+                "'2GiB'), or choose a mode for every stage: 'activations', 'derivatives', 'all'"
+            )
+        return
     count = len(recompute) if isinstance(recompute, (list, tuple)) else 1
     try:
         parse_recompute(recompute, count)

@@ -105,6 +105,11 @@ def make_timing(costs: Costs, schedule: Schedule) -> Timing:
             return 0.0
         if kind == "B" and "B" not in table:
             return per_stage("I", a.stage) + per_stage("W", a.stage)
+        if kind == "IR":
+            return per_stage("I", a.stage)
+        if kind == "WR":  # W after the F and I that rebuild its stash
+            once = per_stage("F", a.stage) + per_stage("I", a.stage) + per_stage("W", a.stage)
+            return once * len(a.microbatches)
         return per_stage(kind, a.stage) * len(a.microbatches)
 
     return Timing(duration, lambda _b: 0.0)

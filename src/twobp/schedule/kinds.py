@@ -30,6 +30,8 @@ The table, with ``S`` stages, ``s`` a stage, ``m`` a micro-batch::
     I       compute     F(s, m), BI(s+1, m) via RECV_B   BI       backward_input
     W       compute     BI(s, m) for each m covered      W        backward_weight
     B       compute     as I                             BI, W    backward_full
+    IR      compute     as I                             BI       backward_input
+    WR      compute     BI(s, m) for each m covered      W        backward_weight (**)
     R       background  W(s, m) for each m covered       R        reduce
     SEND_F  send        F(s, m)                          SEND_F   -   (link s+1)
     RECV_F  receive     SEND_F(s-1, m)                   RECV_F   -   (link s-1)
@@ -44,9 +46,20 @@ and its memory, per micro-batch covered (the pools are named by their
     I                                      - activation_bytes, + weight_grad_bytes
     W       + weight_rebuild_bytes (*)     - weight_rebuild_bytes (*), - weight_grad_bytes
     B                                      - activation_bytes
+    IR                                     - activation_bytes, + checkpoint_bytes
+    WR      + weight_grad_bytes (*)        - weight_grad_bytes (*), - checkpoint_bytes
 
     (*) for at most ``weight_group_size`` micro-batches: the engine
         rebuilds one concatenated group at a time.
+    (**) plus ``forward + backward_input`` per micro-batch: the rebuild.
+
+``IR`` and ``WR`` are the ``I`` and ``W`` of a micro-batch whose stash is
+rebuilt instead of kept (derivative checkpointing of that one micro-batch,
+``recompute="auto"``): ``IR`` keeps only the stage's inputs and output
+gradients (``checkpoint_bytes``), and ``WR`` runs the forward and the input
+pass again to rebuild the stash, holding it while it runs. A schedule says
+which micro-batches are rebuilt by these kinds, so the choice shows in its
+text (``1IR3``, ``1WR3``) and every reader of the table sees it.
 
 So a micro-batch holds its activations from its ``F`` to its ``I`` (or
 ``B``), then what its ``W`` needs (the stored derivatives) until that ``W``.
@@ -86,6 +99,10 @@ class Kind(str, Enum):
     """Backward-p1: gradients with respect to the stage inputs only."""
     BACKWARD_WEIGHT = "W"
     """Backward-p2: weight gradients of one or several micro-batches."""
+    BACKWARD_INPUT_REBUILT = "IR"
+    """Backward-p1 that keeps no stash for W, only the inputs and output gradients."""
+    BACKWARD_WEIGHT_REBUILD = "WR"
+    """Backward-p2 that first rebuilds the stash an ``IR`` dropped."""
     SEND_F = "SEND_F"
     """Send a forward output to the next stage."""
     RECV_F = "RECV_F"
@@ -141,7 +158,10 @@ STORED_DERIVATIVES = "weight_grad_bytes"
 """The pool of what a micro-batch's weight pass needs, from its ``I`` to its ``W``."""
 REBUILT_STASH = "weight_rebuild_bytes"
 """The pool of what a ``W`` rebuilds and holds while it runs (derivative checkpointing)."""
-MEMORY_POOLS = (ACTIVATIONS, STORED_DERIVATIVES, REBUILT_STASH)
+CHECKPOINT = "checkpoint_bytes"
+"""The pool of what an ``IR`` keeps for its ``WR`` instead of a stash: the stage's
+inputs and output gradients."""
+MEMORY_POOLS = (ACTIVATIONS, STORED_DERIVATIVES, REBUILT_STASH, CHECKPOINT)
 """The memory pools a kind may take or give back: fields of ``twobp.sim.CostModel``
 holding bytes per micro-batch and stage."""
 
@@ -275,6 +295,29 @@ _TABLE: dict[str, KindSpec] = {
             "backward_full",
             colour="#CC79A7",
             memory=(MemoryChange(ACTIVATIONS, -1),),
+        ),
+        KindSpec(
+            "IR",
+            "backward-p1, stash rebuilt (IR)",
+            _BACKWARD_NEEDS,
+            ("BI",),
+            "backward_input",
+            colour="#F0E442",
+            memory=(MemoryChange(ACTIVATIONS, -1), MemoryChange(CHECKPOINT, +1)),
+        ),
+        KindSpec(
+            "WR",
+            "backward-p2, rebuilding (WR)",
+            (Need("BI"),),
+            ("W",),
+            "backward_weight",
+            several=True,
+            colour="#0072B2",
+            memory=(
+                MemoryChange(STORED_DERIVATIVES, +1, Moment.START, cap="weight_group_size"),
+                MemoryChange(STORED_DERIVATIVES, -1, cap="weight_group_size"),
+                MemoryChange(CHECKPOINT, -1),
+            ),
         ),
         KindSpec(
             "R",

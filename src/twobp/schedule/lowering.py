@@ -73,7 +73,12 @@ def compute_only(schedule: Schedule) -> Schedule:
 
 def split_stages(schedule: Schedule) -> frozenset[int]:
     """The stages whose backward the schedule splits (those with an ``I`` or a ``W``)."""
-    split = {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
+    split = {
+        Kind.BACKWARD_INPUT,
+        Kind.BACKWARD_WEIGHT,
+        Kind.BACKWARD_INPUT_REBUILT,
+        Kind.BACKWARD_WEIGHT_REBUILD,
+    }
     return frozenset(a.stage for acts in schedule.actions.values() for a in acts if a.kind in split)
 
 
@@ -150,7 +155,8 @@ def merge_backward(schedule: Schedule) -> Schedule:
 
 
 def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
-    """The schedule with every ``I`` and ``B`` turned into ``kind`` and every ``W`` removed.
+    """The schedule with every ``I`` and ``B`` turned into ``kind`` and every ``W`` removed
+    (the rebuilding ``IR`` and ``WR`` alike: what is rebuilt is chosen again).
 
     Args:
         schedule: any schedule.
@@ -160,12 +166,13 @@ def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
     Returns:
         The schedule, same name; forwards and communication keep their order.
     """
-    backward = (Kind.BACKWARD_INPUT, Kind.FULL_BACKWARD)
+    backward = (Kind.BACKWARD_INPUT, Kind.BACKWARD_INPUT_REBUILT, Kind.FULL_BACKWARD)
+    weights = (Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD)
     actions = {
         r: [
             Action(a.stage, kind, a.microbatches) if a.kind in backward else a
             for a in acts
-            if a.kind is not Kind.BACKWARD_WEIGHT
+            if a.kind not in weights
         ]
         for r, acts in schedule.actions.items()
     }

@@ -105,7 +105,15 @@ def _check_coverage(schedule: Schedule) -> None:
         rank = placement[s]
         for m in schedule.microbatches_of(s):
             f, b = count(s, Kind.FORWARD, m), count(s, Kind.FULL_BACKWARD, m)
-            i, w = count(s, Kind.BACKWARD_INPUT, m), count(s, Kind.BACKWARD_WEIGHT, m)
+            i = count(s, Kind.BACKWARD_INPUT, m) + count(s, Kind.BACKWARD_INPUT_REBUILT, m)
+            w = count(s, Kind.BACKWARD_WEIGHT, m) + count(s, Kind.BACKWARD_WEIGHT_REBUILD, m)
+            rebuilt = count(s, Kind.BACKWARD_INPUT_REBUILT, m)
+            if i == 1 and w == 1 and rebuilt != count(s, Kind.BACKWARD_WEIGHT_REBUILD, m):
+                problems.append(
+                    f"stage {s} micro-batch {m}: {'an IR' if rebuilt else 'a WR'} needs "
+                    f"{'a WR' if rebuilt else 'an IR'} (its stash is dropped by {s}IR{m} and "
+                    f"rebuilt by a WR covering it): make both plain I and W, or both IR and WR"
+                )
             if f != 1:
                 problems.append(
                     f"stage {s} micro-batch {m}: expected one {s}F{m} on rank {rank}, found {f}"

@@ -20,7 +20,8 @@ from twobp.schedule.prepare import finish_schedule, reduces, source_schedule
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
 from twobp.sim.memory import fill_limit
-from twobp.sim.recompute import NO_RECOMPUTE
+from twobp.sim.rebuild import fewest_rebuilds, rebuild_count
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO
 from twobp.sim.reduction import reduction_costs
 from twobp.sim.simulate import DeadlockError, simulate
 
@@ -51,6 +52,8 @@ class Candidate:
             slow each other (``contention = 1``); ``nan`` if not simulated.
         n_microbatches: the micro-batches the batch is cut into, where the
             search chose that too (``n_microbatches="auto"``); None otherwise.
+        rebuilds: how many stashes its schedule rebuilds instead of keeping
+            (``recompute="auto"``: its ``IR`` and ``WR`` actions).
     """
 
     schedule: str
@@ -65,6 +68,7 @@ class Candidate:
     microbatches_per_w: int | None = None
     uncontended_makespan: float = math.nan
     n_microbatches: int | None = None
+    rebuilds: int = 0
 
     @property
     def group_size(self) -> int | None:
@@ -99,6 +103,8 @@ def describe(c: Candidate) -> str:
         label += f" with 2BP ({c.policy}{cap})"
     if c.recompute != NO_RECOMPUTE:
         label += f", recompute={c.recompute!r}"
+        if c.recompute == RECOMPUTE_AUTO:
+            label += f" ({c.rebuilds} rebuilt)"
     if c.weight_group_size is not None:
         label += f", weight_group_size={c.weight_group_size}"
     if c.n_microbatches is not None:
@@ -139,6 +145,7 @@ def build_schedule(
     group_size: int | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    rebuild_within: float | None = None,
 ) -> tuple[Schedule, CostModel]:
     """The schedule a pipeline would run, through the preparation pass, and its costs.
 
@@ -165,6 +172,9 @@ def build_schedule(
             several pipelines), every stage reduces its gradients, timed by
             :func:`twobp.sim.reduction.reduction_costs`.
         tied: some weight is used by several blocks (its stages reduce it).
+        rebuild_within: a memory limit per rank that the stashes over it are
+            rebuilt to fit (:func:`twobp.sim.rebuild.fewest_rebuilds`,
+            ``recompute="auto"``); None: every stash is kept.
 
     Returns:
         The prepared schedule (with its reductions) and its fitted cost model.
@@ -198,7 +208,10 @@ def build_schedule(
         reduce=reduces(schedule, data_parallel, tied),
         place_split=placed,
     )
-    return prepared, reduction_costs(prepared, fitted, data_parallel)
+    timed = reduction_costs(prepared, fitted, data_parallel)
+    if rebuild_within is not None:
+        prepared = fewest_rebuilds(prepared, timed, rebuild_within)
+    return prepared, timed
 
 
 def simulate_candidate(
@@ -213,6 +226,7 @@ def simulate_candidate(
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    rebuild_within: float | None = None,
 ) -> tuple[Candidate, Schedule | None]:
     """Build one combination (:func:`build_schedule`) and simulate it.
 
@@ -223,7 +237,8 @@ def simulate_candidate(
 
     Args:
         name, policy, n_ranks, n_microbatches, costs, stages_per_rank,
-            group_size, memory_limit, data_parallel, tied: as for :func:`build_schedule`.
+            group_size, memory_limit, data_parallel, tied, rebuild_within: as for
+            :func:`build_schedule`.
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run; with the
@@ -243,6 +258,7 @@ def simulate_candidate(
             group_size=group_size,
             data_parallel=data_parallel,
             tied=tied,
+            rebuild_within=rebuild_within,
         )
         result = simulate(schedule, fitted)
         alone = result if fitted.contention == 1 else simulate(schedule, uncontended(fitted))
@@ -255,5 +271,6 @@ def simulate_candidate(
         peak_memory=max(result.peak_memory),
         stages_per_rank=schedule.pipeline_stages // schedule.n_ranks,
         uncontended_makespan=alone.makespan,
+        rebuilds=rebuild_count(schedule),
     )
     return candidate, schedule

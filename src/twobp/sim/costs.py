@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
-from twobp.schedule.action import Action
+from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import kind_spec
 
 PerStage = tuple[float, ...]
@@ -333,14 +333,32 @@ class CostModel:
         held = n_microbatches if group is None else min(group, n_microbatches)
         return held * self.weight_rebuild_bytes[stage]
 
+    @property
+    def checkpoint_bytes(self) -> PerStage:
+        """Bytes per micro-batch an ``IR`` keeps for its ``WR`` instead of a stash:
+        the stage's input and its output gradient (what crosses its boundaries;
+        stage 0's input is taken as large as what it sends on)."""
+        assert self.send_bytes is not None
+        sent = self.send_bytes
+        return tuple((sent[s - 1] if s > 0 else sent[0]) + sent[s] for s in range(self.n_stages))
+
+    def rebuild_time(self, stage: int) -> float:
+        """Time a ``WR`` spends rebuilding the stash of one micro-batch: its ``F`` and ``I``."""
+        return self.forward[stage] + self.backward_input[stage]
+
     def duration(self, action: Action) -> float:
         """Compute time of ``action``: the field its kind names in the kind
-        table (``W`` through :meth:`w_time`), 0 for transfers."""
+        table (``W`` through :meth:`w_time`, a ``WR`` plus
+        :meth:`rebuild_time` per micro-batch), 0 for transfers."""
         field_name = kind_spec(action.kind).cost
         if field_name is None:
             return 0.0
         if field_name == "backward_weight":
-            return self.w_time(action.stage, len(action.microbatches))
+            n = len(action.microbatches)
+            time = self.w_time(action.stage, n)
+            if action.kind is Kind.BACKWARD_WEIGHT_REBUILD:
+                time += n * self.rebuild_time(action.stage)
+            return time
         times: PerStage = getattr(self, field_name)
         return times[action.stage]
 

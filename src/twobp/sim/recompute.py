@@ -32,6 +32,11 @@ RECOMPUTE_MODES = ("activations", "derivatives", "all")
 NO_RECOMPUTE = "off"
 """The planner's name of no recomputation (``recompute=None``)."""
 
+RECOMPUTE_AUTO = "auto"
+"""Rebuild only the stashes that do not fit a memory limit, chosen per stage and
+micro-batch (:func:`twobp.sim.rebuild.fewest_rebuilds`); the schedule then says which
+(its ``IR`` and ``WR`` actions), not a mode per stage."""
+
 Mode = str | None
 
 

@@ -30,7 +30,7 @@ from twobp.sim.candidate import (
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
-from twobp.sim.recompute import NO_RECOMPUTE, with_recompute
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO, with_recompute
 
 __all__ = [
     "GROUPED_POLICIES",
@@ -59,6 +59,9 @@ NEAR_TIE = 0.02
 """Candidates within this fraction of the fastest are a tie, broken without contention."""
 GROUPED_POLICIES = ("paper", "fill")
 """The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
+REBUILT_OPTIONS = 8
+"""With ``recompute="auto"``, how many options over the memory limit (the fastest
+first, among those faster than the fastest that fits) have their stashes rebuilt."""
 MICROBATCH_MULTIPLES = (1, 2, 4, 8)
 """The micro-batch counts ``n_microbatches="auto"`` tries, in multiples of the ranks."""
 
@@ -79,8 +82,10 @@ class Option:
         policy: ``off`` or a 2BP policy.
         stages_per_rank: stages per rank ``V`` (None: the schedule's default).
         microbatches_per_w: the most micro-batches one ``W`` action covers (None: no cap).
-        recompute: ``off`` or a recompute mode of every stage
-            (:data:`twobp.sim.recompute.RECOMPUTE_MODES`).
+        recompute: ``off``, a recompute mode of every stage
+            (:data:`twobp.sim.recompute.RECOMPUTE_MODES`), or ``auto``: the
+            stashes over the memory limit rebuilt, chosen per stage and
+            micro-batch (:func:`twobp.sim.rebuild.fewest_rebuilds`).
         weight_group_size: the engine's concatenation cap (None: no cap).
     """
 
@@ -174,6 +179,7 @@ def auto_options(
     schedules: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
     stages_per_rank: int | None = None,
+    recompute: str = NO_RECOMPUTE,
 ) -> list[Option]:
     """The combinations ``schedule="auto"`` tries, the same for ``twobp plan``.
 
@@ -187,6 +193,8 @@ def auto_options(
         schedules: the names to try (None: every one).
         policies: ``off`` and/or 2BP policies (None: every one, or ``off`` without 2BP).
         stages_per_rank: only this many stages per rank (None: any).
+        recompute: ``off``, or ``auto`` (``recompute="auto"``: each option
+            rebuilds the stashes that do not fit the memory limit).
     """
     names = [
         n
@@ -198,7 +206,7 @@ def auto_options(
     tried = policies or (ALL_POLICIES if two_bp else (NO_TWO_BP,))
     return [
         o
-        for o in options(n_microbatches, schedules=names, policies=tried)
+        for o in options(n_microbatches, schedules=names, policies=tried, recomputes=(recompute,))
         if stages_per_rank is None or o.stages_per_rank == stages_per_rank
     ]
 
@@ -218,7 +226,9 @@ def simulate_option(
     :func:`twobp.sim.memory.microbatch_limit`; the other policies are
     simulated as they are and may go over it (:func:`choose` skips them).
     The option's recompute mode and concatenation cap change the costs
-    (:func:`twobp.sim.recompute.with_recompute`).
+    (:func:`twobp.sim.recompute.with_recompute`); ``recompute="auto"``
+    changes the schedule instead: the stashes that do not fit
+    ``memory_limit`` are rebuilt (its ``IR`` and ``WR``), the fewest that fit.
 
     Args:
         option: the combination.
@@ -238,9 +248,15 @@ def simulate_option(
         these options runs, reductions and first-stage fusion included.
     """
     variant: CostModel | CostsFor = costs
-    if option.recompute != NO_RECOMPUTE or option.weight_group_size is not None:
+    rebuilding = option.recompute == RECOMPUTE_AUTO
+    if rebuilding and memory_limit is None:
+        error = "recompute='auto' rebuilds what does not fit a memory limit; give memory_limit"
+        return Candidate(option.schedule, option.policy, error=error), None
+    changed = not rebuilding and option.recompute != NO_RECOMPUTE
+    if changed or option.weight_group_size is not None:
         try:
-            variant = _recomputed(costs, option.recompute, option.weight_group_size)
+            mode = NO_RECOMPUTE if rebuilding else option.recompute
+            variant = _recomputed(costs, mode, option.weight_group_size)
         except ValueError as exc:
             return Candidate(option.schedule, option.policy, error=str(exc)), None
     candidate, schedule = simulate_candidate(
@@ -254,6 +270,7 @@ def simulate_option(
         memory_limit=memory_limit,
         data_parallel=data_parallel,
         tied=tied,
+        rebuild_within=memory_limit if rebuilding else None,
     )
     return (
         replace(candidate, recompute=option.recompute, weight_group_size=option.weight_group_size),
@@ -306,10 +323,36 @@ def search(
     Returns:
         The candidates in the order of :func:`rank`.
     """
-    done = [
-        simulate_option(o, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel, tied)[0]
-        for o in choices
-    ]
+
+    def run(option: Option) -> Candidate:
+        return simulate_option(
+            option, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel, tied
+        )[0]
+
+    rebuilding = [o for o in choices if o.recompute == RECOMPUTE_AUTO and memory_limit is not None]
+    done = [run(o) for o in choices if o not in rebuilding]
+    # A rebuild only adds work: an option that fits without one is its own answer, and
+    # one whose step is no faster than the fastest that fits cannot win by rebuilding.
+    kept = {o: run(replace(o, recompute=NO_RECOMPUTE)) for o in rebuilding}
+    fitting = [c.makespan for c in kept.values() if fits(c, memory_limit)]
+    bound = min([*fitting, *(c.makespan for c in done if fits(c, memory_limit))], default=math.inf)
+    over = sorted(
+        (o for o, c in kept.items() if c.ok and not fits(c, memory_limit) and c.makespan < bound),
+        key=lambda o: kept[o].makespan,
+    )[:REBUILT_OPTIONS]
+    for option, candidate in kept.items():
+        if option in over:
+            done.append(run(option))
+        elif fits(candidate, memory_limit) or not candidate.ok:
+            done.append(replace(candidate, recompute=RECOMPUTE_AUTO))
+        else:
+            done.append(
+                replace(
+                    candidate,
+                    recompute=RECOMPUTE_AUTO,
+                    error="over the memory limit, and rebuilding cannot make it the fastest",
+                )
+            )
     return rank(done, memory_limit)
 
 

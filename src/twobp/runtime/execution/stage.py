@@ -10,13 +10,15 @@ With recomputation (:mod:`twobp.sim.recompute`) a stage keeps less: under
 ``I`` (or ``B``); under ``"derivatives"`` its ``I`` keeps no stash, only the
 inputs and output gradients, and its ``W`` runs the forward and input pass
 again to rebuild it. Both replay the random number states of the first
-forward (:mod:`twobp.runtime.execution.recompute`).
+forward (:mod:`twobp.runtime.execution.recompute`). Without a mode, the
+schedule may rebuild the stash of some micro-batches only (``recompute="auto"``):
+their ``IR`` keeps what ``"derivatives"`` keeps, their ``WR`` rebuilds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,6 +90,8 @@ class Stage:
             that runs ``I`` and ``W``.
         memory: the rank's meter of what its stages hold; None: a meter of its own.
         label: names the stage in errors (``"rank 1 stage 3"``); None: ``"stage 3"``.
+        rebuilt: the micro-batches whose stash the schedule rebuilds (their
+            ``IR`` and ``WR``): their forward keeps its random states.
     """
 
     def __init__(
@@ -103,8 +107,10 @@ class Stage:
         recompute: Mode = None,
         memory: MemoryMeter | None = None,
         label: str | None = None,
+        rebuilt: Collection[int] = (),
     ) -> None:
         self.index = index
+        self._rebuilt = frozenset(rebuilt)
         self.module = module
         self.gradients = gradients
         position = index if model_stage is None else model_stage
@@ -174,7 +180,7 @@ class Stage:
         inputs = tuple(inputs)
         training = torch.is_grad_enabled()
         rng = None
-        if training and self.recompute is not None and inputs:
+        if training and (self.recompute is not None or mb in self._rebuilt) and inputs:
             rng = RngState.capture(inputs[0].device)
         saved: dict[Any, int] = {}
         beyond: int | None = None
@@ -234,14 +240,16 @@ class Stage:
         rng = kept.rng.replay() if kept.rng is not None else contextlib.nullcontext()
         with rng, self._cast(), self.memory.saved(saved):
             output = self._run(kept.inputs, kept.is_tuple, kept.target)
-        check.verify(f"{self._where()}micro-batch {mb}", str(self.recompute))
+        check.verify(f"{self._where()}micro-batch {mb}", str(self.recompute or "derivatives"))
         tensors, _ = flatten(output, f"the output of stage {self.index}")
         return tuple(t for t, flag in zip(tensors, kept.flags, strict=True) if flag)
 
     def _where(self) -> str:
         return f"{self._label}, "
 
-    def backward(self, mb: int, grad_outputs: Sequence[Tensor], split: bool) -> tuple[Tensor, ...]:
+    def backward(
+        self, mb: int, grad_outputs: Sequence[Tensor], split: bool, keep_stash: bool = True
+    ) -> tuple[Tensor, ...]:
         """B (``split=False``) or I (``split=True``) of ``mb``.
 
         Args:
@@ -251,6 +259,8 @@ class Stage:
                 scaled by the micro-batch's weight (see :meth:`forward`), times
                 the loss scale (see :meth:`set_loss_scale`).
             split: run the input pass only, leaving the weights to :meth:`weight`.
+            keep_stash: with ``split``, False keeps only the inputs and output
+                gradients for a :meth:`weight` with ``rebuild`` (an ``IR``).
 
         Returns:
             The gradients of the stage inputs that require grad (zeros for an
@@ -275,7 +285,7 @@ class Stage:
         outputs = tuple(o for o, _ in used)
         grad_outputs = [g for _, g in used]
         inputs = kept.grad_inputs
-        derivatives = split and recomputes_derivatives(self.recompute)
+        derivatives = split and (recomputes_derivatives(self.recompute) or not keep_stash)
         if split:
             grads = self.gradients.backward_input(
                 mb, outputs, tuple(grad_outputs), inputs, keep_stash=not derivatives
@@ -307,10 +317,13 @@ class Stage:
         self.memory.sample({**saved, **rebuilt})
         return outputs, kept.grad_outputs
 
-    def weight(self, mbs: Sequence[int], group_size: int | None) -> None:
-        """W of ``mbs``: accumulate their weight gradients."""
-        rebuild = self._rebuild if recomputes_derivatives(self.recompute) else None
-        self.gradients.backward_weight(mbs, group_size=group_size, rebuild=rebuild)
+    def weight(self, mbs: Sequence[int], group_size: int | None, rebuild: bool = False) -> None:
+        """W of ``mbs``: accumulate their weight gradients; ``rebuild`` (a ``WR``, or
+        every ``W`` under ``"derivatives"``) first rebuilds the stashes an ``IR`` dropped."""
+        again = rebuild or recomputes_derivatives(self.recompute)
+        self.gradients.backward_weight(
+            mbs, group_size=group_size, rebuild=self._rebuild if again else None
+        )
         for mb in mbs:
             self._pending.pop(mb, None)
             self.memory.release(STASH, (self.index, mb))

@@ -164,6 +164,8 @@ class StepRun:
             Kind.FULL_BACKWARD: self._backward,
             Kind.BACKWARD_INPUT: self._backward,
             Kind.BACKWARD_WEIGHT: self._weight,
+            Kind.BACKWARD_INPUT_REBUILT: self._backward,
+            Kind.BACKWARD_WEIGHT_REBUILD: self._weight,
             Kind.SEND_F: self._send,
             Kind.RECV_F: self._receive,
             Kind.SEND_B: self._send,
@@ -258,8 +260,9 @@ class StepRun:
         stage, mb = self._stages[action.stage], action.microbatch
         grad_outputs = () if stage.is_last else self._take(action)[0]
         start = self._clock.mark()
-        split = action.kind is Kind.BACKWARD_INPUT
-        grads = stage.backward(mb, grad_outputs, split=split)
+        rebuilt = action.kind is Kind.BACKWARD_INPUT_REBUILT
+        split = rebuilt or action.kind is Kind.BACKWARD_INPUT
+        grads = stage.backward(mb, grad_outputs, split=split, keep_stash=not rebuilt)
         self._record(action, start)
         if not stage.is_first:
             # First: another stage may be waiting for it.
@@ -271,7 +274,8 @@ class StepRun:
 
     def _weight(self, action: Action) -> None:
         start = self._clock.mark()
-        self._stages[action.stage].weight(action.microbatches, self._group_size)
+        rebuild = action.kind is Kind.BACKWARD_WEIGHT_REBUILD
+        self._stages[action.stage].weight(action.microbatches, self._group_size, rebuild=rebuild)
         self._record(action, start)
 
     def _reduce(self, action: Action) -> None:

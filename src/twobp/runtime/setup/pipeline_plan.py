@@ -42,6 +42,7 @@ from twobp.schedule.prepare import DEFAULT_MICROBATCHES, prepare
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO
 from twobp.sim.search import microbatch_counts
 
 CostsArgument = Costs | str | os.PathLike[str]
@@ -103,6 +104,7 @@ def plan_pipeline(
     data_parallel: int = 1,
     tied: bool = False,
     sample: Batch | None = None,
+    recompute: object = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -115,7 +117,10 @@ def plan_pipeline(
     whether a weight is used by several blocks (both place reductions);
     ``sample`` is the first step's batch of inputs (the same on every rank)
     that ``schedule="auto"`` plans on where no ``example_input`` was given,
-    and whose size ``n_microbatches="auto"`` chooses the count for.
+    and whose size ``n_microbatches="auto"`` chooses the count for;
+    ``recompute="auto"`` has the plan rebuild the stashes that do not fit
+    ``memory_limit`` (a schedule given by name is then planned on the costs
+    too, as with ``costs="profile"``).
 
     Returns:
         The layout, the same on every rank.
@@ -128,7 +133,15 @@ def plan_pipeline(
         ModelMismatchError: if ranks have other options or other models.
     """
     auto = None
-    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
+    rebuilding = isinstance(recompute, str) and recompute == RECOMPUTE_AUTO
+    named = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
+    if rebuilding and not named:
+        raise PipelineConfigError(
+            f"recompute='auto' chooses the stashes to rebuild on a schedule it builds; "
+            f"schedule={schedule!r} is given whole: use a name or 'auto', or mark the "
+            "rebuilt micro-batches in the schedule yourself (IR and WR actions)"
+        )
+    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs) or rebuilding):
         fixed = schedule != AUTO
         n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
         planned_counts, examples = _microbatches(n_microbatches, sample, n_ranks)
@@ -157,6 +170,7 @@ def plan_pipeline(
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
             pipeline_ranks=pipeline_ranks,
             tied=tied,
+            recompute=RECOMPUTE_AUTO if rebuilding else NO_RECOMPUTE,
             # Trial steps run on the example input: not with a cost model given.
             contenders=auto_trials if model is None and trials is not None and not fixed else 1,
         )
@@ -309,7 +323,7 @@ def _auto_arguments(
                 "simulator's choice)"
             )
         limit = read_memory_limit(memory_limit)
-        model = None if costs == PROFILE else _auto_costs(costs)
+        model = None if costs is None or costs == PROFILE else _auto_costs(costs)
         if model is None:
             profiling_input(example_input)
     except PipelineConfigError as exc:

@@ -36,6 +36,7 @@ from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor, SizesFor, partition_for, profiled_costs
 from twobp.sim.planner import NO_TWO_BP, Candidate
+from twobp.sim.recompute import NO_RECOMPUTE
 from twobp.sim.search import (
     NothingFitsError,
     Option,
@@ -250,6 +251,7 @@ def plan_auto(
     contenders: int = 1,
     tied: bool = False,
     examples: Mapping[int, Batch] | None = None,
+    recompute: str = NO_RECOMPUTE,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -281,6 +283,9 @@ def plan_auto(
             the pipeline will: the simulated schedule is the one that runs).
         examples: one micro-batch of model inputs per count of ``n_microbatches``
             (instead of ``example_input``).
+        recompute: ``off``, or ``auto``: every option rebuilds the stashes that
+            do not fit ``memory_limit``, the fewest that fit
+            (:func:`twobp.sim.rebuild.fewest_rebuilds`), and is ranked so.
 
     Returns:
         The plan, identical on every rank.
@@ -318,6 +323,7 @@ def plan_auto(
                     schedules=schedules,
                     policies=policies,
                     stages_per_rank=stages_per_rank,
+                    recompute=recompute,
                 )
                 spaces.append(_Space(m if chosen_count else None, m, choices, costs_for, sizes_for))
             answer[0] = _choose(
