@@ -190,6 +190,17 @@ def test_plan_compares_recompute_modes_and_w_group_caps(capsys):
     assert "argument --recompute: invalid choice: 'some'" in capsys.readouterr().err
 
 
+def test_plan_rebuilds_only_what_does_not_fit(capsys):
+    argv = ["plan", "--stages", "2", "--microbatches", "4", "--schedules", "1f1b",
+            "--policies", "paper", "--costs", "F=1,I=1,W=1,act=1,grad=1,send=0.25",
+            "--recompute", "off,auto", "--memory-limit", "3.5"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("3.5  auto (2 rebuilt)" in line for line in lines), lines
+    assert lines[-2].startswith("Recommended: 1f1b with 2BP (paper), recompute='auto' (2 rebuilt)")
+    assert lines[-1].startswith("schedule='auto', recompute='auto', on these costs would run 1f1b")
+
+
 def test_simulate_reduces_replicated_stages(capsys):
     def run(*extra):
         assert main(["simulate", "--stages", "2", "--microbatches", "4", *extra]) == 0

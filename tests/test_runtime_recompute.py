@@ -141,6 +141,17 @@ def test_memory_figures_of_each_mode(results):
         assert derivatives[rank]["peak"] < plain[rank]["peak"]
 
 
+def test_auto_holds_less_stash_than_keeping_every_one(results):
+    case = RecomputeCase("dropout", "1f1b", "auto", memory_limit=6.5)
+    plain = _memory(results, None)
+    auto = [r["dropout"][str(case)]["memory"] for r in results]
+    derivatives = _memory(results, "derivatives")
+    for rank in range(2):
+        # 3 of 8 stashes rebuilt: between keeping all and rebuilding all.
+        assert derivatives[rank]["stash"] < auto[rank]["stash"] < plain[rank]["stash"]
+        assert auto[rank]["activations"] == plain[rank]["activations"]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_forward_that_changes_buffers_is_named(mode, results):
     errors = [r["non-repeatable"][mode] for r in results]

@@ -154,8 +154,7 @@ def test_deadlock_names_rank_action_and_wait():
     assert "rank 1 is stuck at 1B0 (its action #0): waits for 1F0 (rank 1, its action #1" in text
     assert (
         "rank 0 is stuck at 0B0 (its action #1): waits for 1I0 or 1B0 or 1IR0 "
-        "(rank 1, its action #0"
-        in text
+        "(rank 1, its action #0" in text
     )
 
 

@@ -147,6 +147,9 @@ def test_a_memory_limit_is_checked_and_needs_schedule_auto(tmp_path):
     check_config(TrainConfig(schedule="auto", memory_limit="2GiB", out=out))
     with pytest.raises(ValueError, match="--memory-limit bounds the choice of --schedule auto"):
         check_config(TrainConfig(memory_limit="2GiB", out=out))
+    check_config(TrainConfig(recompute="auto", memory_limit="2GiB", out=out))
+    with pytest.raises(ValueError, match=r"--recompute auto rebuilds only .* give --memory-limit"):
+        check_config(TrainConfig(recompute="auto", out=out))
     with pytest.raises(ValueError, match="--memory-limit lots: cannot read"):
         check_config(TrainConfig(schedule="auto", memory_limit="lots", out=out))
     with pytest.raises(ValueError, match=r"--memory-limit 1KiB: no schedule fits.*at least"):

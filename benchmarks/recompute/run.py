@@ -10,8 +10,17 @@
    time; the step peak is that of ``twobp bench`` (the allocations of one step
    under the profiler, beyond what was held before it, the largest rank).
    Ratios come from the same run.
+3. ``recompute="auto"`` in the same regime, under a ``memory_limit`` that holds
+   half of the stashes: the blocks are profiled once (``costs="profile"``), and
+   the limit is the simulated peak of 1F1B with 2BP less half the stashes its
+   fullest rank holds there. Run in turn, round after round: 1F1B with 2BP
+   placed by those costs (no recomputation, over the limit), the same with
+   ``recompute="derivatives"``, the same with ``recompute="auto"`` (the fewest
+   stashes rebuilt that fit), and ``schedule="auto"`` with ``recompute="auto"``
+   (the planner ranks rebuilding against every schedule and placement that fits).
 
     PYTHONPATH=src:tools .venv/bin/python benchmarks/recompute/run.py
+    PYTHONPATH=src:tools .venv/bin/python benchmarks/recompute/run.py auto   # 3. only
 """
 
 from __future__ import annotations
@@ -135,12 +144,131 @@ def large_regime() -> dict[str, Any]:
     }
 
 
+def _limit_of_half(pipe: Pipeline) -> tuple[float, float]:
+    """The simulated peak of ``pipe``'s plan, and that peak less half the stashes its
+    fullest rank holds at it (each stage's stash of one micro-batch times half of them)."""
+    from twobp.sim import simulate
+
+    assert pipe.plan is not None
+    costs, schedule = pipe.plan.costs, pipe.plan.schedule
+    assert costs.weight_grad_bytes is not None
+    peaks = simulate(schedule, costs).peak_memory
+    limits = [
+        peak - N_MB / 2 * sum(costs.weight_grad_bytes[s] for s in schedule.stages_of(rank))
+        for rank, peak in enumerate(peaks)
+    ]
+    return max(peaks), max(limits)
+
+
+def auto_at_half() -> dict[str, Any]:
+    """On every rank: step times and peaks of recompute="auto" at a limit of half the stashes."""
+    from twobp.schedule.rebuild import rebuilt_microbatches
+
+    torch.set_num_threads(1)
+    regime = REGIMES["large"]
+    spec = build_model("llama", "tiny", seed=0, **dict(regime.overrides))
+    kinds = [k.value for k in spec.block_kinds]
+    partition = list(stage_partition(kinds, 2))
+    inputs, targets = spec.make_batch(regime.microbatch_size * N_MB, 0)
+    example = spec.make_batch(regime.microbatch_size, 0)[0]
+    profiled = Pipeline(
+        copy.deepcopy(spec.blocks),
+        spec.loss_fn,
+        "1f1b",
+        N_MB,
+        partition=partition,
+        costs="profile",
+        example_input=example,
+        device="cpu",
+    )
+    peak, limit = _limit_of_half(profiled)
+    costs = profiled.plan.costs if profiled.plan is not None else None
+    profiled.close()
+    fixed = {"partition": partition, "costs": costs}
+    variants: dict[str, tuple[str, dict[str, Any]]] = {
+        "1f1b+2bp (no recomputation)": ("1f1b", fixed),
+        "1f1b+2bp, recompute='derivatives'": ("1f1b", {**fixed, "recompute": "derivatives"}),
+        "1f1b+2bp, recompute='auto'": (
+            "1f1b",
+            {**fixed, "recompute": "auto", "memory_limit": limit},
+        ),
+        "schedule='auto', recompute='auto'": (
+            "auto",
+            {
+                "recompute": "auto",
+                "memory_limit": limit,
+                "example_input": example,
+                "auto_trials": 0,
+            },
+        ),
+    }
+    pipes = {
+        name: Pipeline(copy.deepcopy(spec.blocks), spec.loss_fn, schedule, N_MB, device="cpu", **o)
+        for name, (schedule, o) in variants.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    peaks: dict[str, int] = {}
+    for round_index in range(WARMUP + ROUNDS):
+        for name, pipe in pipes.items():
+            dist.barrier()
+            if round_index == WARMUP - 1:
+                peaks[name] = step_peak_bytes(lambda p=pipe: p.step(inputs, targets), pipe.device)
+            else:
+                start = time.perf_counter()
+                pipe.step(inputs, targets)
+                dist.barrier()
+                if round_index >= WARMUP:
+                    times[name].append(time.perf_counter() - start)
+            pipe.zero_grad()
+    out = {
+        "step_s": {n: statistics.median(t) for n, t in times.items()},
+        "peak": peaks,
+        "stash": {name: pipe.memory_stats()["stash"] for name, pipe in pipes.items()},
+        "rebuilt": {name: rebuilt_microbatches(pipe.schedule) for name, pipe in pipes.items()},
+        "ran": {name: str(pipe.schedule).splitlines()[0] for name, pipe in pipes.items()},
+        "simulated_peak": peak,
+        "limit": limit,
+        "partition": partition,
+    }
+    for pipe in pipes.values():
+        pipe.close()
+    return out
+
+
+def print_auto_at_half() -> None:
+    results = launch(auto_at_half, 2, threads_per_rank=1, timeout=1800)
+    lead = results[0]
+    print(
+        f"\n3. recompute='auto', large regime, partition {lead['partition']}, m = {N_MB}, "
+        f"{ROUNDS} timed rounds; memory_limit {_mib(lead['limit'])} MiB (the simulated peak "
+        f"{_mib(lead['simulated_peak'])} MiB less half the stashes)"
+    )
+    base = lead["step_s"]["1f1b+2bp (no recomputation)"]
+    derivatives = lead["step_s"]["1f1b+2bp, recompute='derivatives'"]
+    print(
+        "| variant | ran | rebuilt (stage: micro-batches) | step s | vs no recomputation | "
+        "vs derivatives | step peak MiB (max rank) | stash MiB (max rank) |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name, step in lead["step_s"].items():
+        peak = max(r["peak"][name] for r in results)
+        stash = max(r["stash"][name] for r in results)
+        rebuilt = "; ".join(f"{s}: {list(m)}" for s, m in lead["rebuilt"][name].items()) or "-"
+        print(
+            f"| {name} | {lead['ran'][name]} | {rebuilt} | {step:.3f} | {base / step:.3f} | "
+            f"{derivatives / step:.3f} | {_mib(peak)} | {_mib(stash)} |"
+        )
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
 def main() -> None:
     print(f"torch {torch.__version__}, {sys.platform}; 2 ranks x 1 thread, gloo, CPU")
+    if sys.argv[1:] == ["auto"]:
+        print_auto_at_half()
+        return
     per_rank = launch(mlp_memory, 2, threads_per_rank=1, timeout=600)
     print("\n1. MLP (8 blocks of 256 -> 1024 -> 256 and a head), 1f1b + 2BP (paper), m = 8")
     print("| recompute | rank | activations MiB | stash MiB | peak MiB | activations x | stash x |")
@@ -173,6 +301,7 @@ def main() -> None:
             f"| {name} | {step:.3f} | {base / step:.3f} | {_mib(peak)} | "
             f"{peak / plain_peak:.2f} | {_mib(stash)} | {bubbles} |"
         )
+    print_auto_at_half()
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ from twobp.schedule import SCHEDULES
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
-from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO, RECOMPUTE_MODES
 from twobp.sim.search import NothingFitsError, auto_options, choose, describe, search
 
-RECOMPUTE_CHOICES = (NO_RECOMPUTE, *RECOMPUTE_MODES)
+RECOMPUTE_CHOICES = (NO_RECOMPUTE, *RECOMPUTE_MODES, RECOMPUTE_AUTO)
 
 
 @dataclass
@@ -74,7 +74,8 @@ class PlanConfig:
     )
     recompute: list[str] = doc(  # noqa: RUF009
         "recompute modes to compare, on every stage (off: none; activations: F again in I; "
-        "derivatives: F and I again in W; all: both)",
+        "derivatives: F and I again in W; all: both; auto: only the stashes over "
+        "--memory-limit rebuilt, chosen per stage and micro-batch)",
         [NO_RECOMPUTE],
         choices=RECOMPUTE_CHOICES,
     )
@@ -98,7 +99,8 @@ def format_table(
     header += ["recompute", "W group", ""] if extra else [""]
     rows = []
     for i, c in enumerate(candidates, 1):
-        options = [c.recompute, str(c.weight_group_size or "-")] if extra else []
+        shown = f"auto ({c.rebuilds} rebuilt)" if c.recompute == RECOMPUTE_AUTO else c.recompute
+        options = [shown, str(c.weight_group_size or "-")] if extra else []
         if not c.ok:
             rows.append(
                 [str(i), c.schedule, c.policy, "-", "-", "-", "-", *options, f"n/a: {c.error}"]
@@ -192,14 +194,19 @@ def auto_choice(config: PlanConfig, costs: CostModel, limit: float | None) -> st
     """What ``Pipeline(schedule="auto", costs=<these costs>)`` would run, in one sentence.
 
     The same options (:func:`twobp.sim.search.auto_options`: one pipeline per
-    schedule, every stage count, 2BP policy and W cap; no recompute), the same
-    ranking and the same chooser as the pipeline's, on this cost model.
+    schedule, every stage count, 2BP policy and W cap; no recompute, or with
+    ``--recompute auto`` among the modes compared and a limit, what
+    ``recompute="auto"`` rebuilds), the same ranking and the same chooser as
+    the pipeline's, on this cost model.
     """
+    rebuilding = RECOMPUTE_AUTO in config.recompute and limit is not None
+    name = "schedule='auto'" + (", recompute='auto'," if rebuilding else "")
     choices = auto_options(
         config.microbatches,
         schedules=config.schedules,
         policies=config.policies,
         stages_per_rank=config.stages_per_rank,
+        recompute=RECOMPUTE_AUTO if rebuilding else NO_RECOMPUTE,
     )
     ranking = search(
         choices, config.stages, config.microbatches, costs.for_stages, limit, config.data_parallel
@@ -207,9 +214,9 @@ def auto_choice(config: PlanConfig, costs: CostModel, limit: float | None) -> st
     try:
         best = choose(ranking, limit)
     except NothingFitsError as exc:
-        return f"schedule='auto' on these costs: {exc}"
+        return f"{name} on these costs: {exc}"
     return (
-        f"schedule='auto' on these costs would run {describe(best)} "
+        f"{name} on these costs would run {describe(best)} "
         f"(simulated step {best.makespan:.4g}, peak memory {format_amount(best.peak_memory)})"
     )
 

@@ -149,14 +149,16 @@ class PipelineOptions:
         default=None,
         metadata=_help(
             "trade compute for memory: 'activations' (F again in I), 'derivatives' (F and I again "
-            "in W), 'all', or one mode (or None) per stage of the model; None: keep everything"
+            "in W), 'all', or one mode (or None) per stage of the model; 'auto' (with "
+            "memory_limit): rebuild only the stashes that do not fit, chosen per stage and "
+            "micro-batch (the schedule's IR and WR); None: keep everything"
         ),
     )
     memory_limit: float | str | None = field(
         default=None,
         metadata=_help(
-            "with schedule='auto', the most bytes a rank may hold, a number or a size such as "
-            "'2GiB'"
+            "with schedule='auto' (or recompute='auto'), the most bytes a rank may hold, a number "
+            "or a size such as '2GiB'"
         ),
     )
     retain_host_memory: bool = field(

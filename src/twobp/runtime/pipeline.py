@@ -184,10 +184,17 @@ class Pipeline:
             whose stash ``W`` rebuilds by running the forward and input pass
             again; ``"all"`` both; or a list with one mode (or None) per
             stage of the model. Random states are replayed, so gradients are
-            unchanged. None: keep everything.
-        memory_limit: for ``schedule="auto"``, the most bytes a rank may hold
-            (parameters and their gradients, activations, stored W inputs as
-            the simulator counts them), a number or a size such as ``"2GiB"``.
+            unchanged. ``"auto"`` (with ``memory_limit``): keep the stashes
+            that fit and rebuild only the rest, chosen per stage and
+            micro-batch by the simulator on the profiled costs (or ``costs=``),
+            the fewest that fit; the schedule shows which (``IR`` and ``WR``
+            actions: :func:`twobp.schedule.rebuild.rebuilt_microbatches`), and
+            with ``schedule="auto"`` the planner ranks it against every other
+            schedule. None: keep everything.
+        memory_limit: for ``schedule="auto"`` (or ``recompute="auto"``), the
+            most bytes a rank may hold (parameters and their gradients,
+            activations, stored W inputs as the simulator counts them), a
+            number or a size such as ``"2GiB"``.
         retain_host_memory: on a CPU device, make the process keep the memory
             it frees for its next allocations instead of giving it back to the
             system after every step, where the next step's activations would

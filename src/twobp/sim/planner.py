@@ -29,7 +29,7 @@ from twobp.sim.candidate import (
 )
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_MODES, with_recompute
+from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO, RECOMPUTE_MODES, with_recompute
 from twobp.sim.search import NothingFitsError, Option, choose, rank, simulate_option
 
 __all__ = [
@@ -79,7 +79,8 @@ def evaluate(
             all-reduced over its replicas by an ``R`` action (see
             :func:`twobp.sim.reduction.reduction_costs`).
         recomputes: ``off`` and/or modes of :data:`twobp.sim.recompute.RECOMPUTE_MODES`,
-            applied to every stage (:func:`twobp.sim.recompute.with_recompute`).
+            applied to every stage (:func:`twobp.sim.recompute.with_recompute`), and/or
+            ``auto``: the stashes over ``memory_limit`` rebuilt, the fewest that fit.
         weight_group_sizes: caps on the micro-batches of one ``W`` group
             (None: no cap); each is a candidate of its own.
 
@@ -100,7 +101,7 @@ def evaluate(
             f"unknown schedule or policy {', '.join(map(repr, unknown))}; schedules: "
             f"{', '.join(SCHEDULES)}; policies: {', '.join(ALL_POLICIES)}"
         )
-    modes = (NO_RECOMPUTE, *RECOMPUTE_MODES)
+    modes = (NO_RECOMPUTE, *RECOMPUTE_MODES, RECOMPUTE_AUTO)
     unknown = [r for r in recomputes if r not in modes]
     if unknown:
         raise ValueError(
@@ -109,7 +110,8 @@ def evaluate(
         )
     for recompute in recomputes:
         for group in weight_group_sizes:
-            with_recompute(costs, recompute, group)  # refuses a cap below 1 here
+            # refuses a cap below 1 here; "auto" changes the schedule, not the costs
+            with_recompute(costs, NO_RECOMPUTE if recompute == RECOMPUTE_AUTO else recompute, group)
     choices = [
         Option(name, policy, _stages_per_rank(name, stages_per_rank), None, recompute, group)
         for recompute in recomputes

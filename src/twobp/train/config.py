@@ -16,7 +16,7 @@ from twobp.config import doc
 from twobp.integrations import TRANSFORMERS_FAMILIES
 from twobp.runtime.options import option_help
 from twobp.schedule import TWO_BP_POLICIES
-from twobp.sim.recompute import RECOMPUTE_MODES
+from twobp.sim.recompute import RECOMPUTE_AUTO, RECOMPUTE_MODES
 
 MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
 
@@ -83,9 +83,11 @@ class TrainConfig:
     )
     recompute: str | None = doc(
         "trade compute for memory on every stage: activations (F again in I), derivatives "
-        "(F and I again in W: the 2BP stash is rebuilt), all; default: none",
+        "(F and I again in W: the 2BP stash is rebuilt), all; auto (with --memory-limit): "
+        "rebuild only the stashes that do not fit, chosen per stage and micro-batch; "
+        "default: none",
         None,
-        choices=RECOMPUTE_MODES,
+        choices=(*RECOMPUTE_MODES, RECOMPUTE_AUTO),
     )
     weight_group_size: int | None = doc(option_help("weight_group_size"), None)
     seq_len: int = doc(

@@ -27,6 +27,7 @@ from twobp.runtime.setup.auto.plan import AUTO
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
 from twobp.sim.cost_io import format_amount, parse_amount
+from twobp.sim.recompute import RECOMPUTE_AUTO
 from twobp.train.checkpointing import check_resume
 from twobp.train.config import TrainConfig, parse_partition, run_name
 from twobp.train.data import check_text_file
@@ -211,12 +212,19 @@ def _parameter_bytes(cfg: TrainConfig) -> float | None:
 
 
 def _check_memory_limit(cfg: TrainConfig, pipeline_ranks: int = 1) -> None:
+    rebuilding = cfg.recompute == RECOMPUTE_AUTO
     if cfg.memory_limit is None:
+        if rebuilding:
+            raise OptionError(
+                "--recompute auto rebuilds only the stashes that do not fit --memory-limit; "
+                "give --memory-limit (e.g. 2GiB), or another --recompute mode"
+            )
         return
-    if cfg.schedule != AUTO:
+    if cfg.schedule != AUTO and not rebuilding:
         raise OptionError(
-            f"--memory-limit bounds the choice of --schedule auto; with --schedule "
-            f"{cfg.schedule} it does nothing: drop it, or use --schedule auto"
+            f"--memory-limit bounds the choice of --schedule auto (or, with --recompute auto, "
+            f"what is rebuilt); with --schedule {cfg.schedule} it does nothing: drop it, or "
+            "use --schedule auto or --recompute auto"
         )
     try:
         limit = parse_amount(cfg.memory_limit)

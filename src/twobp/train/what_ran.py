@@ -15,6 +15,7 @@ from typing import Any
 
 from twobp.runtime import Pipeline
 from twobp.schedule.lowering import is_split
+from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.sim.candidate import describe
 from twobp.train.config import TrainConfig
 
@@ -45,6 +46,10 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
         "scaler": _scaler_name(scaler),
         "auto": None,
     }
+    rebuilt = rebuilt_microbatches(schedule)
+    if rebuilt:
+        stashes = ", ".join(f"stage {s}: {list(m)}" for s, m in rebuilt.items())
+        ran["recompute"] = f"auto (the stashes of {stashes} rebuilt)"
     if cfg.schedule == "auto" and plan is not None:
         measured = plan.trial_time(plan.choice)
         if measured is not None and not math.isfinite(measured):
