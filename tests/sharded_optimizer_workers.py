@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -93,6 +94,25 @@ def _one_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, step: int) -> fl
     return loss
 
 
+def _blocks_wait_for_their_gathers(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> bool:
+    """Step 0, the second copy stepping its optimizer late: the first copy's gathers are
+    still in flight when it runs its stage's blocks at once; each block must wait for
+    its own parameters. True if that output equals the one after every gather."""
+    pipe.step(*_global_part(pipe, 0))
+    pipe.clip_grad_norm_(CLIP)
+    if pipe.dp_rank == 1:
+        time.sleep(0.3)
+    optimizer.step()
+    (stage,) = pipe.stages.values()
+    x = torch.randn(2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        early = stage.module(x)
+        list(pipe.parameters())  # waits for every gather
+        late = stage.module(x)
+    pipe.zero_grad()
+    return bool(torch.equal(early, late))
+
+
 def checkpoints(folder: str) -> dict[str, Any]:
     """A sharded optimizer saved after 2 steps, loaded into an unsharded optimizer on one
     pipeline of 4 ranks and into sharded ones of other layouts; each runs step 3."""
@@ -101,8 +121,8 @@ def checkpoints(folder: str) -> dict[str, Any]:
     # 2 copies of 2 ranks, sharded: two steps, a checkpoint, the third step.
     pipe = _pipeline("mlp", "1f1b", True, data_parallel=2)
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
-    for step in range(2):
-        _one_step(pipe, optimizer, step)
+    out["blocks wait"] = _blocks_wait_for_their_gathers(pipe, optimizer)
+    _one_step(pipe, optimizer, 1)
     pipe.save(f"{folder}/sharded", optimizer)
     out["third"] = _one_step(pipe, optimizer, 2)
     out["state"] = pipe.state_dict()

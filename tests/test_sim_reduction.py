@@ -100,3 +100,24 @@ def test_a_sharded_optimizer_reduce_scatters_gathers_and_holds_a_share_of_its_st
     assert zero.gather_wait == pytest.approx(sharded.gather[0])
     assert zero.makespan <= unsharded.makespan + 1e-12
     assert max(unsharded.peak_memory) - max(zero.peak_memory) == pytest.approx(16 - 2)
+
+
+def test_a_first_forward_runs_each_block_once_its_parameters_are_gathered():
+    costs = replace(CostModel.uniform(4, parameter_bytes=10, bandwidth=10.0), shard_optimizer=True)
+    schedule = apply_two_bp(generate("1f1b", 4, 8), "paper")
+    replicated, timed = with_reductions(schedule, costs, 8)
+    gather, forward = timed.gather[0], timed.forward[0]
+    assert gather < forward
+    whole = simulate(replicated, timed)
+    blocks = simulate(replicated, replace(timed, gather_pieces=4))
+    assert whole.gather_wait == pytest.approx(gather)
+    # Block k runs once the k-th quarter has arrived: only the last quarter is waited for.
+    assert blocks.gather_wait == pytest.approx(gather / 4)
+    assert blocks.makespan == pytest.approx(whole.makespan - 3 * gather / 4)
+    # A gather longer than the forward: the forward ends a block after the gather.
+    slow = replace(timed, gather=(3 * forward,) * 4, gather_pieces=4)
+    assert simulate(replicated, slow).gather_wait == pytest.approx(
+        3 * forward + forward / 4 - forward
+    )
+    with pytest.raises(ValueError, match="gather_pieces"):
+        replace(timed, gather_pieces=0)

@@ -16,8 +16,10 @@ FLOP), and ``--bandwidth`` GB/s between nodes for the all-reduce (ring).
 A second table shards the optimizer state over the D copies
 (``Pipeline.shard_optimizer``, ZeRO-1): ``R`` reduce-scatters the gradients
 (half the all-reduce's time) and the updated parameters are all-gathered
-before each stage's first F of the next step, which the first stage of the
-first rank waits for. Memory per rank: bf16 weights and gradients (4 bytes a
+in the order of the stages' first F of the next step; that F runs each layer
+once the layer's parameters are there (the runtime waits block by block), so
+the first stage of the first rank waits for the part of its gather that its
+first F does not cover. Memory per rank: bf16 weights and gradients (4 bytes a
 parameter), AdamW's state in float32 with float32 master weights (12 bytes a
 parameter, 1/D of it sharded), and the activations (34 bytes a token and
 hidden unit of a layer, bf16, no recomputation) and 2BP stash (taken as half
@@ -121,10 +123,14 @@ def main() -> None:
             if policy is not None:
                 schedule = apply_two_bp(schedule, policy)
             fitted = costs.for_schedule(schedule.n_stages, schedule.n_pipelines)
+            # A stage's first F waits for each layer's parameters before that layer runs.
+            layers = 32 * schedule.n_pipelines // schedule.n_stages
             figures = []
             for shard in (False, True):
                 replicated, timed = with_reductions(
-                    schedule, replace(fitted, shard_optimizer=shard), args.copies
+                    schedule,
+                    replace(fitted, shard_optimizer=shard, gather_pieces=layers),
+                    args.copies,
                 )
                 figures.append(simulate(replicated, held(timed)))
             plain, sharded = figures

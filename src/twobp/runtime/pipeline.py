@@ -940,6 +940,7 @@ class Pipeline:
             parameter_names(self.named_parameters()),
             self.rank,
             self.timeout,
+            [a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.FORWARD],
         )
         optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
         sharded.attach(optimizer)

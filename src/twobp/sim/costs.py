@@ -39,7 +39,10 @@ background (the ``R`` action); ``reduce[s]`` is the time of that all-reduce.
 half the all-reduce), and the updated parameters are all-gathered after the
 optimizer step, before the stage's first ``F`` of the next step: ``gather[s]``
 is that time, at the start of the simulated step (see
-:func:`twobp.sim.result.gather_wait`).
+:func:`twobp.sim.result.gather_wait`). The gathers of a rank run in the order
+of its stages' first ``F``; with ``gather_pieces = k`` a first ``F`` runs
+through its stage in ``k`` equal parts (its blocks), each once its own part
+of the parameters has arrived, as the runtime waits block by block.
 
 Contention: ranks that compute at the same time may slow each other (on a
 CPU they share cores, caches and memory bandwidth). ``contention`` is how many
@@ -151,6 +154,11 @@ class CostModel:
             replicas (ZeRO-1): :meth:`with_reduction` times ``R`` as a
             reduce-scatter and ``gather`` as an all-gather, and divides
             ``optimizer_bytes`` by the replicas. Not saved in cost files.
+        gather_pieces: the equal parts (blocks) a stage's first ``F`` reads its
+            gathered parameters in, one after another: part ``k`` runs once
+            the ``k``-th part of the stage's gather has arrived (the runtime
+            waits for the buckets of each block before the block runs). ``1``:
+            the whole stage is gathered first. Not saved in cost files.
 
     Raises:
         ValueError: if a list does not have one finite, non-negative entry per
@@ -179,6 +187,7 @@ class CostModel:
     optimizer_bytes: PerStage | None = None
     gather: PerStage | None = None
     shard_optimizer: bool = False
+    gather_pieces: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -233,6 +242,11 @@ class CostModel:
         if self.weight_group_size is not None and self.weight_group_size < 1:
             raise ValueError(
                 f"cost model: weight_group_size must be None or >= 1, got {self.weight_group_size}"
+            )
+        if not (isinstance(self.gather_pieces, int) and self.gather_pieces >= 1):
+            raise ValueError(
+                f"cost model: gather_pieces must be an int >= 1, got {self.gather_pieces!r}; "
+                "use the number of blocks of a stage (1: the whole stage is gathered first)"
             )
         set_(self, "meta", dict(self.meta))
 

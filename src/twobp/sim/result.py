@@ -8,7 +8,6 @@ the figures mean the same thing whichever ran. This module imports no torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,29 +89,36 @@ def gather_wait(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> 
 
     After ``optimizer.step()`` each rank all-gathers the updated parameters
     of its stages, one after another on its link in the order of their first
-    ``F``, from the start of the step; each stage's first ``F`` waits for its
-    own. The step is taken to end later by the longest such wait: exact for
-    the stage that starts the step (every action after it moves with it), an
-    estimate where a later stage waits within its slack.
+    ``F``, from the start of the step. Each first ``F`` runs through its stage
+    in ``costs.gather_pieces`` equal parts, part ``k`` once the ``k``-th part
+    of its stage's gather has arrived (the runtime's block-by-block wait); it
+    ends later than the timeline says by what it waited. The step is taken to
+    end later by the longest such wait: exact for the stage that starts the
+    step (every action after it moves with it), an estimate where a later
+    stage waits within its slack.
     """
     assert costs.gather is not None
     if not any(costs.gather):
         return 0.0
-    first: dict[int, float] = {}
+    first: dict[int, Span] = {}
     for span in spans:
         a = span.action
-        if a.kind is Kind.FORWARD:
-            first[a.stage] = min(first.get(a.stage, math.inf), span.start)
+        if a.kind is Kind.FORWARD and (a.stage not in first or span.start < first[a.stage].start):
+            first[a.stage] = span
     origin = min((s.start for s in spans), default=0.0)
+    pieces = costs.gather_pieces
     longest = 0.0
     for rank in range(schedule.n_ranks):
-        stages = sorted(
-            (first[s], s) for s, r in enumerate(schedule.placement) if r == rank and s in first
-        )
+        mine = [s for s, r in enumerate(schedule.placement) if r == rank and s in first]
+        stages = sorted((first[s].start, s) for s in mine)
         ready = origin
         for start, stage in stages:
-            ready += costs.gather[stage]
-            longest = max(longest, ready - start)
+            gather, run = costs.gather[stage], first[stage].end - start
+            end = start
+            for k in range(pieces):
+                end = max(end, ready + (k + 1) * gather / pieces) + run / pieces
+            ready += gather
+            longest = max(longest, end - (start + run))
     return longest
 
 

@@ -6,8 +6,12 @@ multiple of the ranks that hold it. At ``R`` the ranks reduce-scatter the
 bucket's gradients, so that each ends with the sum of its own contiguous
 shard (:class:`ShardLayout` says which); each steps its shard; then
 :class:`ParameterGathers` all-gathers the updated shards back into the flat
-buffer, which the parameters are views of, in the background. A stage's
-forward waits for the gathers of its parameters first.
+buffer, which the parameters are views of, in the background, in the order
+in which the rank's forwards read them. Each block of a stage waits for the
+gathers of its own parameters just before it runs (a forward pre-hook, as
+FSDP prefetches), so a stage's first forward computes its first blocks while
+the gathers of the later ones are still running; parameters outside such a
+block are waited for before the stage's forward.
 
 Every rank builds the same layout from the same parameters in the same order
 (the order of the stages' ``R`` in the schedule), so the shards match.
@@ -15,7 +19,7 @@ Every rank builds the same layout from the same parameters in the same order
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +103,7 @@ class _Gather:
     holders: tuple[int, int]
     stages: frozenset[int]
     what: str
+    index: int
 
 
 class ParameterGathers:
@@ -126,6 +131,7 @@ class ParameterGathers:
         group: dist.ProcessGroup,
         stages: Iterable[int],
         what: str,
+        index: int = 0,
     ) -> None:
         """Gather every rank's ``shard`` into ``flat`` in the background.
 
@@ -133,32 +139,48 @@ class ParameterGathers:
             flat: the padded flat buffer (the parameters are views of it).
             shard: this rank's updated shard, a tensor of its own.
             group: the ranks that hold the bucket.
-            stages: this rank's stages whose forward reads the parameters.
+            stages: this rank's stages whose forward waits for the whole
+                bucket before it starts.
             what: what the bucket holds (for messages).
+            index: the bucket's number, for :meth:`wait_shards`.
         """
         holders = (holders_of(flat), holders_of(shard))
         work = dist.all_gather_single(flat, shard, group=group, async_op=True)
-        self._running.append(_Gather(flat, shard, work, holders, frozenset(stages), what))
+        self._running.append(_Gather(flat, shard, work, holders, frozenset(stages), what, index))
 
     def wait(self, stage: int | None = None) -> None:
-        """Wait for the gathers of ``stage``'s parameters (None: all of them).
+        """Wait for the gathers that ``stage``'s forward waits for (None: all of them).
 
         Raises:
             PeerError: if a peer does not take part in time.
         """
+        if stage is None:
+            self._wait(lambda _: True, "between steps")
+        else:
+            self._wait(lambda g: stage in g.stages, "before a forward")
+
+    def wait_shards(self, indices: frozenset[int]) -> None:
+        """Wait for the gathers of the buckets numbered ``indices`` (a block's own).
+
+        Raises:
+            PeerError: if a peer does not take part in time.
+        """
+        self._wait(lambda g: g.index in indices, "before a block's forward")
+
+    def _wait(self, chosen: Callable[[_Gather], bool], where: str) -> None:
         keep = []
         running, self._running = self._running, []
         try:
             while running:
                 gather = running.pop(0)
-                if stage is not None and stage not in gather.stages:
+                if not chosen(gather):
                     keep.append(gather)
                     continue
                 wait_work(
                     gather.work,
                     rank=self._rank,
                     peer=None,
-                    where="before a forward" if stage is not None else "between steps",
+                    where=where,
                     what=f"the gather of the updated parameters of {gather.what}",
                     timeout=self._timeout,
                 )

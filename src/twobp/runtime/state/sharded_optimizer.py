@@ -17,10 +17,14 @@ per bucket (:class:`FlatShard`):
   ``1 / D`` of the unsharded state.
 
 After ``optimizer.step()`` a hook starts the all-gather of every updated
-shard into its flat buffer in the background; a stage's next forward waits
-for the gathers of its own parameters first, so the gathers overlap the end
-of the step (``zero_grad``, loading the next batch) and the start of the next
-one on every stage but the first of the first rank. Reading the parameters
+shard into its flat buffer in the background, in the order of this rank's
+stages' first forwards (and within a stage, of its blocks). Each block of a
+stage waits for the gathers of its own parameters just before it runs (a
+forward pre-hook; a compiled block, and parameters outside the stage's
+blocks, are waited for before the stage's forward starts). So the gathers
+overlap the end of the step (``zero_grad``, loading the next batch), the
+start of the next one, and on the first stage of the first rank its first
+forward's first blocks. Reading the parameters
 through the pipeline (``parameters()``, ``state_dict()``, ``save``) waits for
 them too. Parameters held by one rank only (no replica) are stepped whole.
 
@@ -34,11 +38,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
+from twobp.engine.compiled import is_compiled
 from twobp.runtime.communication.reduction import Bucket, GradientReducer
 from twobp.runtime.communication.sharding import ParameterGathers, ShardLayout
 
@@ -56,7 +63,9 @@ class FlatShard:
         names: the parameters' names in the single-process model.
         flat: the padded flat buffer; the parameters are views of it.
         master: the optimizer's parameter for this rank's shard.
-        stages: this rank's stages whose forward reads the parameters.
+        stages: this rank's stages whose forward waits for the whole bucket
+            before it starts (those that read one of its parameters outside
+            a block that waits for its own).
         pending: the last step's reduced shard, until the step is settled.
     """
 
@@ -89,6 +98,8 @@ class ShardedParameters:
         names: ``id(parameter) -> name`` in the single-process model.
         rank: this rank (for messages).
         timeout: seconds a gather may wait for the other ranks.
+        forward_order: this rank's stages in the order of their first ``F``
+            in the schedule: the order of the gathers.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class ShardedParameters:
         names: Mapping[int, str],
         rank: int,
         timeout: float,
+        forward_order: Sequence[int] = (),
     ) -> None:
         self.rank = rank
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
@@ -113,6 +125,15 @@ class ShardedParameters:
             for bucket in by_stage.get(stage, ()):
                 if bucket.parameters:
                     self.shards.append(_flat_shard(bucket, rank, names, readers))
+        first = {stage: i for i, stage in reversed(list(enumerate(forward_order)))}
+        self._gather_order = sorted(
+            range(len(self.shards)),
+            key=lambda i: (
+                min((first.get(s, len(first)) for s in self.shards[i].stages), default=0),
+                i,
+            ),
+        )
+        self._hooks = self._wait_by_block(stage_modules, readers)
         sharded = {id(p) for s in self.shards for p in s.bucket.parameters}
         seen: set[int] = set()
         self.whole: list[nn.Parameter] = []
@@ -122,6 +143,44 @@ class ShardedParameters:
                 if id(p) not in sharded and id(p) not in seen:
                     seen.add(id(p))
                     self.whole.append(p)
+
+    def _wait_by_block(
+        self, stage_modules: Mapping[int, nn.Module], readers: Mapping[int, set[int]]
+    ) -> list[RemovableHandle]:
+        """A forward pre-hook on every block that waits for its own buckets' gathers; each
+        bucket's stages become those that still wait for it whole (a parameter outside
+        such a block)."""
+        handles = []
+        covered: dict[int, set[int]] = {}
+        for stage, module in stage_modules.items():
+            for block in module.children():
+                if is_compiled(block):
+                    continue  # a hook would run inside the compiled graph
+                own = {id(p) for p in block.parameters()}
+                indices = frozenset(
+                    i
+                    for i, shard in enumerate(self.shards)
+                    if any(id(p) in own for p in shard.bucket.parameters)
+                )
+                if not indices:
+                    continue
+                covered.setdefault(stage, set()).update(own)
+                handles.append(block.register_forward_pre_hook(self._block_hook(indices)))
+        for shard in self.shards:
+            shard.stages = frozenset(
+                s
+                for p in shard.bucket.parameters
+                for s in readers.get(id(p), ())
+                if id(p) not in covered.get(s, set())
+            )
+        return handles
+
+    def _block_hook(self, indices: frozenset[int]) -> Callable[..., None]:
+        def wait_own(_module: nn.Module, _args: Any) -> None:
+            if self.gathers.in_flight:
+                self.gathers.wait_shards(indices)
+
+        return wait_own
 
     def route(self, reducer: GradientReducer) -> None:
         """Have ``reducer`` reduce-scatter every bucket into its shard from now on."""
@@ -177,16 +236,18 @@ class ShardedParameters:
 
     @torch.no_grad()
     def start_gathers(self) -> None:
-        """All-gather every updated shard into its flat buffer, in the background."""
+        """All-gather every updated shard into its flat buffer, in the background, in
+        the order the forwards read them."""
         self.gathers.wait()
-        for shard in self.shards:
+        for index in self._gather_order:
+            shard = self.shards[index]
             layout = shard.layout
             if shard.copies_master:
                 mine = shard.master.detach().to(shard.flat.dtype)
             else:
                 mine = shard.flat[layout.start : layout.stop]
             group = shard.bucket.process_group(self.rank)
-            self.gathers.start(shard.flat, mine, group, shard.stages, shard.bucket.key)
+            self.gathers.start(shard.flat, mine, group, shard.stages, shard.bucket.key, index)
 
     def wait(self, stage: int | None = None) -> None:
         """Wait for the gathers of ``stage``'s parameters (None: all)."""
@@ -202,8 +263,11 @@ class ShardedParameters:
                 shard.master.copy_(shard.flat[shard.layout.start : shard.layout.stop])
 
     def abandon(self) -> None:
-        """Forget the gathers in flight (the pipeline closes)."""
+        """Forget the gathers in flight and the blocks' hooks (the pipeline closes)."""
         self.gathers.abandon()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     # -- what a checkpoint reads ---------------------------------------------------------
 
