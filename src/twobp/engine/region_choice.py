@@ -7,7 +7,8 @@ autograd node weigh more than the fusion saves), the region runs eagerly: its
 own graph's code, which records the same autograd graph as the eager module.
 The choice is made once per region, on its first call, by running both on
 copies of that call's inputs (forward and, where an output needs a gradient,
-backward) a few times in turn and comparing the fastest of each. Random
+backward) a few times in turn and comparing the fastest of each (on a CPU with one
+intra-op thread, by the thread's CPU time, which a busy machine does not inflate). Random
 numbers are drawn from a fork of the generators, so the timing leaves the
 model's random state as it found it.
 """
@@ -68,9 +69,19 @@ def _devices(args: Sequence[Any]) -> list[int]:
     return sorted({a.device.index or 0 for a in args if isinstance(a, Tensor) and a.is_cuda})
 
 
+def _clock(devices: list[int]) -> Callable[[], float]:
+    """The thread's CPU time where the work is all on this thread (a CPU, one intra-op
+    thread): unlike the wall clock it does not count the time other processes of a busy
+    machine take from it. The wall clock otherwise (a GPU's kernels, several threads)."""
+    if not devices and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def _timed(run: Callable[..., Any], args: Sequence[Any], devices: list[int]) -> float:
     inputs = _copies(args)
-    start = time.perf_counter()
+    clock = _clock(devices)
+    start = clock()
     out = run(*inputs)
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))]
     needs = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
@@ -78,7 +89,7 @@ def _timed(run: Callable[..., Any], args: Sequence[Any], devices: list[int]) -> 
         torch.autograd.backward(needs, [torch.ones_like(o) for o in needs])
     for d in devices:
         torch.cuda.synchronize(d)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_both(
