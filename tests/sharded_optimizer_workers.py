@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
-from twobp.runtime import Pipeline
+from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.execution.memory import storages
 
 N_MB = 4
@@ -44,7 +44,16 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, Any]:
     """3 clipped AdamW steps through a sharded optimizer, with an LR schedule."""
     torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    if schedule == "auto":
+        # The limit fits the optimizer state sharded only: without sharding nothing fits.
+        try:
+            _pipeline(model, schedule, two_bp, **{**options, "optimizer_sharded": False}).close()
+        except PipelineConfigError as exc:
+            out["refused"] = str(exc)
     pipe = _pipeline(model, schedule, two_bp, **options)
+    if pipe.plan is not None:
+        out["peak"] = pipe.plan.choice.peak_memory
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     losses, norms = [], []
@@ -60,6 +69,7 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
         p.grad = torch.zeros_like(p)
     plain.step()
     return {
+        **out,
         "losses": losses,
         "norms": norms,
         "state": pipe.state_dict(),

@@ -20,8 +20,17 @@ from torch import nn
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from sharded_optimizer_workers import CLIP, N_MB, PART, checkpoints, train_many
 from twobp.runtime import launch
+from twobp.sim import CostModel
 
 TOL = 1e-10
+# About 360 parameters a stage of 2 x 2 ranks: 2.9 kB of AdamW state, 1.4 kB a holder sharded.
+LIMIT = 2200.0
+AUTO = {
+    "costs": CostModel.uniform(2, activation_bytes=1.0, weight_grad_bytes=1.0),
+    "memory_limit": LIMIT,
+    "optimizer_state_bytes": 8.0,
+    "optimizer_sharded": True,
+}
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 FOUR = [
@@ -36,6 +45,8 @@ FOUR = [
     ("mlp", "dualpipe", True, {"n_microbatches": 2 * N_MB}),
     ("tied", "1f1b", True, {"data_parallel": 2}),
     ("mlp", "dualpipev", True, {"data_parallel": 2}),
+    # schedule="auto" counts the optimizer state: LIMIT fits its share per holder only.
+    ("mlp", "auto", True, {"data_parallel": 2, **AUTO}),
 ]
 EIGHT = [("mlp", "1f1b", True, {"data_parallel": 2})]
 
@@ -72,6 +83,9 @@ def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, 
                 value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
             )
         assert r["optimizer"] == r["own"] > 0, (case, rank)
+        if case[1] == "auto":
+            assert r["peak"] <= LIMIT, (rank, r["peak"])
+            assert "no schedule fits memory_limit" in r.get("refused", ""), r.get("refused")
         assert r["own"] <= 0.55 * r["unsharded"], (case, rank, r["own"], r["unsharded"])
 
 
@@ -80,7 +94,12 @@ def four() -> list[dict[str, Any]]:
     return launch(train_many, 4, FOUR, timeout=600)
 
 
-@pytest.mark.parametrize("case", FOUR, ids=repr)
+def _name(case: tuple[str, str, bool, dict[str, Any]]) -> str:
+    shown = {k: v for k, v in case[3].items() if k != "costs"}
+    return f"{case[0]}-{case[1]}-{shown}"
+
+
+@pytest.mark.parametrize("case", FOUR, ids=_name)
 def test_sharded_matches_one_process(four: list[dict[str, Any]], case: Any) -> None:
     _check(case, [r[repr(case)] for r in four])
 

@@ -79,3 +79,20 @@ def test_profiled_costs_keep_contention_and_count_parameters_with_their_gradient
     assert model.parameter_bytes == (14.0, 14.0, 14.0)
     assert model.w_time(0, 4) == 2.0
     assert costs_for(1).forward == (7.0,)
+
+
+def test_the_optimizer_state_is_counted_per_stage_and_sharded_if_it_will_be():
+    from twobp.sim.from_profile import partition_for, profiled_costs, with_optimizer_state
+
+    sizes_for = partition_for(3, None, None)
+    costs_for = profiled_costs(BLOCKS, None, sizes_for)
+    counted = with_optimizer_state(costs_for, sizes_for, [10, 20, 40], 8.0)
+    assert counted(3).optimizer_bytes == (80.0, 160.0, 320.0)
+    assert counted(1).optimizer_bytes == (560.0,)
+    assert not counted(3).shard_optimizer
+    sharded = with_optimizer_state(costs_for, sizes_for, [10, 20, 40], 8.0, sharded=True)
+    assert sharded(3).shard_optimizer and sharded(3).gather_pieces == 1
+    assert sharded(1).gather_pieces == 3
+    assert with_optimizer_state(costs_for, sizes_for, [10, 20, 40], 0.0) is costs_for
+    with pytest.raises(ValueError, match="optimizer_state_bytes"):
+        with_optimizer_state(costs_for, sizes_for, [10, 20, 40], -1.0)

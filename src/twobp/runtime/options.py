@@ -161,6 +161,23 @@ class PipelineOptions:
             "or a size such as '2GiB'"
         ),
     )
+    optimizer_state_bytes: float = field(
+        default=0.0,
+        metadata=_help(
+            "with schedule='auto' and a memory_limit, the bytes of optimizer state each parameter "
+            "adds, held all the time (AdamW in float32: 8; with float32 masters of half-precision "
+            "parameters: 12); 0: not counted"
+        ),
+    )
+    optimizer_sharded: bool = field(
+        default=False,
+        metadata=_help(
+            "with schedule='auto', the optimizer will be pipe.shard_optimizer's: each rank that "
+            "holds a stage counts its share of the stage's optimizer_state_bytes, R is timed as "
+            "a reduce-scatter and the all-gather of the updated parameters is waited for block "
+            "by block in the first F (as twobp plan --shard-optimizer simulates)"
+        ),
+    )
     retain_host_memory: bool = field(
         default=True,
         metadata=_help(

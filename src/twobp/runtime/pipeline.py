@@ -67,7 +67,7 @@ from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepBatches, StepInputs, start_step
 from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender
+from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender, OptimizerMemory
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.compiled_blocks import compile_blocks, compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
@@ -195,6 +195,14 @@ class Pipeline:
             most bytes a rank may hold (parameters and their gradients,
             activations, stored W inputs as the simulator counts them), a
             number or a size such as ``"2GiB"``.
+        optimizer_state_bytes: for ``schedule="auto"``, the bytes of optimizer
+            state each parameter adds, held all the time, counted against
+            ``memory_limit`` (AdamW in float32: 8; with float32 masters of
+            half-precision parameters: 12). 0: not counted.
+        optimizer_sharded: for ``schedule="auto"``, the optimizer will be
+            :meth:`shard_optimizer`'s: each holder of a stage counts ``1/n`` of
+            its optimizer state, ``R`` is timed as a reduce-scatter and the
+            gather of the updated parameters as the runtime waits for it.
         retain_host_memory: on a CPU device, make the process keep the memory
             it frees for its next allocations instead of giving it back to the
             system after every step, where the next step's activations would
@@ -268,6 +276,8 @@ class Pipeline:
         mesh: Any = None,
         recompute: str | Sequence[str | None] | None = None,
         memory_limit: float | str | None = None,
+        optimizer_state_bytes: float = 0.0,
+        optimizer_sharded: bool = False,
         retain_host_memory: bool = True,
         auto_trials: int = CONTENDERS,
         compile: bool | dict[str, Any] = False,
@@ -296,6 +306,8 @@ class Pipeline:
             mesh=mesh,
             recompute=recompute,
             memory_limit=memory_limit,
+            optimizer_state_bytes=optimizer_state_bytes,
+            optimizer_sharded=optimizer_sharded,
             retain_host_memory=retain_host_memory,
             auto_trials=auto_trials,
             compile=compile,
@@ -381,6 +393,7 @@ class Pipeline:
             costs=given.costs,
             pipeline_ranks=grid[0],
             memory_limit=given.memory_limit,
+            optimizer=OptimizerMemory(given.optimizer_state_bytes, given.optimizer_sharded),
             auto_trials=given.auto_trials,
             trials=_trials(all_blocks, given, members, self.device, sample),
             data_parallel=len(grid),

@@ -8,6 +8,7 @@ its blocks'; a stage boundary sends the output of the stage's last block.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
@@ -180,6 +181,56 @@ def partition_for(
         return tuple(solve(list(block_costs), n_stages).sizes)
 
     return sizes
+
+
+def with_optimizer_state(
+    costs_for: CostsFor,
+    sizes_for: SizesFor,
+    block_parameters: Sequence[int],
+    state_bytes: float,
+    sharded: bool = False,
+) -> CostsFor:
+    """The cost models with each stage's optimizer state, and sharded if it will be.
+
+    Args:
+        costs_for: the cost model of each number of stages.
+        sizes_for: the blocks per stage of each number of stages.
+        block_parameters: the parameters (elements) of each block.
+        state_bytes: bytes of optimizer state per parameter (0: the models'
+            own ``optimizer_bytes`` stay).
+        sharded: the state will be sharded over each stage's holders
+            (``CostModel.shard_optimizer``), its gathers waited for block by
+            block (``gather_pieces``: the fewest blocks of a stage).
+
+    Returns:
+        ``n_stages -> cost model``.
+
+    Raises:
+        ValueError: if ``state_bytes`` is negative or not finite.
+    """
+    if not (state_bytes >= 0 and math.isfinite(state_bytes)):
+        raise ValueError(
+            f"optimizer_state_bytes={state_bytes!r}: give the bytes of optimizer state per "
+            "parameter (AdamW in float32: 8), or 0 not to count it"
+        )
+    if not state_bytes and not sharded:
+        return costs_for
+
+    def costs(n_stages: int) -> CostModel:
+        model, sizes = costs_for(n_stages), sizes_for(n_stages)
+        changes: dict[str, Any] = {}
+        if state_bytes:
+            starts = [sum(sizes[:s]) for s in range(len(sizes))]
+            changes["optimizer_bytes"] = tuple(
+                state_bytes * sum(block_parameters[a : a + n])
+                for a, n in zip(starts, sizes, strict=True)
+            )
+        if sharded:
+            changes["shard_optimizer"] = True
+            changes["gather_pieces"] = max(1, min(sizes))
+        return replace(model, **changes)
+
+    return costs
 
 
 def profiled_costs(

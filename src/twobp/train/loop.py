@@ -169,6 +169,9 @@ def _train_rank(
         ),
         data_parallel=cfg.data_parallel,
         memory_limit=cfg.memory_limit,
+        # AdamW's two float32 moments per parameter, sharded with --shard-optimizer.
+        optimizer_state_bytes=8.0,
+        optimizer_sharded=cfg.shard_optimizer,
         auto_trials=cfg.auto_trials,
         compile=cfg.compile,
         grad_scaler=scaler,

@@ -26,6 +26,7 @@ from twobp.runtime.execution.microbatch import Batch, batch_size, split_batch
 from twobp.runtime.setup.auto.plan import (
     AUTO,
     AutoPlan,
+    OptimizerMemory,
     plan_auto,
     profiling_input,
     read_memory_limit,
@@ -99,6 +100,7 @@ def plan_pipeline(
     costs: CostsArgument = None,
     pipeline_ranks: Sequence[int] | None = None,
     memory_limit: float | str | None = None,
+    optimizer: OptimizerMemory | None = None,
     auto_trials: int = 0,
     trials: Trials | None = None,
     data_parallel: int = 1,
@@ -113,6 +115,7 @@ def plan_pipeline(
     the first copy of the pipeline, by pipeline rank (None: the whole group);
     ``trials`` measures the contenders of ``schedule="auto"`` (rank 0's
     ``auto_trials`` of them; every rank needs it), None: the simulator's choice;
+    ``optimizer`` is the optimizer state ``schedule="auto"`` counts;
     ``data_parallel`` is the number of copies of the pipeline and ``tied`` says
     whether a weight is used by several blocks (both place reductions);
     ``sample`` is the first step's batch of inputs (the same on every rank)
@@ -165,6 +168,7 @@ def plan_pipeline(
             partition=partition,
             example_input=example_input,
             memory_limit=limit,
+            optimizer=optimizer,
             costs=model,
             schedules=[schedule] if fixed else None,
             policies=[policy if two_bp else NO_TWO_BP] if fixed else None,

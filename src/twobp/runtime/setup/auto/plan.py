@@ -34,7 +34,13 @@ from twobp.runtime.setup.auto.cost_measurement import Measured, measure
 from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.from_profile import CostsFor, SizesFor, partition_for, profiled_costs
+from twobp.sim.from_profile import (
+    CostsFor,
+    SizesFor,
+    partition_for,
+    profiled_costs,
+    with_optimizer_state,
+)
 from twobp.sim.planner import NO_TWO_BP, Candidate
 from twobp.sim.recompute import NO_RECOMPUTE
 from twobp.sim.search import (
@@ -61,6 +67,23 @@ CONTENDER_WINDOW = 0.25
 """How much slower than the choice a simulated step may be for its schedule to contend."""
 
 log = logging.getLogger("twobp")
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """The optimizer state ``schedule="auto"`` counts against ``memory_limit``.
+
+    Args:
+        state_bytes: bytes of optimizer state per parameter (AdamW in float32:
+            8; with float32 masters of half-precision parameters: 12); 0: not
+            counted (a given cost model's ``optimizer_bytes`` stay).
+        sharded: the optimizer will be ``pipe.shard_optimizer``'s: each holder
+            of a stage counts its share, and ``R`` and the gathers are timed
+            as they run (``CostModel.shard_optimizer``).
+    """
+
+    state_bytes: float = 0.0
+    sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,6 +275,7 @@ def plan_auto(
     tied: bool = False,
     examples: Mapping[int, Batch] | None = None,
     recompute: str = NO_RECOMPUTE,
+    optimizer: OptimizerMemory | None = None,
 ) -> AutoPlan:
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
@@ -283,6 +307,8 @@ def plan_auto(
             the pipeline will: the simulated schedule is the one that runs).
         examples: one micro-batch of model inputs per count of ``n_microbatches``
             (instead of ``example_input``).
+        optimizer: the optimizer state to count, and whether it will be sharded
+            (None: not counted, not sharded).
         recompute: ``off``, or ``auto``: every option rebuilds the stashes that
             do not fit ``memory_limit``, the fewest that fit
             (:func:`twobp.sim.rebuild.fewest_rebuilds`), and is ranked so.
@@ -317,6 +343,14 @@ def plan_auto(
                 sizes_for, costs_for = _costs_of(
                     blocks, partition, costs, measured[m] if costs is None else None
                 )
+                if optimizer is not None:
+                    costs_for = with_optimizer_state(
+                        costs_for,
+                        sizes_for,
+                        [sum(p.numel() for p in b.parameters()) for b in blocks],
+                        optimizer.state_bytes,
+                        optimizer.sharded,
+                    )
                 choices = auto_options(
                     m,
                     two_bp=two_bp,
