@@ -44,7 +44,8 @@ def render_chart(results: Mapping[str, Any], path: str | Path) -> Path:
     n_bars = max((len(g["variants"]) for _, g in panels), default=1)
     cols = max(1, len({g["n_microbatches"] for _, g in panels}))
     rows = max(1, -(-len(panels) // cols))
-    figure = Figure(figsize=(5.5 * cols, 0.32 * n_bars * rows + 1.5 * rows))
+    height = 0.32 * n_bars * rows + 1.5 * rows
+    figure = Figure(figsize=(5.5 * cols, height))
     for index, (regime, group) in enumerate(panels):
         axes = figure.add_subplot(rows, cols, index + 1)
         ran = [v for v in group["variants"] if v["framework"] != "reference" and "step_s" in v]
@@ -80,8 +81,11 @@ def render_chart(results: Mapping[str, Any], path: str | Path) -> Path:
         handles.append(Patch(color=COLOURS["deepspeed"], label="DeepSpeed PipelineEngine"))
     if results.get("baseline"):
         handles.append(Patch(color=COLOURS["baseline"], label=f"twobp {results['baseline']}"))
-    figure.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8)
-    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    # Two entries per panel's width fit on a line; the panels start below the legend's lines.
+    per_line = min(len(handles), 2 * cols)
+    lines = -(-len(handles) // per_line)
+    figure.legend(handles=handles, loc="upper center", ncol=per_line, fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 1 - (0.2 * lines + 0.1) / height))
     out = Path(path)
     figure.savefig(out, dpi=100)
     return out
