@@ -18,7 +18,7 @@ from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.base.group import join_world
 from twobp.runtime.setup.auto.cost_measurement import allreduce_speed, link_speed
 from twobp.schedule.action import Kind
-from twobp.schedule.lowering import has_reductions
+from twobp.schedule.lowering import has_reductions, split_stages
 from twobp.sim import simulate
 from twobp.sim.costs import allreduce_time
 
@@ -155,7 +155,9 @@ def plan_with_copies(model: str, n_mb: int, batch_size: int, data_parallel: int)
                 for rank, acts in plan.schedule.actions.items()
             }
         )
-        bare = simulate(plain, plan.costs.for_schedule(plain.n_stages)).makespan
+        # As the search simulated it: a fused stage's F without the 2BP engine.
+        costs = plan.costs.for_schedule(plain.n_stages).for_split(split_stages(plain))
+        bare = simulate(plain, costs).makespan
         return plan.costs.reduce_bandwidth, reduces, plan.predicted_step_time, bare
 
 

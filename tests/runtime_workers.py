@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline
 from twobp.schedule import Schedule, apply_two_bp, generate
+from twobp.schedule.lowering import split_stages
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Case:
 
     model: str
     schedule: str
-    two_bp: bool
+    two_bp: bool | tuple[bool, ...]  # one per stage of the model: those split
     partition: tuple[int, ...] | None = None
     policy: str = "paper"
     weight_group_size: int | None = None
@@ -84,6 +85,7 @@ def train_case(case: Case, n_mb: int, batch_size: int, timeout: float) -> dict[s
         "state": pipe.state_dict(),
         "schedule": pipe.schedule.name,
         "stages": sorted(pipe.stages),
+        "split": sorted(split_stages(pipe.schedule)),
     }
 
 

@@ -71,6 +71,14 @@ def _cases(n_ranks: int, models: tuple[str, ...]) -> list[Case]:
     return cases
 
 
+# two_bp with one bool per stage of the model: the stages given False run a fused B.
+PER_STAGE_CASES = [
+    Case("transformer", "1f1b", (False, True)),
+    Case("mlp", "1f1b", (True, False), policy="fill"),
+    Case("conv", "zb-v", (True, False, True, False)),
+    Case("mlp", "interleaved-1f1b", (False, True, True, False)),
+    Case("transformer", "chimera", (False, True)),
+]
 EXTRA_CASES = [
     Case("transformer", "1f1b", True, policy="eager"),
     Case("transformer", "1f1b", True, policy="fill"),
@@ -80,6 +88,7 @@ EXTRA_CASES = [
     # DualPipe's own W placed again by each policy (paper concatenates the last W).
     *(Case("transformer", "dualpipev", True, policy=p, placed=True) for p in TWO_BP_POLICIES),
     *(Case("mlp", "dualpipe", True, policy=p, placed=True) for p in TWO_BP_POLICIES),
+    *PER_STAGE_CASES,
 ]
 EXTRA_CASES_4 = [
     Case("transformer", "interleaved-1f1b", True, policy="eager"),
@@ -225,6 +234,15 @@ def test_two_bp_runs_split_schedules(two_rank_results):
     assert "+2bp:paper" in results[str(Case("mlp", "1f1b", True))]["schedule"]
     assert "2bp" not in results[str(Case("mlp", "1f1b", False))]["schedule"]
     assert results[str(Case("mlp", "zb-v", True))]["stages"] == [0, 3]
+
+
+def test_two_bp_per_stage_splits_only_those_stages(two_rank_results):
+    for case in PER_STAGE_CASES:
+        assert not isinstance(case.two_bp, bool)
+        n_stages = len(case.two_bp)
+        split = {s % n_stages for r in two_rank_results[0] for s in r[str(case)]["split"]}
+        # The first stage's I directly followed by its W runs as one B (nobody waits for it).
+        assert split and split <= {s for s, b in enumerate(case.two_bp) if b}, (case, split)
 
 
 def _reference_transformer() -> tuple[nn.Module, Any, Any]:

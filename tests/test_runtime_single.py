@@ -155,6 +155,39 @@ def test_a_v_shaped_schedule_is_balanced_by_default_given_an_example_input(monke
         assert default_partition(generate(name, 2, N_MB), [5, 5], example) == [5, 5], name
 
 
+def test_the_default_two_bp_splits_the_stages_a_profile_finds_it_pays_on(monkeypatch):
+    from twobp.runtime.setup import two_bp_choice
+    from twobp.schedule import prepare
+
+    chosen = []
+    real_choose = two_bp_choice.choose_split
+    monkeypatch.setattr(
+        two_bp_choice,
+        "choose_split",
+        lambda *a, **k: chosen.append(real_choose(*a, **k)) or chosen[-1],
+    )
+    example = make_batch("mlp", 0, 2)[0]
+    # (On one rank interleaved-1f1b is a V: a uniform partition, not to profile twice.)
+    pipe = _pipe(
+        schedule="interleaved-1f1b", partition="uniform", example_input=example, num_threads=1
+    )
+    (choice,) = chosen
+    assert pipe.two_bp_choice == choice and len(choice.split) == 2
+    assert choice.step <= min(choice.fused_step, choice.split_step)
+    want = prepare("interleaved-1f1b", n_ranks=1, n_microbatches=N_MB, two_bp=choice.split)
+    assert pipe.schedule == want
+    # Set, or without an example input: as before (True splits every stage), nothing profiled.
+    for options in ({"two_bp": True, "example_input": example}, {}):
+        pipe = _pipe(schedule="interleaved-1f1b", **options)
+        assert pipe.two_bp_choice is None and "+2bp:paper" in pipe.schedule.name
+    assert _pipe(two_bp=False, example_input=example).schedule.name == "1f1b"
+    assert len(chosen) == 1
+    with pytest.raises(PipelineConfigError, match=r"two_bp=\[True\]: 1 entries for 2 stages"):
+        _pipe(schedule="interleaved-1f1b", two_bp=[True])
+    with pytest.raises(PipelineConfigError, match="schedule='auto', which chooses 2BP"):
+        _pipe(schedule="auto", two_bp=[True, False], example_input=example)
+
+
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):
     from twobp.partition import profiler, solve, stage_ranges
 

@@ -231,3 +231,47 @@ def test_counting_the_send_overhead_places_w_where_the_step_is_shorter():
     unaware = apply_two_bp(schedule, "fill", costs=CostModel.uniform(4))
     assert simulate(placed, costs).makespan == 45.0
     assert simulate(unaware, costs).makespan == 46.0
+
+
+@pytest.mark.parametrize(
+    ("name", "split"),
+    [
+        ("1f1b", (False, True)),
+        ("1f1b", (True, False)),
+        ("zb-h1", (False, True)),
+        ("zb-v", (False, True, True, False)),
+        ("interleaved-1f1b", (True, False, False, True)),
+        ("chimera", (True, False)),
+    ],
+)
+def test_two_bp_per_stage_fuses_the_stages_given_false(name, split):
+    from twobp.schedule import prepare
+    from twobp.schedule.lowering import split_stages
+
+    every = prepare(name, n_ranks=2, n_microbatches=4, two_bp=True)
+    schedule = prepare(name, n_ranks=2, n_microbatches=4, two_bp=split)
+    wanted = {s for s in range(schedule.n_stages) if split[schedule.model_stage(s)]}
+    assert split_stages(schedule) == split_stages(every) & wanted
+    # Each fused stage runs one B per micro-batch where its I was; the split ones keep theirs.
+    for rank, acts in schedule.actions.items():
+        for stage in schedule.stages_of(rank):
+            mine = [a for a in acts if a.stage == stage]
+            theirs = [a for a in every.actions[rank] if a.stage == stage]
+            if stage in wanted:
+                assert mine == theirs, stage
+            else:
+                kinds = [a.kind for a in mine if a.kind is not Kind.REDUCE]
+                assert kinds.count(Kind.FULL_BACKWARD) == len(schedule.microbatches_of(stage))
+                assert Kind.BACKWARD_WEIGHT not in kinds and Kind.BACKWARD_INPUT not in kinds
+    assert prepare(name, n_ranks=2, n_microbatches=4, two_bp=(True,) * len(split)) == every
+    fused = prepare(name, n_ranks=2, n_microbatches=4, two_bp=False)
+    assert prepare(name, n_ranks=2, n_microbatches=4, two_bp=(False,) * len(split)) == fused
+
+
+def test_two_bp_per_stage_needs_one_bool_per_stage():
+    from twobp.schedule import ScheduleConfigError, prepare
+
+    with pytest.raises(ScheduleConfigError, match=r"two_bp=\[True\]: 1 entries for 2 stages"):
+        prepare("1f1b", n_ranks=2, n_microbatches=4, two_bp=[True])
+    with pytest.raises(ScheduleConfigError, match="one True or False per stage"):
+        prepare("1f1b", n_ranks=2, n_microbatches=4, two_bp=("yes", False))

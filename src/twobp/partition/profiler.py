@@ -60,6 +60,9 @@ class BlockCost:
     """Bytes of the block's output: what a stage boundary after it sends."""
     parameter_bytes: int
     """Bytes of the block's parameters."""
+    forward_full: float | None = None
+    """Time of the forward without the 2BP engine, as a stage whose backward is
+    fused (``B``) runs it; None where not measured."""
 
     @property
     def total(self) -> float:
@@ -106,15 +109,17 @@ def _profile_one(
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     sync = synchronizer(inputs + [p for p in block.parameters()])
     grad_out: list[torch.Tensor] = []
-    times: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": []}
+    times: dict[str, list[float]] = {"F": [], "I": [], "W": [], "B": [], "f": []}
     saved = stashed = 0
 
     for run in range(warmup + repeats):
+        begin = sync()
         out = _outputs(block(_call_form(x, inputs)))
-        grad_out = grad_out or [_gradient_like(o) for o in out]
         start = sync()
+        grad_out = grad_out or [_gradient_like(o) for o in out]
         torch.autograd.backward(_needing_grad(out), _needing_grad(out, grad_out))
         if run >= warmup:
+            times["f"].append(start - begin)
             times["B"].append(sync() - start)
 
     store = defer_weight_grads(block, label=f"block {index}")
@@ -151,6 +156,7 @@ def _profile_one(
         weight_grad_bytes=stashed,
         output_bytes=sum(o.numel() * o.element_size() for o in _outputs(result)),
         parameter_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+        forward_full=statistics.median(times["f"]),
     )
     return cost, result
 

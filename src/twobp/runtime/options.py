@@ -50,11 +50,13 @@ class PipelineOptions:
             "batch (the gradient is the same for every count)"
         ),
     )
-    two_bp: bool = field(
-        default=True,
+    two_bp: bool | Sequence[bool] | None = field(
+        default=None,
         metadata=_help(
             "split each backward into I and W (placing W by two_bp_policy); False runs fused B "
-            "(split schedules are merged)"
+            "(split schedules are merged); one bool per stage of the model splits those stages "
+            "only; None: where a profile says 2BP pays (a schedule by name with example_input: "
+            "rank 0 profiles the blocks and simulates each stage split or fused), else True"
         ),
     )
     partition: Sequence[int] | str | None = field(

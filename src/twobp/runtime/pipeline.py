@@ -91,10 +91,12 @@ from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule import SCHEDULES
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
+from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.sim.recompute import RECOMPUTE_AUTO, effective_modes, parse_recompute
+from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -135,8 +137,14 @@ class Pipeline:
             batch among ``p``, ``2p``, ``4p`` and ``8p`` (those that divide it;
             every count gives the same gradient), each profiled on its own
             micro-batch; later batches are cut into the same count.
-        two_bp: split each backward into ``I`` and ``W`` (placing ``W`` by
-            ``two_bp_policy``); False runs fused ``B`` (split schedules are merged).
+        two_bp: True splits each backward into ``I`` and ``W`` (placing ``W`` by
+            ``two_bp_policy``); False runs fused ``B`` (split schedules are merged);
+            a list of one bool per stage of the model splits those given True
+            only. None (the default): for a schedule by name given an
+            ``example_input``, rank 0 profiles the blocks and the pipeline
+            splits the stages where the simulator finds that 2BP makes the step
+            faster (``pipe.two_bp_choice`` says which, and by how much);
+            without an example input (or for a ``Schedule`` or CSV), True.
         partition: blocks per stage (one int per stage), ``"uniform"``, ``"balanced"``
             or None: uniform, but balanced (profiled on ``example_input``) for a
             V-shaped schedule (``zb-v``, ``dualpipev``) given an example input.
@@ -258,7 +266,7 @@ class Pipeline:
         loss_fn: LossFn,
         schedule: str | os.PathLike[str] | Schedule = "1f1b",
         n_microbatches: int | str | None = None,
-        two_bp: bool = True,
+        two_bp: bool | Sequence[bool] | None = None,
         partition: Sequence[int] | str | None = None,
         *,
         two_bp_policy: str = "paper",
@@ -319,6 +327,7 @@ class Pipeline:
         """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`),
         less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
         _check_recompute(recompute, memory_limit)
+        _check_two_bp(two_bp, schedule)
         check_microbatches(schedule, n_microbatches, costs)
         self._compile = compile_options(compile)
         _check_grad_scaler(grad_scaler, self)
@@ -351,6 +360,7 @@ class Pipeline:
         """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
         ranking, the predicted step time (``print`` shows it); None otherwise, and until
         the first step where ``auto`` plans on that step's inputs."""
+        self.two_bp_choice: SplitChoice | None = None
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:
@@ -402,6 +412,10 @@ class Pipeline:
             recompute=given.recompute,
         )
         self.plan = plan.auto
+        self.two_bp_choice = plan.two_bp
+        """With ``two_bp=None`` and an example input: which stages split their
+        backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
+        None otherwise."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.replicated(members, self.schedule, grid)
@@ -1219,6 +1233,23 @@ def _check_grad_scaler(scaler: object, pipe: Pipeline) -> None:
     raise PipelineConfigError(
         f"grad_scaler must be a twobp.GradScaler or None, not {type(scaler).__name__}"
     )
+
+
+def _check_two_bp(two_bp: object, schedule: object) -> None:
+    """Refuse a ``two_bp`` that is neither a bool, None nor a list of bools at once,
+    and one per stage with ``schedule="auto"``, which chooses 2BP itself."""
+    if two_bp is None or isinstance(two_bp, bool):
+        return
+    count = len(two_bp) if isinstance(two_bp, (list, tuple)) else 1
+    try:
+        split_per_stage(two_bp, count)  # type: ignore[arg-type]
+    except ScheduleConfigError as error:
+        raise PipelineConfigError(str(error)) from None
+    if isinstance(schedule, str) and schedule == AUTO:
+        raise PipelineConfigError(
+            f"two_bp={two_bp!r} (one per stage) with schedule='auto', which chooses "
+            "2BP and the stages itself: pass True, False or None, or name a schedule"
+        )
 
 
 def _rebuilds(recompute: object) -> bool:

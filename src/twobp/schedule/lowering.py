@@ -154,7 +154,26 @@ def merge_backward(schedule: Schedule) -> Schedule:
     return fused.with_actions(fused.actions, name if sep else schedule.name)
 
 
-def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
+def merge_stages(schedule: Schedule, stages: Iterable[int]) -> Schedule:
+    """:func:`merge_backward` of ``stages`` only: their ``I`` become ``B``, their ``W`` go.
+
+    The other stages keep their ``I`` and ``W`` where they are: a schedule
+    that splits the backward where 2BP pays and fuses it elsewhere.
+
+    Args:
+        schedule: a valid schedule.
+        stages: the stages (of the schedule, all pipelines) whose backward is fused.
+
+    Returns:
+        The schedule, same name (the same object if none of ``stages`` is split).
+    """
+    fused = frozenset(stages) & split_stages(schedule)
+    if not fused:
+        return schedule
+    return backwards_as(schedule, Kind.FULL_BACKWARD, fused)
+
+
+def backwards_as(schedule: Schedule, kind: Kind, stages: Iterable[int] | None = None) -> Schedule:
     """The schedule with every ``I`` and ``B`` turned into ``kind`` and every ``W`` removed
     (the rebuilding ``IR`` and ``WR`` alike: what is rebuilt is chosen again).
 
@@ -162,17 +181,20 @@ def backwards_as(schedule: Schedule, kind: Kind) -> Schedule:
         schedule: any schedule.
         kind: ``Kind.FULL_BACKWARD`` (fuse) or ``Kind.BACKWARD_INPUT`` (the
             input passes of a split schedule whose ``W`` are placed again).
+        stages: only the actions of these stages (None: every stage).
 
     Returns:
         The schedule, same name; forwards and communication keep their order.
     """
     backward = (Kind.BACKWARD_INPUT, Kind.BACKWARD_INPUT_REBUILT, Kind.FULL_BACKWARD)
     weights = (Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD)
+    chosen = None if stages is None else frozenset(stages)
     actions = {
         r: [
-            Action(a.stage, kind, a.microbatches) if a.kind in backward else a
+            Action(a.stage, kind, a.microbatches) if a.kind in backward and mine else a
             for a in acts
-            if a.kind not in weights
+            for mine in (chosen is None or a.stage in chosen,)
+            if not (a.kind in weights and mine)
         ]
         for r, acts in schedule.actions.items()
     }

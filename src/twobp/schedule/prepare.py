@@ -26,6 +26,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from twobp.schedule._timing import Costs
@@ -37,6 +38,7 @@ from twobp.schedule.lowering import (
     has_reductions,
     is_split,
     merge_backward,
+    merge_stages,
 )
 from twobp.schedule.registry import SCHEDULES, generate
 from twobp.schedule.schedule import Schedule
@@ -83,6 +85,40 @@ def fitted_costs(costs: Costs, schedule: Schedule) -> Costs:
         return costs
     fitted: Costs = fit(schedule.n_stages, schedule.n_pipelines)
     return fitted
+
+
+TwoBP = bool | Sequence[bool]
+"""What ``two_bp`` takes here: one switch for every stage, or one per stage of the model."""
+
+
+def split_per_stage(two_bp: TwoBP, n_stages: int) -> tuple[bool, ...]:
+    """Whether each stage of the model splits its backward (2BP) or runs a fused ``B``.
+
+    Args:
+        two_bp: True or False for every stage, or a list or tuple of one bool per
+            stage of the model (``Schedule.pipeline_stages``; a schedule of several
+            pipelines, Chimera, splits each replica of a stage alike).
+        n_stages: stages of the model.
+
+    Returns:
+        One bool per stage.
+
+    Raises:
+        ScheduleConfigError: on a list of another length, or an entry that is not a bool.
+    """
+    if isinstance(two_bp, bool):
+        return (two_bp,) * n_stages
+    if not isinstance(two_bp, (list, tuple)) or not all(isinstance(b, bool) for b in two_bp):
+        raise ScheduleConfigError(
+            f"two_bp={two_bp!r}: give True (split every backward into I and W), False "
+            "(fused B), or a list with one True or False per stage of the model"
+        )
+    if len(two_bp) != n_stages:
+        raise ScheduleConfigError(
+            f"two_bp={list(two_bp)!r}: {len(two_bp)} entries for {n_stages} stages; give one "
+            "True or False per stage of the model, or one bool for all"
+        )
+    return tuple(two_bp)
 
 
 def source_schedule(
@@ -160,7 +196,7 @@ def source_schedule(
 def finish_schedule(
     schedule: Schedule,
     *,
-    two_bp: bool,
+    two_bp: TwoBP,
     policy: str = "paper",
     costs: Costs = None,
     held: int | None = None,
@@ -174,6 +210,9 @@ def finish_schedule(
         schedule: a compute-only schedule (:func:`source_schedule`).
         two_bp: split fused backwards (True) or merge split ones (False).
             A natively split schedule (``zb-*``) keeps its own ``I``/``W``.
+            One bool per stage of the model (:func:`split_per_stage`): the
+            schedule is split as with True, ``W`` placed, and then the stages
+            given False are merged back into ``B`` (every replica of each).
         policy: the 2BP policy by which :func:`apply_two_bp` places ``W``.
         costs: the cost model by which ``paper`` and ``fill`` place ``W``
             (fitted to ``schedule``'s stages); None: unit times.
@@ -197,6 +236,8 @@ def finish_schedule(
         twobp.schedule.ScheduleError: if the result is incomplete or deadlocks.
     """
     _check_policy(policy)
+    per_stage = split_per_stage(two_bp, schedule.pipeline_stages)
+    two_bp = any(per_stage)
     reduce = reduce or has_reductions(schedule)
     finished = schedule
     if two_bp and (place_split or not is_split(finished)):
@@ -211,6 +252,11 @@ def finish_schedule(
                 f"two_bp=False, but {finished.name or 'the schedule'} is split into I and W "
                 f"and cannot be merged back into B: {exc}"
             ) from exc
+    if two_bp and not all(per_stage):
+        fused = [s for s in range(finished.n_stages) if not per_stage[finished.model_stage(s)]]
+        merged = merge_stages(finished, fused)
+        split = [str(s) for s, b in enumerate(per_stage) if b]
+        finished = merged.with_actions(merged.actions, f"{merged.name}:stages={','.join(split)}")
     # Nobody waits for the first stage's input gradient: its I and W run as one B.
     finished = fuse_first_stage_backward(finished)
     if reduce:
@@ -224,7 +270,7 @@ def prepare(
     *,
     n_ranks: int,
     n_microbatches: int | None = None,
-    two_bp: bool = True,
+    two_bp: TwoBP = True,
     policy: str = "paper",
     stages_per_rank: int | None = None,
     costs: Costs = None,

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, is_split
+from twobp.schedule.lowering import split_stages
 from twobp.schedule.prepare import finish_schedule, reduces, source_schedule
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
@@ -208,7 +209,8 @@ def build_schedule(
         reduce=reduces(schedule, data_parallel, tied),
         place_split=placed,
     )
-    timed = reduction_costs(prepared, fitted, data_parallel)
+    # A fused stage runs its F without the 2BP engine (a profile measures both).
+    timed = reduction_costs(prepared, fitted, data_parallel).for_split(split_stages(prepared))
     if rebuild_within is not None:
         prepared = fewest_rebuilds(prepared, timed, rebuild_within)
     return prepared, timed

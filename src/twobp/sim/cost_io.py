@@ -11,6 +11,7 @@ profiler of the runtime writes the same format)::
       "backward_input":  [0.011, 0.013],
       "backward_weight": [0.009, 0.010],        # W of one micro-batch
       "backward_full":   [0.019, 0.022],        # optional (null: I + W of one)
+      "forward_full":    [0.009, 0.011],        # optional: F of a fused stage (null: forward)
       "backward_weight_concat": [               # optional (null: linear in n)
         {"1": 0.009, "2": 0.016, "4": 0.030},   # stage 0: n micro-batches -> seconds
         {"1": 0.010, "4": 0.034}
@@ -68,6 +69,7 @@ def costs_to_json(costs: CostModel) -> dict[str, Any]:
         "version": COSTS_VERSION,
         "n_stages": costs.n_stages,
         "forward": list(costs.forward),
+        "forward_full": list(costs.forward_full or ()),
         "backward_input": list(costs.backward_input),
         "backward_weight": list(costs.backward_weight),
         "backward_full": list(costs.backward_full or ()),
@@ -116,6 +118,7 @@ def costs_from_json(doc: Mapping[str, Any]) -> CostModel:
     contention = doc.get("contention")
     return CostModel(
         forward=tuple(doc["forward"]),
+        forward_full=_opt(doc.get("forward_full")),
         backward_input=tuple(doc["backward_input"]),
         backward_weight=tuple(doc["backward_weight"]),
         backward_full=_opt(doc.get("backward_full")),

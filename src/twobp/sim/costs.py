@@ -60,7 +60,7 @@ The file format is described in :mod:`twobp.sim.cost_io`. This module imports no
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
@@ -72,6 +72,7 @@ PerStage = tuple[float, ...]
 
 PER_STAGE_FIELDS = (
     "forward",
+    "forward_full",
     "backward_input",
     "backward_weight",
     "backward_full",
@@ -159,6 +160,11 @@ class CostModel:
             the ``k``-th part of the stage's gather has arrived (the runtime
             waits for the buckets of each block before the block runs). ``1``:
             the whole stage is gathered first. Not saved in cost files.
+        forward_full: time of ``F`` of one micro-batch on a stage whose
+            backward is fused (``B``), which runs it without the 2BP engine;
+            ``forward`` is that of a split stage (``I`` and ``W``). ``None``:
+            ``forward``. :meth:`for_split` makes the model of a schedule that
+            splits some stages and fuses others.
 
     Raises:
         ValueError: if a list does not have one finite, non-negative entry per
@@ -188,6 +194,7 @@ class CostModel:
     gather: PerStage | None = None
     shard_optimizer: bool = False
     gather_pieces: int = 1
+    forward_full: PerStage | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -203,6 +210,8 @@ class CostModel:
                 i + w for i, w in zip(self.backward_input, self.backward_weight, strict=True)
             )
         set_(self, "backward_full", _per_stage("backward_full", full, n))
+        plain = self.forward if self.forward_full is None else self.forward_full
+        set_(self, "forward_full", _per_stage("forward_full", plain, n))
         zeros = (0.0,) * n
         for name, default in (
             ("send_bytes", zeros),
@@ -322,6 +331,21 @@ class CostModel:
             send_overhead=send_overhead,
             reduce_bandwidth=reduce_bandwidth,
         )
+
+    def for_split(self, split: Iterable[int]) -> CostModel:
+        """This model for a schedule that splits the backward of the stages ``split``
+        (``I`` and ``W``) and fuses the others' (``B``): the forward of a fused
+        stage is :attr:`forward_full`, without the 2BP engine.
+
+        Returns the model itself where no forward changes.
+        """
+        assert self.forward_full is not None  # filled in by __post_init__
+        chosen = set(split)
+        forward = tuple(
+            f if s in chosen else full
+            for s, (f, full) in enumerate(zip(self.forward, self.forward_full, strict=True))
+        )
+        return self if forward == self.forward else replace(self, forward=forward)
 
     def w_time(self, stage: int, n_microbatches: int) -> float:
         """Time of one ``W`` of ``n_microbatches`` on ``stage``, in groups of

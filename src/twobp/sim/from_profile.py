@@ -89,8 +89,10 @@ def stage_cost_model(
         counts = set.intersection(*(set(weight_concat[i]) for i in r))
         return {k: sum(weight_concat[i][k] for i in r) / contention for k in sorted(counts)}
 
+    plain = all(getattr(b, "forward_full", None) is not None for b in blocks)
     return CostModel(
         forward=per_stage("forward", contention),
+        forward_full=per_stage("forward_full", contention) if plain else None,
         backward_input=per_stage("backward_input", contention),
         backward_weight=per_stage("backward_weight", contention),
         backward_full=per_stage("backward_full", contention),

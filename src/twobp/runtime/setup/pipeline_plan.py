@@ -37,14 +37,22 @@ from twobp.runtime.setup.stage_blocks import (
     example_input_needed,
     stage_counts,
 )
+from twobp.runtime.setup.two_bp_choice import choose_two_bp
 from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
 from twobp.schedule._timing import Costs
-from twobp.schedule.prepare import DEFAULT_MICROBATCHES, prepare
+from twobp.schedule.prepare import (
+    DEFAULT_MICROBATCHES,
+    TwoBP,
+    prepare,
+    reduces,
+    source_schedule,
+)
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO
 from twobp.sim.search import microbatch_counts
+from twobp.sim.split_choice import SplitChoice
 
 CostsArgument = Costs | str | os.PathLike[str]
 """What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
@@ -76,11 +84,14 @@ class PipelinePlan:
         ranges: the block indices of every stage of the model (a schedule
             of several pipelines runs each model stage once per pipeline).
         auto: what ``schedule="auto"`` chose and from what; None for a given schedule.
+        two_bp: with ``two_bp=None`` and an example input, the stages 2BP was
+            found to pay on and the predictions (None otherwise).
     """
 
     schedule: Schedule
     ranges: tuple[range, ...]
     auto: AutoPlan | None = None
+    two_bp: SplitChoice | None = None
 
 
 def plan_pipeline(
@@ -91,7 +102,7 @@ def plan_pipeline(
     *,
     schedule: str | os.PathLike[str] | Schedule,
     n_microbatches: int | str | None,
-    two_bp: bool,
+    two_bp: TwoBP | None,
     policy: str,
     stages_per_rank: int | None,
     partition: Sequence[int] | str | None,
@@ -159,7 +170,7 @@ def plan_pipeline(
             device,
             n_microbatches=planned_counts,
             examples=examples,
-            two_bp=two_bp,
+            two_bp=two_bp is not False,
             stages_per_rank=(
                 stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
                 if fixed
@@ -171,7 +182,7 @@ def plan_pipeline(
             optimizer=optimizer,
             costs=model,
             schedules=[schedule] if fixed else None,
-            policies=[policy if two_bp else NO_TWO_BP] if fixed else None,
+            policies=[policy if two_bp is not False else NO_TWO_BP] if fixed else None,
             pipeline_ranks=pipeline_ranks,
             tied=tied,
             recompute=RECOMPUTE_AUTO if rebuilding else NO_RECOMPUTE,
@@ -192,6 +203,12 @@ def plan_pipeline(
     problem: Exception | None = None
     resolved: Schedule | None = None
     counts: list[int] | None = None
+    n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
+    # The default two_bp splits where a profile says it pays: on a schedule by name,
+    # with an example input to profile on. Elsewhere it splits every stage.
+    profiled_split = (
+        auto is None and two_bp is None and example_input is not None and _named(schedule)
+    )
     try:
         if auto is None and memory_limit is not None:
             raise PipelineConfigError(
@@ -210,9 +227,9 @@ def plan_pipeline(
             assert not isinstance(n_microbatches, str)  # check_microbatches refused it
             resolved = prepare(
                 schedule,
-                n_ranks=world.size if pipeline_ranks is None else len(pipeline_ranks),
+                n_ranks=n_ranks,
                 n_microbatches=n_microbatches,
-                two_bp=two_bp,
+                two_bp=True if two_bp is None else two_bp,
                 policy=policy,
                 stages_per_rank=stages_per_rank,
                 costs=cost_model(costs),
@@ -228,11 +245,49 @@ def plan_pipeline(
     except (PipelineConfigError, ScheduleError) as exc:
         problem = exc
     options = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
+    options["2BP by a profile"] = str(profiled_split)
     check_same_pipeline(world, device, timeout, problem, options, blocks)
     assert resolved is not None
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto)
+    choice = None
+    if profiled_split:
+        assert example_input is not None and not isinstance(n_microbatches, str)
+        sourced = source_schedule(
+            schedule,
+            n_ranks=n_ranks,
+            n_microbatches=n_microbatches,
+            stages_per_rank=stages_per_rank,
+        )
+        choice = choose_two_bp(
+            blocks,
+            world,
+            device,
+            sourced,
+            counts,
+            example_input,
+            policy=policy,
+            pipeline_ranks=list(range(n_ranks)) if pipeline_ranks is None else pipeline_ranks,
+            reduce=reduces(sourced, data_parallel, tied),
+            data_parallel=data_parallel,
+        )
+        resolved = prepare(
+            schedule,
+            n_ranks=n_ranks,
+            n_microbatches=n_microbatches,
+            two_bp=choice.split,
+            policy=policy,
+            stages_per_rank=stages_per_rank,
+            costs=cost_model(costs),
+            data_parallel=data_parallel,
+            tied=tied,
+        )
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice)
+
+
+def _named(schedule: object) -> bool:
+    """True for a schedule given by name (not a ``Schedule`` or a CSV file)."""
+    return isinstance(schedule, str) and schedule in SCHEDULES
 
 
 def default_partition(

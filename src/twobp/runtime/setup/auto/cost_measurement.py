@@ -129,7 +129,13 @@ def _profile_rounds(
             first,
             **{
                 name: statistics.median(getattr(r[0][i], name) for r in rounds)
-                for name in ("forward", "backward_input", "backward_weight", "backward_full")
+                for name in (
+                    "forward",
+                    "forward_full",
+                    "backward_input",
+                    "backward_weight",
+                    "backward_full",
+                )
             },
         )
         for i, first in enumerate(rounds[0][0])

@@ -1,0 +1,106 @@
+"""``two_bp=None`` (the default) with an example input: 2BP on the stages where it pays.
+
+Rank 0 profiles the blocks as ``schedule="auto"`` does (F with and without the
+2BP engine, I, W, the fused B, W over several micro-batches; then all ranks
+measure their contention and the link: :mod:`twobp.runtime.setup.auto.cost_measurement`),
+builds the cost model of the pipeline's partition and simulates the schedule
+with every set of split stages (:func:`twobp.sim.split_choice.choose_split`).
+Every rank runs rank 0's choice. Collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.runtime.base.group import Membership
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.setup.auto.cost_measurement import measure
+from twobp.runtime.setup.auto.plan import PARAMETER_FACTOR
+from twobp.schedule import Schedule
+from twobp.sim.candidate import fit_costs
+from twobp.sim.from_profile import profiled_costs
+from twobp.sim.split_choice import SplitChoice, choose_split
+
+log = logging.getLogger("twobp")
+
+
+def choose_two_bp(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    schedule: Schedule,
+    counts: Sequence[int],
+    example_input: Batch,
+    *,
+    policy: str,
+    pipeline_ranks: Sequence[int],
+    reduce: bool,
+    data_parallel: int,
+) -> SplitChoice:
+    """Which stages of the model split their backward, the same on every rank.
+
+    Args:
+        blocks: the whole model's blocks.
+        world: the group.
+        device: where rank 0 profiles the blocks.
+        schedule: the sourced compute-only schedule.
+        counts: blocks per stage of the model.
+        example_input: one micro-batch of model inputs.
+        policy: the 2BP policy of the split stages.
+        pipeline_ranks: the group ranks of the first copy of the pipeline.
+        reduce: the schedule's stages reduce their gradients (``R``).
+        data_parallel: copies of the pipeline.
+
+    Returns:
+        Rank 0's choice.
+
+    Raises:
+        PipelineConfigError: on every rank, if profiling or simulating failed on rank 0.
+    """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        figures, tables, contention, link, reduce_bandwidth, problem = measure(
+            blocks, world, device, example_input, schedule.n_microbatches, pipeline_ranks
+        )
+    answer: list[SplitChoice | str | None] = [None]
+    if world.rank == 0:
+        try:
+            if problem:
+                raise PipelineConfigError(problem)
+            sizes = tuple(counts)
+            costs_for = profiled_costs(
+                figures,
+                tables,
+                lambda _n: sizes,
+                contention=contention,
+                parameter_factor=PARAMETER_FACTOR,
+                send_latency=link[0],
+                bandwidth=link[1],
+                send_overhead=link[2],
+                reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
+            )
+            chosen = choose_split(
+                schedule,
+                fit_costs(costs_for, schedule),
+                policy=policy,
+                reduce=reduce,
+                data_parallel=data_parallel,
+            )
+            log.info("two_bp: %s", chosen.summary())
+            answer[0] = chosen
+        except (ValueError, PipelineConfigError) as exc:
+            answer[0] = (
+                f"two_bp=None chooses the stages 2BP pays on by a profile, which failed: {exc}"
+            )
+    if world.group is not None:
+        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
+    choice = answer[0]
+    if not isinstance(choice, SplitChoice):
+        raise PipelineConfigError(f"{choice}; pass two_bp=True or False to run without the profile")
+    return choice

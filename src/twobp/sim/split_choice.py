@@ -1,0 +1,143 @@
+"""Which stages 2BP pays on: split a stage's backward only where the simulator says so.
+
+Splitting a stage's backward into ``I`` and ``W`` has a price: the 2BP engine
+makes the stage's ``F`` and its ``I`` + ``W`` slower than a plain forward and
+a fused ``B`` (a profile measures both: ``forward`` against
+``forward_full``, ``backward_input + backward_weight`` against
+``backward_full``). What it buys is the idle time its deferred ``W`` fill.
+On small layers the price can exceed the idle time, and the split step is
+slower than the fused one.
+
+:func:`choose_split` simulates the schedule with every set of split stages
+(each stage of the model split or fused; every replica of a stage alike),
+under one cost model, and keeps the fastest. Where several are within
+``margin`` of the fastest it keeps the one that splits the fewest stages:
+a fused stage holds nothing from ``I`` until ``W`` and is not slower by the
+profile, so a prediction inside the profile's noise does not buy memory
+with nothing. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import product
+
+from twobp.schedule import Schedule
+from twobp.schedule.lowering import split_stages
+from twobp.schedule.prepare import finish_schedule
+from twobp.sim.costs import CostModel
+from twobp.sim.reduction import reduction_costs
+from twobp.sim.simulate import simulate
+
+SPLIT_MARGIN = 0.02
+"""How much faster (a share of the step) splitting more stages must be predicted to be."""
+EXHAUSTIVE_STAGES = 8
+"""Up to this many stages every set of split stages is simulated; above, one stage at a
+time is changed from the best so far (from all split and from none)."""
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """What :func:`choose_split` chose, and the predictions it chose by.
+
+    Args:
+        split: per stage of the model, True if its backward is split (2BP).
+        step: the predicted step time of the choice (the cost model's unit).
+        fused_step: predicted with every stage fused (no 2BP).
+        split_step: predicted with every stage split.
+    """
+
+    split: tuple[bool, ...]
+    step: float
+    fused_step: float
+    split_step: float
+
+    def summary(self) -> str:
+        """One line: which stages split, and the three predicted steps."""
+        stages = [s for s, b in enumerate(self.split) if b]
+        which = (
+            "every stage"
+            if all(self.split)
+            else "no stage"
+            if not stages
+            else "stage" + ("s " if len(stages) > 1 else " ") + ", ".join(map(str, stages))
+        )
+        return (
+            f"2BP on {which}: predicted step {self.step * 1e3:.4g} ms, against "
+            f"{self.fused_step * 1e3:.4g} ms with no stage split and "
+            f"{self.split_step * 1e3:.4g} ms with every stage split"
+        )
+
+
+def choose_split(
+    schedule: Schedule,
+    costs: CostModel,
+    *,
+    policy: str = "paper",
+    group_size: int | None = None,
+    reduce: bool = False,
+    data_parallel: int = 1,
+    margin: float = SPLIT_MARGIN,
+) -> SplitChoice:
+    """The stages whose backward to split, by simulating each choice.
+
+    Args:
+        schedule: the compute-only schedule, sourced
+            (:func:`twobp.schedule.prepare.source_schedule`).
+        costs: its cost model, fitted to its stages (every pipeline's), with
+            ``forward_full`` for the fused stages' forward where measured.
+        policy: the 2BP policy that places the split stages' ``W``.
+        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        reduce: the stages reduce their gradients (``R``), as the pipeline will.
+        data_parallel: copies of the pipeline, which time the reductions.
+        margin: see :data:`SPLIT_MARGIN`.
+
+    Returns:
+        The choice and its predictions.
+
+    Raises:
+        ValueError: if the costs do not fit the schedule or the policy.
+    """
+    n = schedule.pipeline_stages
+    steps: dict[tuple[bool, ...], float] = {}
+
+    def step(split: tuple[bool, ...]) -> float:
+        if split not in steps:
+            prepared = finish_schedule(
+                schedule,
+                two_bp=split,
+                policy=policy,
+                costs=costs,
+                group_size=group_size,
+                reduce=reduce,
+            )
+            fitted = reduction_costs(prepared, costs, data_parallel)
+            steps[split] = simulate(prepared, fitted.for_split(split_stages(prepared))).makespan
+        return steps[split]
+
+    fused, every = (False,) * n, (True,) * n
+    if n <= EXHAUSTIVE_STAGES:
+        for split in product((False, True), repeat=n):
+            step(split)
+    else:
+        for start in (fused, every):
+            _improve(start, step)
+    best = min(steps.values())
+    within = [s for s, t in steps.items() if t <= best * (1 + margin)]
+    chosen = min(within, key=lambda s: (sum(s), steps[s]))
+    return SplitChoice(chosen, steps[chosen], step(fused), step(every))
+
+
+def _improve(start: tuple[bool, ...], step: Callable[[tuple[bool, ...]], float]) -> None:
+    """Flip one stage at a time from ``start`` while that makes the step faster."""
+    current = start
+    while True:
+        flips: Sequence[tuple[bool, ...]] = [
+            tuple(not b if i == k else b for i, b in enumerate(current))
+            for k in range(len(current))
+        ]
+        better = min(flips, key=step)
+        if step(better) >= step(current):
+            return
+        current = better
