@@ -66,12 +66,15 @@ def _one_process_losses(argv: list[str]) -> list[float]:
     return losses
 
 
-def test_train_two_copies_of_a_chimera_pipeline(tmp_path, torch_one_thread):
+def test_train_two_copies_of_a_chimera_pipeline_with_a_sharded_optimizer(
+    tmp_path, torch_one_thread
+):
     out = tmp_path / "run"
     argv = [
         "train", "--ranks", "4", "--data-parallel", "2", "--schedule", "chimera",
         "--steps", "3", "--batch-size", "16", "--microbatches", "4", "--seq-len", "16",
         "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
+        "--shard-optimizer",
     ]  # fmt: skip
     assert main(argv) == 0
     metrics = json.loads((out / "metrics.json").read_text())
@@ -79,7 +82,8 @@ def test_train_two_copies_of_a_chimera_pipeline(tmp_path, torch_one_thread):
     written = (out / "config.toml").read_text()
     assert "seq_len = 16" in written
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1", "2", "3"}
-    # 2 copies x 2 pipelines, every stage on 4 ranks: the losses of one process.
+    # 2 copies x 2 pipelines, every stage on 4 ranks, AdamW's state sharded over the 4:
+    # the losses of one process with a plain AdamW.
     want = _one_process_losses(argv)
     assert metrics["losses"] == pytest.approx(want, rel=0, abs=1e-10)
 
