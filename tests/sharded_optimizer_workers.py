@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,6 +105,14 @@ def _one_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, step: int) -> fl
     return loss
 
 
+def _refused(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "not refused"
+
+
 def _blocks_wait_for_their_gathers(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> bool:
     """Step 0, the second copy stepping its optimizer late: the first copy's gathers are
     still in flight when it runs its stage's blocks at once; each block must wait for
@@ -132,6 +141,10 @@ def checkpoints(folder: str) -> dict[str, Any]:
     pipe = _pipeline("mlp", "1f1b", True, data_parallel=2)
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     out["blocks wait"] = _blocks_wait_for_their_gathers(pipe, optimizer)
+    out["refused"] = _refused(lambda: optimizer.add_param_group({"params": []}))
+    out["refused params"] = _refused(
+        lambda: pipe.shard_optimizer(torch.optim.AdamW, params=pipe.parameters())
+    )
     _one_step(pipe, optimizer, 1)
     pipe.save(f"{folder}/sharded", optimizer)
     out["third"] = _one_step(pipe, optimizer, 2)

@@ -108,6 +108,9 @@ def test_checkpoints_load_on_other_layouts_and_unsharded(tmp_path) -> None:
     results = launch(checkpoints, 4, str(tmp_path), timeout=600)
     want = results[0]
     assert [r["blocks wait"] for r in results] == [True] * 4
+    for r in results:
+        assert "takes no other group" in r["refused"], r["refused"]
+        assert "pass only its options" in r["refused params"], r["refused params"]
     for rank, r in enumerate(results):
         for other in ("plain", "again", "wide"):
             assert math.isclose(r[f"{other} third"], want["third"], rel_tol=0, abs_tol=TOL), (

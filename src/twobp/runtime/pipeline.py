@@ -935,7 +935,9 @@ class Pipeline:
         Raises:
             PipelineConfigError: if no parameter of this pipeline is held by
                 several ranks, the pipeline already has a sharded optimizer,
-                or ``optimizer_class`` is not an optimizer class.
+                ``optimizer_class`` is not an optimizer class, or
+                ``optimizer_kwargs`` name ``params`` (the returned optimizer's
+                ``add_param_group`` raises it too: one param group only).
         """
         self.state.check_open()
         is_class = isinstance(optimizer_class, type)
@@ -943,6 +945,14 @@ class Pipeline:
             raise PipelineConfigError(
                 f"shard_optimizer({optimizer_class!r}): pass an optimizer class such as "
                 "torch.optim.AdamW, and its arguments as keywords"
+            )
+        if "params" in optimizer_kwargs:
+            raise PipelineConfigError(
+                f"rank {self.rank}: shard_optimizer makes the optimizer's parameters itself (this "
+                "rank's shards, in one param group); pass only its options (lr=..., "
+                "weight_decay=...). Param groups with other options per parameter are not "
+                "supported on a sharded optimizer: use one setting for all, or a plain "
+                "optimizer over pipe.parameters() with your groups"
             )
         if self.state.sharded is not None:
             raise PipelineConfigError(

@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from twobp.engine.compiled import is_compiled
 from twobp.runtime.communication.reduction import Bucket, GradientReducer
 from twobp.runtime.communication.sharding import ParameterGathers, ShardLayout
+from twobp.runtime.errors import PipelineConfigError
 
 HALF = (torch.float16, torch.bfloat16)
 """Parameter dtypes whose shards the optimizer steps as a float32 master copy."""
@@ -196,6 +197,8 @@ class ShardedParameters:
         optimizer.register_step_pre_hook(lambda *_: self.gathers.wait())
         optimizer.register_step_post_hook(lambda *_: self.start_gathers())
         self._optimizer = weakref.ref(optimizer)
+        # Every bucket's master is one tensor in one group: no group can take a part of it.
+        setattr(optimizer, "add_param_group", _refuse_groups(self.rank))  # noqa: B010
 
     def steps(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """True if ``optimizer`` is the one over these shards."""
@@ -311,6 +314,17 @@ def _flat_shard(
             master.grad = grads[layout.start : layout.stop].to(master.dtype).clone()
     stages = frozenset(s for p in params for s in readers.get(id(p), ()))
     return FlatShard(bucket, layout, tuple(names[id(p)] for p in params), flat, master, stages)
+
+
+def _refuse_groups(rank: int) -> Callable[[dict[str, Any]], None]:
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        raise PipelineConfigError(
+            f"rank {rank}: a sharded optimizer (pipe.shard_optimizer) steps this rank's shards "
+            "in one param group; it takes no other group. Use one setting for all parameters, "
+            "or a plain optimizer over pipe.parameters() with your groups"
+        )
+
+    return add_param_group
 
 
 def _nothing() -> None:
