@@ -38,6 +38,7 @@ from twobp.schedule.lowering import (
     split_stages,
 )
 from twobp.schedule.prepare import finish_schedule, prepare, source_schedule
+from twobp.schedule.rebuild import mark_rebuilds, rebuilt_microbatches
 from twobp.schedule.registry import SCHEDULES, ScheduleInfo, generate
 from twobp.schedule.resolve import DEFAULT_MICROBATCHES, ScheduleConfigError, resolve_schedule
 from twobp.schedule.schedule import Schedule
@@ -76,8 +77,10 @@ __all__ = [
     "generate",
     "is_split",
     "load_csv",
+    "mark_rebuilds",
     "merge_backward",
     "prepare",
+    "rebuilt_microbatches",
     "register_kind",
     "resolve_schedule",
     "save_csv",
