@@ -69,8 +69,17 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     for p in plain.param_groups[0]["params"]:
         p.grad = torch.zeros_like(p)
     plain.step()
+    sharded = pipe.state.sharded
+    assert sharded is not None
+    first_forwards = [
+        a.stage for a in pipe.schedule.actions[pipe.pp_rank] if a.kind.name == "FORWARD"
+    ]
     return {
         **out,
+        "gathers": list(dict.fromkeys(s.bucket.key for s in sharded.gather_order)),
+        "forwards": [
+            f"stage {pipe.schedule.model_stage(s)}" for s in dict.fromkeys(first_forwards)
+        ],
         "losses": losses,
         "norms": norms,
         "state": pipe.state_dict(),

@@ -83,6 +83,9 @@ def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, 
                 value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
             )
         assert r["optimizer"] == r["own"] > 0, (case, rank)
+        # The gathers start in the order of the stages' first F (interleaved: not that of R).
+        stages = [k for k in r["gathers"] if k.startswith("stage ")]
+        assert stages == [k for k in r["forwards"] if k in stages], (case, rank, r["gathers"])
         if case[1] == "auto":
             assert r["peak"] <= LIMIT, (rank, r["peak"])
             assert "no schedule fits memory_limit" in r.get("refused", ""), r.get("refused")

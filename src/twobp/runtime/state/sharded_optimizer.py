@@ -183,6 +183,11 @@ class ShardedParameters:
 
         return wait_own
 
+    @property
+    def gather_order(self) -> list[FlatShard]:
+        """The shards in the order their gathers start (that of the forwards that read them)."""
+        return [self.shards[i] for i in self._gather_order]
+
     def route(self, reducer: GradientReducer) -> None:
         """Have ``reducer`` reduce-scatter every bucket into its shard from now on."""
         for shard in self.shards:
@@ -243,7 +248,7 @@ class ShardedParameters:
         the order the forwards read them."""
         self.gathers.wait()
         for index in self._gather_order:
-            shard = self.shards[index]
+            shard = self.shards[index]  # the index names the gather (see wait_shards)
             layout = shard.layout
             if shard.copies_master:
                 mine = shard.master.detach().to(shard.flat.dtype)
