@@ -177,6 +177,7 @@ def auto_at_half() -> dict[str, Any]:
         "1f1b",
         N_MB,
         partition=partition,
+        two_bp=True,
         costs="profile",
         example_input=example,
         device="cpu",
@@ -184,7 +185,7 @@ def auto_at_half() -> dict[str, Any]:
     peak, limit = _limit_of_half(profiled)
     costs = profiled.plan.costs if profiled.plan is not None else None
     profiled.close()
-    fixed = {"partition": partition, "costs": costs}
+    fixed = {"partition": partition, "costs": costs, "two_bp": True}
     variants: dict[str, tuple[str, dict[str, Any]]] = {
         "1f1b+2bp (no recomputation)": ("1f1b", fixed),
         "1f1b+2bp, recompute='derivatives'": ("1f1b", {**fixed, "recompute": "derivatives"}),
