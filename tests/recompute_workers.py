@@ -7,7 +7,7 @@ pipeline without recomputation (a model with dropout), and the memory figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches, train_steps
 from twobp.runtime import Pipeline
 from twobp.schedule.rebuild import rebuilt_microbatches
-from twobp.sim import CostModel
+from twobp.sim import CostModel, simulate
 
 Mode = Any  # None, a mode name, or a list of them
 
@@ -34,10 +34,14 @@ class RecomputeCase:
     weight_group_size: int | None = None
     memory_limit: float | None = None
     """With ``recompute="auto"``: the limit, in the units of :func:`unit_costs`."""
+    profiled: bool = False
+    """With ``recompute="auto"``: plan on the blocks profiled at the first step instead,
+    under a limit that holds half the stashes (:func:`half_the_stashes`)."""
 
     def __str__(self) -> str:
         group = f" group={self.weight_group_size}" if self.weight_group_size else ""
         limit = f" limit={self.memory_limit}" if self.memory_limit is not None else ""
+        limit += " profiled" if self.profiled else ""
         return (
             f"{self.model} {self.schedule} two_bp={self.two_bp} recompute={self.recompute}"
             f"{group}{limit}"
@@ -78,9 +82,34 @@ def dropout_batch(batch_size: int) -> tuple[Tensor, Tensor]:
     return x, torch.randn(batch_size, 4, generator=gen, dtype=torch.float64)
 
 
+def half_the_stashes(case: RecomputeCase, n_mb: int, example: Tensor) -> float:
+    """Bytes per rank that hold half the stashes of ``case``'s schedule with 2BP: its
+    simulated peak on the profiled blocks, less half the stashes of its fullest rank."""
+    probe = Pipeline(
+        build_blocks(case.model),
+        loss_fn(case.model),
+        case.schedule,
+        n_mb,
+        two_bp=True,
+        costs="profile",
+        example_input=example,
+        device="cpu",
+        timeout=30.0,
+    )
+    assert probe.plan is not None
+    costs, schedule = probe.plan.costs, probe.plan.schedule
+    probe.close()
+    assert costs.weight_grad_bytes is not None
+    peaks = simulate(schedule, costs).peak_memory
+    return max(
+        peak - n_mb / 2 * sum(costs.weight_grad_bytes[s] for s in schedule.stages_of(rank))
+        for rank, peak in enumerate(peaks)
+    )
+
+
 def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int) -> Pipeline:
     # recompute="auto" plans on unit costs: which stashes are rebuilt is fixed by the limit.
-    planned = {} if case.memory_limit is None else {"costs": unit_costs()}
+    planned = {} if case.memory_limit is None or case.profiled else {"costs": unit_costs()}
     return Pipeline(
         blocks,
         loss,
@@ -97,9 +126,16 @@ def _pipeline(blocks: list[nn.Module], loss: Any, case: RecomputeCase, n_mb: int
 
 
 def train(case: RecomputeCase, n_mb: int, batch_size: int) -> dict[str, Any]:
-    """Train a reference model for a few AdamW steps; losses, first gradients, final state."""
+    """Train a reference model for a few AdamW steps; losses, first gradients, final state.
+
+    A profiled case plans at its first step (no example input, no cost model), so
+    every rank is given the whole batch, which it plans on."""
+    if case.profiled:
+        inputs = make_batch(case.model, 0, batch_size)[0]
+        limit = half_the_stashes(case, n_mb, inputs[: batch_size // n_mb])
+        case = replace(case, memory_limit=limit)
     pipe = _pipeline(build_blocks(case.model), loss_fn(case.model), case, n_mb)
-    losses, grads = train_steps(pipe, case.model, batch_size)
+    losses, grads = train_steps(pipe, case.model, batch_size, every_rank=case.profiled)
     out = {"losses": losses, "grads": grads, "state": pipe.state_dict()}
     out["rebuilt"] = rebuilt_microbatches(pipe.schedule)
     out["schedule"] = str(pipe.schedule)

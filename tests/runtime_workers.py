@@ -90,15 +90,17 @@ def train_case(case: Case, n_mb: int, batch_size: int, timeout: float) -> dict[s
 
 
 def train_steps(
-    pipe: Pipeline, model: str, batch_size: int
+    pipe: Pipeline, model: str, batch_size: int, every_rank: bool = False
 ) -> tuple[list[float], dict[str, Tensor]]:
     """:data:`N_STEPS` AdamW steps of ``pipe`` on ``model``'s batches: the losses, and the
-    gradients of the first step (what the tests compare with one process)."""
+    gradients of the first step (what the tests compare with one process). ``every_rank``
+    passes the whole batch to every rank (a pipeline that plans at its first step)."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(N_STEPS):
         inputs, targets = make_batch(model, step, batch_size)
-        losses.append(pipe.step(*needed_batches(pipe, inputs, targets)))
+        given = (inputs, targets) if every_rank else needed_batches(pipe, inputs, targets)
+        losses.append(pipe.step(*given))
         if step == 0:
             grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         optimizer.step()

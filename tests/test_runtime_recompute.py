@@ -38,6 +38,8 @@ TRAINED = [
     # recompute="auto" on unit costs: the stashes over the limit rebuilt, the rest kept.
     *(RecomputeCase("mlp", "1f1b", "auto", memory_limit=limit) for limit in (3.5, 3.0)),
     RecomputeCase("transformer", "1f1b", "auto", memory_limit=3.0),
+    # Planned at the first step on the profiled blocks, half the stashes within the limit.
+    RecomputeCase("mlp", "1f1b", "auto", profiled=True),
 ]
 DROPOUT = [
     *(
