@@ -180,4 +180,33 @@ def checkpoints(folder: str) -> dict[str, Any]:
     wide.load(f"{folder}/sharded", wide_optimizer)
     out["wide third"] = _one_step(wide, wide_optimizer, 2)
     out["wide state"] = wide.state_dict()
+    wide.close()
+    out["half"] = _half_precision_masters()
     return out
+
+
+def _half_precision_masters() -> dict[str, bool]:
+    """bfloat16 parameters, 4 copies of one rank, 2 steps: the optimizer steps float32
+    master shards, and the gathered parameters are the masters rounded."""
+    blocks = [b.to(torch.bfloat16) for b in build_blocks("mlp")]
+    pipe = Pipeline(blocks, loss_fn("mlp"), "1f1b", n_microbatches=2, data_parallel=4, timeout=60.0)
+    optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+    for step in range(2):
+        inputs, targets = _global_part(pipe, step)
+        pipe.step(inputs.bfloat16(), targets.bfloat16())
+        pipe.clip_grad_norm_(CLIP)
+        optimizer.step()
+        pipe.zero_grad()
+    list(pipe.parameters())  # waits for the gathers
+    sharded = pipe.state.sharded
+    assert sharded is not None
+    masters = [s.master for s in sharded.shards]
+    mine = [s.flat[s.layout.start : s.layout.stop] for s in sharded.shards]
+    pipe.close()
+    return {
+        "float32": all(m.dtype == torch.float32 for m in masters),
+        "rounded": all(
+            torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, mine, strict=True)
+        ),
+        "finer": any(not torch.equal(m, p.float()) for m, p in zip(masters, mine, strict=True)),
+    }
