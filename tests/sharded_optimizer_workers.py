@@ -181,29 +181,47 @@ def checkpoints(folder: str) -> dict[str, Any]:
     out["wide third"] = _one_step(wide, wide_optimizer, 2)
     out["wide state"] = wide.state_dict()
     wide.close()
-    out["half"] = _half_precision_masters()
+    out["half"] = _half_precision_masters(folder)
     return out
 
 
-def _half_precision_masters() -> dict[str, bool]:
-    """bfloat16 parameters, 4 copies of one rank, 2 steps: the optimizer steps float32
-    master shards, and the gathered parameters are the masters rounded."""
+def _half_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, step: int) -> None:
+    inputs, targets = _global_part(pipe, step)
+    pipe.step(inputs.bfloat16(), targets.bfloat16())
+    pipe.clip_grad_norm_(CLIP)
+    optimizer.step()
+    pipe.zero_grad()
+
+
+def _half_pipeline() -> Pipeline:
     blocks = [b.to(torch.bfloat16) for b in build_blocks("mlp")]
-    pipe = Pipeline(blocks, loss_fn("mlp"), "1f1b", n_microbatches=2, data_parallel=4, timeout=60.0)
+    return Pipeline(blocks, loss_fn("mlp"), "1f1b", n_microbatches=2, data_parallel=4, timeout=60.0)
+
+
+def _half_precision_masters(folder: str) -> dict[str, bool]:
+    """bfloat16 parameters, 4 copies of one rank, 2 steps: the optimizer steps float32
+    master shards, the gathered parameters are the masters rounded, and a checkpoint
+    after the first step resumes the masters themselves."""
+    pipe = _half_pipeline()
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
-    for step in range(2):
-        inputs, targets = _global_part(pipe, step)
-        pipe.step(inputs.bfloat16(), targets.bfloat16())
-        pipe.clip_grad_norm_(CLIP)
-        optimizer.step()
-        pipe.zero_grad()
+    _half_step(pipe, optimizer, 0)
+    pipe.save(f"{folder}/half", optimizer)
+    _half_step(pipe, optimizer, 1)
     list(pipe.parameters())  # waits for the gathers
     sharded = pipe.state.sharded
     assert sharded is not None
-    masters = [s.master for s in sharded.shards]
+    masters = [s.master.detach().clone() for s in sharded.shards]
     mine = [s.flat[s.layout.start : s.layout.stop] for s in sharded.shards]
     pipe.close()
+    again = _half_pipeline()
+    again_optimizer = again.shard_optimizer(torch.optim.AdamW, lr=LR)
+    again.load(f"{folder}/half", again_optimizer)
+    _half_step(again, again_optimizer, 1)
+    assert again.state.sharded is not None
+    resumed = [s.master for s in again.state.sharded.shards]
+    again.close()
     return {
+        "resumed": all(torch.equal(a, b) for a, b in zip(masters, resumed, strict=True)),
         "float32": all(m.dtype == torch.float32 for m in masters),
         "rounded": all(
             torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, mine, strict=True)

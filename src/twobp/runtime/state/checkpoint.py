@@ -75,6 +75,7 @@ from twobp.runtime.state.checkpoint_files import (
 )
 from twobp.runtime.state.checkpoint_shards import (
     load_sharded_state,
+    master_targets,
     sharded_entries,
     sharded_names,
     sharded_targets,
@@ -337,6 +338,8 @@ class _LoadPlan:
     step: int
     shards: dict[int, dict[str, Any]] | None = None
     """A sharded optimizer's state by the index of its parameters, filled by DCP."""
+    masters: dict[int, Tensor] | None = None
+    """A sharded optimizer's float32 master shards by shard index, filled by DCP."""
     grad_scaler: dict[str, Any] | None = None
     """The loss scaler's state (None: saved without one, or from a disabled one)."""
 
@@ -379,6 +382,8 @@ def load(
         groups = optimizer_state(plan.optimizer, {}, [])["param_groups"]
         order = sharded_names(sharded, parameter_names(pipe.named_parameters()))
         load_sharded_state(optimizer, plan.shards, groups, order[0] if order else None)
+        # The float32 masters saved with it, rather than the loaded parameters rounded.
+        sharded.load_masters(plan.masters or {})
     elif optimizer is not None and plan.optimizer is not None:
         names = parameter_names(pipe.named_parameters())
         saved = optimizer_state(plan.optimizer, plan.tensors, list(names.values()))
@@ -457,14 +462,17 @@ def _plan(
             f"{folder} is incomplete: its DCP metadata has no {', '.join(absent[:3])}"
         )
     tensors: dict[str, Any] = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in wanted}
-    shards = None
+    shards = masters = None
     if sharded is not None and optimizer_json is not None:
         targets, shards = sharded_targets(sharded, optimizer_json, stored, by_id)
+        tensors.update(targets)
+        targets, masters = master_targets(sharded, stored)
         tensors.update(targets)
     return _LoadPlan(
         folder=folder,
         tensors=tensors,
         shards=shards,
+        masters=masters,
         own=list(own),
         optimizer=optimizer_json,
         rng=rng,

@@ -13,6 +13,12 @@ boxes of its ranges), and either onto any number of copies and ranks.
 A 0-dim value of the state (AdamW's ``step``), the same for every element of
 a shard, is written once per parameter, by the rank whose shard holds the
 parameter's first element.
+
+The float32 master shards of half-precision parameters are written the same
+way, as ``optimizer.master.<name>`` (float32, the parameter's shape): a
+sharded optimizer that loads the checkpoint resumes from them (on any layout),
+one whose checkpoint has none (an unsharded or float32 one) starts its masters
+from the loaded parameters, and an unsharded optimizer ignores them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from twobp.runtime.state.checkpoint_entries import OPTIMIZER_STATE, check_json
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
 from twobp.runtime.state.lazy import storage
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
+
+MASTER = "optimizer.master."
+"""Checkpoint names of the float32 master weights of half-precision parameters."""
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]
 """A box of a tensor: its offsets, its sizes, and where it starts in the flat range."""
@@ -135,6 +144,12 @@ def sharded_entries(
                 )
             elif first == 0:
                 tensors[f"{OPTIMIZER_STATE}{name}.{key}"] = value.detach().clone()
+    for shard, name, first, stop, at in sharded.pieces():
+        if shard.copies_master:
+            part = shard.master.detach()[at : at + stop - first].clone()
+            tensors[f"{MASTER}{name}"] = storage.Pieces(
+                shapes[name], part.dtype, _piece_boxes(shapes[name], first, stop, part)
+            )
     for p in sharded.whole:
         name = whole_names[id(p)]
         keys, values = [], {}
@@ -229,6 +244,34 @@ def sharded_targets(
             )
         states[offset + i] = out
     return targets, states
+
+
+def master_targets(
+    sharded: ShardedParameters, stored: Mapping[str, tuple[list[int], torch.dtype]]
+) -> tuple[dict[str, Any], dict[int, Tensor]]:
+    """What DCP fills to load the float32 master shards a checkpoint holds.
+
+    Returns:
+        The targets by checkpoint name, and the master of each shard (by its
+        index) that they fill: only the shards of half-precision parameters
+        whose every piece the checkpoint holds.
+    """
+    targets: dict[str, Any] = {}
+    masters: dict[int, Tensor] = {}
+    for index, shard in enumerate(sharded.shards):
+        pieces = [(n, f, s, at) for sh, n, f, s, at in sharded.pieces() if sh is shard]
+        if not shard.copies_master or any(f"{MASTER}{n}" not in stored for n, *_ in pieces):
+            continue
+        flat = torch.zeros(shard.layout.size, dtype=torch.float32)
+        for name, first, stop, at in pieces:
+            full, dtype = stored[f"{MASTER}{name}"]
+            part = flat[at : at + stop - first]
+            # The part of a parameter in one shard: one piece of it here.
+            targets[f"{MASTER}{name}"] = storage.Pieces(
+                full, dtype, _piece_boxes(full, first, stop, part)
+            )
+        masters[index] = flat
+    return targets, masters
 
 
 def load_sharded_state(

@@ -270,6 +270,12 @@ class ShardedParameters:
             if shard.copies_master:
                 shard.master.copy_(shard.flat[shard.layout.start : shard.layout.stop])
 
+    @torch.no_grad()
+    def load_masters(self, masters: Mapping[int, Tensor]) -> None:
+        """Copy loaded float32 master shards (by shard index) into the masters."""
+        for index, flat in masters.items():
+            self.shards[index].master.copy_(flat)
+
     def abandon(self) -> None:
         """Forget the gathers in flight and the blocks' hooks (the pipeline closes)."""
         self.gathers.abandon()
