@@ -1,7 +1,9 @@
 """Measure the pipeline bubble and throughput of a schedule with and without 2BP.
 
 Starts 2 local ranks (1 thread each by default) and trains a reference model
-with the schedule fused (``B``) and split by each 2BP policy. The
+with the schedule fused (``B``), split by each 2BP policy, and as ``two_bp``
+left unset does (``default``: split on the stages where a profile of the
+blocks says it pays; the choice is printed). The
 configurations take turns step by step, so that a machine shared with other
 work slows them alike. For each it prints the measured bubble ratio (idle
 share of the step's compute timeline, averaged over ranks, from the runtime's
@@ -25,20 +27,26 @@ from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
 from twobp.timeline import bubble_ratio
 
+DEFAULT = "default"
+"""The configuration that leaves two_bp unset."""
+
 
 def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train every configuration on this rank, in turns; figures of the measured steps."""
     policies: list[str | None] = [None, *args.policies.split(",")]
     runs = []
-    for policy in policies:
+    for policy in [*policies, DEFAULT]:
         spec = build_model(args.model, args.size)
+        first = spec.make_batch(args.batch_size, 0)[0][: args.batch_size // args.microbatches]
         pipe = Pipeline(
             spec.blocks,
             spec.loss_fn,
             schedule=args.schedule,
             n_microbatches=args.microbatches,
-            two_bp=policy is not None,
-            two_bp_policy=policy or "paper",
+            # DEFAULT: two_bp unset, with the first micro-batch to profile on.
+            two_bp=None if policy == DEFAULT else policy is not None,
+            two_bp_policy="paper" if policy in (None, DEFAULT) else policy,
+            example_input=first if policy == DEFAULT else None,
         )
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
         runs.append({"spec": spec, "pipe": pipe, "opt": optimizer, "seconds": [], "bubbles": []})
@@ -56,7 +64,9 @@ def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 run["bubbles"].append(bubble_ratio(spans))
     return [
         {
-            "schedule": run["pipe"].schedule.name,
+            "schedule": ("default: " if run["pipe"].two_bp_choice else "")
+            + run["pipe"].schedule.name,
+            "choice": run["pipe"].two_bp_choice,
             "step_s": statistics.median(run["seconds"]),
             "bubble": statistics.median(run["bubbles"]),
         }
@@ -82,10 +92,17 @@ def main() -> None:
         f"{args.model}-{args.size}, {args.ranks} ranks x {args.threads} thread(s), "
         f"batch {args.batch_size} in {args.microbatches} micro-batches"
     )
-    print(f"{'schedule':<24} {'bubble':>7} {'step (s)':>9} {'samples/s':>10}")
+    fused = results[0]["step_s"]
+    print(f"{'schedule':<32} {'bubble':>7} {'step (s)':>9} {'samples/s':>10} {'vs no 2BP':>10}")
     for r in results:
         rate = args.batch_size / r["step_s"]
-        print(f"{r['schedule']:<24} {r['bubble']:>7.1%} {r['step_s']:>9.3f} {rate:>10.1f}")
+        print(
+            f"{r['schedule']:<32} {r['bubble']:>7.1%} {r['step_s']:>9.3f} {rate:>10.1f} "
+            f"{fused / r['step_s']:>9.2f}x"
+        )
+    choice = results[-1]["choice"]
+    if choice is not None:
+        print(f"default: {choice.summary()}")
 
 
 if __name__ == "__main__":

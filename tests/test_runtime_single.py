@@ -23,6 +23,7 @@ from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.setup.pipeline_plan import default_partition
 from twobp.runtime.setup.replicas import shared_parameters
 from twobp.schedule import SCHEDULES, generate
+from twobp.sim.split_choice import SPLIT_MARGIN
 
 N_MB = 4
 TOL = 1e-10
@@ -173,7 +174,7 @@ def test_the_default_two_bp_splits_the_stages_a_profile_finds_it_pays_on(monkeyp
     )
     (choice,) = chosen
     assert pipe.two_bp_choice == choice and len(choice.split) == 2
-    assert choice.step <= min(choice.fused_step, choice.split_step)
+    assert choice.step <= min(choice.fused_step, choice.split_step) * (1 + SPLIT_MARGIN)
     want = prepare("interleaved-1f1b", n_ranks=1, n_microbatches=N_MB, two_bp=choice.split)
     assert pipe.schedule == want
     # Set, or without an example input: as before (True splits every stage), nothing profiled.

@@ -38,7 +38,13 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
     assert metrics["loss_last"] < metrics["loss_first"] - 0.5
     assert set(metrics["bubble_ratio_per_rank"]) == {"0", "1"}
     assert all(0.0 <= b < 1.0 for b in metrics["bubble_ratio_per_rank"].values())
-    assert "samples/s" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "samples/s" in printed.out
+    # two_bp unset: the stages that split were chosen by a profile, and the run says so.
+    choice = metrics["ran"]["two_bp_choice"]
+    assert choice.startswith("2BP on ")
+    assert metrics["ran"]["two_bp"] == ("no stage" not in choice)
+    assert f"chosen by a profile (two_bp unset): {choice}" in (out / "report.md").read_text()
 
 
 def _one_process_losses(argv: list[str]) -> list[float]:

@@ -50,7 +50,13 @@ class TrainConfig:
         None,
     )
     auto_trials: int = doc(option_help("auto_trials"), 6)
-    two_bp: bool = doc(option_help("two_bp"), True)
+    two_bp: bool | None = doc(
+        "split each backward into I and W (2BP; placing W by --policy); --no-two-bp: fused B "
+        "on every stage; default: on the stages where it pays, by a profile of the blocks on "
+        "the first micro-batch and a simulation of each stage split or fused (the report says "
+        "which and the predicted steps)",
+        None,
+    )
     policy: str = doc(option_help("two_bp_policy"), "paper", choices=tuple(TWO_BP_POLICIES))
     ranks: int = doc("local ranks to start (ignored under torchrun, which sets them)", 2)
     data_parallel: int = doc(

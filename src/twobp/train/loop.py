@@ -161,10 +161,11 @@ def _train_rank(
         recompute=cfg.recompute,
         weight_group_size=cfg.weight_group_size,
         autocast=autocast_dtype(cfg),
+        # The first micro-batch: what a balanced partition, the default two_bp and auto
+        # profile the blocks on.
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if (cfg.partition in (None, "balanced") or cfg.schedule == "auto")
-            and isinstance(cfg.microbatches, int)
+            if isinstance(cfg.microbatches, int)
             else None
         ),
         data_parallel=cfg.data_parallel,
@@ -183,6 +184,8 @@ def _train_rank(
         pipe.plan_on(first)
     if pipe.plan is not None and pipe.rank == 0:
         print(pipe.plan, file=progress_stream or sys.stderr)
+    if pipe.two_bp_choice is not None and pipe.rank == 0:
+        print(pipe.two_bp_choice.summary(), file=progress_stream or sys.stderr)
     result = RankResult(
         rank=pipe.rank,
         stage_blocks=[list(r) for r in pipe.stage_blocks],

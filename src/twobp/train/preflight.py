@@ -250,7 +250,7 @@ def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
             cfg.schedule,
             n_ranks=n_ranks,
             n_microbatches=cfg.microbatches if isinstance(cfg.microbatches, int) else None,
-            two_bp=cfg.two_bp,
+            two_bp=cfg.two_bp is not False,
             policy=cfg.policy,
             stages_per_rank=cfg.stages_per_rank,
         )

@@ -176,7 +176,9 @@ def run_title(cfg: TrainConfig, ran: dict[str, Any]) -> str:
     """``"llama-tiny 1f1b 2BP:paper"``: the model and the schedule that ran (``auto``'s
     choice, marked so) (pure)."""
     if not ran:
-        return f"{run_name(cfg)} {cfg.schedule}" + (f" 2BP:{cfg.policy}" if cfg.two_bp else "")
+        return f"{run_name(cfg)} {cfg.schedule}" + (
+            f" 2BP:{cfg.policy}" if cfg.two_bp is not False else ""
+        )
     chosen = " (auto)" if ran.get("auto") else ""
     two_bp = f" 2BP:{ran['policy']}" if ran["two_bp"] else ""
     return f"{run_name(cfg)} {ran['schedule']}{two_bp}{chosen}"
@@ -271,6 +273,8 @@ def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
         f"rank, partition {ran['partition']}; {ran['data_parallel']} data-parallel "
         f"cop{'y' if ran['data_parallel'] == 1 else 'ies'}; recompute: {ran['recompute']}",
     ]
+    if ran.get("two_bp_choice"):
+        lines.append(f"- chosen by a profile (two_bp unset): {ran['two_bp_choice']}")
     auto = ran.get("auto")
     if auto:
         measured = auto["measured_step_s"]

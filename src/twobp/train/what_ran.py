@@ -45,6 +45,8 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
         "precision": precision,
         "scaler": _scaler_name(scaler),
         "auto": None,
+        # two_bp unset: the stages 2BP was found to pay on, and the predictions.
+        "two_bp_choice": None if pipe.two_bp_choice is None else pipe.two_bp_choice.summary(),
     }
     rebuilt = rebuilt_microbatches(schedule)
     if rebuilt:
