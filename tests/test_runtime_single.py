@@ -187,6 +187,10 @@ def test_the_default_two_bp_splits_the_stages_a_profile_finds_it_pays_on(monkeyp
         _pipe(schedule="interleaved-1f1b", two_bp=[True])
     with pytest.raises(PipelineConfigError, match="schedule='auto', which chooses 2BP"):
         _pipe(schedule="auto", two_bp=[True, False], example_input=example)
+    with pytest.raises(PipelineConfigError, match="one per stage\\) with costs='profile'"):
+        _pipe(schedule="1f1b", two_bp=[True, False], costs="profile", example_input=example)
+    with pytest.raises(PipelineConfigError, match="one per stage\\) with recompute='auto'"):
+        _pipe(two_bp=[True, False], recompute="auto", memory_limit=1e9, example_input=example)
 
 
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):

@@ -157,6 +157,14 @@ def plan_pipeline(
         )
     if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs) or rebuilding):
         fixed = schedule != AUTO
+        if isinstance(two_bp, (list, tuple)):
+            # The planned path searches policies for every stage alike.
+            planned_by = "recompute='auto'" if rebuilding else f"costs={costs!r}"
+            raise PipelineConfigError(
+                f"two_bp={list(two_bp)!r} (one per stage) with {planned_by}, which plans "
+                "2BP the same on every stage: pass True, False or None, or drop "
+                f"{planned_by.split('=')[0]}"
+            )
         n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
         planned_counts, examples = _microbatches(n_microbatches, sample, n_ranks)
         if examples is not None:
