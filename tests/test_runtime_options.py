@@ -33,8 +33,8 @@ def test_every_option_is_documented():
 
 
 def test_train_options_of_the_same_meaning_share_the_documentation():
+    # (--two-bp is a switch of its own: no per-stage list, and its default always profiles.)
     shared = {
-        "two_bp": "two_bp",
         "policy": "two_bp_policy",
         "weight_group_size": "weight_group_size",
         "timeout": "timeout",

@@ -55,7 +55,8 @@ class PipelineOptions:
         metadata=_help(
             "split each backward into I and W (placing W by two_bp_policy); False runs fused B "
             "(split schedules are merged); one bool per stage of the model splits those stages "
-            "only (not with schedule='auto', costs='profile' or recompute='auto'); None: where a profile says 2BP pays (a schedule by name with example_input: "
+            "only (not with schedule='auto', costs='profile' or recompute='auto'); None: where "
+            "a profile says 2BP pays (a schedule by name with example_input: "
             "rank 0 profiles the blocks and simulates each stage split or fused), else True"
         ),
     )
