@@ -184,9 +184,9 @@ def late_reduction() -> dict[str, Any]:
         stage = pipe.stages[1]
         weight = stage.weight
 
-        def late_weight(mbs: Any, group_size: int | None) -> None:
+        def late_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
             time.sleep(LATE)
-            weight(mbs, group_size)
+            weight(mbs, group_size, **options)
 
         stage.weight = late_weight  # type: ignore[method-assign]
     inputs, targets = make_batch("mlp", 0, PART)

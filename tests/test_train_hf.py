@@ -19,7 +19,7 @@ def test_a_hugging_face_llama_trains_on_two_ranks(tmp_path):
         [
             "train", "--hf-config", "llama", "--size", "tiny", "--steps", "3",
             "--batch-size", "4", "--microbatches", "2", "--seq-len", "16", "--warmup", "1",
-            "--threads", "1", "--timeout", "60", "--no-save", "--out", str(out),
+            "--threads", "1", "--timeout", "60", "--no-save", "--two-bp", "--out", str(out),
         ]
     )  # fmt: skip
     assert code == 0
