@@ -38,7 +38,7 @@ TRAINED = [
     # recompute="auto" on unit costs: the stashes over the limit rebuilt, the rest kept.
     *(RecomputeCase("mlp", "1f1b", "auto", memory_limit=limit) for limit in (3.5, 3.0)),
     RecomputeCase("transformer", "1f1b", "auto", memory_limit=3.0),
-    # Planned at the first step on the profiled blocks, half the stashes within the limit.
+    # Planned at the first step on the profiled blocks, 3/4 of the stashes within the limit.
     RecomputeCase("mlp", "1f1b", "auto", profiled=True),
 ]
 DROPOUT = [
