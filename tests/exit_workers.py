@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twobp.runtime import Pipeline, PipelineClosedError, PipelineConfigError
+from twobp.runtime.communication.collective import complete, holders_of
 
 
 def blocks() -> list[nn.Module]:
@@ -54,6 +55,28 @@ def steps_after_mistakes() -> int:
     other = Pipeline(blocks(), F.mse_loss, schedule="gpipe", n_microbatches=2)
     other.step(x, x[:, :1])
     return 1
+
+
+def held_after_collectives(rounds: int, wait: bool) -> int:
+    """How many of ``rounds`` all-reduces returned while gloo still held their tensor.
+
+    ``wait``: through :func:`complete`, as every collective of twobp; otherwise
+    plain torch, waited on and its handle dropped (what a script does).
+    """
+    tensor = torch.ones(1000)
+    held = 0
+    for _ in range(rounds):
+        before = holders_of(tensor)
+        post = lambda: dist.all_reduce(tensor, async_op=True)  # noqa: E731
+        if wait:
+            rank = dist.get_rank()
+            complete(post, tensor, rank=rank, peer=None, where="", what="", timeout=60.0)
+        else:
+            work = post()
+            work.wait()
+            del work
+        held += holders_of(tensor) > before
+    return held
 
 
 def _gloo_threads() -> int:
