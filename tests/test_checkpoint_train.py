@@ -33,6 +33,8 @@ from twobp.train.preflight import check_config
 OPTIONS = [
     "--steps", "6", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
     "--dtype", "float64", "--threads", "1", "--timeout", "30", "--warmup", "2",
+    # 2BP named: the default chooses its stages from a profile, which a resume takes again.
+    "--two-bp",
 ]  # fmt: skip
 
 
