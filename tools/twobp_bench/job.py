@@ -377,21 +377,12 @@ def _build(
             weight_group_size=plan.weight_group_size,
             shared=share,
         )
-    if variant.framework == matrix.TORCH:
-        return TorchRunner(
-            variant,
-            blocks,
-            spec.loss_fn,
-            m,
-            partition,
-            inputs,
-            targets,
-            rank=rank,
-            n_ranks=plan.n_ranks,
-            device=device,
-        )
-    if variant.framework == matrix.DEEPSPEED:
-        return DeepSpeedRunner(
+    peers: dict[str, type[TorchRunner] | type[DeepSpeedRunner]] = {
+        matrix.TORCH: TorchRunner,
+        matrix.DEEPSPEED: DeepSpeedRunner,
+    }
+    if variant.framework in peers:
+        return peers[variant.framework](
             variant,
             blocks,
             spec.loss_fn,

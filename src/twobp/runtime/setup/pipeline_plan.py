@@ -217,6 +217,22 @@ def plan_pipeline(
     profiled_split = (
         auto is None and two_bp is None and example_input is not None and _named(schedule)
     )
+
+    def prepared(split: TwoBP) -> Schedule:
+        """The schedule by name, prepared with ``split`` as its 2BP."""
+        assert not isinstance(n_microbatches, str)  # check_microbatches refused it
+        return prepare(
+            schedule,
+            n_ranks=n_ranks,
+            n_microbatches=n_microbatches,
+            two_bp=split,
+            policy=policy,
+            stages_per_rank=stages_per_rank,
+            costs=cost_model(costs),
+            data_parallel=data_parallel,
+            tied=tied,
+        )
+
     try:
         if auto is None and memory_limit is not None:
             raise PipelineConfigError(
@@ -232,18 +248,7 @@ def plan_pipeline(
             # What the search simulated is what runs: nothing prepares it again.
             resolved = auto.schedule
         else:
-            assert not isinstance(n_microbatches, str)  # check_microbatches refused it
-            resolved = prepare(
-                schedule,
-                n_ranks=n_ranks,
-                n_microbatches=n_microbatches,
-                two_bp=True if two_bp is None else two_bp,
-                policy=policy,
-                stages_per_rank=stages_per_rank,
-                costs=cost_model(costs),
-                data_parallel=data_parallel,
-                tied=tied,
-            )
+            resolved = prepared(True if two_bp is None else two_bp)
         partition = default_partition(resolved, partition, example_input)
         counts = stage_counts(len(blocks), resolved.pipeline_stages, partition)
         if counts is None:
@@ -279,17 +284,7 @@ def plan_pipeline(
             reduce=reduces(sourced, data_parallel, tied),
             data_parallel=data_parallel,
         )
-        resolved = prepare(
-            schedule,
-            n_ranks=n_ranks,
-            n_microbatches=n_microbatches,
-            two_bp=choice.split,
-            policy=policy,
-            stages_per_rank=stages_per_rank,
-            costs=cost_model(costs),
-            data_parallel=data_parallel,
-            tied=tied,
-        )
+        resolved = prepared(choice.split)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice)
 
 
