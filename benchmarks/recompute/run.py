@@ -49,6 +49,28 @@ WARMUP = 2
 ROUNDS = 7
 
 
+def alternate(
+    pipes: dict[str, Pipeline], inputs: Any, targets: Any
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Step every pipeline in turn, round after round: each one's timed steps (seconds)
+    and its step peak, measured in the last warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    peaks: dict[str, int] = {}
+    for round_index in range(WARMUP + ROUNDS):
+        for name, pipe in pipes.items():
+            dist.barrier()
+            if round_index == WARMUP - 1:
+                peaks[name] = step_peak_bytes(lambda p=pipe: p.step(inputs, targets), pipe.device)
+            else:
+                start = time.perf_counter()
+                pipe.step(inputs, targets)
+                dist.barrier()
+                if round_index >= WARMUP:
+                    times[name].append(time.perf_counter() - start)
+            pipe.zero_grad()
+    return times, peaks
+
+
 def mlp_blocks(n_blocks: int = 8, width: int = 256, hidden: int = 1024) -> list[nn.Module]:
     """MLP blocks (linear, GELU, linear, layer norm) and a linear head, from a fixed seed."""
     torch.manual_seed(0)
@@ -117,20 +139,7 @@ def large_regime() -> dict[str, Any]:
         )
         for name, options in VARIANTS.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in pipes}
-    peaks: dict[str, int] = {}
-    for round_index in range(WARMUP + ROUNDS):
-        for name, pipe in pipes.items():
-            dist.barrier()
-            if round_index == WARMUP - 1:
-                peaks[name] = step_peak_bytes(lambda p=pipe: p.step(inputs, targets), pipe.device)
-            else:
-                start = time.perf_counter()
-                pipe.step(inputs, targets)
-                dist.barrier()
-                if round_index >= WARMUP:
-                    times[name].append(time.perf_counter() - start)
-            pipe.zero_grad()
+    times, peaks = alternate(pipes, inputs, targets)
     memory = {name: pipe.memory_stats() for name, pipe in pipes.items()}
     bubbles = {name: bubble_ratio(pipe.local_spans) for name, pipe in pipes.items()}
     for pipe in pipes.values():
@@ -207,20 +216,7 @@ def auto_at_half() -> dict[str, Any]:
         name: Pipeline(copy.deepcopy(spec.blocks), spec.loss_fn, schedule, N_MB, device="cpu", **o)
         for name, (schedule, o) in variants.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in pipes}
-    peaks: dict[str, int] = {}
-    for round_index in range(WARMUP + ROUNDS):
-        for name, pipe in pipes.items():
-            dist.barrier()
-            if round_index == WARMUP - 1:
-                peaks[name] = step_peak_bytes(lambda p=pipe: p.step(inputs, targets), pipe.device)
-            else:
-                start = time.perf_counter()
-                pipe.step(inputs, targets)
-                dist.barrier()
-                if round_index >= WARMUP:
-                    times[name].append(time.perf_counter() - start)
-            pipe.zero_grad()
+    times, peaks = alternate(pipes, inputs, targets)
     out = {
         "step_s": {n: statistics.median(t) for n, t in times.items()},
         "peak": peaks,
