@@ -33,7 +33,9 @@ from twobp.train.preflight import check_config
 OPTIONS = [
     "--steps", "6", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
     "--dtype", "float64", "--threads", "1", "--timeout", "30", "--warmup", "2",
-    # 2BP named: the default chooses its stages from a profile, which a resume takes again.
+    # 2BP named: the default chooses its stages from a profile, and the runs compared
+    # bitwise with the reference each start afresh (a resume reuses its run's choice:
+    # test_train_metrics).
     "--two-bp",
 ]  # fmt: skip
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 
 from twobp.cli.main import main
+from twobp.runtime.state.checkpoint import read_manifest
 from twobp.train.metrics import MetricsLog, StepMetrics, read_records
 from twobp.train.progress import Progress
+from twobp.train.what_ran import resumed_split_text
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 OPTIONS = [
     "--steps", "6", "--batch-size", "4", "--microbatches", "2", "--seq-len", "16",
     "--dtype", "float64", "--threads", "1", "--timeout", "60", "--warmup", "2",
-    # 2BP named: the default chooses its stages from a profile, which a resume takes again.
-    "--two-bp",
 ]  # fmt: skip
 
 
@@ -57,8 +57,11 @@ def test_a_run_writes_jsonl_and_tensorboard_and_a_resume_continues_them(tmp_path
     assert _scalars(out, "optimizer/grad_norm")[6] == pytest.approx(records[-1]["grad_norm"])
     assert set(_scalars(out, "memory/peak_rss_mib/rank1")) == {2, 4, 6}
     # Resumed from step 4 into the same folder, logging every step: steps 5 and 6 run again
-    # (--overwrite: the step-6 checkpoint is replaced).
+    # (--overwrite: the step-6 checkpoint is replaced). two_bp is unset: the resume splits
+    # the stages the first run's profile chose, not a new profile's choice.
     source = out / "checkpoints" / "step-00000004"
+    chosen = read_manifest(source)["meta"]["two_bp_split"]["split"]
+    assert len(chosen) == 2
     resumed = ["--resume", str(source), "--log-every", "1", "--grad-clip", "0", "--overwrite"]
     resumed += ["--out", str(out)]
     assert main(["train", *OPTIONS, *resumed]) == 0
@@ -67,6 +70,7 @@ def test_a_run_writes_jsonl_and_tensorboard_and_a_resume_continues_them(tmp_path
     assert again[:2] == records[:2]
     assert again[3]["loss"] == records[2]["loss"]  # float64 on the CPU: bitwise the same
     assert _scalars(out, "loss/train") == {r["step"]: pytest.approx(r["loss"]) for r in again}
+    assert resumed_split_text(chosen) in (out / "report.md").read_text()
     capsys.readouterr()
 
 

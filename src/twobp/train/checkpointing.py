@@ -187,6 +187,50 @@ def resume(pipe: Pipeline, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
     return History()
 
 
+def split_layout(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The options that make the stages a profile chose 2BP on: the same stages again."""
+    return {
+        "world_size": world_size,
+        "schedule": cfg.schedule,
+        "stages_per_rank": cfg.stages_per_rank,
+        "partition": cfg.partition,
+        "data_parallel": cfg.data_parallel,
+    }
+
+
+def resumed_split(cfg: TrainConfig, world_size: int) -> list[bool] | None:
+    """With the default ``two_bp``, the stages the resumed run split its backward on.
+
+    A run with ``two_bp`` unset profiles its blocks and splits the stages where
+    2BP pays (``Pipeline.two_bp_choice``); its checkpoints record that choice.
+    A resume on the same stages (the same ranks, schedule, stages per rank,
+    partition and copies) runs the same choice instead of profiling again, so
+    that it computes what the uninterrupted run would have (bitwise on the
+    CPU). None: profile again (a fresh start, ``--two-bp``/``--no-two-bp``,
+    ``--schedule auto`` or ``--recompute auto``, which choose for themselves, a
+    checkpoint without a choice, or other stages).
+    """
+    if cfg.two_bp is not None or cfg.schedule == "auto" or cfg.recompute == "auto":
+        return None
+    source = resume_source(cfg)
+    if source is None:
+        return None
+    saved = read_manifest(source).get("meta", {}).get("two_bp_split")
+    if not saved or saved.get("layout") != split_layout(cfg, world_size):
+        return None
+    return [bool(b) for b in saved["split"]]
+
+
+def _ran_split(pipe: Pipeline, cfg: TrainConfig) -> list[bool] | None:
+    """The stages this run split by its own choice (two_bp unset), or None."""
+    if cfg.two_bp is not None:
+        return None
+    if pipe.two_bp_choice is not None:
+        return list(pipe.two_bp_choice.split)
+    given = pipe.options.two_bp
+    return list(given) if isinstance(given, (list, tuple)) else None
+
+
 def save_due(cfg: TrainConfig, done: int) -> bool:
     """True if the run saves a checkpoint after ``done`` steps."""
     if not cfg.save:
@@ -211,6 +255,12 @@ def save(
     when this returns (as is any earlier one).
     """
     meta: dict[str, Any] = {"config": dataclasses.asdict(cfg), "step": history.step}
+    split = _ran_split(pipe, cfg)
+    if split is not None:
+        meta["two_bp_split"] = {
+            "split": split,
+            "layout": split_layout(cfg, pipe.topology.members.size),
+        }
     return pipe.save(
         checkpoint_root(cfg),
         optimizer,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 
 from twobp.runtime import Pipeline
 from twobp.runtime.communication.collective import all_gather_objects
@@ -26,7 +27,7 @@ from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
 from twobp.train.stopping import StopSignals, agree_to_stop
 from twobp.train.task import Task, autocast_dtype, build_task, grad_scaler
-from twobp.train.what_ran import what_ran
+from twobp.train.what_ran import resumed_split_text, what_ran
 
 # Steps left out of the throughput figure: the first steps agree tensor shapes
 # and warm up the allocator and kernels.
@@ -146,12 +147,16 @@ def _train_rank(
 ) -> RankResult:
     task = build_task(cfg)
     scaler = grad_scaler(cfg)
+    # A resume runs the 2BP stages its checkpoint's run chose (two_bp unset), if any.
+    resumed_split = checkpointing.resumed_split(
+        cfg, dist.get_world_size() if dist.is_initialized() else 1
+    )
     pipe = Pipeline(
         task.spec.blocks,
         task.spec.loss_fn,
         schedule=cfg.schedule,
         n_microbatches=cfg.microbatches,
-        two_bp=cfg.two_bp,
+        two_bp=cfg.two_bp if resumed_split is None else resumed_split,
         partition=parse_partition(cfg.partition),
         two_bp_policy=cfg.policy,
         stages_per_rank=cfg.stages_per_rank,
@@ -186,6 +191,8 @@ def _train_rank(
         print(pipe.plan, file=progress_stream or sys.stderr)
     if pipe.two_bp_choice is not None and pipe.rank == 0:
         print(pipe.two_bp_choice.summary(), file=progress_stream or sys.stderr)
+    if resumed_split is not None and pipe.rank == 0:
+        print(resumed_split_text(resumed_split), file=progress_stream or sys.stderr)
     result = RankResult(
         rank=pipe.rank,
         stage_blocks=[list(r) for r in pipe.stage_blocks],

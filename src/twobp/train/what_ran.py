@@ -48,6 +48,11 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
         # two_bp unset: the stages 2BP was found to pay on, and the predictions.
         "two_bp_choice": None if pipe.two_bp_choice is None else pipe.two_bp_choice.summary(),
     }
+    given = pipe.options.two_bp
+    if cfg.two_bp is None and isinstance(given, (list, tuple)):
+        # A resume: the stages the run it continues chose (twobp.train.checkpointing).
+        ran["two_bp_choice"] = resumed_split_text(given)
+
     rebuilt = rebuilt_microbatches(schedule)
     if rebuilt:
         stashes = ", ".join(f"stage {s}: {list(m)}" for s, m in rebuilt.items())
@@ -65,6 +70,13 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
             "why": plan.summary(),
         }
     return ran
+
+
+def resumed_split_text(split: list[bool] | tuple[bool, ...]) -> str:
+    """One line: the stages a resume splits, as the run it continues chose (pure)."""
+    stages = [s for s, b in enumerate(split) if b]
+    which = ", ".join(map(str, stages)) if stages else "none"
+    return f"2BP on the stages the resumed run chose by its profile: {which} (not profiled again)"
 
 
 def _scaler_name(scaler: object) -> str:
