@@ -72,3 +72,6 @@ def test_compile_option_is_checked() -> None:
     assert compile_options({"regions": "eager"}) == {"regions": "eager"}
     with pytest.raises(PipelineConfigError, match="regions is one of 'measured'"):
         compile_options({"regions": "fast"})
+    assert compile_options({"norms": "routed"}) == {"norms": "routed"}
+    with pytest.raises(PipelineConfigError, match="norms is one of 'unfolded', 'routed'"):
+        compile_options({"norms": "whole"})

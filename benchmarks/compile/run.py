@@ -8,8 +8,11 @@ embedding, 4 decoders and the head), with m micro-batches per step:
   (inductor): the speed-up compile gives plain autograd on these blocks;
 - *pipelines*: 2 ranks (gloo, one thread each), 1F1B over 2 stages: twobp with 2BP
   eager, with ``compile=True`` (each region between the calls that read parameters
-  compiled or eager, the faster way timed on its first call) and with every region
-  compiled (``compile={"regions": "compiled"}``); ``torch.distributed.pipelining``'s
+  compiled or eager, the faster way timed on its first call; the RMS norms'
+  normalisation compiled with the region before them), with every region
+  compiled (``compile={"regions": "compiled"}``) and with the RMS norms routed whole
+  (``compile={"norms": "routed"}``, run eagerly by the capture);
+  ``torch.distributed.pipelining``'s
   ``Schedule1F1B`` and ``ScheduleGPipe`` with eager and with compiled stages.
 
 Every variant is built first and warmed up (compiled), then the variants step in
@@ -135,6 +138,7 @@ def _pipelines(regime: str, rounds: int) -> dict[str, dict[str, float]]:
         ("twobp eager", False),
         ("twobp compile", True),
         ("twobp compile, regions compiled", {"regions": "compiled"}),
+        ("twobp compile, norms routed", {"norms": "routed"}),
     )
     for name, compile_ in variants:
         spec = _spec(regime)[0]

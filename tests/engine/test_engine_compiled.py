@@ -1,8 +1,8 @@
 """The engine on compiled modules: the store defers and concatenates W as in eager mode.
 
 One model class (tests/compile_workers.Block: a norm, a linear, a weight read through
-its transpose, a gate left to autograd) compiled every way a user compiles it:
-``torch.compile(model)``, ``block.compile()`` in place, and
+its transpose, a gate left to autograd, an RMS norm compiled unfolded) compiled every
+way a user compiles it: ``torch.compile(model)``, ``block.compile()`` in place, and
 :func:`twobp.engine.compiled.compile_for_two_stage`, once with inductor. Compile time
 dominates: the compiled models are built once per module (fixtures) and shared.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from twobp.engine import defer_weight_grads
@@ -27,7 +28,9 @@ from twobp.engine.compiled import (
     routed_calls,
     split_at_routed_calls,
 )
+from twobp.engine.ops.norm import rms_norm_affine
 from twobp.engine.region_choice import RegionChoice, prefer_compiled
+from twobp.engine.unfolded_norms import NORM_MODES, unfold_rms_norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compile_workers import DIM, Block
@@ -137,7 +140,7 @@ def test_compiled_store_matches_eager(
         == {
             f"{b}.{p}"
             for b in (0, 1)
-            for p in ("norm.weight", "norm.bias", "up.weight", "up.bias", "down")
+            for p in ("norm.weight", "norm.bias", "up.weight", "up.bias", "down", "out_norm.weight")
         }
     )
     # W deferred: after every I only the gate had its gradient.
@@ -169,7 +172,7 @@ def test_compiled_store_concatenates_w(
     _, result = compiled
     kept = _stashes_then_w(result["store"])
     assert kept == _stashes_then_w(eager["store"])
-    assert kept[0] >= 2 * 3 * 2  # 2 blocks x (norm, up, down) x (input, output gradient)
+    assert kept[0] >= 2 * 4 * 2  # 2 blocks x (norm, up, down, out_norm) x (input, output grad)
 
 
 def test_compiled_module_outside_a_store_is_plain_autograd() -> None:
@@ -203,9 +206,39 @@ def test_routed_calls_are_the_reads_of_parameters() -> None:
     gm, inputs = graphs[0]
     routed = routed_calls(gm, inputs)
     names = sorted(getattr(f, "__name__", str(f)) for f in routed.values())
-    assert names == ["__matmul__", "layer_norm", "linear", "mul", "t"]
+    assert names == ["__matmul__", "layer_norm", "linear", "mul", "rms_norm", "t"]
     kept = [n for n in gm.graph.nodes if n.op.startswith("call") and n not in routed]
     assert [getattr(n.target, "__name__", n.target) for n in kept] == ["gelu", "add"]
+
+
+def test_rms_norm_unfolds_into_the_region_before_it() -> None:
+    """The RMS norm's normalisation joins the residual add's region; only its weight
+    product is routed (as F.rms_norm's deferred op); ``norms="routed"`` keeps it whole."""
+    graphs: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(copy.deepcopy(_model()[0]), backend=keep)(torch.randn(2, DIM))
+    ops = {}
+    for norms in NORM_MODES:
+        gm, inputs = graphs[0]
+        choices: list[RegionChoice] = []
+        split_at_routed_calls(
+            fx.GraphModule(gm, copy.deepcopy(gm.graph)), inputs, keep, "compiled", choices, norms
+        )
+        ops[norms] = [c.ops for c in choices]
+    # The residual add's region gains x * x, mean, + eps, rsqrt and x * rstd.
+    assert ops["unfolded"] == [*ops["routed"][:-1], ops["routed"][-1] + 5]
+    gm, inputs = graphs[0]
+    routed = routed_calls(gm, inputs)
+    (affine,) = unfold_rms_norms(gm, routed)
+    assert affine.args[1] == (DIM,) and "out_norm" in affine.args[2].name
+    assert F.rms_norm not in routed.values() and rms_norm_affine in routed.values()
+    assert SplittingBackend().norms == "unfolded"
+    with pytest.raises(ValueError, match="norms='whole'"):
+        SplittingBackend(norms="whole")  # type: ignore[arg-type]
 
 
 class _Projections(nn.Module):

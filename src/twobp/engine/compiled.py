@@ -57,6 +57,7 @@ from twobp.engine.region_choice import (
     prefer_compiled,
     time_both,
 )
+from twobp.engine.unfolded_norms import NORM_MODES, NormMode, unfold_rms_norms
 
 _log = logging.getLogger(__name__)
 
@@ -338,6 +339,7 @@ def split_at_routed_calls(
     inner: Backend,
     regions: RegionMode = "compiled",
     choices: list[RegionChoice] | None = None,
+    norms: NormMode = "unfolded",
 ) -> Callable[..., Any]:
     """``gm`` with the calls that read parameters routed and every region between compiled.
 
@@ -347,6 +349,9 @@ def split_at_routed_calls(
         inner: compiles each region.
         regions: how the regions run (:data:`~twobp.engine.region_choice.RegionMode`).
         choices: where to note each region's :class:`RegionChoice`.
+        norms: whether the RMS norms are unfolded, their normalisation joining
+            the region before them and only the weight product routed
+            (``"unfolded"``, :mod:`twobp.engine.unfolded_norms`), or routed whole.
 
     Returns:
         A callable with the signature of ``gm``.
@@ -354,6 +359,8 @@ def split_at_routed_calls(
     routed = routed_calls(gm, example_inputs)
     if not routed:
         return inner(gm, example_inputs)
+    if norms == "unfolded":
+        unfold_rms_norms(gm, routed)
     phase, _ = _phases(gm, routed)
     calls = [n for n in gm.graph.nodes if n.op not in _NOT_CALLS]
     order = sorted(range(len(calls)), key=lambda k: (phase[calls[k]], calls[k] not in routed, k))
@@ -417,20 +424,30 @@ class SplittingBackend:
             backend's name or a callable.
         regions: how the regions run: each the faster of compiled and eager,
             timed on its first call (``"measured"``), all compiled, or all eager.
+        norms: ``"unfolded"`` (an RMS norm's normalisation in the region before
+            it, only its weight product routed) or ``"routed"`` (the whole norm).
 
     Raises:
-        ValueError: if ``regions`` is none of those.
+        ValueError: if ``regions`` or ``norms`` is none of those.
     """
 
     _twobp_splitting = True
 
-    def __init__(self, inner: Backend | str = "inductor", regions: RegionMode = "measured") -> None:
+    def __init__(
+        self,
+        inner: Backend | str = "inductor",
+        regions: RegionMode = "measured",
+        norms: NormMode = "unfolded",
+    ) -> None:
         if regions not in REGION_MODES:
             raise ValueError(
                 f"regions={regions!r}: pass one of {', '.join(map(repr, REGION_MODES))}"
             )
+        if norms not in NORM_MODES:
+            raise ValueError(f"norms={norms!r}: pass one of {', '.join(map(repr, NORM_MODES))}")
         self.inner = inner
         self.regions: RegionMode = regions
+        self.norms: NormMode = norms
         self.choices: list[RegionChoice] = []
         """Every region of the graphs compiled so far, and how it runs."""
         self._compile_region: Backend = (
@@ -439,7 +456,7 @@ class SplittingBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         return split_at_routed_calls(
-            gm, example_inputs, self._compile_region, self.regions, self.choices
+            gm, example_inputs, self._compile_region, self.regions, self.choices, self.norms
         )
 
     def __eq__(self, other: object) -> bool:
@@ -447,6 +464,7 @@ class SplittingBackend:
             isinstance(other, SplittingBackend)
             and bool(self.inner == other.inner)
             and self.regions == other.regions
+            and self.norms == other.norms
         )
 
     def __hash__(self) -> int:
@@ -454,10 +472,12 @@ class SplittingBackend:
 
 
 def splitting_backend(
-    inner: Backend | str = "inductor", regions: RegionMode = "measured"
+    inner: Backend | str = "inductor",
+    regions: RegionMode = "measured",
+    norms: NormMode = "unfolded",
 ) -> SplittingBackend:
     """A :class:`SplittingBackend` around ``inner`` (a backend's name or a callable)."""
-    return SplittingBackend(inner, regions)
+    return SplittingBackend(inner, regions, norms)
 
 
 class _SettingCaptureAside:
@@ -525,9 +545,11 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
         module: the module (a pipeline block, a stage).
         options: ``torch.compile``'s keyword arguments; ``backend`` (default
             inductor, with ``mode`` and ``options``) compiles the regions
-            between the calls that read parameters. One more, ``regions``
-            (``"measured"``, ``"compiled"``, ``"eager"``), says how those
-            regions run (:class:`SplittingBackend`).
+            between the calls that read parameters. Two more: ``regions``
+            (``"measured"``, ``"compiled"``, ``"eager"``) says how those
+            regions run, ``norms`` (``"unfolded"``, ``"routed"``) whether an
+            RMS norm's normalisation is compiled with the region before it
+            (:class:`SplittingBackend`).
 
     Returns:
         ``module``.
@@ -540,7 +562,8 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
             options.pop("mode", None), options.pop("options", None), options.get("dynamic"), None
         )
     regions = options.pop("regions", "measured")
-    backend = splitting_backend(inner, regions)
+    norms = options.pop("norms", "unfolded")
+    backend = splitting_backend(inner, regions, norms)
     compiled = torch.compile(_inline(module), backend=backend, **options)
     module._compiled_call_impl = _set_aside_around(compiled, module)
     return module

@@ -19,7 +19,13 @@ from twobp.engine.ops.conv import capture_conv1d, capture_conv2d, capture_conv3d
 from twobp.engine.ops.embedding import capture_embedding
 from twobp.engine.ops.linear import capture_linear
 from twobp.engine.ops.matmul import capture_addmm, capture_bmm, capture_matmul, capture_mm
-from twobp.engine.ops.norm import capture_group_norm, capture_layer_norm, capture_rms_norm
+from twobp.engine.ops.norm import (
+    capture_group_norm,
+    capture_layer_norm,
+    capture_rms_norm,
+    capture_rms_norm_affine,
+    rms_norm_affine,
+)
 
 HANDLERS: dict[Callable[..., Any], Handler] = {
     F.linear: capture_linear,
@@ -38,6 +44,7 @@ HANDLERS: dict[Callable[..., Any], Handler] = {
     F.embedding: capture_embedding,
     F.layer_norm: capture_layer_norm,
     F.rms_norm: capture_rms_norm,
+    rms_norm_affine: capture_rms_norm_affine,
     F.group_norm: capture_group_norm,
     F.batch_norm: capture_batch_norm,
 }

@@ -208,6 +208,45 @@ class DeferredRMSNorm(DeferredOp):
             weight.add_grad(torch.mul(_opmath(dy), _opmath(x_hat)).reshape(-1, *shape).sum(0))
 
 
+class DeferredRMSNormAffine(DeferredRMSNorm):
+    """The weight product ``x_hat * w`` of an RMS norm whose normalisation ran elsewhere.
+
+    A compiled graph computes ``x_hat`` in the region before the norm (fused with
+    the residual add there, forward and backward, see :mod:`twobp.engine.compiled`)
+    and routes only this product to the capture: F multiplies, I is ``dY * w``,
+    W the same reduction as :class:`DeferredRMSNorm`'s. ``options`` is
+    ``(normalized_shape, "affine")``.
+    """
+
+    def forward(
+        self, x: Tensor, params: Sequence[Tensor | None], call: Any
+    ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
+        weight, _ = self.weights(params, call[0])
+        assert weight is not None
+        xc = cast(x, call[0])
+        x_hat = _opmath(xc)
+        return (x_hat * weight).to(xc.dtype), (x_hat, weight), (xc.dtype, x.dtype)
+
+    def input_grad(
+        self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
+    ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+        x_hat, weight = saved
+        compute_dtype, input_dtype = state
+        grad_in = None
+        if needs_input_grad:
+            grad_in = (_opmath(grad_out) * weight).to(input_dtype)
+        return grad_in, (x_hat.to(compute_dtype), grad_out)
+
+
+def rms_norm_affine(x_hat: Tensor, normalized_shape: Sequence[int], weight: Tensor) -> Tensor:
+    """``x_hat * weight``: the affine part of ``F.rms_norm`` given the normalised input.
+
+    What a compiled graph calls where it unfolded an RMS norm; through a store's
+    capture the weight gradient is deferred (:class:`DeferredRMSNormAffine`).
+    """
+    return x_hat * weight
+
+
 def _shape(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, int):
         return (value,)
@@ -219,6 +258,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 _LAYER_NORM = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
 _GROUP_NORM = (("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
 _RMS_NORM = (("input", "normalized_shape", "weight", "eps"), (None, None))
+_RMS_NORM_AFFINE = (("x_hat", "normalized_shape", "weight"), ())
 
 
 def _affine(
@@ -274,3 +314,16 @@ def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) ->
     if not w or shape is None:
         return None
     return capture.run(DeferredRMSNorm, "F.rms_norm", (shape, eps), x, w, None)
+
+
+def capture_rms_norm_affine(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
+    """:func:`rms_norm_affine` with a stage parameter as ``weight``: reported as ``F.rms_norm``."""
+    bound = bind(args, kwargs, *_RMS_NORM_AFFINE)
+    if bound is None:
+        return None
+    x_hat, normalized_shape, weight = bound
+    w = capture.operand(weight)
+    shape = _shape(normalized_shape)
+    if not w or shape is None:
+        return None
+    return capture.run(DeferredRMSNormAffine, "F.rms_norm", (shape, "affine"), x_hat, w, None)

@@ -17,19 +17,26 @@ from torch import nn
 
 from twobp.engine.compiled import compile_for_two_stage, is_compiled
 from twobp.engine.region_choice import REGION_MODES
+from twobp.engine.unfolded_norms import NORM_MODES
 from twobp.runtime.errors import PipelineConfigError
+
+_TWOBP_KEYWORDS = ("regions", "norms")
+"""The keywords of ``compile={...}`` that are twobp's, not ``torch.compile``'s."""
 
 
 def compile_options(value: object) -> dict[str, Any] | None:
     """``torch.compile``'s keywords for ``compile=value`` (None: do not compile).
 
-    One keyword is twobp's: ``regions`` (``"measured"``, the default;
-    ``"compiled"``; ``"eager"``) says how the regions between the calls that read
-    parameters run (:class:`twobp.engine.compiled.SplittingBackend`).
+    Two keywords are twobp's (:class:`twobp.engine.compiled.SplittingBackend`):
+    ``regions`` (``"measured"``, the default; ``"compiled"``; ``"eager"``) says how
+    the regions between the calls that read parameters run; ``norms``
+    (``"unfolded"``, the default; ``"routed"``) whether an RMS norm's normalisation
+    is compiled with the region before it, only its weight product left to the
+    capture.
 
     Raises:
         PipelineConfigError: if ``value`` is neither a bool nor a dict of keywords,
-            or its ``regions`` is none of those.
+            or its ``regions`` or ``norms`` is none of those.
     """
     if value is False or value is None:
         return None
@@ -42,6 +49,13 @@ def compile_options(value: object) -> dict[str, Any] | None:
                 f"compile={{'regions': {regions!r}, ...}}: regions is one of "
                 f"{', '.join(map(repr, REGION_MODES))} (how the regions between the calls "
                 f"that read parameters run: the faster way timed once, compiled, or eagerly)"
+            )
+        norms = value.get("norms", "unfolded")
+        if norms not in NORM_MODES:
+            raise PipelineConfigError(
+                f"compile={{'norms': {norms!r}, ...}}: norms is one of "
+                f"{', '.join(map(repr, NORM_MODES))} (an RMS norm's normalisation compiled "
+                f"with the region before it, or the whole norm run eagerly by the capture)"
             )
         return dict(value)
     raise PipelineConfigError(
@@ -64,4 +78,4 @@ def compile_blocks(stage: nn.Module, options: dict[str, Any], split: bool) -> No
         if split:
             compile_for_two_stage(block, **options)
         else:  # a fused B: the graph is compiled whole
-            block.compile(**{k: v for k, v in options.items() if k != "regions"})
+            block.compile(**{k: v for k, v in options.items() if k not in _TWOBP_KEYWORDS})

@@ -1,0 +1,127 @@
+"""RMS norms of a compiled graph unfolded: the normalisation compiled, the weight product routed.
+
+The capture defers a norm's weight gradient; in a cut graph
+(:mod:`twobp.engine.compiled`) a routed ``torch.rms_norm`` runs eagerly, and
+the region before it (a residual add, in a pre-norm block) cannot fuse with it.
+Only the product with the weight has the weight gradient that W defers: the
+normalisation ``x_hat = x * rsqrt(mean(x^2) + eps)`` reads no parameter. So
+:func:`unfold_rms_norms` rewrites each such call into the normalisation, which
+joins the region before it (fused by the compiler there, in F and in I), and
+one routed call of :func:`~twobp.engine.ops.norm.rms_norm_affine`, which the
+capture runs as a deferred op of ``F.rms_norm``: I is ``dY * w``, W the same
+reduction over ``dY * x_hat`` as an eager norm's.
+
+Only graphs traced without autocast, with the input and the weight in float32
+or float64 (the dtype RMSNorm computes in), are unfolded; the rest keep the
+routed norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from twobp.engine.ops.norm import rms_norm_affine
+
+NormMode = Literal["unfolded", "routed"]
+"""Whether a cut graph's RMS norms are unfolded (only the weight product routed) or routed
+whole (run eagerly by the capture)."""
+
+NORM_MODES: tuple[NormMode, ...] = ("unfolded", "routed")
+
+_UNFOLDED_DTYPES = (torch.float32, torch.float64)
+_RMS_NORM_ARGS = ("input", "normalized_shape", "weight", "eps")
+
+
+def _example(node: Any) -> Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, Tensor) else None
+
+
+def _uses_autocast(gm: fx.GraphModule) -> bool:
+    if torch._C._is_any_autocast_enabled():
+        return True
+    return any("autocast" in str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes)
+
+
+def _bound(node: fx.Node) -> tuple[Any, ...] | None:
+    """The call's ``(input, normalized_shape, weight, eps)``, or None if it does not fit."""
+    values = list(node.args)
+    for name in _RMS_NORM_ARGS[len(values) :]:
+        if name in node.kwargs:
+            values.append(node.kwargs[name])
+        elif name == "eps":
+            values.append(None)
+        else:
+            return None
+    if len(values) != len(_RMS_NORM_ARGS) or set(node.kwargs) - set(_RMS_NORM_ARGS):
+        return None
+    return tuple(values)
+
+
+def _unfoldable(node: fx.Node) -> tuple[fx.Node, tuple[int, ...], fx.Node, float] | None:
+    bound = _bound(node)
+    if bound is None:
+        return None
+    x, shape, weight, eps = bound
+    shape = (shape,) if isinstance(shape, int) else shape
+    xv, wv = _example(x), _example(weight)
+    if xv is None or wv is None or not isinstance(weight, fx.Node):
+        return None
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) for d in shape):
+        return None
+    if xv.dtype not in _UNFOLDED_DTYPES or wv.dtype != xv.dtype or tuple(wv.shape) != tuple(shape):
+        return None
+    if eps is None:
+        eps = torch.finfo(xv.dtype).eps
+    if not isinstance(eps, float):
+        return None
+    assert isinstance(x, fx.Node)
+    return x, tuple(shape), weight, eps
+
+
+def unfold_rms_norms(
+    gm: fx.GraphModule, routed: dict[fx.Node, Callable[..., Any]]
+) -> list[fx.Node]:
+    """Unfold the routed RMS norms of ``gm`` in place (see the module doc).
+
+    Args:
+        gm: a dynamo graph.
+        routed: its routed calls and their eager functions
+            (:func:`~twobp.engine.compiled.routed_calls`); each unfolded norm's
+            entry is replaced by its :func:`rms_norm_affine` call.
+
+    Returns:
+        The routed :func:`rms_norm_affine` calls made.
+    """
+    norms = [n for n, f in routed.items() if f is F.rms_norm]
+    if not norms or _uses_autocast(gm):
+        return []
+    made = []
+    graph = gm.graph
+    for node in norms:
+        unfoldable = _unfoldable(node)
+        if unfoldable is None:
+            continue
+        x, shape, weight, eps = unfoldable
+        dims = tuple(range(-len(shape), 0))
+        with graph.inserting_before(node):
+            square = graph.call_function(torch.mul, (x, x))
+            mean = graph.call_function(torch.mean, (square, dims), {"keepdim": True})
+            rstd = graph.call_function(torch.rsqrt, (graph.call_function(torch.add, (mean, eps)),))
+            x_hat = graph.call_function(torch.mul, (x, rstd))
+            x_hat.meta = dict(node.meta)
+            affine = graph.call_function(rms_norm_affine, (x_hat, shape, weight))
+        affine.meta = dict(node.meta)
+        node.replace_all_uses_with(affine)
+        graph.erase_node(node)
+        del routed[node]
+        routed[affine] = rms_norm_affine
+        made.append(affine)
+    if made:
+        gm.recompile()
+    return made
