@@ -43,7 +43,7 @@ def test_train_two_ranks_writes_report_and_loss_falls(tmp_path, capsys):
     # two_bp unset: the stages that split were chosen by a profile, and the run says so.
     choice = metrics["ran"]["two_bp_choice"]
     assert choice.startswith("2BP on ")
-    assert metrics["ran"]["two_bp"] == ("no stage" not in choice)
+    assert metrics["ran"]["two_bp"] == (not choice.startswith("2BP on no stage:"))
     assert f"chosen by a profile (two_bp unset): {choice}" in (out / "report.md").read_text()
 
 
