@@ -17,12 +17,15 @@ result are pickled by value.
 Ranks start from a fork server where the platform has one (Linux, macOS): one
 process that imported torch and twobp once, and forks each rank from there in
 a fraction of a second, where a freshly spawned interpreter spends seconds
-importing torch. As with ``spawn``, ``fn`` and its arguments are pickled and
-the script's main module is imported again in each rank (so the launch must
-sit under ``if __name__ == "__main__":``); each rank gets the caller's
-environment as it is at the call. A rank ends as forked processes do, without
-the interpreter's exit (``atexit`` handlers do not run): ``start_method="spawn"``
-gives each rank a whole interpreter of its own instead.
+importing torch. The server also imports ``torch._dynamo``, which torch imports
+on the first optimizer built in a process (and ``torch.compile`` needs): each
+rank would otherwise spend about a second importing it. As with ``spawn``,
+``fn`` and its arguments are pickled and the script's main module is imported
+again in each rank (so the launch must sit under ``if __name__ == "__main__":``);
+each rank gets the caller's environment as it is at the call. A rank ends as
+forked processes do, without the interpreter's exit (``atexit`` handlers do not
+run): ``start_method="spawn"`` gives each rank a whole interpreter of its own
+instead.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ UNGUARDED_MESSAGE = (
     'twobp.launch needs an `if __name__ == "__main__":` guard around its call: every rank '
     "imports the main script again, and this one calls launch as it is imported"
 )
-# What the fork server imports once, before it forks the ranks.
-_PRELOAD = ["torch", "torch.distributed", "twobp"]
+# What the fork server imports once, before it forks the ranks (torch._dynamo: every
+# optimizer's constructor imports it).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "twobp"]
 START_METHODS = ("forkserver", "spawn")
 """The ways :func:`launch` starts its ranks."""
 # After SIGTERM, how long a process may take to exit before SIGKILL.
