@@ -14,3 +14,8 @@ def say_and_read(name: str) -> str | None:
     print(f"out of rank {rank}", flush=True)
     print(f"err of rank {rank}", file=sys.stderr, flush=True)
     return os.environ.get(name)
+
+
+def modules_at_start(names: list[str]) -> list[bool]:
+    """Whether each module was imported before the rank ran anything."""
+    return [name in sys.modules for name in names]

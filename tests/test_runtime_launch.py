@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_workers import say_and_read
+from launch_workers import modules_at_start, say_and_read
 from twobp.runtime.launch import launch
 
 NAME = "TWOBP_TEST_LAUNCH_VARIABLE"
@@ -35,3 +35,11 @@ def test_forked_ranks_get_the_callers_environment_and_output_as_they_are_at_the_
 def test_an_unknown_start_method_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn"):
         launch(say_and_read, 2, NAME, start_method="fork")
+
+
+def test_forked_ranks_start_with_what_every_pipeline_rank_imports():
+    # torch imports torch._dynamo on a process's first optimizer (and torch.compile needs
+    # it): about a second per rank, unless the fork server imported it first.
+    names = ["torch", "torch.distributed", "torch._dynamo", "twobp"]
+    at_start = launch(modules_at_start, 2, names, start_method="forkserver", timeout=120)
+    assert at_start == [[True] * len(names)] * 2
