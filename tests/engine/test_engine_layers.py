@@ -140,6 +140,42 @@ def test_rms_norm(eps):
     assert_matches(seeded(lambda: nn.RMSNorm((4, 6), eps=eps)), _x(2, 4, 6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_fused_forward_gives_what_the_written_one_gives(dtype, monkeypatch):
+    """F of a float32 or float64 RMSNorm runs torch's fused kernel: the output, and the
+    gradients of I and W, equal those of the norm written out, to the bit."""
+    from twobp.engine.ops import norm
+
+    fused = norm._fused_rms_norm
+    if fused is None:
+        pytest.skip("this torch has no torch._fused_rms_norm")
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    def run(fast):
+        monkeypatch.setattr(norm, "_fused_rms_norm", counted if fast else None)
+        module = seeded(lambda: nn.RMSNorm((4, 6), eps=1e-5))().to(dtype)
+        store = defer_weight_grads(module)
+        x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        x.requires_grad_()
+        with store.forward(0):
+            out = module(x)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+        (dx,) = store.backward_input(0, [out], [dy], [x])
+        store.backward_weight([0])
+        store.finish_step()
+        return out.detach(), dx, module.weight.grad
+
+    fast, written = run(True), run(False)
+    assert calls == [1]
+    for a, b in zip(fast, written, strict=True):
+        assert a.dtype == dtype
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_batch_norm2d_training(momentum):
     # Running statistics are compared too: the patched forward must update them alike.

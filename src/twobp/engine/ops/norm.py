@@ -8,7 +8,9 @@ call (a reduction over rows gains nothing from concatenating them).
 RMSNorm (``y = x_hat * w`` with ``x_hat = x * rstd`` and
 ``rstd = 1 / sqrt(mean(x^2) + eps)``, computed in float32 for half inputs) is
 written out: CPU builds have no fused RMSNorm backward kernel. F keeps
-``x_hat``, which both I and W read.
+``x_hat``, which both I and W read. F of a float32 or float64 input runs torch's fused
+forward kernel (``torch._fused_rms_norm``, where it exists) for the output and ``rstd``:
+one kernel instead of five, then ``x_hat = x * rstd``.
 """
 
 from __future__ import annotations
@@ -149,6 +151,13 @@ class DeferredGroupNorm(DeferredOp):
                 bias.add_grad(grad_bias)
 
 
+_fused_rms_norm: Any = getattr(torch, "_fused_rms_norm", None)
+"""``(out, rstd)`` of an RMS norm in one kernel (CPU and CUDA), where this torch has it."""
+_FUSED_DTYPES = (torch.float32, torch.float64)
+"""The input dtypes F runs through :data:`_fused_rms_norm` (half types compute in float32
+and keep the written-out path: its rounding of ``x_hat * w`` is the one I and W assume)."""
+
+
 def _opmath(x: Tensor) -> Tensor:
     """``x`` in the precision RMSNorm computes in (float32 for half types)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -174,6 +183,11 @@ class DeferredRMSNorm(DeferredOp):
         assert weight is not None
         xc = cast(x, dtype)
         eps = self.options[1]
+        if _fused_rms_norm is not None and xc.dtype in _FUSED_DTYPES and weight.dtype == xc.dtype:
+            # One kernel for the norm and rstd (float32 and float64, computed
+            # in the input's dtype as below); x_hat is the one product left.
+            out, rstd = _fused_rms_norm(xc, self.options[0], weight, eps)
+            return out, (xc * rstd, rstd, weight), (xc.dtype, x.dtype)
         xf = _opmath(xc)
         if eps is None:
             eps = torch.finfo(xf.dtype).eps

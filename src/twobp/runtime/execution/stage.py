@@ -112,6 +112,9 @@ class Stage:
         self.index = index
         self._rebuilt = frozenset(rebuilt)
         self.module = module
+        # Its parameters, walked once: read at every forward (as the engine's store
+        # and the stage's gradients keep them, the stage's parameters stay these).
+        self._parameters = tuple(module.parameters())
         self.gradients = gradients
         position = index if model_stage is None else model_stage
         self.is_first = position == 0
@@ -187,7 +190,7 @@ class Stage:
         signature: Signature = ()
         if training:
             targets = flatten(target, "the targets")[0] if target is not None else ()
-            signature = forward_signature((*inputs, *targets), self.module, self.recompute)
+            signature = forward_signature((*inputs, *targets), self._parameters, self.recompute)
             beyond = self.memory.saved_beyond(self.index, signature)
         if not training or recomputes_activations(self.recompute):
             context: contextlib.AbstractContextManager[Any] = torch.no_grad()
@@ -209,7 +212,7 @@ class Stage:
                 # Flagged as the forward with autograd would have (the next stage
                 # sends gradients for them); I keeps those its recomputation flags.
                 wanted = any(x.requires_grad for x in inputs) or any(
-                    p.requires_grad for p in self.module.parameters()
+                    p.requires_grad for p in self._parameters
                 )
                 tensors = tuple(
                     t.detach().requires_grad_() if wanted and t.is_floating_point() else t
