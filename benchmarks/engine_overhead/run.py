@@ -12,6 +12,7 @@ processes on a shared machine then weigh less on the figures than on wall time.
 
     python benchmarks/engine_overhead/run.py                 # this checkout
     python benchmarks/engine_overhead/run.py --baseline REV  # and git revision REV, alternated
+    python benchmarks/engine_overhead/run.py --in-a-row 10   # each way 10 steps in a row
 
 With ``--baseline`` each round runs a process of REV's twobp and one of this
 checkout's, in turn, and the medians over rounds are printed side by side:
@@ -49,8 +50,17 @@ def _stage(kind: str, width: int, layers: int) -> Any:
     return nn.Sequential(*[DecoderBlock(config) for _ in range(layers)])
 
 
-def measure(kind: str, width: int, layers: int, rows: int, reps: int) -> dict[str, float]:
-    """Microseconds per layer call: plain forward and backward, and the engine's F, I, W."""
+def measure(
+    kind: str, width: int, layers: int, rows: int, reps: int, in_a_row: int = 1
+) -> dict[str, float]:
+    """Microseconds per layer call: plain forward and backward, and the engine's F, I, W.
+
+    ``in_a_row``: steps each way runs before the other runs as many (1: they alternate step by
+    step). What ran just before a forward sets what is still in cache: plain autograd's
+    backward, which allocates a fresh weight gradient per layer, leaves less of the engine's
+    next F in cache than the engine's own W does, and at large widths alternating step by step
+    charges the engine's F for it (see docs/performance.md).
+    """
     import torch
 
     from twobp.engine import defer_weight_grads
@@ -64,36 +74,56 @@ def measure(kind: str, width: int, layers: int, rows: int, reps: int) -> dict[st
     x = torch.randn(*shape)
     dy = torch.randn(*shape)
     times: dict[str, list[float]] = {"plain F": [], "plain B": [], "F": [], "I": [], "W": []}
-    for rep in range(reps + reps // 5):
+
+    def plain_step(record: bool) -> None:
         t0 = clock()
         y = plain(x.requires_grad_())
         t1 = clock()
         y.backward(dy)
         t2 = clock()
+        x.grad = None
+        if record:
+            times["plain F"].append(t1 - t0)
+            times["plain B"].append(t2 - t1)
+
+    def engine_step(record: bool) -> None:
         leaf = x.detach().requires_grad_()
+        t0 = clock()
         with store.forward(0):
             y = split(leaf)
-        t3 = clock()
+        t1 = clock()
         store.backward_input(0, [y], [dy], [leaf])
-        t4 = clock()
+        t2 = clock()
         store.backward_weight([0])
-        t5 = clock()
+        t3 = clock()
         store.finish_step()
-        x.grad = None
-        if rep >= reps // 5:  # warm-up done
-            for key, t in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+        if record:
+            for key, t in zip(("F", "I", "W"), (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 times[key].append(t)
+
+    warmup = reps // 5
+    for rep in range(0, reps + warmup, in_a_row):
+        for step in (plain_step, engine_step):
+            for i in range(rep, min(rep + in_a_row, reps + warmup)):
+                # The first of each run in a row follows the other way's step: left out
+                # unless the two alternate step by step.
+                step(i >= warmup and (in_a_row == 1 or i > rep))
     return {k: 1e6 * statistics.median(v) / layers for k, v in times.items()}
 
 
 def _child(args: argparse.Namespace) -> None:
-    print(json.dumps(measure(args.stage, args.width, args.layers, args.rows, args.reps)))
+    print(
+        json.dumps(
+            measure(args.stage, args.width, args.layers, args.rows, args.reps, args.in_a_row)
+        )
+    )
 
 
 def _run(src: Path, args: argparse.Namespace) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--child", "--stage", args.stage, "--width", str(args.width)]
     cmd += ["--layers", str(args.layers), "--rows", str(args.rows), "--reps", str(args.reps)]
+    cmd += ["--in-a-row", str(args.in_a_row)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
     return result
@@ -107,6 +137,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--in-a-row",
+        type=int,
+        default=1,
+        help="steps each way runs before the other does (1: alternate step by step)",
+    )
     parser.add_argument("--baseline", help="a git revision to measure alternately with this one")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -130,7 +166,8 @@ def main() -> None:
     stage = f"Linear({args.width}, {args.width})" if args.stage == "linear" else "LLaMA block"
     print(
         f"{args.layers} x {stage} (width {args.width}), {args.rows} rows, 1 thread; us per layer "
-        f"call, medians of {args.reps} reps, median over {args.rounds} rounds"
+        f"call, medians of {args.reps} reps ({args.in_a_row} in a row), median over "
+        f"{args.rounds} rounds"
     )
     print("| twobp | plain F | F | F - plain F | plain B | I + W | I + W - plain B |")
     print("|---|---:|---:|---:|---:|---:|---:|")
