@@ -91,20 +91,26 @@ def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
     return link_speed(world, peers, torch.device("cpu"), nbytes)
 
 
-def allreduce_figures(nbytes: int, check_bytes: int) -> tuple[float, float, float]:
-    """The all-reduce bandwidth this rank learns for ``nbytes``, the time it predicts for
-    an all-reduce of ``check_bytes``, and the median measured time of that all-reduce."""
+def allreduce_figures(
+    nbytes: int, check_bytes: int, attempts: int
+) -> list[tuple[float, float, float]]:
+    """For each of ``attempts``: the all-reduce bandwidth this rank learns for ``nbytes``,
+    the time it predicts for an all-reduce of ``check_bytes``, and the median measured
+    time of that all-reduce."""
     world = join_world(torch.device("cpu"), 60.0)
-    bandwidth = allreduce_speed(world, torch.device("cpu"), nbytes)
     tensor = torch.ones(check_bytes // 4)
-    times = []
-    for _ in range(7):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    predicted = allreduce_time(check_bytes, world.size, bandwidth, 0.0)
-    return bandwidth, predicted, statistics.median(times)
+    figures = []
+    for _ in range(attempts):
+        bandwidth = allreduce_speed(world, torch.device("cpu"), nbytes)
+        times = []
+        for _ in range(7):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            times.append(time.perf_counter() - start)
+        predicted = allreduce_time(check_bytes, world.size, bandwidth, 0.0)
+        figures.append((bandwidth, predicted, statistics.median(times)))
+    return figures
 
 
 def _auto_pipeline(
