@@ -47,9 +47,7 @@ def test_the_all_reduce_bandwidth_predicts_an_all_reduce_of_another_size():
     # Measured on 4 MiB, checked on 8 MiB, within the noise of a shared machine: a
     # bytes/elements mix-up would be off by 4x in every attempt, where noise (a busy
     # machine once made one 2.4x) is unlikely to move all three.
-    figures = launch(
-        allreduce_figures, 2, 4 * 2**20, 8 * 2**20, 3, threads_per_rank=1, timeout=90
-    )
+    figures = launch(allreduce_figures, 2, 4 * 2**20, 8 * 2**20, 3, threads_per_rank=1, timeout=90)
     assert [f[0] for f in figures[0]] == [f[0] for f in figures[1]]
     assert all(0 < bandwidth < math.inf for bandwidth, _, _ in figures[0])
     ratios = [predicted / measured for _, predicted, measured in figures[0]]
