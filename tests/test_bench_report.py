@@ -511,3 +511,20 @@ def test_deepspeed_stands_beside_torch_in_the_figures_the_report_and_the_chart(t
     write_outputs(results, tmp_path)
     assert (tmp_path / "throughput.png").read_bytes().startswith(b"\x89PNG")
     assert _colour({"framework": "deepspeed", "two_bp": False}) == COLOURS["deepspeed"]
+
+
+def test_auto_that_chooses_the_count_is_an_auto_variant_not_a_fixed_one():
+    # auto-m, faster than every variant, is the auto side; the fixed side stays 1f1b+2bp.
+    reports = _with_auto([1.2, 1.25, 1.3])
+    for r, report in enumerate(reports):
+        chosen = VariantRecord(matrix.Variant("twobp", matrix.AUTO_MICROBATCHES), 2, (3, 3), (0, 1))
+        chosen.step_seconds = [0.8, 0.85, 0.9]
+        chosen.grad_sketch = _sketch(chosen.variant, r)
+        chosen.peak_step_bytes = 1500
+        chosen.chose = "zb-v with 2BP (paper), m=4"
+        report.records.append(chosen)
+    group = _results([analyse_regime(reports, 2)])["regimes"][0]["groups"][0]
+    assert group["auto"]["best_fixed"] == "twobp 1f1b+2bp"
+    assert group["auto"]["auto"] == "twobp auto-m"
+    # Round by round: 1.0 / 0.8, 1.0 / 0.85, 1.1 / 0.9.
+    assert group["auto"]["speedup"]["median"] == pytest.approx(1.1 / 0.9)

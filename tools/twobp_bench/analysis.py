@@ -479,10 +479,12 @@ def _auto_against_fixed(
     variants: Sequence[Mapping[str, Any]], times: Mapping[str, list[float]]
 ) -> dict[str, Any] | None:
     """``schedule="auto"`` against the fastest twobp variant of a schedule given by name:
-    that variant's time over auto's, round by round (None unless both ran)."""
+    that variant's time over auto's, round by round (None unless both ran). With both
+    ``auto`` and ``auto-m`` (which also chooses the micro-batch count), the faster one."""
 
     def twobp(v: Mapping[str, Any], auto: bool) -> bool:
-        return v["framework"] == matrix.TWOBP and (v["schedule"] == matrix.AUTO) is auto
+        chosen = v["schedule"] in (matrix.AUTO, matrix.AUTO_MICROBATCHES)
+        return v["framework"] == matrix.TWOBP and chosen is auto
 
     auto = _fastest(variants, lambda v: twobp(v, True))
     best = _fastest(variants, lambda v: twobp(v, False))
