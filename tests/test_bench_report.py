@@ -144,6 +144,10 @@ def test_targets_report_met_and_missed(results):
     assert by_name["efficiency vs whole-batch"]["met"] is False
     # No profile, no simulator figure: no verdict.
     assert by_name["share within 10% of the simulator"]["met"] is None
+    # twobp 1f1b+2bp's 1.0 s against the microbatched reference's 3.0 s over p = 2.
+    bubble_free = by_name["step / bubble-free step"]
+    assert bubble_free["value"] == pytest.approx(1.0 / 1.5)
+    assert bubble_free["threshold"] == 1.05 and bubble_free["met"] is True
 
 
 def _with_auto(times: list[float]) -> list[RankReport]:
@@ -528,3 +532,7 @@ def test_auto_that_chooses_the_count_is_an_auto_variant_not_a_fixed_one():
     assert group["auto"]["auto"] == "twobp auto-m"
     # Round by round: 1.0 / 0.8, 1.0 / 0.85, 1.1 / 0.9.
     assert group["auto"]["speedup"]["median"] == pytest.approx(1.1 / 0.9)
+    # auto-m runs micro-batches of its own: not a step over the group's micro-batches.
+    results = _results([analyse_regime(reports, 2)])
+    (bubble_free,) = [t for t in results["targets"] if t["target"] == "step / bubble-free step"]
+    assert bubble_free["value"] == pytest.approx(1.0 / 1.5)
