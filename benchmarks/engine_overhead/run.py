@@ -4,9 +4,11 @@ A stage runs one micro-batch at a time, the engine's way (F in
 ``store.forward``, then I, then W) and plain autograd's (forward, then one
 backward), interleaved after a warm-up. The layers are small enough that the
 kernels cost little: what remains is the per-call overhead of the engine.
-``--stage linear`` is a stack of ``nn.Linear`` (figures per Linear call);
-``--stage llama`` a stack of twobp's LLaMA-like decoder blocks (figures per
-block: attention, norms and activations pass through the engine's capture
+``--stage linear`` is a stack of ``nn.Linear`` (figures per Linear call),
+``--stage layernorm`` one of ``nn.LayerNorm`` (per LayerNorm call);
+``--stage llama`` a stack of twobp's LLaMA-like decoder blocks and
+``--stage gpt2`` one of transformers' GPT-2 blocks, without dropout (figures
+per block: attention, norms and activations pass through the engine's capture
 too). One thread, timed by its CPU time (``time.thread_time``): other
 processes on a shared machine then weigh less on the figures than on wall time.
 
@@ -42,6 +44,17 @@ def _stage(kind: str, width: int, layers: int) -> Any:
     torch.manual_seed(0)
     if kind == "linear":
         return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    if kind == "layernorm":
+        return nn.Sequential(*[nn.LayerNorm(width) for _ in range(layers)])
+    if kind == "gpt2":
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        gpt2 = GPT2Config(
+            n_embd=width, n_head=4, n_layer=layers, n_positions=16, attn_implementation="eager"
+        )
+        gpt2.resid_pdrop = gpt2.embd_pdrop = gpt2.attn_pdrop = 0.0
+        return nn.Sequential(*[GPT2Block(gpt2, layer_idx=i) for i in range(layers)])
     from twobp.models.llama import DecoderBlock, LlamaConfig
 
     config = LlamaConfig(
@@ -70,7 +83,7 @@ def measure(
     plain = _stage(kind, width, layers)
     split = _stage(kind, width, layers)
     store = defer_weight_grads(split)
-    shape = (rows, width) if kind == "linear" else (rows, 16, width)
+    shape = (rows, width) if kind in ("linear", "layernorm") else (rows, 16, width)
     x = torch.randn(*shape)
     dy = torch.randn(*shape)
     times: dict[str, list[float]] = {"plain F": [], "plain B": [], "F": [], "I": [], "W": []}
@@ -131,7 +144,9 @@ def _run(src: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=["linear", "llama"], default="linear")
+    parser.add_argument(
+        "--stage", choices=["linear", "layernorm", "llama", "gpt2"], default="linear"
+    )
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rows", type=int, default=8)
@@ -163,19 +178,24 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, src in sources.items():
                 rounds[name].append(_run(src, args))
-    stage = f"Linear({args.width}, {args.width})" if args.stage == "linear" else "LLaMA block"
+    stage = {
+        "linear": f"Linear({args.width}, {args.width})",
+        "layernorm": f"LayerNorm({args.width})",
+        "llama": "LLaMA block",
+        "gpt2": "GPT-2 block",
+    }[args.stage]
     print(
         f"{args.layers} x {stage} (width {args.width}), {args.rows} rows, 1 thread; us per layer "
         f"call, medians of {args.reps} reps ({args.in_a_row} in a row), median over "
         f"{args.rounds} rounds"
     )
-    print("| twobp | plain F | F | F - plain F | plain B | I + W | I + W - plain B |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| twobp | plain F | F | F - plain F | plain B | I | W | I + W | I + W - plain B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, results in rounds.items():
         m = {k: statistics.median(r[k] for r in results) for k in results[0]}
         print(
             f"| {name} | {m['plain F']:.1f} | {m['F']:.1f} | {m['F'] - m['plain F']:.1f} "
-            f"| {m['plain B']:.1f} | {m['I'] + m['W']:.1f} "
+            f"| {m['plain B']:.1f} | {m['I']:.1f} | {m['W']:.1f} | {m['I'] + m['W']:.1f} "
             f"| {m['I'] + m['W'] - m['plain B']:.1f} |"
         )
 

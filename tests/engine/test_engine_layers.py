@@ -134,6 +134,69 @@ def test_layer_norm(make):
     assert_matches(seeded(make), _x(2, 4, 3, 6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_equals_plain_autograd_to_the_bit(dtype, bias):
+    """F, I and W of a LayerNorm run the kernels plain autograd runs (the forward through
+    torch's own binding, the backward split by its output mask): the output and every
+    gradient are plain autograd's, bit for bit, in the first forward (under the capture's
+    torch function mode) and in a later one (through the parameters' class), with two
+    micro-batches in one W."""
+    plain = seeded(lambda: nn.LayerNorm((4, 6), eps=1e-3, bias=bias))().to(dtype)
+    module = seeded(lambda: nn.LayerNorm((4, 6), eps=1e-3, bias=bias))().to(dtype)
+    store = defer_weight_grads(module)
+    xs = [randn(3, 4, 6, seed=mb).to(dtype) for mb in range(2)]
+    dys = [randn(3, 4, 6, seed=9 + mb).to(dtype) for mb in range(2)]
+    for step in range(2):
+        outs, dxs, leaves = [], [], []
+        for mb, x in enumerate(xs):
+            leaf = x.detach().requires_grad_()
+            with store.forward(mb):
+                outs.append(module(leaf))
+            leaves.append(leaf)
+        for mb in range(2):
+            dxs.append(store.backward_input(mb, [outs[mb]], [dys[mb]], [leaves[mb]])[0])
+        store.backward_weight([0, 1])
+        store.finish_step()
+        for mb, x in enumerate(xs):
+            leaf = x.detach().requires_grad_()
+            out = plain(leaf)
+            out.backward(dys[mb])
+            assert torch.equal(out, outs[mb]), (step, mb)
+            assert torch.equal(leaf.grad, dxs[mb]), (step, mb)
+        for (name, p), q in zip(plain.named_parameters(), module.parameters(), strict=True):
+            assert q.grad is not None and q.grad.dtype == dtype
+            assert torch.equal(p.grad, q.grad), (step, name)
+        plain.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
+
+
+def test_layer_norm_kernel_is_hidden_from_a_user_torch_function_mode():
+    """A torch function mode of the user's around the forwards sees no kernel call of the
+    engine's LayerNorm, in the first forward (under the capture's mode) or a later one."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    module = seeded(lambda: nn.LayerNorm(6))()
+    store = defer_weight_grads(module)
+    for _ in range(2):
+        x = randn(2, 6, seed=0).requires_grad_()
+        with Seen() as seen, store.forward(0):
+            out = module(x)
+        assert not [n for n in seen.names if "native" in n], seen.names
+        store.backward_input(0, [out], [torch.ones_like(out)], [x])
+        store.backward_weight([0])
+        store.finish_step()
+
+
 @pytest.mark.parametrize("eps", [None, 1e-3])
 def test_rms_norm(eps):
     assert_matches(seeded(lambda: nn.RMSNorm(6, eps=eps)), _x(2, 4, 6))

@@ -3,7 +3,13 @@
 LayerNorm and GroupNorm use ATen's own kernels: the ``native_*`` forward in F,
 then the ``native_*_backward`` with only the input gradient requested in I,
 and with only the weight and bias gradients requested in W, once per stashed
-call (a reduction over rows gains nothing from concatenating them).
+call (a reduction over rows gains nothing from concatenating them). The
+LayerNorm's are the kernels plain autograd runs, and its output and gradients
+are plain autograd's to the bit. Its F calls torch's own binding of the forward
+with torch functions disabled (about 1 us less per call than ``torch.ops.aten``,
+whose calls parse their arguments against the schema; no torch function mode of
+the user's sees the call), and I and W call the backward's operator without its
+Python wrapper.
 
 RMSNorm (``y = x_hat * w`` with ``x_hat = x * rstd`` and
 ``rstd = 1 / sqrt(mean(x^2) + eps)``, computed in float32 for half inputs) is
@@ -30,8 +36,13 @@ from twobp.engine.operand import Operand, cast
 from twobp.engine.ops.batchnorm import check_values_per_channel
 from twobp.engine.stash import SharedRows
 
-_layer_norm = torch.ops.aten.native_layer_norm.default
-_layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
+_native_layer_norm = torch._C._VariableFunctions.native_layer_norm
+"""``(out, mean, rstd)``: torch's binding, faster than ``torch.ops.aten``'s (called with
+torch functions disabled, so that no mode sees it)."""
+_disabled_torch_function = torch._C.DisableTorchFunction
+_layer_norm_backward_op = torch.ops.aten.native_layer_norm_backward.default
+_layer_norm_backward: Any = getattr(_layer_norm_backward_op, "_op", _layer_norm_backward_op)
+"""The backward's operator without the Python ``__call__`` of its overload (0.3 us a call)."""
 _group_norm = torch.ops.aten.native_group_norm.default
 _group_norm_backward = torch.ops.aten.native_group_norm_backward.default
 
@@ -52,6 +63,11 @@ class DeferredLayerNorm(DeferredOp):
 
     autocast_rule = AutocastRule.PROBED
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shape = list(self.options[0])
+        """``normalized_shape`` as the kernels take it, built once: every call reads it."""
+
     @staticmethod
     def probe(device: torch.device, dtype: torch.dtype) -> Tensor:
         return F.layer_norm(torch.ones(1, 2, dtype=dtype, device=device), (2,))
@@ -61,19 +77,20 @@ class DeferredLayerNorm(DeferredOp):
     ) -> tuple[Tensor, tuple[Tensor | None, ...], Any]:
         dtype = call[0]
         weight, bias = self.weights(params, dtype)
-        shape, eps = self.options
         xc = cast(x, dtype)
-        out, mean, rstd = _layer_norm(xc, list(shape), weight, bias, eps)
-        return out, (xc, mean, rstd, weight, bias), x.dtype
+        with _disabled_torch_function():
+            out, mean, rstd = _native_layer_norm(xc, self._shape, weight, bias, self.options[1])
+        # The bias is not saved: the input gradient does not read it.
+        return out, (xc, mean, rstd, weight), x.dtype
 
     def input_grad(
         self, grad_out: Tensor, saved: Sequence[Tensor], state: Any, needs_input_grad: bool
     ) -> tuple[Tensor | None, tuple[Tensor, ...]]:
-        x, mean, rstd, weight, bias = saved
+        x, mean, rstd, weight = saved
         grad_in = None
         if needs_input_grad:
             grad_in = _layer_norm_backward(
-                grad_out, x, list(self.options[0]), mean, rstd, weight, bias, [True, False, False]
+                grad_out, x, self._shape, mean, rstd, weight, None, [True, False, False]
             )[0]
             grad_in = in_input_dtype(grad_in, state)
         return grad_in, (x, mean, rstd, grad_out)
@@ -83,10 +100,18 @@ class DeferredLayerNorm(DeferredOp):
     ) -> None:
         weight, bias = self.operands
         mask = self.weight_grad_mask()
-        shape = list(self.options[0])
+        shape = self._shape
+        # Where F read the parameters as they are, they are what _affine_as_in_forward
+        # would return: passed without its calls.
+        params: list[Tensor | None] = [None if o is None else o.param for o in self.operands]
+        dtypes = {p.dtype for p in params if p is not None}
+        as_they_are = dtypes.pop() if self.plain and len(dtypes) == 1 else None
         # Reductions over rows: one call per stash, concatenating would only copy.
         for x, mean, rstd, dy in stashes:
-            w, b = _affine_as_in_forward(weight, x), _affine_as_in_forward(bias, x)
+            if x.dtype == as_they_are:
+                w, b = params
+            else:
+                w, b = _affine_as_in_forward(weight, x), _affine_as_in_forward(bias, x)
             _, grad_weight, grad_bias = _layer_norm_backward(dy, x, shape, mean, rstd, w, b, mask)
             if mask[1]:
                 assert weight is not None
@@ -262,6 +287,8 @@ def rms_norm_affine(x_hat: Tensor, normalized_shape: Sequence[int], weight: Tens
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
+    if type(value) is tuple and len(value) == 1 and type(value[0]) is int:
+        return value  # a module's one normalised dimension: every call of nn.LayerNorm(n)
     if isinstance(value, int):
         return (value,)
     if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(v, int) for v in value):
