@@ -20,8 +20,22 @@ from twobp.engine.region_choice import REGION_MODES
 from twobp.engine.unfolded_norms import NORM_MODES
 from twobp.runtime.errors import PipelineConfigError
 
-_TWOBP_KEYWORDS = ("regions", "norms")
-"""The keywords of ``compile={...}`` that are twobp's, not ``torch.compile``'s."""
+_TWOBP_KEYWORDS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "regions": (
+        REGION_MODES,
+        "measured",
+        "how the regions between the calls that read parameters run: the faster way timed "
+        "once, compiled, or eagerly",
+    ),
+    "norms": (
+        NORM_MODES,
+        "unfolded",
+        "an RMS norm's normalisation compiled with the region before it, or the whole norm "
+        "run eagerly by the capture",
+    ),
+}
+"""The keywords of ``compile={...}`` that are twobp's, not ``torch.compile``'s: their
+values, default and what they choose."""
 
 
 def compile_options(value: object) -> dict[str, Any] | None:
@@ -43,20 +57,13 @@ def compile_options(value: object) -> dict[str, Any] | None:
     if value is True:
         return {}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        regions = value.get("regions", "measured")
-        if regions not in REGION_MODES:
-            raise PipelineConfigError(
-                f"compile={{'regions': {regions!r}, ...}}: regions is one of "
-                f"{', '.join(map(repr, REGION_MODES))} (how the regions between the calls "
-                f"that read parameters run: the faster way timed once, compiled, or eagerly)"
-            )
-        norms = value.get("norms", "unfolded")
-        if norms not in NORM_MODES:
-            raise PipelineConfigError(
-                f"compile={{'norms': {norms!r}, ...}}: norms is one of "
-                f"{', '.join(map(repr, NORM_MODES))} (an RMS norm's normalisation compiled "
-                f"with the region before it, or the whole norm run eagerly by the capture)"
-            )
+        for key, (modes, default, what) in _TWOBP_KEYWORDS.items():
+            mode = value.get(key, default)
+            if mode not in modes:
+                raise PipelineConfigError(
+                    f"compile={{{key!r}: {mode!r}, ...}}: {key} is one of "
+                    f"{', '.join(map(repr, modes))} ({what})"
+                )
         return dict(value)
     raise PipelineConfigError(
         f"compile={value!r}: pass True (inductor), False, or a dict of torch.compile's "
