@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from twobp.engine.ops.norm import rms_norm_affine
+from twobp.engine.capture import bind
+from twobp.engine.ops.norm import RMS_NORM_SIGNATURE, normalized_shape_of, rms_norm_affine
 
 NormMode = Literal["unfolded", "routed"]
 """Whether a cut graph's RMS norms are unfolded (only the weight product routed) or routed
@@ -34,7 +35,6 @@ whole (run eagerly by the capture)."""
 NORM_MODES: tuple[NormMode, ...] = ("unfolded", "routed")
 
 _UNFOLDED_DTYPES = (torch.float32, torch.float64)
-_RMS_NORM_ARGS = ("input", "normalized_shape", "weight", "eps")
 
 
 def _example(node: Any) -> Tensor | None:
@@ -48,40 +48,23 @@ def _uses_autocast(gm: fx.GraphModule) -> bool:
     return any("autocast" in str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes)
 
 
-def _bound(node: fx.Node) -> tuple[Any, ...] | None:
-    """The call's ``(input, normalized_shape, weight, eps)``, or None if it does not fit."""
-    values = list(node.args)
-    for name in _RMS_NORM_ARGS[len(values) :]:
-        if name in node.kwargs:
-            values.append(node.kwargs[name])
-        elif name == "eps":
-            values.append(None)
-        else:
-            return None
-    if len(values) != len(_RMS_NORM_ARGS) or set(node.kwargs) - set(_RMS_NORM_ARGS):
-        return None
-    return tuple(values)
-
-
 def _unfoldable(node: fx.Node) -> tuple[fx.Node, tuple[int, ...], fx.Node, float] | None:
-    bound = _bound(node)
+    bound = bind(tuple(node.args), dict(node.kwargs), *RMS_NORM_SIGNATURE)
     if bound is None:
         return None
-    x, shape, weight, eps = bound
-    shape = (shape,) if isinstance(shape, int) else shape
+    x, given_shape, weight, eps = bound
+    shape = normalized_shape_of(given_shape)
     xv, wv = _example(x), _example(weight)
-    if xv is None or wv is None or not isinstance(weight, fx.Node):
+    if xv is None or wv is None or not isinstance(weight, fx.Node) or shape is None:
         return None
-    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) for d in shape):
-        return None
-    if xv.dtype not in _UNFOLDED_DTYPES or wv.dtype != xv.dtype or tuple(wv.shape) != tuple(shape):
+    if xv.dtype not in _UNFOLDED_DTYPES or wv.dtype != xv.dtype or tuple(wv.shape) != shape:
         return None
     if eps is None:
         eps = torch.finfo(xv.dtype).eps
     if not isinstance(eps, float):
         return None
     assert isinstance(x, fx.Node)
-    return x, tuple(shape), weight, eps
+    return x, shape, weight, eps
 
 
 def unfold_rms_norms(

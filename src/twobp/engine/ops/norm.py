@@ -286,7 +286,8 @@ def rms_norm_affine(x_hat: Tensor, normalized_shape: Sequence[int], weight: Tens
     return x_hat * weight
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
+def normalized_shape_of(value: Any) -> tuple[int, ...] | None:
+    """A norm's ``normalized_shape`` argument as a tuple of ints (None: not one)."""
     if type(value) is tuple and len(value) == 1 and type(value[0]) is int:
         return value  # a module's one normalised dimension: every call of nn.LayerNorm(n)
     if isinstance(value, int):
@@ -298,7 +299,8 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 _LAYER_NORM = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
 _GROUP_NORM = (("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
-_RMS_NORM = (("input", "normalized_shape", "weight", "eps"), (None, None))
+RMS_NORM_SIGNATURE = (("input", "normalized_shape", "weight", "eps"), (None, None))
+"""``F.rms_norm``'s argument names and the defaults of the last ones (for :func:`bind`)."""
 _RMS_NORM_AFFINE = (("x_hat", "normalized_shape", "weight"), ())
 
 
@@ -321,7 +323,7 @@ def capture_layer_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) 
         return None
     x, normalized_shape, weight, bias, eps = bound
     operands = _affine(capture, weight, bias, "F.layer_norm")
-    shape = _shape(normalized_shape)
+    shape = normalized_shape_of(normalized_shape)
     if not isinstance(operands, tuple):
         return operands
     if shape is None:
@@ -346,12 +348,12 @@ def capture_group_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) 
 
 def capture_rms_norm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) -> Captured:
     """``F.rms_norm`` with a stage parameter as ``weight``."""
-    bound = bind(args, kwargs, *_RMS_NORM)
+    bound = bind(args, kwargs, *RMS_NORM_SIGNATURE)
     if bound is None:
         return None
     x, normalized_shape, weight, eps = bound
     w = capture.operand(weight)
-    shape = _shape(normalized_shape)
+    shape = normalized_shape_of(normalized_shape)
     if not w or shape is None:
         return None
     return capture.run(DeferredRMSNorm, "F.rms_norm", (shape, eps), x, w, None)
@@ -364,7 +366,7 @@ def capture_rms_norm_affine(capture: Capture, args: tuple[Any, ...], kwargs: Kwa
         return None
     x_hat, normalized_shape, weight = bound
     w = capture.operand(weight)
-    shape = _shape(normalized_shape)
+    shape = normalized_shape_of(normalized_shape)
     if not w or shape is None:
         return None
     return capture.run(DeferredRMSNormAffine, "F.rms_norm", (shape, "affine"), x_hat, w, None)
