@@ -35,7 +35,7 @@ def test_without_deepspeed_its_variant_is_skipped_with_the_reason_and_the_rest_r
     assert group["best"]["deepspeed"] is None
 
 
-@pytest.mark.skipif(not INSTALLED, reason="deepspeed is not installed (the bench extra)")
+@pytest.mark.skipif(not INSTALLED, reason="deepspeed is not installed (the test extra has it)")
 def test_deepspeed_steps_with_the_reference_gradients_beside_torch(tmp_path):
     out = tmp_path / "bench"
     # Two warm-up rounds (--quick would allow one): the gradients checked are those of

@@ -5,7 +5,12 @@ embedding, 4 decoders and the head), with m micro-batches per step:
 
 - *plain*: one process, one thread, every micro-batch forward and backward through
   the whole model by plain autograd, eager and with each block ``torch.compile``-d
-  (inductor): the speed-up compile gives plain autograd on these blocks;
+  (inductor): the speed-up compile gives plain autograd on these blocks (freed memory
+  kept in the process, as every CPU pipeline keeps it, here and in *stage*);
+- *stage*: one process, one thread, the two middle decoder blocks as one stage, plain
+  autograd and the 2BP engine (F and I of each micro-batch, then one W), each eager and
+  compiled (``torch.compile`` and twobp's ``compile_for_two_stage``): what compile
+  changes in a stage's own compute, without the pipeline's sends and waits;
 - *pipelines*: 2 ranks (gloo, one thread each), 1F1B over 2 stages: twobp with 2BP
   eager, with ``compile=True`` (each region between the calls that read parameters
   compiled or eager, the faster way timed on its first call; the RMS norms'
@@ -16,7 +21,9 @@ embedding, 4 decoders and the head), with m micro-batches per step:
   ``Schedule1F1B`` and ``ScheduleGPipe`` with eager and with compiled stages.
 
 Every variant is built first and warmed up (compiled), then the variants step in
-turn, round after round, so that the machine's load weighs on all alike; the
+turn, round after round (each eager variant back to back with its compiled one, the pairs
+and the two in each pair in an order shuffled each round), so that the machine's load and
+the cache each variant finds weigh on all alike; the
 figures are medians over rounds of the slowest rank's step time, and of its main
 thread's CPU time in the step (which a busy machine does not inflate).
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +51,15 @@ it, which other work on a busy machine does not inflate (nor does it count a ran
 on the other)."""
 
 
+def _retained() -> None:
+    """Keep freed memory in this process, as every CPU ``Pipeline`` does
+    (``retain_host_memory=True``), so that the one-process figures do not count the page
+    faults that the pipelines' do not."""
+    from twobp.runtime.setup.host_memory import retain_freed_memory
+
+    retain_freed_memory()
+
+
 def _spec(regime: str) -> Any:
     import torch
 
@@ -53,11 +70,12 @@ def _spec(regime: str) -> Any:
     return build_model("llama", "tiny", dtype=torch.float32, seed=0, **dict(r.overrides)), r
 
 
-def _plain(regime: str, rounds: int) -> dict[str, dict[str, float]]:
+def _plain(regime: str, rounds: int) -> dict[str, Any]:
     """Median step of plain autograd over the micro-batches, eager and compiled."""
     import torch
 
     torch.set_num_threads(1)
+    _retained()
     spec, r = _spec(regime)
     inputs, targets = spec.make_batch(r.microbatch_size * M, 0)
     from twobp.runtime.execution.microbatch import split_batch
@@ -76,16 +94,82 @@ def _plain(regime: str, rounds: int) -> dict[str, dict[str, float]]:
 
         return run
 
-    return _interleaved({"eager": step(eager_blocks), "compile": step(compiled_blocks)}, rounds)
+    return _interleaved(
+        {"plain eager": step(eager_blocks), "plain compile": step(compiled_blocks)}, rounds
+    )
 
 
-def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, float]]:
+def _stage(regime: str, rounds: int) -> dict[str, Any]:
+    """Median step of one stage in one process: plain autograd and the 2BP engine, each
+    eager and compiled, over the same micro-batches.
+
+    The stage is the model's two middle decoder blocks, fed the embedding's outputs;
+    the engine runs F and I of each micro-batch, then one W over all of them, as a
+    stage of 1F1B + 2BP does. Without the other rank, the sends and the waits, this is
+    the figure that compile changes, with less of the pipeline's noise around it.
+    """
+    import torch
+    from torch import nn
+
+    from twobp.engine import defer_weight_grads
+    from twobp.engine.compiled import compile_for_two_stage
+
+    torch.set_num_threads(1)
+    _retained()
+    spec, r = _spec(regime)
+    inputs, _ = spec.make_batch(r.microbatch_size * M, 0)
+    with torch.no_grad():
+        hs = [spec.blocks[0](x) for x in inputs.chunk(M)]
+
+    def stage(compiled: bool, engine: bool) -> nn.Module:
+        module = nn.Sequential(*_spec(regime)[0].blocks[1:3])
+        for block in module:
+            if compiled and engine:
+                compile_for_two_stage(block)
+            elif compiled:
+                block.compile()
+        return module
+
+    def plain(module: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            for h in hs:
+                out = module(h.detach().requires_grad_())
+                out.backward(torch.ones_like(out))
+
+        return run
+
+    def two_stage(module: nn.Module) -> Callable[[], None]:
+        store = defer_weight_grads(module)
+
+        def run() -> None:
+            for mb, h in enumerate(hs):
+                x = h.detach().requires_grad_()
+                with store.forward(mb):
+                    out = module(x)
+                store.backward_input(mb, [out], [torch.ones_like(out)], [x])
+            store.backward_weight(range(M))
+            store.finish_step()
+
+        return run
+
+    return _interleaved(
+        {
+            "plain eager": plain(stage(False, False)),
+            "plain compile": plain(stage(True, False)),
+            "twobp eager": two_stage(stage(False, True)),
+            "twobp compile": two_stage(stage(True, True)),
+        },
+        rounds,
+    )
+
+
+def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in steps}
     for _ in range(WARMUP):
         for run in steps.values():
             run()
-    for _ in range(rounds):
-        for name, run in steps.items():
+    for k in range(rounds):
+        for name, run in _in_turn(steps, k):
             start, cpu = time.perf_counter(), time.thread_time()
             run()
             times[name]["cpu"].append(time.thread_time() - cpu)
@@ -93,8 +177,66 @@ def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str,
     return _medians(times)
 
 
-def _medians(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    return {c: {k: statistics.median(v[c]) for k, v in times.items()} for c in CLOCKS}
+def _pairs(names: list[str]) -> list[list[str]]:
+    """The variants grouped as each eager one with its compiled one (``X eager`` or ``X``
+    with ``X compile``), the others alone, in their order."""
+    groups: list[list[str]] = []
+    placed: set[str] = set()
+    for name in names:
+        if name in placed:
+            continue
+        pair = name.removesuffix(" eager")
+        partner = f"{pair} compile" if name != f"{pair} compile" else None
+        group = [name] + ([partner] if partner in names and partner not in placed else [])
+        placed.update(group)
+        groups.append(group)
+    return groups
+
+
+def _in_turn(steps: dict[str, Callable[[], None]], k: int) -> list[tuple[str, Callable[[], None]]]:
+    """Round ``k``'s order of the variants, the same on every rank: each eager variant next to
+    its compiled one, the pairs and the two in each pair shuffled by the round's number. A
+    pair runs back to back, so that the machine's speed, which moves over seconds, is the
+    same for both; and no variant always runs after the same other one (what ran before a
+    step sets what of its data is still in cache)."""
+    rng = random.Random(k)
+    groups = _pairs(list(steps))
+    rng.shuffle(groups)
+    order: list[str] = []
+    for group in groups:
+        rng.shuffle(group)
+        order.extend(group)
+    return [(name, steps[name]) for name in order]
+
+
+def _medians(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """Each variant's median per clock, and under ``"speed-up"`` the round-by-round ratio
+    eager / compiled of each pair run in the same rounds (its quartiles: a round's pair
+    shares the machine's state, which moves between rounds)."""
+    out: dict[str, Any] = {
+        c: {k: statistics.median(v[c]) for k, v in times.items()} for c in CLOCKS
+    }
+    speedups: dict[str, dict[str, list[float]]] = {c: {} for c in CLOCKS}
+    for compiled in times:
+        if not compiled.endswith(" compile"):
+            continue
+        pair = compiled.removesuffix(" compile")
+        eager = next((e for e in (f"{pair} eager", pair) if e in times), None)
+        if eager is None:
+            continue
+        for c in CLOCKS:
+            ratios = [a / b for a, b in zip(times[eager][c], times[compiled][c], strict=True)]
+            speedups[c][pair] = statistics.quantiles(ratios, n=4)
+    out["speed-up"] = speedups
+    return out
+
+
+def _share(two: float, gain: float) -> str:
+    return f"{(two - 1) / (gain - 1) * 100:.0f}%" if gain != 1 else "nan"
+
+
+def _quartiles(q: list[float]) -> str:
+    return f"{q[1]:.3f}x [{q[0]:.3f}-{q[2]:.3f}]"
 
 
 def _torch_pipeline(
@@ -123,7 +265,7 @@ def _torch_pipeline(
     return step
 
 
-def _pipelines(regime: str, rounds: int) -> dict[str, dict[str, float]]:
+def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
     """On every rank: median step of each pipeline variant, the slowest rank's."""
     import torch
     import torch.distributed as dist
@@ -161,8 +303,8 @@ def _pipelines(regime: str, rounds: int) -> dict[str, dict[str, float]]:
     for _ in range(WARMUP):
         for run in steps.values():
             run()
-    for _ in range(rounds):
-        for name, run in steps.items():
+    for k in range(rounds):
+        for name, run in _in_turn(steps, k):
             dist.barrier()
             start, cpu = time.perf_counter(), time.thread_time()
             run()
@@ -174,15 +316,16 @@ def _pipelines(regime: str, rounds: int) -> dict[str, dict[str, float]]:
     return _medians(times)
 
 
-def _print(
-    regime: str, clock: str, plain: dict[str, float], piped: dict[str, float], rounds: int
-) -> None:
-    gain = plain["eager"] / plain["compile"]
+def _print(regime: str, clock: str, plain_run: dict[str, Any], piped_run: dict[str, Any],
+           rounds: int) -> None:  # fmt: skip
+    plain, piped = plain_run[clock], piped_run[clock]
+    plain_speedups, piped_speedups = plain_run["speed-up"][clock], piped_run["speed-up"][clock]
+    gain = plain["plain eager"] / plain["plain compile"]
     two = piped["twobp eager"] / piped["twobp compile"]
     print(f"\n{regime}: m = {M}, {CLOCKS[clock]} in ms (medians of {rounds} rounds)")
     print(
-        f"  plain autograd, 1 process: eager {plain['eager'] * 1e3:.1f}, "
-        f"compile {plain['compile'] * 1e3:.1f}: speed-up {gain:.3f}x"
+        f"  plain autograd, 1 process: eager {plain['plain eager'] * 1e3:.1f}, "
+        f"compile {plain['plain compile'] * 1e3:.1f}: speed-up {gain:.3f}x"
     )
     for name, t in piped.items():
         print(
@@ -190,8 +333,26 @@ def _print(
             f"{t / piped['twobp compile']:.3f}x"
         )
     print(
-        f"  twobp compile speed-up over twobp eager {two:.3f}x = "
-        f"{(two - 1) / (gain - 1) * 100 if gain != 1 else float('nan'):.0f}% of plain's gain"
+        f"  twobp compile speed-up over twobp eager {two:.3f}x = {_share(two, gain)} of "
+        f"plain's gain"
+    )
+    print(
+        f"  round by round (median [quartiles]): plain {_quartiles(plain_speedups['plain'])}, "
+        f"twobp {_quartiles(piped_speedups['twobp'])}, torch 1F1B "
+        f"{_quartiles(piped_speedups['torch 1F1B'])}, torch GPipe "
+        f"{_quartiles(piped_speedups['torch GPipe'])}: twobp's share of plain's gain "
+        f"{_share(piped_speedups['twobp'][1], plain_speedups['plain'][1])}"
+    )
+
+
+def _print_stage(regime: str, clock: str, stage: dict[str, Any]) -> None:
+    times, speedups = stage[clock], stage["speed-up"][clock]
+    print(f"\n{regime}: one stage (2 decoder blocks), 1 process, m = {M}, CPU ms per step")
+    print("  " + ", ".join(f"{name} {t * 1e3:.1f}" for name, t in times.items()))
+    plain, two = speedups["plain"], speedups["twobp"]
+    print(
+        f"  compile's speed-up, round by round (median [quartiles]): plain {_quartiles(plain)}, "
+        f"twobp {_quartiles(two)} = {_share(two[1], plain[1])} of plain's gain"
     )
 
 
@@ -204,11 +365,13 @@ def main() -> None:
 
     table = {}
     for regime in args.regimes:
+        stage = _stage(regime, args.rounds)
         plain = _plain(regime, args.rounds)
         piped = twobp.launch(_pipelines, 2, regime, args.rounds, threads_per_rank=1)[0]
-        table[regime] = {"plain": plain, "pipelines": piped}
+        table[regime] = {"stage": stage, "plain": plain, "pipelines": piped}
+        _print_stage(regime, "cpu", stage)
         for clock in CLOCKS:
-            _print(regime, clock, plain[clock], piped[clock], args.rounds)
+            _print(regime, clock, plain, piped, args.rounds)
     print(json.dumps(table))
 
 
