@@ -24,6 +24,7 @@ from torch import Tensor, fx, nn
 from twobp.engine import defer_weight_grads
 from twobp.engine.compiled import (
     SplittingBackend,
+    _joins_a_region,
     compile_for_two_stage,
     routed_calls,
     split_at_routed_calls,
@@ -239,6 +240,68 @@ def test_rms_norm_unfolds_into_the_region_before_it() -> None:
     assert SplittingBackend().norms == "unfolded"
     with pytest.raises(ValueError, match="norms='whole'"):
         SplittingBackend(norms="whole")  # type: ignore[arg-type]
+
+
+class _Head(nn.Module):
+    """A model's final norm and output projection, as a pipeline's last block: the norm
+    reads the block's input, with nothing else to compute beside it (unless ``before``)."""
+
+    def __init__(self, before: str = "") -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.before = before
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.before == "add":
+            x = x + 1.0
+        elif self.before == "dropout":  # a random draw: the regions keep the source order
+            x = F.dropout(x, 0.25)
+        y = self.out(self.norm(x))
+        return F.dropout(y, 0.25) if self.before == "dropout after" else y
+
+
+def _graph(module: nn.Module) -> tuple[fx.GraphModule, list[Any]]:
+    graphs: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(module, backend=keep)(torch.randn(2, DIM))
+    return graphs[0]
+
+
+@pytest.mark.parametrize(
+    ("before", "regions"),
+    [("", []), ("add", [1 + 5]), ("dropout", [1 + 5]), ("dropout after", [1])],
+)
+def test_a_norm_with_nothing_beside_it_stays_routed_whole(before: str, regions: list[int]) -> None:
+    """Unfolded alone, a head's norm would be a compiled region of its own (which costs more
+    than the eager norm): it stays routed whole, and the head has no region at all. With a
+    call before it (in reordered or in source order), its normalisation joins that one's;
+    in source order a call after the routed ones does not take it in."""
+    gm, inputs = _graph(_Head(before))
+    routed = routed_calls(gm, inputs)
+    made = unfold_rms_norms(gm, routed, _joins_a_region(gm, routed))
+    assert len(made) == (1 if before in ("add", "dropout") else 0)
+    gm, inputs = _graph(_Head(before))
+    choices: list[RegionChoice] = []
+    keep: Callable[..., Any] = lambda g, _: g.forward  # noqa: E731
+    split_at_routed_calls(gm, inputs, keep, "compiled", choices)
+    assert [c.ops for c in choices] == regions
+
+
+def test_a_compiled_head_has_eager_s_gradients_and_coverage() -> None:
+    torch.manual_seed(0)
+    eager = _train(nn.Sequential(_Head()))
+    torch.manual_seed(0)
+    compiled = _train(compile_for_two_stage(nn.Sequential(_Head()), regions="compiled"))
+    for key, grad in eager["grads"].items():
+        torch.testing.assert_close(compiled["grads"][key], grad, atol=1e-5, rtol=1e-5)
+    assert compiled["report"] == eager["report"]
+    assert compiled["deferred"] == {"0.norm.weight", "0.out.weight", "0.out.bias"}
+    assert compiled["early"] == set()
 
 
 class _Projections(nn.Module):

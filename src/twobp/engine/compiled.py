@@ -333,6 +333,24 @@ def _phases(
     return phase, True
 
 
+def _joins_a_region(
+    gm: fx.GraphModule, routed: dict[fx.Node, Callable[..., Any]]
+) -> Callable[[fx.Node, fx.Node], bool]:
+    """For :func:`~twobp.engine.unfolded_norms.unfold_rms_norms`: whether calls computed from a
+    routed call's input ``x`` alone would run in a region with other calls of ``gm``
+    (outside ``routed``), rather than in a region of their own."""
+    phase, reordered = _phases(gm, routed)
+    calls = [n for n in gm.graph.nodes if n.op not in _NOT_CALLS]
+    if reordered:
+        # A call reading only x goes to x's phase (0 for a graph input), where it runs
+        # in that phase's region with the other calls of the phase outside `routed`.
+        levels = {phase[n] for n in calls if n not in routed}
+        return lambda node, x: phase.get(x, 0) in levels
+    # In source order the call would run in the region of the calls just before `node`.
+    before = dict(zip(calls, [None, *calls], strict=False))
+    return lambda node, x: (previous := before.get(node)) is not None and previous not in routed
+
+
 def split_at_routed_calls(
     gm: fx.GraphModule,
     example_inputs: list[Any],
@@ -360,7 +378,7 @@ def split_at_routed_calls(
     if not routed:
         return inner(gm, example_inputs)
     if norms == "unfolded":
-        unfold_rms_norms(gm, routed)
+        unfold_rms_norms(gm, routed, _joins_a_region(gm, routed))
     phase, _ = _phases(gm, routed)
     calls = [n for n in gm.graph.nodes if n.op not in _NOT_CALLS]
     order = sorted(range(len(calls)), key=lambda k: (phase[calls[k]], calls[k] not in routed, k))

@@ -12,8 +12,10 @@ capture runs as a deferred op of ``F.rms_norm``: I is ``dY * w``, W the same
 reduction over ``dY * x_hat`` as an eager norm's.
 
 Only graphs traced without autocast, with the input and the weight in float32
-or float64 (the dtype RMSNorm computes in), are unfolded; the rest keep the
-routed norm.
+or float64 (the dtype RMSNorm computes in), are unfolded, and only norms whose
+normalisation joins a region of other calls (a model's final norm on a block's
+input, with nothing else to compute beside it, would be a compiled region of
+its own, which costs more than the eager norm); the rest keep the routed norm.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def _unfoldable(node: fx.Node) -> tuple[fx.Node, tuple[int, ...], fx.Node, float
 
 
 def unfold_rms_norms(
-    gm: fx.GraphModule, routed: dict[fx.Node, Callable[..., Any]]
+    gm: fx.GraphModule,
+    routed: dict[fx.Node, Callable[..., Any]],
+    joins_a_region: Callable[[fx.Node, fx.Node], bool] | None = None,
 ) -> list[fx.Node]:
     """Unfold the routed RMS norms of ``gm`` in place (see the module doc).
 
@@ -77,6 +81,11 @@ def unfold_rms_norms(
         routed: its routed calls and their eager functions
             (:func:`~twobp.engine.compiled.routed_calls`); each unfolded norm's
             entry is replaced by its :func:`rms_norm_affine` call.
+        joins_a_region: whether the normalisation of a norm (the call, its
+            input) would run in a region with other calls; a norm whose
+            normalisation would make a region of its own stays routed whole
+            (its compiled call would cost more than the eager norm). None: every
+            norm is unfolded.
 
     Returns:
         The routed :func:`rms_norm_affine` calls made.
@@ -91,6 +100,8 @@ def unfold_rms_norms(
         if unfoldable is None:
             continue
         x, shape, weight, eps = unfoldable
+        if joins_a_region is not None and not joins_a_region(node, x):
+            continue
         dims = tuple(range(-len(shape), 0))
         with graph.inserting_before(node):
             square = graph.call_function(torch.mul, (x, x))
