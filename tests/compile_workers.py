@@ -100,3 +100,68 @@ def compiled_cases(cases: list[tuple[str, dict[str, Any], bool]]) -> dict[str, A
         eager = {k: v for k, v in options.items() if k != "compile"}
         out[name] = (_train(options, by_user), _train(eager))
     return out
+
+
+class SleepyBlock(Block):
+    """A Block whose eager forward also sleeps: compiled (dynamo traces it compiling), it
+    does not."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling():
+            import time
+
+            time.sleep(0.01)
+        return super().forward(x)
+
+
+def slow_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A dynamo backend whose compiled graphs sleep before they run."""
+    import time
+
+    def run(*args: Any) -> Any:
+        time.sleep(0.01)
+        return gm.forward(*args)
+
+    return run
+
+
+def trial_choices(slow: str) -> dict[str, Any]:
+    """``compile=True``'s choice per stage when eager (``slow="eager"``) or compiled
+    (``slow="compiled"``) blocks are the slow ones, and the gradients of the step after
+    the trial beside eager's."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64
+    options: dict[str, Any] = {"regions": "compiled"}
+    if slow == "compiled":
+        options["backend"] = slow_backend
+    else:
+        options["backend"] = "aot_eager"
+
+    def model() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [SleepyBlock() if slow == "eager" else Block() for _ in range(N_BLOCKS)]
+
+    pipes = {
+        name: Pipeline(model(), F.mse_loss, schedule="1f1b", n_microbatches=N_MB, compile=compile_)
+        for name, compile_ in (("trial", options), ("eager", False))
+    }
+    choices = []
+    for step in range(9):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * N_MB, DIM, generator=gen)
+        y = torch.randn(2 * N_MB, DIM, generator=gen)
+        for pipe in pipes.values():
+            pipe.zero_grad()
+            pipe.step(x, y)
+        choices.append(pipes["trial"].compile_choice)
+    grads = {
+        name: {n: p.grad.clone() for n, p in pipe.module.named_parameters() if p.grad is not None}
+        for name, pipe in pipes.items()
+    }
+    trial = pipes["trial"]._compile_trial
+    assert trial is not None
+    out = {"choices": choices, "grads": grads, "times": trial.times}
+    for pipe in pipes.values():
+        pipe.close()
+    return out

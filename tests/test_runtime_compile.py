@@ -17,9 +17,11 @@ from compile_workers import compiled_cases
 from twobp.runtime import PipelineConfigError, launch
 from twobp.runtime.setup.compiled_blocks import compile_options
 
-AOT = {"backend": "aot_eager", "regions": "compiled"}
+# Every stage stays compiled ("stages": "compiled"): these cases check the compiled blocks
+# in every step (tests/test_runtime_compile_trial.py checks the choice of the default).
+AOT = {"backend": "aot_eager", "regions": "compiled", "stages": "compiled"}
 CASES: list[tuple[str, dict[str, Any], bool]] = [
-    ("inductor", {"compile": True}, False),
+    ("inductor", {"compile": {"stages": "compiled"}}, False),
     ("user-compiled", {}, True),
     ("derivatives", {"compile": AOT, "recompute": "derivatives"}, False),
     ("all", {"compile": AOT, "recompute": "all"}, False),
@@ -75,3 +77,6 @@ def test_compile_option_is_checked() -> None:
     assert compile_options({"norms": "routed"}) == {"norms": "routed"}
     with pytest.raises(PipelineConfigError, match="norms is one of 'unfolded', 'routed'"):
         compile_options({"norms": "whole"})
+    assert compile_options({"stages": "compiled"}) == {"stages": "compiled"}
+    with pytest.raises(PipelineConfigError, match="stages is one of 'measured', 'compiled'"):
+        compile_options({"stages": "eager"})

@@ -12,11 +12,13 @@ embedding, 4 decoders and the head), with m micro-batches per step:
   compiled (``torch.compile`` and twobp's ``compile_for_two_stage``): what compile
   changes in a stage's own compute, without the pipeline's sends and waits;
 - *pipelines*: 2 ranks (gloo, one thread each), 1F1B over 2 stages: twobp with 2BP
-  eager, with ``compile=True`` (each region between the calls that read parameters
-  compiled or eager, the faster way timed on its first call; the RMS norms'
-  normalisation compiled with the region before them), with every region
-  compiled (``compile={"regions": "compiled"}``) and with the RMS norms routed whole
-  (``compile={"norms": "routed"}``, run eagerly by the capture);
+  eager, with ``compile=True`` (each stage compiled or eager, the faster in its first
+  training steps, which the warm-up runs; each region between the calls that read
+  parameters compiled or eager, the faster way timed on its first call; the RMS norms'
+  normalisation compiled with the region before them), with every stage compiled
+  (``compile={"stages": "compiled"}``), and so with every region compiled
+  (``"regions": "compiled"``) and with the RMS norms routed whole (``"norms": "routed"``,
+  run eagerly by the capture);
   ``torch.distributed.pipelining``'s
   ``Schedule1F1B`` and ``ScheduleGPipe`` with eager and with compiled stages.
 
@@ -42,6 +44,9 @@ from typing import Any
 
 M = 4
 WARMUP = 3
+TRIAL_STEPS = 8
+"""The training steps of ``compile=True``'s trial (``twobp.runtime.setup.compile_trial``:
+2 warm-up, 3 of each way)."""
 CLOCKS = {
     "wall": "step times",
     "cpu": "main-thread CPU time per step (the slowest rank's)",
@@ -279,9 +284,11 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
     variants: tuple[tuple[str, Any], ...] = (
         ("twobp eager", False),
         ("twobp compile", True),
-        ("twobp compile, regions compiled", {"regions": "compiled"}),
-        ("twobp compile, norms routed", {"norms": "routed"}),
+        ("twobp compile, stages compiled", {"stages": "compiled"}),
+        ("twobp compile, regions compiled", {"regions": "compiled", "stages": "compiled"}),
+        ("twobp compile, norms routed", {"norms": "routed", "stages": "compiled"}),
     )
+    pipes = {}
     for name, compile_ in variants:
         spec = _spec(regime)[0]
         pipe = twobp.Pipeline(
@@ -293,6 +300,7 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
             pipe.step(inputs, targets)
 
         steps[name] = step
+        pipes[name] = pipe
     for schedule in ("1F1B", "GPipe"):
         for compiled in (False, True):
             name = f"torch {schedule}{' compile' if compiled else ''}"
@@ -300,9 +308,12 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
                 _spec(regime)[0], schedule, compiled, rank, inputs, targets
             )
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in steps}
-    for _ in range(WARMUP):
+    # Past compile=True's trial of each stage (compiled or eager), which ends its choice.
+    for _ in range(max(WARMUP, TRIAL_STEPS + 1)):
         for run in steps.values():
             run()
+    choices: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, pipes["twobp compile"].compile_choice)
     for k in range(rounds):
         for name, run in _in_turn(steps, k):
             dist.barrier()
@@ -313,7 +324,9 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name]["wall"].append(float(elapsed[0]))
             times[name]["cpu"].append(float(elapsed[1]))
-    return _medians(times)
+    out = _medians(times)
+    out["compile choice"] = {s: way for c in choices for s, way in c.items()}
+    return out
 
 
 def _print(regime: str, clock: str, plain_run: dict[str, Any], piped_run: dict[str, Any],
@@ -336,6 +349,7 @@ def _print(regime: str, clock: str, plain_run: dict[str, Any], piped_run: dict[s
         f"  twobp compile speed-up over twobp eager {two:.3f}x = {_share(two, gain)} of "
         f"plain's gain"
     )
+    print(f"  compile=True's choice per stage: {piped_run['compile choice']}")
     print(
         f"  round by round (median [quartiles]): plain {_quartiles(plain_speedups['plain'])}, "
         f"twobp {_quartiles(piped_speedups['twobp'])}, torch 1F1B "

@@ -69,6 +69,7 @@ from twobp.runtime.options import PipelineOptions
 from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender, OptimizerMemory
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
+from twobp.runtime.setup.compile_trial import CompileTrial
 from twobp.runtime.setup.compiled_blocks import compile_blocks, compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.given_blocks import as_blocks
@@ -330,6 +331,7 @@ class Pipeline:
         _check_two_bp(two_bp, schedule)
         check_microbatches(schedule, n_microbatches, costs)
         self._compile = compile_options(compile)
+        self._compile_trial: CompileTrial | None = None
         _check_grad_scaler(grad_scaler, self)
         self.timeout = float(timeout)
         requested = torch.device(device) if device is not None else None
@@ -616,6 +618,10 @@ class Pipeline:
                 label=f"rank {self.rank} stage {s}",
                 rebuilt=rebuilt.get(s, ()),
             )
+        if self._compile is not None and self._compile.get("stages", "measured") == "measured":
+            self._compile_trial = CompileTrial(
+                {s: stage.module for s, stage in self.stages.items()}, f"rank {self.rank} "
+            )
 
     def _check_reductions_placed(self) -> None:
         """Every stage that reduces gradients here has its ``R`` in the schedule.
@@ -873,6 +879,8 @@ class Pipeline:
             stage.set_loss_scale(scale)
         # The step reduces and settles its own gradients only (see accumulation).
         self._earlier_gradients.set_aside(self.module.parameters())
+        if self._compile_trial is not None:
+            self._compile_trial.before_step()
         try:
             _, end = self._steps.run_step(self.lowered_schedule, self._plan, batches, True)
         except BaseException:
@@ -883,6 +891,8 @@ class Pipeline:
             raise
         loss, first_bad, bad_rank = end.loss, end.first_bad, end.bad_rank
         assert loss is not None
+        if self._compile_trial is not None:
+            self._compile_trial.after_step(self._steps.spans)
         if end.count is not None and math.isfinite(loss):
             self._divide_gradients(end.count / self.topology.dp_size)
         step = self.state.step_count
@@ -1105,6 +1115,18 @@ class Pipeline:
     def local_spans(self) -> list[Span]:
         """The compute spans of this rank in the last step (seconds from its start)."""
         return list(self._steps.spans)
+
+    @property
+    def compile_choice(self) -> dict[int, str | None]:
+        """With ``compile=True``: how each of this rank's stages runs its blocks, ``"compiled"``
+        or ``"eager"``, as the first training steps timed them (None until they have; see
+        :mod:`twobp.runtime.setup.compile_trial`); ``"compiled"`` for every stage with
+        ``compile={"stages": "compiled"}``. Empty without ``compile``."""
+        if self._compile is None:
+            return {}
+        if self._compile_trial is None:
+            return dict.fromkeys(self.stages, "compiled")
+        return dict(self._compile_trial.choice)
 
     @property
     def step_times(self) -> StepTimes:

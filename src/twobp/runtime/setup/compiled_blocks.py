@@ -19,6 +19,7 @@ from twobp.engine.compiled import compile_for_two_stage, is_compiled
 from twobp.engine.region_choice import REGION_MODES
 from twobp.engine.unfolded_norms import NORM_MODES
 from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.setup.compile_trial import STAGE_MODES
 
 _TWOBP_KEYWORDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "regions": (
@@ -33,6 +34,12 @@ _TWOBP_KEYWORDS: dict[str, tuple[tuple[str, ...], str, str]] = {
         "an RMS norm's normalisation compiled with the region before it, or the whole norm "
         "run eagerly by the capture",
     ),
+    "stages": (
+        STAGE_MODES,
+        "measured",
+        "each stage compiled or eager, the faster in the first training steps, or every "
+        "stage compiled",
+    ),
 }
 """The keywords of ``compile={...}`` that are twobp's, not ``torch.compile``'s: their
 values, default and what they choose."""
@@ -41,16 +48,18 @@ values, default and what they choose."""
 def compile_options(value: object) -> dict[str, Any] | None:
     """``torch.compile``'s keywords for ``compile=value`` (None: do not compile).
 
-    Two keywords are twobp's (:class:`twobp.engine.compiled.SplittingBackend`):
+    Three keywords are twobp's. Two go to :class:`twobp.engine.compiled.SplittingBackend`:
     ``regions`` (``"measured"``, the default; ``"compiled"``; ``"eager"``) says how
     the regions between the calls that read parameters run; ``norms``
     (``"unfolded"``, the default; ``"routed"``) whether an RMS norm's normalisation
     is compiled with the region before it, only its weight product left to the
-    capture.
+    capture. ``stages`` (``"measured"``, the default; ``"compiled"``) whether each
+    stage keeps its compiled blocks only where the first training steps found them
+    faster than eager (:mod:`twobp.runtime.setup.compile_trial`).
 
     Raises:
         PipelineConfigError: if ``value`` is neither a bool nor a dict of keywords,
-            or its ``regions`` or ``norms`` is none of those.
+            or its ``regions``, ``norms`` or ``stages`` is none of those.
     """
     if value is False or value is None:
         return None
@@ -79,6 +88,7 @@ def compile_blocks(stage: nn.Module, options: dict[str, Any], split: bool) -> No
         options: ``torch.compile``'s keywords.
         split: whether the stage runs 2BP (then the graphs are cut for it).
     """
+    options = {k: v for k, v in options.items() if k != "stages"}  # the pipeline's own
     for block in stage.children():
         if is_compiled(block):
             continue
