@@ -84,3 +84,27 @@ def test_the_config_of_an_auto_run_repeats_its_choice(auto_run):
     assert cfg.schedule == ran["schedule"] and cfg.two_bp == ran["two_bp"]
     assert cfg.partition == ",".join(map(str, ran["partition"]))
     check_config(dataclasses.replace(cfg, out=str(out.parent / "again")), 4)
+
+
+def test_the_report_says_how_each_stage_ran_its_compiled_blocks():
+    """--compile: each stage's way as its first steps chose it, over every rank that runs it
+    (data-parallel copies choose each on their own steps)."""
+    from twobp.train.loop import RankResult
+    from twobp.train.report import _compile_choice, _compile_lines
+
+    results = [RankResult(rank=r) for r in range(4)]
+    for result, choice in zip(
+        results,
+        [{0: "compiled"}, {1: "eager"}, {0: "compiled"}, {1: "compiled"}],
+        strict=True,
+    ):
+        result.compile_choice = choice
+    merged = _compile_choice(results)
+    assert merged == {0: "compiled", 1: "compiled/eager"}
+    assert _compile_lines(merged) == [
+        "- compiled blocks, kept per stage where its first 8 steps ran faster: "
+        "stage 0 compiled, stage 1 compiled/eager"
+    ]
+    results[0].compile_choice = {0: None}
+    assert _compile_choice(results)[0] == "compiled/not chosen yet"
+    assert _compile_lines(_compile_choice([RankResult(rank=0)])) == []

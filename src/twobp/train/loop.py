@@ -98,6 +98,9 @@ class RankResult:
     ran: dict[str, Any] = field(default_factory=dict)
     """What ran: the schedule (``auto``'s choice and why), copies, recompute, precision,
     scaler (see :mod:`twobp.train.what_ran`)."""
+    compile_choice: dict[int, str | None] = field(default_factory=dict)
+    """With ``--compile``: how each of this rank's stages ran its blocks at the end
+    (``Pipeline.compile_choice``)."""
     bubbles: list[float] = field(default_factory=list)
     """The measured bubble ratio of every recorded step (rank 0; the mean over ranks)."""
     bubbles_per_rank: list[dict[int, float]] = field(default_factory=list)
@@ -243,6 +246,7 @@ def _train_rank(
     if not result.eval_losses or result.eval_losses[-1][0] != history.step:
         result.eval_losses.append((history.step, result.eval_loss))
     result.peak_rss_bytes = _peak_rss_bytes()
+    result.compile_choice = pipe.compile_choice
     return result
 
 

@@ -79,6 +79,7 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         "eval_loss": lead.eval_loss,
         "eval_losses": [list(pair) for pair in lead.eval_losses],
         "ran": lead.ran,
+        "compile_choice": _compile_choice(results),
         "last_step_makespan_s": makespan(lead.spans),
         "bubble_ratio": statistics.median(bubbles) if bubbles else last_bubble,
         "bubble_ratio_steps": len(bubbles),
@@ -199,6 +200,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         "",
         f"- data: {summary['data']}",
         *_ran_lines(summary.get("ran") or {}, summary["precision"] + _loss_scale_text(summary)),
+        *_compile_lines(summary.get("compile_choice") or {}),
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
         f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
@@ -260,6 +262,24 @@ def _memory_lines(memory: dict[int, dict[str, int]]) -> list[str]:
 def _in_mib(figures: dict[str, int], digits: int) -> list[str]:
     """The :data:`MEMORY_FIGURES` of one rank in MiB (a missing one is 0)."""
     return [f"{figures.get(name, 0) / MIB:.{digits}f}" for name in MEMORY_FIGURES]
+
+
+def _compile_choice(results: Sequence[RankResult]) -> dict[int, str]:
+    """Every stage's way with ``--compile`` over the ranks that run it (data-parallel copies
+    choose each on their own steps), ``"compiled/eager"`` where they differ (pure)."""
+    ways: dict[int, set[str]] = {}
+    for result in results:
+        for s, way in result.compile_choice.items():
+            ways.setdefault(s, set()).add(way or "not chosen yet")
+    return {s: "/".join(sorted(w)) for s, w in sorted(ways.items())}
+
+
+def _compile_lines(choice: dict[int, str]) -> list[str]:
+    """``--compile``: how each stage ran its blocks, as its first steps chose (pure)."""
+    if not choice:
+        return []
+    ways = ", ".join(f"stage {s} {way}" for s, way in sorted(choice.items()))
+    return [f"- compiled blocks, kept per stage where its first 8 steps ran faster: {ways}"]
 
 
 def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
