@@ -1,13 +1,12 @@
 """The compile benchmark's order of variants and its round-by-round speed-ups (pure helpers;
 the benchmark itself compiles whole models and runs for minutes)."""
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile" / "run.py"
+from repo_scripts import load_script
+
 NAMES = [
     "twobp eager",
     "twobp compile",
@@ -21,11 +20,7 @@ NAMES = [
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("compile_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/compile/run.py")
 
 
 def test_each_eager_variant_runs_back_to_back_with_its_compiled_one_in_a_shuffled_order(script):

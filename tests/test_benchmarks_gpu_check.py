@@ -1,25 +1,18 @@
 """The GPU check script (prepared for one GPU) runs end to end on a CPU with tiny sizes."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
 from twobp.runtime.execution import recompute
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check" / "run.py"
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gpu_check_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_check/run.py")
 
 
 def test_every_part_runs_and_passes_on_a_cpu(script, tmp_path, capsys):

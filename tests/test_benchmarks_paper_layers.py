@@ -1,25 +1,20 @@
 """The paper-layers script (prepared for a GPU) runs end to end on a CPU with small layers."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_layers" / "run.py"
+from repo_scripts import load_script
+
 SMALL = ["--device", "cpu", "--dtype", "float32", "--dim", "32", "--ffn-dim", "48"]
 SMALL += ["--heads", "2", "--tokens", "8", "--layers", "8", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("paper_layers_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/paper_layers/run.py")
 
 
 def test_it_measures_every_layer_shape_and_simulates_every_schedule(script, tmp_path, capsys):

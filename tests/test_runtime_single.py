@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from repo_scripts import load_script
 from runtime_models import (
     build_blocks,
     loss_fn,
@@ -288,11 +287,7 @@ def test_loss_must_be_a_scalar():
 
 
 def test_the_example_trains_in_a_world_of_one():
-    path = Path(__file__).parents[1] / "examples" / "train_mlp.py"
-    spec = importlib.util.spec_from_file_location("train_mlp_example", path)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/train_mlp.py")
     assert math.isfinite(example.train(steps=2))
 
 
