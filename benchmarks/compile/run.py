@@ -190,8 +190,7 @@ def _pairs(names: list[str]) -> list[list[str]]:
     for name in names:
         if name in placed:
             continue
-        pair = name.removesuffix(" eager")
-        partner = f"{pair} compile" if name != f"{pair} compile" else None
+        partner = f"{name.removesuffix(' eager')} compile"
         group = [name] + ([partner] if partner in names and partner not in placed else [])
         placed.update(group)
         groups.append(group)
@@ -222,16 +221,13 @@ def _medians(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         c: {k: statistics.median(v[c]) for k, v in times.items()} for c in CLOCKS
     }
     speedups: dict[str, dict[str, list[float]]] = {c: {} for c in CLOCKS}
-    for compiled in times:
-        if not compiled.endswith(" compile"):
+    for group in _pairs(list(times)):
+        if len(group) != 2:
             continue
-        pair = compiled.removesuffix(" compile")
-        eager = next((e for e in (f"{pair} eager", pair) if e in times), None)
-        if eager is None:
-            continue
+        eager, compiled = group
         for c in CLOCKS:
             ratios = [a / b for a, b in zip(times[eager][c], times[compiled][c], strict=True)]
-            speedups[c][pair] = statistics.quantiles(ratios, n=4)
+            speedups[c][compiled.removesuffix(" compile")] = statistics.quantiles(ratios, n=4)
     out["speed-up"] = speedups
     return out
 
