@@ -117,14 +117,14 @@ class CompileTrial:
             return
         for s in self._blocks:
             times = self.times[s]
-            self.choice[s] = choose(times["eager"], times["compiled"])
-            self._set(s, self.choice[s] or "compiled")
+            way = self.choice[s] = choose(times["eager"], times["compiled"])
+            self._set(s, way)
             log.info(
                 "%sstage %d runs %s: compute %.2f ms per step eager, %.2f ms compiled "
                 "(medians of %d steps each)",
                 self.label,
                 s,
-                self.choice[s],
+                way,
                 statistics.median(times["eager"]) * 1e3,
                 statistics.median(times["compiled"]) * 1e3,
                 TRIALS,
