@@ -15,7 +15,7 @@ import torch
 
 from compile_workers import compiled_cases
 from twobp.runtime import PipelineConfigError, launch
-from twobp.runtime.setup.compiled_blocks import compile_options
+from twobp.runtime.setup.compiled_stages import compile_options
 
 # Every stage stays compiled ("stages": "compiled"): these cases check the compiled blocks
 # in every step (tests/test_runtime_compile_trial.py checks the choice of the default).

@@ -9,8 +9,9 @@ embedding, 4 decoders and the head), with m micro-batches per step:
   kept in the process, as every CPU pipeline keeps it, here and in *stage*);
 - *stage*: one process, one thread, the two middle decoder blocks as one stage, plain
   autograd and the 2BP engine (F and I of each micro-batch, then one W), each eager and
-  compiled (``torch.compile`` and twobp's ``compile_for_two_stage``): what compile
-  changes in a stage's own compute, without the pipeline's sends and waits;
+  compiled (plain: each block ``torch.compile``-d; twobp: the stage compiled whole by
+  ``compile_for_two_stage``, as ``Pipeline(..., compile=True)`` compiles a 2BP stage):
+  what compile changes in a stage's own compute, without the pipeline's sends and waits;
 - *pipelines*: 2 ranks (gloo, one thread each), 1F1B over 2 stages: twobp with 2BP
   eager, with ``compile=True`` (each stage compiled or eager, the faster in its first
   training steps, which the warm-up runs; each region between the calls that read
@@ -128,10 +129,10 @@ def _stage(regime: str, rounds: int) -> dict[str, Any]:
 
     def stage(compiled: bool, engine: bool) -> nn.Module:
         module = nn.Sequential(*_spec(regime)[0].blocks[1:3])
-        for block in module:
-            if compiled and engine:
-                compile_for_two_stage(block)
-            elif compiled:
+        if compiled and engine:
+            compile_for_two_stage(module)
+        elif compiled:
+            for block in module:
                 block.compile()
         return module
 

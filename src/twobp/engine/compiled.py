@@ -531,17 +531,20 @@ class _SettingCaptureAside:
     def _uncompiled_message(self, capture: Any) -> str:
         module = self._module()
         inner = getattr(module, "_orig_mod", module)
-        name = type(inner).__name__
+        name = f"block {type(inner).__name__}"
         where = f"{capture._label}: " if getattr(capture, "_label", "") else ""
         for relative, p in inner.named_parameters() if inner is not None else ():
             full = capture.names.get(id(p))
             if full is not None and full.endswith(relative):
                 prefix = full[: -len(relative)].rstrip(".")
-                name = f"'{prefix}' ({name})" if prefix else name
+                if prefix:
+                    name = f"block '{prefix}' ({type(inner).__name__})"
+                elif inner is not None and len(inner._modules) > 1:
+                    name = f"stage ({type(inner).__name__} of {len(inner._modules)} blocks)"
                 break
         limit = torch._dynamo.config.recompile_limit
         return (
-            f"{where}the compiled block {name} ran uncompiled: dynamo ran its frame as plain "
+            f"{where}the compiled {name} ran uncompiled: dynamo ran its frame as plain "
             f"Python (past torch._dynamo.config.recompile_limit = {limit} compiled variants of "
             f"its code, or with compiling disabled), so its weight gradients are computed "
             f"during I instead of deferred to W (gradients stay exact). Keep the variants of a "
@@ -587,17 +590,32 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
     return module
 
 
+_FRAMES: dict[tuple[type, ...], types.CodeType] = {}
+"""The code of the frame around a torch container's ``_call_impl``, by its class and its
+children's classes (see :func:`_inline`)."""
+
+
 def _inline(module: nn.Module) -> Callable[..., Any]:
     """What to compile for ``module`` in place, as ``module.compile()`` does: its
     ``_call_impl``, whose forward frame dynamo catches and shares between modules of one
-    class. Torch's own modules (``nn.Sequential``) have frames dynamo skips: their
-    ``_call_impl`` goes behind a frame it traces (one cache entry per module then, as
-    ``torch.compile(module)`` makes for them)."""
+    class. Torch's own modules (``nn.Sequential``, a pipeline's stage) have frames dynamo
+    skips: their ``_call_impl`` goes behind a frame it traces, whose code is shared by the
+    containers of the same classes of children (their compiled code is the same, and
+    containers of other blocks do not count against the recompile limit of one code)."""
     trace_rules = torch._dynamo.trace_rules
     forward = module.forward
     if isinstance(forward, types.MethodType) and trace_rules.check(forward):
-        wrap_inline: Callable[..., Callable[..., Any]] = torch._dynamo.external_utils.wrap_inline
-        return wrap_inline(module._call_impl)
+        call: Callable[..., Any] = module._call_impl
+
+        def inline(*args: Any, **kwargs: Any) -> Any:
+            return call(*args, **kwargs)
+
+        key = (type(module), *(type(child) for child in module.children()))
+        if key not in _FRAMES:  # a name of its own: dynamo tells codes apart by their text
+            name = f"inline_{type(module).__name__}_{len(_FRAMES)}"
+            _FRAMES[key] = inline.__code__.replace(co_name=name)
+        inline.__code__ = _FRAMES[key]
+        return inline
     return module._call_impl
 
 

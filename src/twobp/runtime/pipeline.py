@@ -70,7 +70,7 @@ from twobp.runtime.pipeline_steps import StepRunner
 from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender, OptimizerMemory
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.compile_trial import CompileTrial
-from twobp.runtime.setup.compiled_blocks import compile_blocks, compile_options
+from twobp.runtime.setup.compiled_stages import compile_options, compile_stage
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
@@ -603,7 +603,7 @@ class Pipeline:
                 OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[model_stage])
             )
             if self._compile is not None:
-                compile_blocks(module, self._compile, split=s in split)
+                compile_stage(module, self._compile, split=s in split)
             self.stages[s] = Stage(
                 s,
                 schedule.pipeline_stages,

@@ -12,7 +12,8 @@ rank (the spans of its actions); then each stage keeps the way of the faster med
 rank decides for its own stages: the gradients are the same either way, to rounding.
 
 :func:`trial_mode` and :func:`choose` are the pure part; :class:`CompileTrial` switches the
-blocks (a compiled module runs its ``_compiled_call_impl``; without it, its eager forward).
+stage, or its blocks where they were compiled one by one (a compiled module runs its
+``_compiled_call_impl``; without it, its eager forward).
 """
 
 from __future__ import annotations
@@ -72,36 +73,36 @@ class CompileTrial:
 
     Args:
         stages: the rank's stage modules (each a container of blocks), by stage index;
-            a block takes part if it was compiled in place (``block.compile``,
-            :func:`~twobp.engine.compiled.compile_for_two_stage`).
+            the stage and each of its blocks take part if compiled in place
+            (``module.compile``, :func:`~twobp.engine.compiled.compile_for_two_stage`).
         label: names the rank in the log.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], label: str = "") -> None:
-        self._blocks: dict[int, list[tuple[nn.Module, Callable[..., Any]]]] = {}
+        self._parts: dict[int, list[tuple[nn.Module, Callable[..., Any]]]] = {}
         for s, module in stages.items():
             compiled = []
-            for block in module.children():
-                impl = getattr(block, "_compiled_call_impl", None)
+            for part in (module, *module.children()):
+                impl = getattr(part, "_compiled_call_impl", None)
                 if impl is not None:
-                    compiled.append((block, impl))
+                    compiled.append((part, impl))
             if compiled:
-                self._blocks[s] = compiled
+                self._parts[s] = compiled
         self.label = label
         self.steps = 0
         """Training steps the trial has seen end."""
         self.times: dict[int, dict[Way, list[float]]] = {
-            s: {"eager": [], "compiled": []} for s in self._blocks
+            s: {"eager": [], "compiled": []} for s in self._parts
         }
         """Each stage's compute per timed step, seconds, by the way it ran."""
-        self.choice: dict[int, Way | None] = dict.fromkeys(self._blocks)
+        self.choice: dict[int, Way | None] = dict.fromkeys(self._parts)
         """How each stage runs from the end of the trial on (None until then)."""
 
     def before_step(self) -> None:
         """Set every stage to the way this step runs."""
         way = trial_mode(self.steps)
         if way is not None:
-            for s in self._blocks:
+            for s in self._parts:
                 self._set(s, way)
 
     def after_step(self, spans: Iterable[Span]) -> None:
@@ -110,12 +111,12 @@ class CompileTrial:
         if way is None:
             return
         if self.steps >= WARMUP:
-            for s, seconds in stage_seconds(spans, self._blocks).items():
+            for s, seconds in stage_seconds(spans, self._parts).items():
                 self.times[s][way].append(seconds)
         self.steps += 1
         if trial_mode(self.steps) is not None:
             return
-        for s in self._blocks:
+        for s in self._parts:
             times = self.times[s]
             way = self.choice[s] = choose(times["eager"], times["compiled"])
             self._set(s, way)
@@ -131,5 +132,5 @@ class CompileTrial:
             )
 
     def _set(self, s: int, way: Way) -> None:
-        for block, compiled in self._blocks[s]:
-            block._compiled_call_impl = compiled if way == "compiled" else None
+        for part, compiled in self._parts[s]:
+            part._compiled_call_impl = compiled if way == "compiled" else None

@@ -1,12 +1,16 @@
-"""``Pipeline(..., compile=True)``: each block compiled so that 2BP keeps its split.
+"""``Pipeline(..., compile=True)``: each stage compiled so that 2BP keeps its split.
 
-A block of a stage that runs ``I`` and ``W`` is compiled by
-:func:`twobp.engine.compiled.compile_for_two_stage`: its graph is cut at
-the calls that read parameters, which the store defers as in eager mode, and
-the regions between are compiled. A block of a stage that runs the fused
-``B`` is compiled as it is. Either way in place (``block.compile(...)``), so
-that parameter names, checkpoints and the ranks' model check do not change.
-Blocks the user compiled are left to the store, which makes them keep 2BP too.
+A stage that runs ``I`` and ``W`` is compiled whole, as one graph of all its blocks, by
+:func:`twobp.engine.compiled.compile_for_two_stage`: the graph is cut at the calls that
+read parameters, which the store defers as in eager mode, and the regions between are
+compiled. Whole, the regions run across the blocks' edges: a block's last residual add
+and the next block's normalisation are one region, and the stage enters one compiled
+frame per micro-batch instead of one per block. A stage that runs the fused ``B`` has its
+blocks compiled one by one, as they are (blocks of one class share their compiled code).
+Either way in place (``module.compile(...)``), so that parameter names, checkpoints and
+the ranks' model check do not change. Where the user compiled some of a stage's blocks,
+those are left to the store, which makes them keep 2BP too, and the others are compiled
+one by one.
 """
 
 from __future__ import annotations
@@ -80,15 +84,18 @@ def compile_options(value: object) -> dict[str, Any] | None:
     )
 
 
-def compile_blocks(stage: nn.Module, options: dict[str, Any], split: bool) -> None:
-    """Compile every block of ``stage`` in place that is not compiled yet.
+def compile_stage(stage: nn.Module, options: dict[str, Any], split: bool) -> None:
+    """Compile ``stage`` in place: whole where it runs 2BP, else each block not compiled yet.
 
     Args:
         stage: the stage's blocks (its children).
         options: ``torch.compile``'s keywords.
-        split: whether the stage runs 2BP (then the graphs are cut for it).
+        split: whether the stage runs 2BP (then its graph is cut for it).
     """
     options = {k: v for k, v in options.items() if k != "stages"}  # the pipeline's own
+    if split and not any(is_compiled(block) for block in stage.children()):
+        compile_for_two_stage(stage, **options)
+        return
     for block in stage.children():
         if is_compiled(block):
             continue
