@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from twobp.engine.capture import running_capture
+from twobp.engine.lean_regions import compile_region
 from twobp.engine.operand import VIEW_STEPS
 from twobp.engine.region_choice import (
     REGION_MODES,
@@ -174,11 +175,12 @@ class _Region:
             self.choice.eager_s, self.choice.compiled_s = eager_s, compiled_s
             self._settle("compiled" if prefer_compiled(eager_s, compiled_s) else "eager")
             _log.info(
-                "%s (%d calls): eager %.0f us, compiled %.0f us: runs %s",
+                "%s (%d calls): eager %.0f us, compiled %.0f us%s: runs %s",
                 self.choice.name,
                 self.choice.ops,
                 eager_s * 1e6,
                 compiled_s * 1e6,
+                " (its graphs called directly)" if self.choice.lean else "",
                 self.choice.mode,
             )
             run = self.run
@@ -417,7 +419,8 @@ def split_at_routed_calls(
         choice = RegionChoice(f"compiled_region_{len(emitted)}", len(region.nodes))
         if choices is not None:
             choices.append(choice)
-        compiled = sub.forward if regions == "eager" else inner(sub, examples)
+        compiled = sub.forward if regions == "eager" else compile_region(sub, examples, inner)
+        choice.lean = bool(getattr(compiled, "_twobp_lean", False))
         call = graph.call_function(
             _Region(compiled, sub.forward, choice, regions), tuple(env[i] for i in region.inputs)
         )

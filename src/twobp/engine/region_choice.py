@@ -51,6 +51,9 @@ class RegionChoice:
     """The fastest eager run (forward and backward), seconds; None if not timed."""
     compiled_s: float | None = None
     """The fastest compiled run, seconds; None if not timed."""
+    lean: bool = False
+    """Whether its compiled graphs run from a plain autograd Function, not through
+    AOTAutograd's runtime wrappers (:mod:`twobp.engine.lean_regions`)."""
 
 
 def prefer_compiled(eager_s: float, compiled_s: float, margin: float = MARGIN) -> bool:

@@ -1,0 +1,208 @@
+"""A region of a cut graph compiled by inductor, its two compiled graphs called directly.
+
+Inductor compiles a graph through AOTAutograd: one forward graph, which returns the outputs
+and what the backward keeps, and one backward graph, which takes those and the output
+gradients. AOTAutograd calls them through its runtime wrappers, which handle what a whole
+user graph may do (inputs changed in place, outputs that alias inputs or one another, RNG
+state, tensor subclasses, autocast, changing shapes). On a CPU thread those wrappers cost
+about 25-30 us per region and micro-batch, in F and in I together, and a cut graph has
+several regions per block, where a whole compiled block has one.
+
+A region between the calls that read parameters rarely needs any of it. Where AOTAutograd's
+metadata says that none of it applies, :func:`compile_region` runs the two compiled graphs
+from a plain ``torch.autograd.Function`` (:class:`_LeanRegion`): the forward graph in F, its
+saved tensors kept by ``save_for_backward``, the backward graph in I, the output gradients
+laid out as the backward graph was traced for. Elsewhere the region runs as inductor
+returned it. Only the inductor backend, on the CPU, with grad enabled and outside autocast,
+and with static shapes, is run so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, fx
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graphs:
+    """The compiled graphs of one region, as inductor's inner compile saw them."""
+
+    forward: Callable[[list[Any]], Any] | None = None
+    backward: Callable[[list[Any]], Any] | None = None
+    backward_graph: fx.GraphModule | None = None
+    metadata: Any = None
+    inference: bool = False
+
+
+def _capturing(graphs: _Graphs) -> Callable[..., Any]:
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        if kwargs.get("is_backward"):
+            graphs.backward, graphs.backward_graph = out, gm
+        else:
+            graphs.forward = out
+            graphs.inference = bool(kwargs.get("is_inference"))
+            context = TracingContext.try_get()
+            graphs.metadata = getattr(context, "fw_metadata", None)
+        return out
+
+    return inner_compile
+
+
+def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
+    """Why the region's graphs cannot run from a plain Function (None: they can)."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    meta = graphs.metadata
+    if graphs.inference or graphs.forward is None or graphs.backward is None or meta is None:
+        return "no backward graph"
+    if graphs.backward_graph is None:
+        return "no backward graph"
+    if not all(isinstance(t, Tensor) for t in example_inputs):
+        return "an input that is not a tensor"
+    if any(t.device.type != "cpu" for t in example_inputs):
+        return "an input off the CPU"
+    placeholders = [n for n in graphs.backward_graph.graph.nodes if n.op == "placeholder"]
+    shapes = [t.shape for t in example_inputs]
+    shapes += [n.meta["val"].shape for n in placeholders if isinstance(n.meta.get("val"), Tensor)]
+    if not all(isinstance(d, int) for shape in shapes for d in shape):
+        return "symbolic sizes"
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return "an input changed in place"
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        return "an output that aliases an input or another tensor"
+    if not all(
+        isinstance(o.raw_type, type) and issubclass(o.raw_type, Tensor) for o in meta.output_info
+    ):
+        return "an output that is not a tensor"
+    extra = (
+        meta.num_intermediate_bases,
+        meta.num_symints_saved_for_bw or 0,
+        meta.num_opaque_objects_saved_for_bw or 0,
+        len(meta.tokens),
+        meta.num_backward_tokens,
+        meta.num_graphsafe_rng_states,
+        int(bool(meta.is_rng_op_functionalized)),
+        int(
+            any(
+                not isinstance(m, torch._functorch._aot_autograd.schemas.PlainTensorMeta)
+                for m in meta.subclass_inp_meta
+            )
+        ),
+    )
+    if any(extra):
+        return "state beyond tensors (symbolic sizes, RNG, tokens, subclasses)"
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    if len(tangents) != sum(o.requires_grad for o in meta.output_info):
+        return "output gradients other than one per differentiable output"
+    if placeholders[len(placeholders) - len(tangents) :] != tangents:
+        return "output gradients before the saved tensors"
+    outputs = next(n for n in graphs.backward_graph.graph.nodes if n.op == "output").args[0]
+    if len(outputs) != len(example_inputs):
+        return "input gradients other than one per input"
+    return None
+
+
+class _Lean:
+    """The calling convention of one region: outputs, saved tensors, tangents' layouts."""
+
+    def __init__(self, graphs: _Graphs, n_inputs: int) -> None:
+        meta = graphs.metadata
+        assert graphs.forward is not None and graphs.backward is not None
+        assert graphs.backward_graph is not None
+        self.forward = graphs.forward
+        self.backward = graphs.backward
+        self.n_outputs = len(meta.output_info)
+        self.differentiable = tuple(o.requires_grad for o in meta.output_info)
+        self.n_inputs = n_inputs
+        placeholders = [n for n in graphs.backward_graph.graph.nodes if n.op == "placeholder"]
+        tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        self.n_saved = len(placeholders) - len(tangents)
+        self.layouts = tuple(
+            (tuple(t.meta["val"].shape), tuple(t.meta["val"].stride()), t.meta["val"].dtype)
+            for t in tangents
+        )
+
+
+class _LeanRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, lean: _Lean, *inputs: Tensor) -> Any:
+        outs = lean.forward(list(inputs))
+        n = lean.n_outputs
+        ctx.lean = lean
+        ctx.save_for_backward(*outs[n : n + lean.n_saved])
+        user = tuple(outs[:n])
+        ctx.mark_non_differentiable(
+            *(o for o, d in zip(user, lean.differentiable, strict=True) if not d)
+        )
+        return user
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        lean: _Lean = ctx.lean
+        tangents = []
+        wanted = (g for g, d in zip(grads, lean.differentiable, strict=True) if d)
+        for g, (shape, stride, dtype) in zip(wanted, lean.layouts, strict=True):
+            if g.stride() != stride or g.dtype != dtype:
+                g = torch.empty_strided(shape, stride, dtype=dtype, device=g.device).copy_(g)
+            tangents.append(g)
+        input_grads = lean.backward([*ctx.saved_tensors, *tangents])
+        return (None, *input_grads)
+
+
+def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) -> Callable[..., Any]:
+    """``gm`` (a region of a cut graph) compiled by ``inner``; by inductor, run lean where it can.
+
+    Args:
+        gm: the region's graph, as dynamo's graphs are (returns a tuple).
+        example_inputs: its inputs' fake tensors.
+        inner: the backend; inductor's (``torch.compile``'s wrapper of it, with the user's
+            mode and options) is the one whose graphs are run directly.
+
+    Returns:
+        A callable with the signature of ``gm``.
+    """
+    config = getattr(inner, "config", None)
+    if (
+        type(inner).__name__ != "_TorchCompileInductorWrapper"
+        or not isinstance(config, dict)
+        or any(str(k).startswith("triton.cudagraph") and v for k, v in config.items())
+        or not torch.is_grad_enabled()
+        or torch._C._is_any_autocast_enabled()
+        or getattr(inner, "dynamic", None)
+    ):
+        return inner(gm, example_inputs)  # type: ignore[no-any-return]
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = _Graphs()
+    # Both graphs now, through the inner compile (AOTAutograd's own cache would load them
+    # without it; inductor's cache of each graph still serves).
+    patch = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
+    with torch._functorch.config.patch(patch):
+        compiled = cast(
+            Callable[..., Any],
+            compile_fx(gm, example_inputs, inner_compile=_capturing(graphs), config_patches=config),
+        )
+    why = _why_not_lean(example_inputs, graphs)
+    if why is not None:
+        _log.debug("a region runs through AOTAutograd's wrappers: %s", why)
+        return compiled
+    lean = _Lean(graphs, len(example_inputs))
+
+    def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return compiled(*args)
+        return _LeanRegion.apply(lean, *args)  # type: ignore[no-untyped-call]
+
+    run._twobp_lean = True  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,153 @@
+"""A region compiled by inductor runs its two compiled graphs from a plain autograd Function
+where nothing of AOTAutograd's runtime wrappers applies, and through them elsewhere; either
+way with the gradients of eager mode (:mod:`twobp.engine.lean_regions`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from twobp.engine import defer_weight_grads
+from twobp.engine.compiled import SplittingBackend
+from twobp.engine.lean_regions import compile_region
+
+
+def _inductor() -> Any:
+    from torch import _TorchCompileInductorWrapper
+
+    return _TorchCompileInductorWrapper(None, None, False, None)  # type: ignore[no-untyped-call]
+
+
+def _compiled(fn: Callable[..., Any], inner: Any = None) -> tuple[Callable[..., Any], list[Any]]:
+    """``fn`` compiled by dynamo, its one graph by :func:`compile_region`; what that returned."""
+    made: list[Any] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        made.append(compile_region(gm, example_inputs, inner or _inductor()))
+        return made[-1]
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, dynamic=False), made
+
+
+def _grads(fn: Callable[..., Any], loss: Callable[..., Tensor], *inputs: Tensor) -> list[Any]:
+    for t in inputs:
+        t.grad = None
+    loss(*fn(*inputs)).backward()
+    return [None if t.grad is None else t.grad.clone() for t in inputs]
+
+
+def _inputs(*shape: int, grad: tuple[bool, ...] = (True, True, True)) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=gen, requires_grad=g) for g in grad]
+
+
+def _region(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Three outputs: one only of inputs that need no gradient, one not differentiable."""
+    return F.silu(a) * b + c, (a * c).sum(-1), (b > 0)
+
+
+def _loss(h: Tensor, s: Tensor, mask: Tensor) -> Tensor:
+    # h's gradient arrives expanded from one number (not the layout the backward graph was
+    # traced with).
+    return h.sum() * 3 + s.pow(2).sum() + mask.sum()
+
+
+@pytest.mark.parametrize("grad", [(True, True, True), (True, False, True), (False, True, False)])
+def test_a_lean_region_has_eager_s_gradients(grad: tuple[bool, ...]) -> None:
+    compiled, made = _compiled(_region)
+    inputs = _inputs(4, 6, grad=grad)
+    got = _grads(compiled, _loss, *inputs)
+    assert len(made) == 1 and getattr(made[0], "_twobp_lean", False)
+    for ours, eager in zip(got, _grads(_region, _loss, *inputs), strict=True):
+        if eager is None:
+            assert ours is None
+        else:
+            torch.testing.assert_close(ours, eager)
+    # Under no_grad (a recomputed forward, evaluation) the same graph serves as compiled.
+    with torch.no_grad():
+        for ours, eager in zip(made[0](*inputs), _region(*inputs), strict=True):
+            torch.testing.assert_close(ours, eager)
+
+
+def _view_of_input(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    return a.t(), a * b
+
+
+def _in_place(a: Tensor, b: Tensor) -> tuple[Tensor]:
+    b.mul_(2)
+    return (a * b,)
+
+
+def test_regions_that_need_aot_s_wrappers_run_through_them() -> None:
+    compiled, made = _compiled(_view_of_input)
+    a, b = _inputs(4, 6, grad=(True, True))
+
+    def loss(*outs: Tensor) -> Tensor:
+        return sum(o.pow(2).sum() for o in outs)  # type: ignore[return-value]
+
+    got = _grads(compiled, loss, a, b)
+    assert not getattr(made[0], "_twobp_lean", False)
+    for ours, eager in zip(got, _grads(_view_of_input, loss, a, b), strict=True):
+        torch.testing.assert_close(ours, eager)
+
+    compiled, made = _compiled(_in_place)
+    a, b = _inputs(4, 6, grad=(True, False))
+    b2 = b.clone()
+    out = compiled(a, b)[0]
+    assert not getattr(made[0], "_twobp_lean", False)
+    torch.testing.assert_close(b, b2 * 2)
+    torch.testing.assert_close(out, a * b2 * 2)
+
+    compiled, made = _compiled(_region)
+    with torch.autocast("cpu", torch.bfloat16):
+        compiled(*_inputs(4, 6))
+    assert not getattr(made[0], "_twobp_lean", False)
+
+
+def test_other_backends_compile_their_regions_themselves() -> None:
+    seen: list[fx.GraphModule] = []
+
+    def recorder(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen.append(gm)
+        return gm.forward
+
+    compiled, made = _compiled(_region, recorder)
+    compiled(*_inputs(4, 6))
+    assert len(seen) == 1 and not getattr(made[0], "_twobp_lean", False)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))) * 2.0)
+
+
+def test_a_compiled_stage_s_regions_run_lean_and_keep_eager_s_gradients() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(_Block(), _Block())
+    torch.manual_seed(0)
+    backend = SplittingBackend(_inductor(), regions="compiled")
+    stage = torch.compile(nn.Sequential(_Block(), _Block()), backend=backend)
+    store = defer_weight_grads(stage)
+    x = torch.randn(4, 8, requires_grad=True)  # a stage after the first
+    with store.forward(0):
+        out = stage(x)
+    store.backward_input(0, [out], [torch.ones_like(out)], [])
+    store.backward_weight([0])
+    store.finish_step()
+    eager(x).sum().backward()
+    for (name, p), q in zip(stage.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert backend.choices and all(c.lean for c in backend.choices), backend.choices
