@@ -146,8 +146,10 @@ def trial_choices(slow: str) -> dict[str, Any]:
         name: Pipeline(model(), F.mse_loss, schedule="1f1b", n_microbatches=N_MB, compile=compile_)
         for name, compile_ in (("trial", options), ("eager", False))
     }
+    from twobp.runtime.setup.compile_trial import TRIALS, WARMUP
+
     choices = []
-    for step in range(9):
+    for step in range(WARMUP + 2 * TRIALS + 1):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(2 * N_MB, DIM, generator=gen)
         y = torch.randn(2 * N_MB, DIM, generator=gen)

@@ -102,7 +102,7 @@ def test_the_report_says_how_each_stage_ran_its_compiled_blocks():
     merged = _compile_choice(results)
     assert merged == {0: "compiled", 1: "compiled/eager"}
     assert _compile_lines(merged) == [
-        "- compiled blocks, kept per stage where its first 8 steps ran faster: "
+        "- compiled blocks, kept per stage where its first 12 steps ran faster: "
         "stage 0 compiled, stage 1 compiled/eager"
     ]
     results[0].compile_choice = {0: None}

@@ -45,9 +45,6 @@ from typing import Any
 
 M = 4
 WARMUP = 3
-TRIAL_STEPS = 8
-"""The training steps of ``compile=True``'s trial (``twobp.runtime.setup.compile_trial``:
-2 warm-up, 3 of each way)."""
 CLOCKS = {
     "wall": "step times",
     "cpu": "main-thread CPU time per step (the slowest rank's)",
@@ -306,11 +303,16 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
             )
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in steps}
     # Past compile=True's trial of each stage (compiled or eager), which ends its choice.
-    for _ in range(max(WARMUP, TRIAL_STEPS + 1)):
+    from twobp.runtime.setup import compile_trial
+
+    for _ in range(max(WARMUP, compile_trial.WARMUP + 2 * compile_trial.TRIALS + 1)):
         for run in steps.values():
             run()
     choices: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(choices, pipes["twobp compile"].compile_choice)
+    trial = pipes["twobp compile"]._compile_trial
+    trials: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(trials, trial.times if trial is not None else {})
     for k in range(rounds):
         for name, run in _in_turn(steps, k):
             dist.barrier()
@@ -323,6 +325,11 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
             times[name]["cpu"].append(float(elapsed[1]))
     out = _medians(times)
     out["compile choice"] = {s: way for c in choices for s, way in c.items()}
+    out["compile trial ms"] = {
+        s: {way: [round(t * 1e3, 1) for t in ts] for way, ts in times.items()}
+        for t in trials
+        for s, times in t.items()
+    }
     return out
 
 
@@ -346,7 +353,8 @@ def _print(regime: str, clock: str, plain_run: dict[str, Any], piped_run: dict[s
         f"  twobp compile speed-up over twobp eager {two:.3f}x = {_share(two, gain)} of "
         f"plain's gain"
     )
-    print(f"  compile=True's choice per stage: {piped_run['compile choice']}")
+    print(f"  compile=True's choice per stage: {piped_run['compile choice']}, from its trial's "
+          f"compute per step (ms): {piped_run.get('compile trial ms')}")
     print(
         f"  round by round (median [quartiles]): plain {_quartiles(plain_speedups['plain'])}, "
         f"twobp {_quartiles(piped_speedups['twobp'])}, torch 1F1B "

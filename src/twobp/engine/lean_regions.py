@@ -193,7 +193,10 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) ->
             Callable[..., Any],
             compile_fx(gm, example_inputs, inner_compile=_capturing(graphs), config_patches=config),
         )
-    why = _why_not_lean(example_inputs, graphs)
+    try:
+        why = _why_not_lean(example_inputs, graphs)
+    except (AttributeError, ImportError, KeyError, TypeError) as e:  # another torch's metadata
+        why = f"AOTAutograd's metadata is not as this code reads it ({e!r})"
     if why is not None:
         _log.debug("a region runs through AOTAutograd's wrappers: %s", why)
         return compiled

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from twobp.config import to_toml
+from twobp.runtime.setup.compile_trial import TRIALS, WARMUP
 from twobp.timeline import bubble_ratio, makespan
 from twobp.train.config import TrainConfig, run_name
 from twobp.train.loop import WARMUP_STEPS, RankResult
@@ -279,7 +280,8 @@ def _compile_lines(choice: dict[int, str]) -> list[str]:
     if not choice:
         return []
     ways = ", ".join(f"stage {s} {way}" for s, way in sorted(choice.items()))
-    return [f"- compiled blocks, kept per stage where its first 8 steps ran faster: {ways}"]
+    steps = WARMUP + 2 * TRIALS
+    return [f"- compiled blocks, kept per stage where its first {steps} steps ran faster: {ways}"]
 
 
 def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
