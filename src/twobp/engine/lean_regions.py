@@ -61,13 +61,12 @@ def _capturing(graphs: _Graphs) -> Callable[..., Any]:
 
 def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
     """Why the region's graphs cannot run from a plain Function (None: they can)."""
-    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
 
     meta = graphs.metadata
-    if graphs.inference or graphs.forward is None or graphs.backward is None or meta is None:
-        return "no backward graph"
-    if graphs.backward_graph is None:
-        return "no backward graph"
+    if graphs.inference or None in (graphs.forward, graphs.backward, graphs.backward_graph, meta):
+        return "no backward graph (no input needs a gradient)"
+    assert graphs.backward_graph is not None
     if not all(isinstance(t, Tensor) for t in example_inputs):
         return "an input that is not a tensor"
     if any(t.device.type != "cpu" for t in example_inputs):
@@ -93,12 +92,7 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
         meta.num_backward_tokens,
         meta.num_graphsafe_rng_states,
         int(bool(meta.is_rng_op_functionalized)),
-        int(
-            any(
-                not isinstance(m, torch._functorch._aot_autograd.schemas.PlainTensorMeta)
-                for m in meta.subclass_inp_meta
-            )
-        ),
+        int(any(not isinstance(m, PlainTensorMeta) for m in meta.subclass_inp_meta)),
     )
     if any(extra):
         return "state beyond tensors (symbolic sizes, RNG, tokens, subclasses)"
@@ -116,7 +110,7 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
 class _Lean:
     """The calling convention of one region: outputs, saved tensors, tangents' layouts."""
 
-    def __init__(self, graphs: _Graphs, n_inputs: int) -> None:
+    def __init__(self, graphs: _Graphs) -> None:
         meta = graphs.metadata
         assert graphs.forward is not None and graphs.backward is not None
         assert graphs.backward_graph is not None
@@ -124,7 +118,6 @@ class _Lean:
         self.backward = graphs.backward
         self.n_outputs = len(meta.output_info)
         self.differentiable = tuple(o.requires_grad for o in meta.output_info)
-        self.n_inputs = n_inputs
         placeholders = [n for n in graphs.backward_graph.graph.nodes if n.op == "placeholder"]
         tangents = [n for n in placeholders if n.name.startswith("tangents")]
         self.n_saved = len(placeholders) - len(tangents)
@@ -200,7 +193,7 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) ->
     if why is not None:
         _log.debug("a region runs through AOTAutograd's wrappers: %s", why)
         return compiled
-    lean = _Lean(graphs, len(example_inputs))
+    lean = _Lean(graphs)
 
     def run(*args: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -8,7 +8,7 @@ small, and a GPU gains from every fused kernel. A region timed alone on its firs
 the choice of a whole stage is made on the steps themselves. The first :data:`WARMUP`
 training steps run compiled (dynamo compiles the blocks, their regions are measured); the
 next ``2 * TRIALS`` alternate eager and compiled, each timing every stage's compute on this
-rank (the spans of its actions); then each stage keeps the way of its faster fastest step: a
+rank (the spans of its actions); then each stage keeps the way whose fastest step was the shorter: a
 step's compute is only ever lengthened by what else runs on the machine (another rank on the
 same core, the system), by as much as a fifth of a step on a busy CPU, and in any step of
 either way, which a median of a few steps does not always leave out. Each
@@ -67,7 +67,7 @@ def stage_seconds(spans: Iterable[Span], stages: Iterable[int]) -> dict[int, flo
 
 
 def choose(eager_s: list[float], compiled_s: list[float]) -> Way:
-    """The way of the faster fastest step (eager where they tie: it compiles nothing)."""
+    """The way whose fastest step is the shorter (eager where they tie: it compiles nothing)."""
     return "compiled" if min(compiled_s) < min(eager_s) else "eager"
 
 
