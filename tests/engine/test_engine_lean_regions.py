@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from twobp.engine import defer_weight_grads
+import twobp.engine.compiled as lean_regions_compiled
+from twobp.engine import defer_weight_grads, lean_regions
 from twobp.engine.compiled import SplittingBackend
 from twobp.engine.lean_regions import compile_region
 
@@ -123,14 +124,15 @@ def test_other_backends_compile_their_regions_themselves() -> None:
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 2.0) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(8)
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 8)
+        self.scale = scale
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))) * 2.0)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))) * self.scale)
 
 
 def test_a_compiled_stage_s_regions_run_lean_and_keep_eager_s_gradients() -> None:
@@ -151,3 +153,50 @@ def test_a_compiled_stage_s_regions_run_lean_and_keep_eager_s_gradients() -> Non
     for (name, p), q in zip(stage.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert backend.choices and all(c.lean for c in backend.choices), backend.choices
+
+
+def _stage_step(*scales: float) -> tuple[list[Any], dict[str, Tensor], dict[str, Tensor]]:
+    """A stage of blocks with these scales compiled whole: each region's compiled call, and
+    the weight gradients of one micro-batch's F, I and W beside plain autograd's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(_Block(c) for c in scales))
+    torch.manual_seed(0)
+    backend = SplittingBackend(_inductor(), regions="compiled")
+    module = nn.Sequential(*(_Block(c) for c in scales))
+    stage = torch.compile(module, backend=backend)
+    calls: list[Any] = []
+    real = lean_regions.compile_region
+
+    def spy(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) -> Any:
+        calls.append(real(gm, example_inputs, inner))
+        return calls[-1]
+
+    lean_regions_compiled.compile_region = spy  # type: ignore[attr-defined]
+    try:
+        store = defer_weight_grads(stage)
+        x = torch.randn(4, 8, requires_grad=True)
+        with store.forward(0):
+            out = stage(x)
+    finally:
+        lean_regions_compiled.compile_region = real  # type: ignore[attr-defined]
+    store.backward_input(0, [out], [torch.ones_like(out)], [])
+    store.backward_weight([0])
+    store.finish_step()
+    eager(x).sum().backward()
+    ours = {n: p.grad for n, p in module.named_parameters()}
+    return calls, ours, {n: p.grad for n, p in eager.named_parameters()}
+
+
+def test_repeated_regions_of_a_stage_are_compiled_once() -> None:
+    """Block 1's regions are block 0's (but the first, which also holds block 0's residual
+    add): compiled once, called from each; a region that differs by a constant is not."""
+    calls, ours, eager = _stage_step(2.0, 2.0)
+    assert len(calls) == 5 and calls[1] is calls[3]
+    assert len({id(c) for c in calls}) == 4
+    for name, grad in eager.items():
+        torch.testing.assert_close(ours[name], grad, msg=name)
+    calls, ours, eager = _stage_step(2.0, 3.0)
+    assert calls[1] is not calls[3]
+    for name, grad in eager.items():
+        torch.testing.assert_close(ours[name], grad, msg=name)

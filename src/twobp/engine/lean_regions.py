@@ -15,6 +15,11 @@ saved tensors kept by ``save_for_backward``, the backward graph in I, the output
 laid out as the backward graph was traced for. Elsewhere the region runs as inductor
 returned it. Only the inductor backend, on the CPU, with grad enabled and outside autocast,
 and with static shapes, is run so.
+
+The regions of a stage compiled whole repeat one another (block k's attention core is block
+j's): a region whose calls, constants and input layouts are those of one compiled before
+reuses its compiled code (:data:`_COMPILED`, kept for the process), so a stage of n blocks
+compiles about as many regions as one block.
 """
 
 from __future__ import annotations
@@ -153,6 +158,58 @@ class _LeanRegion(torch.autograd.Function):
         return (None, *input_grads)
 
 
+_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+"""What :func:`compile_region` made, by :func:`_key`: the regions of a stage's blocks repeat
+one another (block k's attention core is block j's), so each is compiled once."""
+
+
+def _canonical(graph: fx.Graph) -> str:
+    """The graph's calls with its nodes numbered in order (the names differ between regions
+    of one graph: dynamo names every node of a stage's graph apart)."""
+    number = {node: k for k, node in enumerate(graph.nodes)}
+
+    def arg(a: Any) -> Any:
+        return fx.map_arg(a, lambda n: f"%{number[n]}")
+
+    def target(n: fx.Node) -> Any:
+        if n.op == "placeholder":
+            return None  # its name
+        t = n.target
+        return t if isinstance(t, str) else f"{getattr(t, '__module__', '')}.{t!r}"
+
+    return repr([(n.op, target(n), arg(n.args), arg(n.kwargs)) for n in graph.nodes])
+
+
+def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: dict[str, Any]) -> Any:
+    """What a region's compiled code depends on: its graph's code, its inputs' layouts and
+    which of them share storage, the mode and inductor's options; None where the graph reads
+    an attribute of its module (its code would not say which value)."""
+    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
+        return None
+    if not all(isinstance(t, Tensor) for t in example_inputs):
+        return None
+    storages: dict[int, int] = {}
+    layouts = tuple(
+        (
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.storage_offset(),
+            t.dtype,
+            str(t.device),
+            t.requires_grad,
+            storages.setdefault(id(t.untyped_storage()), len(storages)),
+        )
+        for t in example_inputs
+    )
+    return (
+        _canonical(gm.graph),
+        layouts,
+        repr(sorted(config.items())),
+        torch.is_grad_enabled(),
+        torch._C._is_any_autocast_enabled(),
+    )
+
+
 def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) -> Callable[..., Any]:
     """``gm`` (a region of a cut graph) compiled by ``inner``; by inductor, run lean where it can.
 
@@ -175,6 +232,17 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) ->
         or getattr(inner, "dynamic", None)
     ):
         return inner(gm, example_inputs)  # type: ignore[no-any-return]
+    key = _key(gm, example_inputs, config)
+    made = _COMPILED.get(key) if key is not None else None
+    if made is None:
+        made = _compile(gm, example_inputs, config)
+        if key is not None:
+            _COMPILED[key] = made
+    return made
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: dict[str, Any]) -> Any:
+    """``gm`` compiled by inductor with ``config``, its graphs called directly where they can."""
     from torch._inductor.compile_fx import compile_fx
 
     graphs = _Graphs()
