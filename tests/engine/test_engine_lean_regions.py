@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-import twobp.engine.compiled as lean_regions_compiled
+import twobp.engine.compiled as engine_compiled
 from twobp.engine import defer_weight_grads, lean_regions
 from twobp.engine.compiled import SplittingBackend
 from twobp.engine.lean_regions import compile_region
@@ -172,14 +172,14 @@ def _stage_step(*scales: float) -> tuple[list[Any], dict[str, Tensor], dict[str,
         calls.append(real(gm, example_inputs, inner))
         return calls[-1]
 
-    lean_regions_compiled.compile_region = spy  # type: ignore[attr-defined]
+    engine_compiled.compile_region = spy  # type: ignore[attr-defined]
     try:
         store = defer_weight_grads(stage)
         x = torch.randn(4, 8, requires_grad=True)
         with store.forward(0):
             out = stage(x)
     finally:
-        lean_regions_compiled.compile_region = real  # type: ignore[attr-defined]
+        engine_compiled.compile_region = real  # type: ignore[attr-defined]
     store.backward_input(0, [out], [torch.ones_like(out)], [])
     store.backward_weight([0])
     store.finish_step()
