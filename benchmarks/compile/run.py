@@ -77,6 +77,8 @@ def _plain(regime: str, rounds: int) -> dict[str, Any]:
     """Median step of plain autograd over the micro-batches, eager and compiled."""
     import torch
 
+    torch._dynamo.reset()  # this regime's shapes, compiled static (as in a rank's process)
+
     torch.set_num_threads(1)
     _retained()
     spec, r = _spec(regime)
@@ -118,6 +120,7 @@ def _stage(regime: str, rounds: int) -> dict[str, Any]:
     from twobp.engine.compiled import compile_for_two_stage
 
     torch.set_num_threads(1)
+    torch._dynamo.reset()  # this regime's shapes, compiled static (as in a rank's process)
     _retained()
     spec, r = _spec(regime)
     inputs, _ = spec.make_batch(r.microbatch_size * M, 0)

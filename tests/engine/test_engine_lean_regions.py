@@ -200,3 +200,31 @@ def test_repeated_regions_of_a_stage_are_compiled_once() -> None:
     assert calls[1] is not calls[3]
     for name, grad in eager.items():
         torch.testing.assert_close(ours[name], grad, msg=name)
+
+
+def test_a_stage_recompiled_with_symbolic_sizes_keeps_eager_s_gradients() -> None:
+    """Dynamo's automatic dynamic shapes: a second batch size recompiles the stage with
+    symbolic sizes, whose regions (tensors only, of symbolic shapes) neither run lean nor
+    reuse compiled code; the gradients stay eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(_Block(), _Block())
+    torch.manual_seed(0)
+    backend = SplittingBackend(_inductor(), regions="compiled")
+    module = nn.Sequential(_Block(), _Block())
+    stage = torch.compile(module, backend=backend)  # dynamic=None: automatic
+    store = defer_weight_grads(stage)
+    for rows in (4, 5):
+        for m in (module, eager):
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(rows, 8, requires_grad=True)
+        with store.forward(0):
+            out = stage(x)
+        store.backward_input(0, [out], [torch.ones_like(out)], [])
+        store.backward_weight([0])
+        store.finish_step()
+        eager(x).sum().backward()
+        for (name, p), q in zip(module.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert len(backend.choices) == 10
+    assert all(c.lean for c in backend.choices[:5]) and not any(c.lean for c in backend.choices[5:])

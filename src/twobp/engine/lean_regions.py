@@ -183,11 +183,15 @@ def _canonical(graph: fx.Graph) -> str:
 def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: dict[str, Any]) -> Any:
     """What a region's compiled code depends on: its graph's code, its inputs' layouts and
     which of them share storage, the mode and inductor's options; None where the graph reads
-    an attribute of its module (its code would not say which value)."""
+    an attribute of its module (its code would not say which value) or its sizes are
+    symbolic."""
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         return None
     if not all(isinstance(t, Tensor) for t in example_inputs):
         return None
+    sizes = [d for t in example_inputs for d in (*t.shape, *t.stride(), t.storage_offset())]
+    if not all(isinstance(d, int) for d in sizes):
+        return None  # symbolic sizes: what they stand for is not known here
     storages: dict[int, int] = {}
     layouts = tuple(
         (
