@@ -305,11 +305,14 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
                 _spec(regime)[0], schedule, compiled, rank, inputs, targets
             )
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in steps}
-    # Past compile=True's trial of each stage (compiled or eager), which ends its choice.
+    # Past compile=True's trial of each stage (compiled or eager), which ends its choice;
+    # in shuffled orders as the rounds, so that its trial's steps do not always follow the
+    # same variant (in a fixed order, always twobp eager's, whose kernels and buffers its
+    # eager steps share and its compiled ones do not).
     from twobp.runtime.setup import compile_trial
 
-    for _ in range(max(WARMUP, compile_trial.WARMUP + 2 * compile_trial.TRIALS + 1)):
-        for run in steps.values():
+    for k in range(max(WARMUP, compile_trial.WARMUP + 2 * compile_trial.TRIALS + 1)):
+        for _, run in _in_turn(steps, -1 - k):
             run()
     choices: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(choices, pipes["twobp compile"].compile_choice)
