@@ -305,18 +305,21 @@ def _pipelines(regime: str, rounds: int) -> dict[str, Any]:
                 _spec(regime)[0], schedule, compiled, rank, inputs, targets
             )
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in steps}
-    # Past compile=True's trial of each stage (compiled or eager), which ends its choice;
-    # in shuffled orders as the rounds, so that its trial's steps do not always follow the
-    # same variant (in a fixed order, always twobp eager's, whose kernels and buffers its
-    # eager steps share and its compiled ones do not).
-    from twobp.runtime.setup import compile_trial
-
-    for k in range(max(WARMUP, compile_trial.WARMUP + 2 * compile_trial.TRIALS + 1)):
+    # Every variant warmed up (compiled), in shuffled orders as the rounds; then
+    # compile=True's trial of each stage (compiled or eager), which ends its choice, as a
+    # training run makes it: its steps one after another. Run between other variants'
+    # steps, its steps took up to a fifth longer either way, at random, where the two ways
+    # differ by a few per cent, and it kept stages eager that ran faster compiled.
+    for k in range(WARMUP):
         for _, run in _in_turn(steps, -1 - k):
             run()
+    from twobp.runtime.setup import compile_trial
+
+    for _ in range(compile_trial.WARMUP + 2 * compile_trial.TRIALS - WARMUP):
+        steps["twobp compile"]()
+    trial = pipes["twobp compile"]._compile_trial
     choices: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(choices, pipes["twobp compile"].compile_choice)
-    trial = pipes["twobp compile"]._compile_trial
     trials: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(trials, trial.times if trial is not None else {})
     for k in range(rounds):
