@@ -201,7 +201,8 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: dict[str, An
             t.dtype,
             str(t.device),
             t.requires_grad,
-            storages.setdefault(id(t.untyped_storage()), len(storages)),
+            t.is_leaf,
+            storages.setdefault(t.untyped_storage()._cdata, len(storages)),
         )
         for t in example_inputs
     )
