@@ -134,7 +134,49 @@ def launch(
     if threads_per_rank is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         threads_per_rank = max(1, (cores or os.cpu_count() or 1) // nprocs)
-    port = free_port()
+    attempt = 1
+    while True:
+        try:
+            return _launch_once(
+                ctx, fn, args, nprocs, free_port(), backend, threads_per_rank, grace_period,
+                timeout, group_timeout,
+            )  # fmt: skip
+        except LaunchError as exc:
+            if attempt >= _PORT_ATTEMPTS or not port_taken(exc):
+                raise
+            attempt += 1
+
+
+_PORT_ATTEMPTS = 3
+"""Launches tried, each on a new port, while another process takes the port between
+:func:`free_port` and rank 0's listening on it (before any rank runs ``fn``)."""
+
+
+def port_taken(exc: LaunchError) -> bool:
+    """Whether a launch failed only because rank 0 could not listen on its port: another
+    process took it after :func:`free_port` found it free. No rank ran ``fn`` then."""
+    first = exc.failures[0] if exc.failures else None
+    return (
+        first is not None
+        and first.error_type == "DistNetworkError"
+        and "EADDRINUSE" in first.message
+        and "init_default_group" in first.traceback
+    )
+
+
+def _launch_once(
+    ctx: Any,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    nprocs: int,
+    port: int,
+    backend: str,
+    threads_per_rank: int,
+    grace_period: float,
+    timeout: float | None,
+    group_timeout: float,
+) -> list[T]:
+    """One launch of ``fn`` on ``nprocs`` ranks whose group listens on ``port``."""
     folder = Path(tempfile.mkdtemp(prefix="twobp-launch-"))
     try:
         procs = [
