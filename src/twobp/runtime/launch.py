@@ -120,7 +120,9 @@ def launch(
 
     Raises:
         LaunchError: if any rank raised, was killed or was terminated; it names
-            each failed rank with its exception or signal, the first first.
+            each failed rank with its exception or signal, the first first. A launch
+            whose port another process took before rank 0 listened on it (no rank ran
+            ``fn`` yet) is started again on a new port first, up to 3 times.
         ValueError: if ``nprocs < 1`` or ``start_method`` is not one of
             :data:`START_METHODS`.
     """
