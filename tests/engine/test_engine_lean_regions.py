@@ -135,36 +135,47 @@ class _Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))) * self.scale)
 
 
-def test_a_compiled_stage_s_regions_run_lean_and_keep_eager_s_gradients() -> None:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = nn.Sequential(_Block(), _Block())
-    torch.manual_seed(0)
-    backend = SplittingBackend(_inductor(), regions="compiled")
-    stage = torch.compile(nn.Sequential(_Block(), _Block()), backend=backend)
-    store = defer_weight_grads(stage)
-    x = torch.randn(4, 8, requires_grad=True)  # a stage after the first
-    with store.forward(0):
-        out = stage(x)
-    store.backward_input(0, [out], [torch.ones_like(out)], [])
-    store.backward_weight([0])
-    store.finish_step()
-    eager(x).sum().backward()
-    for (name, p), q in zip(stage.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert backend.choices and all(c.lean for c in backend.choices), backend.choices
-
-
-def _stage_step(*scales: float) -> tuple[list[Any], dict[str, Tensor], dict[str, Tensor]]:
-    """A stage of blocks with these scales compiled whole: each region's compiled call, and
-    the weight gradients of one micro-batch's F, I and W beside plain autograd's."""
+def _stage_pair(*scales: float) -> tuple[nn.Module, nn.Module, Any, SplittingBackend]:
+    """Blocks of these scales, twice from one seed: eagerly, and compiled whole (every region
+    compiled by inductor); the eager stage, the module, its compiled call, the backend."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = nn.Sequential(*(_Block(c) for c in scales))
     torch.manual_seed(0)
     backend = SplittingBackend(_inductor(), regions="compiled")
     module = nn.Sequential(*(_Block(c) for c in scales))
-    stage = torch.compile(module, backend=backend)
+    return eager, module, torch.compile(module, backend=backend), backend
+
+
+def _backward(store: Any, out: Tensor) -> None:
+    """I and W of micro-batch 0, whose F gave ``out``, and the step's end."""
+    store.backward_input(0, [out], [torch.ones_like(out)], [])
+    store.backward_weight([0])
+    store.finish_step()
+
+
+def _same_grads(module: nn.Module, eager: nn.Module) -> None:
+    for (name, p), q in zip(module.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_compiled_stage_s_regions_run_lean_and_keep_eager_s_gradients() -> None:
+    eager, module, stage, backend = _stage_pair(2.0, 2.0)
+    store = defer_weight_grads(stage)
+    x = torch.randn(4, 8, requires_grad=True)  # a stage after the first
+    with store.forward(0):
+        out = stage(x)
+    _backward(store, out)
+    eager(x).sum().backward()
+    _same_grads(module, eager)
+    assert backend.choices and all(c.lean for c in backend.choices), backend.choices
+
+
+def _stage_step(*scales: float) -> tuple[list[Any], nn.Module, nn.Module]:
+    """A stage of blocks with these scales compiled whole, one micro-batch's F, I and W
+    through it and plain autograd's backward through the eager blocks: each region's
+    compiled call, the module and the eager blocks."""
+    eager, module, stage, _ = _stage_pair(*scales)
     calls: list[Any] = []
     real = lean_regions.compile_region
 
@@ -180,39 +191,28 @@ def _stage_step(*scales: float) -> tuple[list[Any], dict[str, Tensor], dict[str,
             out = stage(x)
     finally:
         engine_compiled.compile_region = real  # type: ignore[attr-defined]
-    store.backward_input(0, [out], [torch.ones_like(out)], [])
-    store.backward_weight([0])
-    store.finish_step()
+    _backward(store, out)
     eager(x).sum().backward()
-    ours = {n: p.grad for n, p in module.named_parameters()}
-    return calls, ours, {n: p.grad for n, p in eager.named_parameters()}
+    return calls, module, eager
 
 
 def test_repeated_regions_of_a_stage_are_compiled_once() -> None:
     """Block 1's regions are block 0's (but the first, which also holds block 0's residual
     add): compiled once, called from each; a region that differs by a constant is not."""
-    calls, ours, eager = _stage_step(2.0, 2.0)
+    calls, module, eager = _stage_step(2.0, 2.0)
     assert len(calls) == 5 and calls[1] is calls[3]
     assert len({id(c) for c in calls}) == 4
-    for name, grad in eager.items():
-        torch.testing.assert_close(ours[name], grad, msg=name)
-    calls, ours, eager = _stage_step(2.0, 3.0)
+    _same_grads(module, eager)
+    calls, module, eager = _stage_step(2.0, 3.0)
     assert calls[1] is not calls[3]
-    for name, grad in eager.items():
-        torch.testing.assert_close(ours[name], grad, msg=name)
+    _same_grads(module, eager)
 
 
 def test_a_stage_recompiled_with_symbolic_sizes_keeps_eager_s_gradients() -> None:
     """Dynamo's automatic dynamic shapes: a second batch size recompiles the stage with
     symbolic sizes, whose regions (tensors only, of symbolic shapes) neither run lean nor
     reuse compiled code; the gradients stay eager's."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = nn.Sequential(_Block(), _Block())
-    torch.manual_seed(0)
-    backend = SplittingBackend(_inductor(), regions="compiled")
-    module = nn.Sequential(_Block(), _Block())
-    stage = torch.compile(module, backend=backend)  # dynamic=None: automatic
+    eager, module, stage, backend = _stage_pair(2.0, 2.0)  # dynamic=None: automatic
     store = defer_weight_grads(stage)
     for rows in (4, 5):
         for m in (module, eager):
@@ -220,11 +220,8 @@ def test_a_stage_recompiled_with_symbolic_sizes_keeps_eager_s_gradients() -> Non
         x = torch.randn(rows, 8, requires_grad=True)
         with store.forward(0):
             out = stage(x)
-        store.backward_input(0, [out], [torch.ones_like(out)], [])
-        store.backward_weight([0])
-        store.finish_step()
+        _backward(store, out)
         eager(x).sum().backward()
-        for (name, p), q in zip(module.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        _same_grads(module, eager)
     assert len(backend.choices) == 10
     assert all(c.lean for c in backend.choices[:5]) and not any(c.lean for c in backend.choices[5:])
