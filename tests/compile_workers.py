@@ -167,3 +167,25 @@ def trial_choices(slow: str) -> dict[str, Any]:
     for pipe in pipes.values():
         pipe.close()
     return out
+
+
+def uncompiled_warnings(
+    store: Any, module: nn.Module, rows: list[int], dim: int
+) -> list[list[str]]:
+    """One micro-batch's F, I and W through ``store`` for each batch size in ``rows``, with
+    dynamo's recompile limit at 1 (the sizes after the first run uncompiled): the "ran
+    uncompiled" warnings of each."""
+    import warnings
+
+    seen = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in rows:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with store.forward(0):
+                    out = module(torch.randn(n, dim))
+            seen.append([str(w.message) for w in caught if "ran uncompiled" in str(w.message)])
+            store.backward_input(0, [out], [torch.ones_like(out)], [])
+            store.backward_weight([0])
+            store.finish_step()
+    return seen

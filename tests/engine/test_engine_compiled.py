@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from twobp.engine.region_choice import RegionChoice, prefer_compiled
 from twobp.engine.unfolded_norms import NORM_MODES, unfold_rms_norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compile_workers import DIM, Block
+from compile_workers import DIM, Block, uncompiled_warnings
 
 N_MB = 3
 STEPS = 5
@@ -385,18 +384,8 @@ def test_a_block_past_the_recompile_limit_warns_once() -> None:
     stage = nn.Sequential(nn.Linear(DIM, DIM), _Shaped())
     compile_for_two_stage(stage[1], backend="eager", dynamic=False)
     store = defer_weight_grads(stage, label="stage 1")
-    with torch._dynamo.config.patch(recompile_limit=1):
-        for rows, warns in ((2, False), (3, True), (4, False)):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                with store.forward(0):
-                    out = stage(torch.randn(rows, DIM))
-            ours = [str(w.message) for w in caught if "ran uncompiled" in str(w.message)]
-            assert len(ours) == warns, (rows, ours)
-            if warns:
-                assert ours[0].startswith("stage 1: the compiled block '1' (_Shaped) ran")
-                assert "recompile_limit = 1" in ours[0]
-                assert "dynamic=True" in ours[0]
-            store.backward_input(0, [out], [torch.ones_like(out)], [])
-            store.backward_weight([0])
-            store.finish_step()
+    seen = uncompiled_warnings(store, stage, [2, 3, 4], DIM)
+    assert [len(w) for w in seen] == [0, 1, 0], seen
+    assert seen[1][0].startswith("stage 1: the compiled block '1' (_Shaped) ran")
+    assert "recompile_limit = 1" in seen[1][0]
+    assert "dynamic=True" in seen[1][0]
