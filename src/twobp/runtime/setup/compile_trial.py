@@ -8,11 +8,11 @@ small, and a GPU gains from every fused kernel. A region timed alone on its firs
 the choice of a whole stage is made on the steps themselves. The first :data:`WARMUP`
 training steps run compiled (dynamo compiles the blocks, their regions are measured); the
 next ``2 * TRIALS`` alternate eager and compiled, each timing every stage's compute on this
-rank (the spans of its actions); then each stage keeps the way whose fastest step was the shorter: a
-step's compute is only ever lengthened by what else runs on the machine (another rank on the
-same core, the system), by as much as a fifth of a step on a busy CPU, and in any step of
-either way, which a median of a few steps does not always leave out. Each
-rank decides for its own stages: the gradients are the same either way, to rounding.
+rank (the spans of its actions); then each stage keeps the way whose fastest step was the
+shorter. A step's compute is only ever lengthened by what else runs on the machine (another
+rank on the same core, the system): by as much as a fifth of a step on a busy CPU, in any
+step of either way, which a median of a few steps does not always leave out. Each rank
+decides for its own stages: the gradients are the same either way, to rounding.
 
 :func:`trial_mode` and :func:`choose` are the pure part; :class:`CompileTrial` switches the
 stage, or its blocks where they were compiled one by one (a compiled module runs its
