@@ -64,6 +64,13 @@ def _capturing(graphs: _Graphs) -> Callable[..., Any]:
     return inner_compile
 
 
+def _placeholders(backward: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The backward graph's inputs, and of them the output gradients (AOTAutograd names
+    them ``tangents_<k>``; the others are what the forward saved)."""
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    return placeholders, [n for n in placeholders if n.name.startswith("tangents")]
+
+
 def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
     """Why the region's graphs cannot run from a plain Function (None: they can)."""
     from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
@@ -76,7 +83,7 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
         return "an input that is not a tensor"
     if any(t.device.type != "cpu" for t in example_inputs):
         return "an input off the CPU"
-    placeholders = [n for n in graphs.backward_graph.graph.nodes if n.op == "placeholder"]
+    placeholders, tangents = _placeholders(graphs.backward_graph)
     shapes = [t.shape for t in example_inputs]
     shapes += [n.meta["val"].shape for n in placeholders if isinstance(n.meta.get("val"), Tensor)]
     if not all(isinstance(d, int) for shape in shapes for d in shape):
@@ -101,7 +108,6 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
     )
     if any(extra):
         return "state beyond tensors (symbolic sizes, RNG, tokens, subclasses)"
-    tangents = [n for n in placeholders if n.name.startswith("tangents")]
     if len(tangents) != sum(o.requires_grad for o in meta.output_info):
         return "output gradients other than one per differentiable output"
     if placeholders[len(placeholders) - len(tangents) :] != tangents:
@@ -123,8 +129,7 @@ class _Lean:
         self.backward = graphs.backward
         self.n_outputs = len(meta.output_info)
         self.differentiable = tuple(o.requires_grad for o in meta.output_info)
-        placeholders = [n for n in graphs.backward_graph.graph.nodes if n.op == "placeholder"]
-        tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        placeholders, tangents = _placeholders(graphs.backward_graph)
         self.n_saved = len(placeholders) - len(tangents)
         self.layouts = tuple(
             (tuple(t.meta["val"].shape), tuple(t.meta["val"].stride()), t.meta["val"].dtype)
