@@ -8,6 +8,7 @@ each stage's parameters got their gradients (the stores' routes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,24 +103,39 @@ def compiled_cases(cases: list[tuple[str, dict[str, Any], bool]]) -> dict[str, A
     return out
 
 
-class SleepyBlock(Block):
-    """A Block whose eager forward also sleeps: compiled (dynamo traces it compiling), it
-    does not."""
+class VirtualClock:
+    """The step clock of :func:`trial_choices`: it stands still but where a slow block
+    moves it on, so that each way's step times are exactly what the slow blocks add."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = VirtualClock()
+
+SLOW_CALL = 1.0
+"""Seconds on :data:`CLOCK` of each call of a slow block or compiled graph (a whole number,
+so that the sums are exact)."""
+
+
+class SlowEagerBlock(Block):
+    """A Block whose eager forward takes :data:`SLOW_CALL` on :data:`CLOCK`: compiled (dynamo
+    traces it compiling, its graph runs without it), it takes none."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():
-            import time
-
-            time.sleep(0.01)
+            CLOCK.now += SLOW_CALL
         return super().forward(x)
 
 
 def slow_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """A dynamo backend whose compiled graphs sleep before they run."""
-    import time
+    """A dynamo backend whose compiled graphs take :data:`SLOW_CALL` on :data:`CLOCK`."""
 
     def run(*args: Any) -> Any:
-        time.sleep(0.01)
+        CLOCK.now += SLOW_CALL
         return gm.forward(*args)
 
     return run
@@ -128,8 +144,14 @@ def slow_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
 def trial_choices(slow: str) -> dict[str, Any]:
     """``compile=True``'s choice per stage when eager (``slow="eager"``) or compiled
     (``slow="compiled"``) blocks are the slow ones, and the gradients of the step after
-    the trial beside eager's."""
+    the trial beside eager's.
+
+    The steps are timed on :data:`CLOCK` (the step clock reads it instead of
+    ``time.perf_counter``): only the slow way's steps take time, the same in each step,
+    whatever else runs on the machine."""
     import torch._dynamo
+
+    from twobp.runtime.execution import clock
 
     torch._dynamo.config.recompile_limit = 64
     options: dict[str, Any] = {"regions": "compiled"}
@@ -140,8 +162,16 @@ def trial_choices(slow: str) -> dict[str, Any]:
 
     def model() -> list[nn.Module]:
         torch.manual_seed(0)
-        return [SleepyBlock() if slow == "eager" else Block() for _ in range(N_BLOCKS)]
+        return [SlowEagerBlock() if slow == "eager" else Block() for _ in range(N_BLOCKS)]
 
+    real_time, clock.time = clock.time, CLOCK  # type: ignore[assignment]
+    try:
+        return _trial_choices(model, options)
+    finally:
+        clock.time = real_time
+
+
+def _trial_choices(model: Callable[[], list[nn.Module]], options: dict[str, Any]) -> dict[str, Any]:
     pipes = {
         name: Pipeline(model(), F.mse_loss, schedule="1f1b", n_microbatches=N_MB, compile=compile_)
         for name, compile_ in (("trial", options), ("eager", False))
