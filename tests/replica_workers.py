@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from handoff import Handoff
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline
 
@@ -165,34 +165,50 @@ def groups_around_a_pipeline() -> tuple[int, int, int, float, float]:
         return before, built, len(groups), first_loss, second.step(inputs, targets)
 
 
-LATE = 1.0
-"""Seconds rank 1 waits before its last W in :func:`late_reduction`."""
+POSTED = "rank 0 ran 0W0-1"
+"""The point rank 1 waits for in :func:`late_reduction` before its last ``W``."""
+LATE = "rank 1 runs 1W1"
+"""The point rank 1 reaches once it goes on."""
 
 
-def late_reduction() -> dict[str, Any]:
+def late_reduction(folder: str) -> dict[str, Any]:
     """Chimera with 2BP on 2 ranks, where rank 1 is late for its last ``R``; one step.
 
     Rank 0 runs ``... 3W2-3 3R2-3 0W0-1 0R0-1``; the replica of its stage 3 is rank
-    1's stage 1, whose ``1W1 1R0-1`` end rank 1's step. Rank 1 sleeps :data:`LATE`
-    before ``1W1``, after its last transfer to rank 0: rank 0's all-reduce of
-    ``3R2-3`` cannot complete before then. Returns this rank's spans by action, the
-    step's wall time and the gradients.
+    1's stage 1, whose ``1W1 1R0-1`` end rank 1's step. Rank 1 starts ``1W1`` (after
+    its last transfer to rank 0) only once rank 0 has run ``0W0-1``: rank 0 must
+    have gone past ``3R2-3`` without the all-reduce, which cannot complete before
+    rank 1's ``R``. Returns what each rank saw of the other (see :mod:`handoff`) and
+    the gradients.
     """
     torch.set_num_threads(1)
+    # Below the pipeline's timeout: a rank 0 that waits in 3R2-3 is reported by rank 1.
+    handoff = Handoff(folder, limit=20.0)
     pipe = _pipeline("mlp", "chimera", True)
-    if pipe.pp_rank == 1:
-        stage = pipe.stages[1]
-        weight = stage.weight
+    seen: dict[str, Any] = {}
+    stage = pipe.stages[0 if pipe.pp_rank == 0 else 1]
+    weight = stage.weight
 
-        def late_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
-            time.sleep(LATE)
-            weight(mbs, group_size, **options)
+    def rank_0_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
+        weight(mbs, group_size, **options)
+        if list(mbs) == [0, 1]:
+            handoff.reach(POSTED)
 
-        stage.weight = late_weight  # type: ignore[method-assign]
+    def rank_1_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
+        if list(mbs) == [1]:
+            try:
+                handoff.wait_for(POSTED)
+                seen["waited for"] = POSTED
+            except AssertionError as exc:
+                seen["waited for"] = str(exc)
+            handoff.reach(LATE)
+        weight(mbs, group_size, **options)
+
+    late_weight = rank_0_weight if pipe.pp_rank == 0 else rank_1_weight
+    stage.weight = late_weight  # type: ignore[method-assign]
     inputs, targets = make_batch("mlp", 0, PART)
-    start = time.perf_counter()
     pipe.step(inputs, targets)
-    wall = time.perf_counter() - start
-    spans = {str(s.action): (s.start, s.end) for s in pipe.local_spans}
+    # Rank 0's step ended once its reductions did: after rank 1 went on.
+    seen["late rank at the end"] = handoff.reached(LATE)
     grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-    return {"spans": spans, "wall": wall, "grads": grads}
+    return {"seen": seen, "grads": grads}
