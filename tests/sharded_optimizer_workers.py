@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from handoff import Handoff
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.execution.memory import storages
@@ -122,23 +122,39 @@ def _refused(call: Callable[[], object]) -> str:
     return "not refused"
 
 
-def _blocks_wait_for_their_gathers(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> bool:
-    """Step 0, the second copy stepping its optimizer late: the first copy's gathers are
-    still in flight when it runs its stage's blocks at once; each block must wait for
-    its own parameters. True if that output equals the one after every gather."""
+def _blocks_wait_for_their_gathers(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer, handoff: Handoff
+) -> tuple[bool, str]:
+    """Step 0, then the first copy runs its stage's blocks while their gathers are in
+    flight: the second copy steps its optimizer (its part of every gather) only once the
+    first has reached its first block's forward. Each block must wait for its own
+    parameters. Returns whether that output equals the one after every gather, and what
+    ordered the two copies (``"raced"``, or why not)."""
     pipe.step(*_global_part(pipe, 0))
     pipe.clip_grad_norm_(CLIP)
+    ((index, stage),) = pipe.stages.items()
+    point = f"copy 0 runs the blocks of stage {index}"
+    raced = "raced"
     if pipe.dp_rank == 1:
-        time.sleep(0.3)
-    optimizer.step()
-    (stage,) = pipe.stages.values()
+        try:
+            handoff.wait_for(point)
+        except AssertionError as exc:
+            raced = str(exc)
+        optimizer.step()
+    else:
+        optimizer.step()
+        first = next(iter(stage.module.children()))
+        # Before the block's own hook, which waits for the gathers.
+        reach = first.register_forward_pre_hook(lambda *_: handoff.reach(point), prepend=True)
     x = torch.randn(2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         early = stage.module(x)
         list(pipe.parameters())  # waits for every gather
         late = stage.module(x)
+    if pipe.dp_rank == 0:
+        reach.remove()
     pipe.zero_grad()
-    return bool(torch.equal(early, late))
+    return bool(torch.equal(early, late)), raced
 
 
 def checkpoints(folder: str) -> dict[str, Any]:
@@ -149,7 +165,8 @@ def checkpoints(folder: str) -> dict[str, Any]:
     # 2 copies of 2 ranks, sharded: two steps, a checkpoint, the third step.
     pipe = _pipeline("mlp", "1f1b", True, data_parallel=2)
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
-    out["blocks wait"] = _blocks_wait_for_their_gathers(pipe, optimizer)
+    handoff = Handoff(folder, limit=30.0)  # below the pipeline's timeout
+    out["blocks wait"] = _blocks_wait_for_their_gathers(pipe, optimizer, handoff)
     out["refused"] = _refused(lambda: optimizer.add_param_group({"params": []}))
     out["refused params"] = _refused(
         lambda: pipe.shard_optimizer(torch.optim.AdamW, params=pipe.parameters())
