@@ -101,6 +101,7 @@ from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _same_doc(method: Callable[..., Any]) -> Callable[[_F], _F]:
@@ -369,6 +370,9 @@ class Pipeline:
             grad_scaler.bind(self, members, self.device, self.timeout)
         self._pending: _Pending | None = None
         self._closed_unplanned = False
+        # Known before planning, so that each copy can pass its own part of the first batch.
+        self.dp_rank = next(d for d, row in enumerate(grid) if members.rank in row)
+        self.dp_size = len(grid)
         if _plans_at_first_step(given, members, self.device, self.timeout):
             # Every block until the first step: an optimizer built on parameters() now
             # holds this rank's too (the others never get a gradient here).
@@ -662,15 +666,19 @@ class Pipeline:
     @_same_doc(PipelineState.parameters)
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         if self._pending is not None:  # every block's until the first step plans
-            return (p for b in self._pending.blocks for p in b.parameters(recurse))
+            return self._pending.model.parameters(recurse)
         return self.state.parameters(recurse)
 
     @_same_doc(PipelineState.named_parameters)
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+        if self._pending is not None:
+            return self._pending.named(self._pending.model.named_parameters(), prefix)
         return self.state.named_parameters(prefix)
 
     @_same_doc(PipelineState.named_buffers)
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        if self._pending is not None:
+            return self._pending.named(self._pending.model.named_buffers(), prefix)
         return self.state.named_buffers(prefix)
 
     @_same_doc(PipelineState.state_dict)
@@ -1073,12 +1081,16 @@ class Pipeline:
     @torch.no_grad()
     def _divide_gradients(self, divisor: float) -> None:
         """Divide the step's own gradients (earlier steps' are set aside) by ``divisor``:
-        a loss that returned ``(sum, count)`` is the mean over the count of the whole batch."""
-        seen: set[int] = set()
-        for p in self.parameters():
-            if p.grad is not None and id(p) not in seen:
-                seen.add(id(p))
+        a loss that returned ``(sum, count)`` is the mean over the count of the whole batch.
+
+        They live in the parameters' ``grad``, and under a sharded optimizer, for the
+        replicated parameters, in the step's reduced shards (their ``grad`` was dropped
+        at ``R``), which the step commits after this."""
+        for p in self.module.parameters():
+            if p.grad is not None:
                 p.grad.div_(divisor)
+        if self.state.sharded is not None:
+            self.state.sharded.divide_pending(divisor)
 
     # -- timing ------------------------------------------------------------------------
 
@@ -1217,6 +1229,17 @@ class _Pending:
     given: PipelineOptions
     members: Membership
     grid: list[list[int]]
+
+    @property
+    def model(self) -> nn.Sequential:
+        """Every block, as ``nn.Sequential(*blocks)`` names them (a tied weight once)."""
+        return nn.Sequential(OrderedDict((str(i), b) for i, b in enumerate(self.blocks)))
+
+    def named(self, named: Iterator[tuple[str, _T]], prefix: str) -> Iterator[tuple[str, _T]]:
+        """``named`` (block names) in the names the planned pipeline will give."""
+        if self.names is None:
+            return ((prefix + n, t) for n, t in named)
+        return ((prefix + n, t) for n, t in ModelNames(self.names).named(named))
 
 
 def _plans_at_first_step(

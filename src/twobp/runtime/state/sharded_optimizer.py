@@ -221,6 +221,13 @@ class ShardedParameters:
             shard.master.grad = shard.pending if grad is None else grad.add_(shard.pending)
             shard.pending = None
 
+    @torch.no_grad()
+    def divide_pending(self, divisor: float) -> None:
+        """Divide the step's reduced shards, not yet committed, by ``divisor``."""
+        for shard in self.shards:
+            if shard.pending is not None:
+                shard.pending.div_(divisor)
+
     def discard(self) -> None:
         """The step failed or was skipped: forget its reduced shards."""
         for shard in self.shards:
