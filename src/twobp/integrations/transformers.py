@@ -14,6 +14,15 @@ padding), and the mask travels with the hidden states to every layer. The
 last block returns the logits; :func:`loss_function` gives the model's own
 loss on them.
 
+A mixture-of-experts model whose loss adds its routers' auxiliary load-balancing
+loss (``config.output_router_logits`` on: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
+carries the routers' statistics along too (:mod:`twobp.integrations.router_loss`):
+every block from the embedding on passes ``(hidden_states, probs, counts)``, or
+``(hidden_states, attention_mask, probs, counts)``, each layer adding its routers'
+tokens, and the last block returns ``(logits, probs, counts)``, from which
+:func:`loss_function` adds the auxiliary loss as the model weighs it. A model whose
+loss adds an auxiliary loss that twobp cannot compute is refused.
+
 Covered layouts: LLaMA-family causal LMs (``LlamaForCausalLM`` and the models
 laid out like it: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
 ``lm_head``), GPT-2 (``GPT2LMHeadModel``), BERT as a masked LM
@@ -31,6 +40,7 @@ it is imported by the functions here, not by ``twobp``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -39,20 +49,28 @@ import torch
 from torch import Tensor, nn
 
 from twobp.integrations import TRANSFORMERS_FAMILIES
+from twobp.integrations.router_loss import RouterLoss, Sums, router_loss
 
-Hidden = Tensor | tuple[Tensor, Tensor]
-"""What blocks pass on: the hidden states, or ``(hidden_states, attention_mask)``."""
-
-
-def _split(x: Hidden) -> tuple[Tensor, Tensor | None]:
-    if isinstance(x, (tuple, list)):
-        hidden, mask = x
-        return hidden, mask
-    return x, None
+Hidden = Tensor | tuple[Tensor, ...]
+"""What blocks pass on: the hidden states, ``(hidden_states, attention_mask)``, and
+with the routers' sums ``(hidden_states, probs, counts)`` or
+``(hidden_states, attention_mask, probs, counts)``."""
 
 
-def _join(hidden: Tensor, mask: Tensor | None) -> Hidden:
-    return hidden if mask is None else (hidden, mask)
+def _split(x: Hidden) -> tuple[Tensor, Tensor | None, Sums | None]:
+    if not isinstance(x, (tuple, list)):
+        return x, None, None
+    if len(x) == 2:
+        return x[0], x[1], None
+    if len(x) == 3:
+        return x[0], None, (x[1], x[2])
+    hidden, mask, probs, counts = x
+    return hidden, mask, (probs, counts)
+
+
+def _join(hidden: Tensor, mask: Tensor | None, sums: Sums | None = None) -> Hidden:
+    parts = (hidden, *(() if mask is None else (mask,)), *(sums or ()))
+    return parts if len(parts) > 1 else hidden
 
 
 def _positions(hidden: Tensor) -> Tensor:
@@ -97,41 +115,55 @@ class CausalMask(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """``embedding(input_ids)`` (LLaMA family, Mamba)."""
+    """``embedding(input_ids)`` (LLaMA family, Mamba); with ``routing``, zero routers' sums too."""
 
-    def __init__(self, embedding: nn.Module) -> None:
+    def __init__(self, embedding: nn.Module, routing: RouterLoss | None = None) -> None:
         super().__init__()
         self.embedding = embedding
+        self.routing = routing
 
     def forward(self, x: Hidden) -> Hidden:
-        ids, mask = _split(x)
-        return _join(self.embedding(ids), mask)
+        ids, mask, _ = _split(x)
+        hidden = self.embedding(ids)
+        sums = None if self.routing is None else self.routing.start(hidden)
+        return _join(hidden, mask, sums)
 
 
 class DecoderLayer(nn.Module):
-    """A LLaMA-family decoder layer with its rotary embedding and causal mask."""
+    """A LLaMA-family decoder layer with its rotary embedding and causal mask; given the
+    routers' sums, it adds the rows of its own routers."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any) -> None:
+    def __init__(
+        self, layer: nn.Module, rotary: nn.Module, config: Any, routing: RouterLoss | None = None
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = rotary
         self.mask = CausalMask(config)
+        self.routing = routing
 
     def forward(self, x: Hidden) -> Hidden:
-        hidden, mask = _split(x)
+        hidden, mask, sums = _split(x)
         positions = _positions(hidden)
         rotary = self.rotary(hidden, positions)
-        out = self.layer(
-            hidden,
-            attention_mask=self.mask(hidden, mask, positions),
-            position_ids=positions,
-            position_embeddings=rotary,
-        )
-        return _join(out[0] if isinstance(out, tuple) else out, mask)
+        recording: contextlib.AbstractContextManager[list[Tensor]] = contextlib.nullcontext([])
+        if sums is not None and self.routing is not None:
+            recording = self.routing.recorded(self.routing.routers(self.layer))
+        with recording as logits:
+            out = self.layer(
+                hidden,
+                attention_mask=self.mask(hidden, mask, positions),
+                position_ids=positions,
+                position_embeddings=rotary,
+            )
+        if sums is not None and self.routing is not None and logits:
+            sums = self.routing.add(sums, logits, mask)
+        return _join(out[0] if isinstance(out, tuple) else out, mask, sums)
 
 
 class NormHead(nn.Module):
-    """The final norm and the language-model head; returns the logits."""
+    """The final norm and the language-model head; returns the logits, followed by the
+    routers' sums when it is given them."""
 
     def __init__(self, norm: nn.Module, head: nn.Module, float_logits: bool = False) -> None:
         super().__init__()
@@ -139,9 +171,12 @@ class NormHead(nn.Module):
         self.head = head
         self.float_logits = float_logits
 
-    def forward(self, x: Hidden) -> Tensor:
-        hidden, _ = _split(x)
-        hidden = self.norm(hidden)
+    def forward(self, x: Hidden) -> Tensor | tuple[Tensor, ...]:
+        hidden, _, sums = _split(x)
+        logits = self._logits(self.norm(hidden))
+        return logits if sums is None else (logits, *sums)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
         if self.float_logits:
             # Mamba: the head in its weight's dtype, the logits in float32 as the model
             # gives them, but float64 kept (the model's own rounds it to float32).
@@ -162,7 +197,7 @@ class GPT2Embedding(nn.Module):
         self.drop = transformer.drop
 
     def forward(self, x: Hidden) -> Hidden:
-        ids, mask = _split(x)
+        ids, mask, _ = _split(x)
         tokens = self.wte(ids)
         hidden = tokens + self.wpe(_positions(tokens))
         return _join(self.drop(hidden), mask)
@@ -177,7 +212,7 @@ class GPT2Layer(nn.Module):
         self.mask = CausalMask(config)
 
     def forward(self, x: Hidden) -> Hidden:
-        hidden, mask = _split(x)
+        hidden, mask, _ = _split(x)
         out = self.block(hidden, attention_mask=self.mask(hidden, mask, _positions(hidden)))
         return _join(out[0] if isinstance(out, tuple) else out, mask)
 
@@ -190,7 +225,7 @@ class BertEmbedding(nn.Module):
         self.embeddings = embeddings
 
     def forward(self, x: Hidden) -> Hidden:
-        ids, mask = _split(x)
+        ids, mask, _ = _split(x)
         return _join(self.embeddings(input_ids=ids), mask)
 
 
@@ -203,7 +238,7 @@ class BertLayer(nn.Module):
         self.config = config
 
     def forward(self, x: Hidden) -> Hidden:
-        hidden, mask = _split(x)
+        hidden, mask, _ = _split(x)
         extended = _without_cache(
             _mask_function("create_bidirectional_mask"),
             config=self.config,
@@ -222,7 +257,7 @@ class BertHead(nn.Module):
         self.cls = cls
 
     def forward(self, x: Hidden) -> Tensor:
-        hidden, _ = _split(x)
+        hidden, _, _ = _split(x)
         out: Tensor = self.cls(hidden)
         return out
 
@@ -235,7 +270,7 @@ class MambaLayer(nn.Module):
         self.block = block
 
     def forward(self, x: Hidden) -> Hidden:
-        hidden, mask = _split(x)
+        hidden, mask, _ = _split(x)
         return _join(self.block(hidden, attention_mask=mask), mask)
 
 
@@ -283,19 +318,23 @@ def blocks(model: nn.Module) -> nn.Sequential:
     Returns:
         The embedding block, one block per layer, and the norm-and-head
         block, sharing the model's modules. The first takes ``input_ids`` or
-        ``(input_ids, attention_mask)``; the last returns the logits.
+        ``(input_ids, attention_mask)``; the last returns the logits, or
+        ``(logits, probs, counts)`` for a model whose loss adds its routers'
+        auxiliary loss (see :mod:`twobp.integrations.router_loss`).
 
     Raises:
-        ValueError: if the model is laid out otherwise.
+        ValueError: if the model is laid out otherwise, or its loss adds an
+            auxiliary loss that twobp cannot compute.
     """
     kind = family(model)
     hf: Any = model
     config: Any = hf.config
+    routing = router_loss(model)
     parts: list[nn.Module]
     if kind == "llama":
         inner = hf.model
-        parts = [TokenEmbedding(inner.embed_tokens)]
-        parts += [DecoderLayer(layer, inner.rotary_emb, config) for layer in inner.layers]
+        parts = [TokenEmbedding(inner.embed_tokens, routing)]
+        parts += [DecoderLayer(layer, inner.rotary_emb, config, routing) for layer in inner.layers]
         parts.append(NormHead(inner.norm, hf.lm_head))
     elif kind == "gpt2":
         transformer = hf.transformer
@@ -414,8 +453,14 @@ def build_model(
     return model
 
 
-def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """``loss(logits, labels)``: the loss the model computes itself when given ``labels``.
+def loss_function(model: nn.Module) -> Callable[[Any, Tensor], Tensor]:
+    """``loss(output, labels)``: the loss the model computes itself when given ``labels``.
+
+    ``output`` is what the last of :func:`blocks` returns: the logits, or
+    ``(logits, probs, counts)`` for a model whose loss adds its routers'
+    auxiliary loss, which it adds as the model does: ``router_aux_loss_coef``
+    times ``load_balancing_loss_func`` of every layer's router logits and the
+    attention mask (see :mod:`twobp.integrations.router_loss`; per micro-batch).
 
     Causal LMs shift the labels (token ``t`` predicts ``t + 1``); BERT's masked
     LM does not. Labels of ``-100`` are ignored. Like the model's own loss, it
@@ -424,13 +469,21 @@ def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
 
     Args:
         model: a model :func:`blocks` covers.
+
+    Raises:
+        ValueError: if the model's loss adds an auxiliary loss that twobp cannot
+            compute; the loss itself, if ``output`` lacks the routers' sums the
+            model's loss needs, or carries sums it does not.
     """
     kind = family(model)
     hf: Any = model
     vocab_size: int = hf.config.vocab_size
     shift = kind != "bert"
+    routing = router_loss(model)
+    name = type(model).__name__
 
-    def loss(logits: Tensor, labels: Tensor) -> Tensor:
+    def loss(output: Any, labels: Tensor) -> Tensor:
+        logits, sums = _logits_and_sums(output, routing is not None, name)
         if logits.dtype != torch.float64:
             logits = logits.float()
         if shift:
@@ -438,6 +491,33 @@ def loss_function(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
         out: Tensor = nn.functional.cross_entropy(
             logits.reshape(-1, vocab_size), labels.reshape(-1).to(logits.device)
         )
+        if routing is not None and sums is not None:
+            out = out + routing.coefficient * routing.loss(*sums).to(out.device)
         return out
 
     return loss
+
+
+def _logits_and_sums(output: Any, routed: bool, name: str) -> tuple[Tensor, Sums | None]:
+    """The logits and the routers' sums of the last block's output, checked against
+    whether the model's loss adds its routers' auxiliary loss."""
+    if routed and isinstance(output, (tuple, list)) and len(output) == 3:
+        logits, probs, counts = output
+        return logits, (probs, counts)
+    if not routed and isinstance(output, Tensor):
+        return output, None
+    got = type(output).__name__
+    if isinstance(output, (tuple, list)):
+        got += f" of {len(output)}"
+    if routed:
+        raise ValueError(
+            f"the loss of this {name} adds its routers' auxiliary loss "
+            "(config.output_router_logits is on), so it takes the last block's "
+            f"(logits, probs, counts), got a {got}: make blocks(model) and "
+            "loss_function(model) under the same config.output_router_logits"
+        )
+    raise ValueError(
+        f"the loss of this {name} adds no routers' auxiliary loss, so it takes the logits, "
+        f"got a {got}: pass it the output of the last of blocks(model), made under the "
+        "same configuration (config.output_router_logits)"
+    )
