@@ -193,3 +193,45 @@ def non_repeatable(n_mb: int, batch_size: int, mode: str) -> tuple[str, str]:
     finally:
         pipe.close()
     return "", ""
+
+
+def kept_when_it_fits(n_mb: int, batch_size: int) -> dict[str, Any]:
+    """recompute="auto" under a limit the default fits (1 GiB), two_bp unset and an example
+    input given: what it runs beside a pipeline built without recompute="auto", then
+    :func:`train_steps` of it (the parent compares them with one process).
+
+    The pipeline without it is given the stages the first chose to split: a second
+    profile, on a busy machine, may choose others."""
+    torch.set_num_threads(1)
+    example = make_batch("mlp", 0, batch_size)[0][: batch_size // n_mb]
+    common: dict[str, Any] = {"example_input": example, "device": "cpu", "timeout": 30.0}
+    auto = Pipeline(
+        build_blocks("mlp"),
+        loss_fn("mlp"),
+        "1f1b",
+        n_mb,
+        recompute="auto",
+        memory_limit="1GiB",
+        **common,
+    )
+    choice = auto.two_bp_choice
+    plain = Pipeline(
+        build_blocks("mlp"),
+        loss_fn("mlp"),
+        "1f1b",
+        n_mb,
+        two_bp=None if choice is None else list(choice.split),
+        **common,
+    )
+    out: dict[str, Any] = {
+        "two_bp_choice": choice,
+        "rebuild_choice": auto.rebuild_choice,
+        "auto_plan": None if auto.plan is None else auto.plan.summary(),
+    }
+    for name in ("schedule", "recompute", "stage_blocks"):
+        out[name] = (getattr(auto, name), getattr(plain, name))
+    plain.close()
+    out["losses"], out["grads"] = train_steps(auto, "mlp", batch_size)
+    out["state"] = auto.state_dict()
+    auto.close()
+    return out

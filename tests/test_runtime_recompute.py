@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from recompute_workers import MODES, RecomputeCase, dropout_batch, dropout_blocks, session
+from recompute_workers import (
+    MODES,
+    RecomputeCase,
+    dropout_batch,
+    dropout_blocks,
+    kept_when_it_fits,
+    session,
+)
 from runtime_models import build_blocks, loss_fn, needs_no_process_group, train_reference
 from twobp.runtime import NonRepeatableForwardError, Pipeline, PipelineConfigError, launch
 
@@ -99,6 +106,34 @@ def test_auto_rebuilds_what_the_plan_chose(results):
     schedule = results[0]["trained"]["mlp 1f1b two_bp=True recompute=auto limit=3.0"]["schedule"]
     # Shown in the schedule: rank 1 drops the stashes of 0 and 1 and rebuilds them last.
     assert "1F0 1IR0 1F1 1IR1 1F2 1I2 1F3 1I3 1W2-3 1WR0 1WR1" in schedule
+
+
+def test_auto_under_a_limit_the_default_fits_runs_the_default(references):
+    # two_bp unset with an example input: the default splits where a profile says 2BP
+    # pays, on a uniform partition; with room for it, recompute="auto" changes nothing.
+    results = launch(kept_when_it_fits, 2, N_MB, BATCH, timeout=120)
+    reference = references["mlp"]
+    grads: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r["auto_plan"] is None  # nothing like schedule='auto' planned it
+        assert r["two_bp_choice"] == results[0]["two_bp_choice"] is not None
+        for name in ("schedule", "recompute", "stage_blocks"):
+            got, want = r[name]
+            assert got == want, (name, str(got), str(want))
+        rebuilt = r["rebuild_choice"]
+        assert rebuilt is not None and rebuilt.rebuilds == 0 and rebuilt.peak <= 2**30
+        assert rebuilt.schedule == r["schedule"][1]
+        assert "nothing rebuilt" in rebuilt.summary()
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (got, want)
+        grads.update(r["grads"])
+        state.update(r["state"])
+    assert set(grads) == set(reference["grads"])
+    for name, want in reference["grads"].items():
+        torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=f"grad of {name}")
+    for name, want in reference["state"].items():
+        torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
 
 
 @pytest.mark.parametrize("case", [c for c in DROPOUT if c.recompute is not None], ids=str)

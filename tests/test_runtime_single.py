@@ -188,8 +188,17 @@ def test_the_default_two_bp_splits_the_stages_a_profile_finds_it_pays_on(monkeyp
         _pipe(schedule="auto", two_bp=[True, False], example_input=example)
     with pytest.raises(PipelineConfigError, match="one per stage\\) with costs='profile'"):
         _pipe(schedule="1f1b", two_bp=[True, False], costs="profile", example_input=example)
-    with pytest.raises(PipelineConfigError, match="one per stage\\) with recompute='auto'"):
-        _pipe(two_bp=[True, False], recompute="auto", memory_limit=1e9, example_input=example)
+    # recompute="auto" keeps the stages given, and under a limit they fit, the schedule too.
+    pipe = _pipe(
+        schedule="interleaved-1f1b",
+        partition="uniform",
+        two_bp=[False, True],
+        recompute="auto",
+        memory_limit=1e9,
+        example_input=example,
+    )
+    want = prepare("interleaved-1f1b", n_ranks=1, n_microbatches=N_MB, two_bp=(False, True))
+    assert pipe.schedule == want and pipe.rebuild_choice is not None and pipe.plan is None
 
 
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):

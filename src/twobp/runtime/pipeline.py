@@ -96,6 +96,7 @@ from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
+from twobp.sim.rebuild_choice import RebuildChoice
 from twobp.sim.recompute import RECOMPUTE_AUTO, effective_modes, parse_recompute
 from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
@@ -194,10 +195,12 @@ class Pipeline:
             whose stash ``W`` rebuilds by running the forward and input pass
             again; ``"all"`` both; or a list with one mode (or None) per
             stage of the model. Random states are replayed, so gradients are
-            unchanged. ``"auto"`` (with ``memory_limit``): keep the stashes
-            that fit and rebuild only the rest, chosen per stage and
-            micro-batch by the simulator on the profiled costs (or ``costs=``),
-            the fewest that fit; the schedule shows which (``IR`` and ``WR``
+            unchanged. ``"auto"`` (with ``memory_limit``): run what the
+            pipeline runs without it (the same schedule, 2BP stages and
+            partition) if the simulator predicts it fits the limit, on the
+            profiled costs (or ``costs=``); else rebuild the fewest stashes
+            that fit, chosen per stage and micro-batch (see
+            :attr:`rebuild_choice`); the schedule shows which (``IR`` and ``WR``
             actions: :func:`twobp.schedule.rebuild.rebuilt_microbatches`), and
             with ``schedule="auto"`` the planner ranks it against every other
             schedule. None: keep everything.
@@ -205,14 +208,15 @@ class Pipeline:
             most bytes a rank may hold (parameters and their gradients,
             activations, stored W inputs as the simulator counts them), a
             number or a size such as ``"2GiB"``.
-        optimizer_state_bytes: for ``schedule="auto"``, the bytes of optimizer
-            state each parameter adds, held all the time, counted against
-            ``memory_limit`` (AdamW in float32: 8; with float32 masters of
-            half-precision parameters: 12). 0: not counted.
-        optimizer_sharded: for ``schedule="auto"``, the optimizer will be
-            :meth:`shard_optimizer`'s: each holder of a stage counts ``1/n`` of
-            its optimizer state, ``R`` is timed as a reduce-scatter and the
-            gather of the updated parameters as the runtime waits for it.
+        optimizer_state_bytes: for ``schedule="auto"`` (or ``recompute="auto"``),
+            the bytes of optimizer state each parameter adds, held all the
+            time, counted against ``memory_limit`` (AdamW in float32: 8; with
+            float32 masters of half-precision parameters: 12). 0: not counted.
+        optimizer_sharded: for ``schedule="auto"`` (or ``recompute="auto"``),
+            the optimizer will be :meth:`shard_optimizer`'s: each holder of a
+            stage counts ``1/n`` of its optimizer state, ``R`` is timed as a
+            reduce-scatter and the gather of the updated parameters as the
+            runtime waits for it.
         retain_host_memory: on a CPU device, make the process keep the memory
             it frees for its next allocations instead of giving it back to the
             system after every step, where the next step's activations would
@@ -364,6 +368,7 @@ class Pipeline:
         ranking, the predicted step time (``print`` shows it); None otherwise, and until
         the first step where ``auto`` plans on that step's inputs."""
         self.two_bp_choice: SplitChoice | None = None
+        self.rebuild_choice: RebuildChoice | None = None
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:
@@ -422,6 +427,10 @@ class Pipeline:
         """With ``two_bp=None`` and an example input: which stages split their
         backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
         None otherwise."""
+        self.rebuild_choice = plan.rebuilds
+        """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
+        ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
+        peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
         self.schedule = plan.schedule
         """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
         self.topology = Topology.replicated(members, self.schedule, grid)

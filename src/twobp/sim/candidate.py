@@ -134,6 +134,13 @@ def fit_costs(costs_for: CostsFor, schedule: Schedule) -> CostModel:
     return costs_for(schedule.pipeline_stages).tile(schedule.n_pipelines)
 
 
+def timed_costs(schedule: Schedule, fitted: CostModel, data_parallel: int = 1) -> CostModel:
+    """The costs a prepared schedule is simulated under: ``fitted`` (:func:`fit_costs`)
+    with its reductions timed over ``data_parallel`` copies, and its fused stages'
+    ``F`` without the 2BP engine (a profile measures both)."""
+    return reduction_costs(schedule, fitted, data_parallel).for_split(split_stages(schedule))
+
+
 def build_schedule(
     name: str,
     n_ranks: int,
@@ -209,8 +216,7 @@ def build_schedule(
         reduce=reduces(schedule, data_parallel, tied),
         place_split=placed,
     )
-    # A fused stage runs its F without the 2BP engine (a profile measures both).
-    timed = reduction_costs(prepared, fitted, data_parallel).for_split(split_stages(prepared))
+    timed = timed_costs(prepared, fitted, data_parallel)
     if rebuild_within is not None:
         prepared = fewest_rebuilds(prepared, timed, rebuild_within)
     return prepared, timed

@@ -45,8 +45,9 @@ class TrainConfig:
         "1f1b",
     )
     memory_limit: str | None = doc(
-        "with --schedule auto, the most memory per rank (bytes, or e.g. 2GiB): parameters, "
-        "gradients, activations and stored W inputs as the simulator counts them",
+        "with --schedule auto or --recompute auto, the most memory per rank (bytes, or e.g. "
+        "2GiB): parameters, gradients, optimizer state, activations and stored W inputs as "
+        "the simulator counts them",
         None,
     )
     auto_trials: int = doc(option_help("auto_trials"), 6)
@@ -90,7 +91,8 @@ class TrainConfig:
     recompute: str | None = doc(
         "trade compute for memory on every stage: activations (F again in I), derivatives "
         "(F and I again in W: the 2BP stash is rebuilt), all; auto (with --memory-limit): "
-        "rebuild only the stashes that do not fit, chosen per stage and micro-batch; "
+        "the run as without it where it is predicted to fit, else rebuild only the stashes "
+        "that do not fit, chosen per stage and micro-batch; "
         "default: none",
         None,
         choices=(*RECOMPUTE_MODES, RECOMPUTE_AUTO),

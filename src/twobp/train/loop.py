@@ -194,6 +194,8 @@ def _train_rank(
         print(pipe.plan, file=progress_stream or sys.stderr)
     if pipe.two_bp_choice is not None and pipe.rank == 0:
         print(pipe.two_bp_choice.summary(), file=progress_stream or sys.stderr)
+    if pipe.rebuild_choice is not None and pipe.rank == 0:
+        print(pipe.rebuild_choice.summary(), file=progress_stream or sys.stderr)
     if resumed_split is not None and pipe.rank == 0:
         print(resumed_split_text(resumed_split), file=progress_stream or sys.stderr)
     result = RankResult(

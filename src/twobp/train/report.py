@@ -297,6 +297,8 @@ def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
     ]
     if ran.get("two_bp_choice"):
         lines.append(f"- chosen by a profile (two_bp unset): {ran['two_bp_choice']}")
+    if ran.get("rebuild_choice"):
+        lines.append(f"- {ran['rebuild_choice']}")
     auto = ran.get("auto")
     if auto:
         measured = auto["measured_step_s"]

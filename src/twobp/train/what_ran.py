@@ -47,6 +47,8 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
         "auto": None,
         # two_bp unset: the stages 2BP was found to pay on, and the predictions.
         "two_bp_choice": None if pipe.two_bp_choice is None else pipe.two_bp_choice.summary(),
+        # recompute="auto" on a schedule by name: kept as it is, or what was rebuilt, and why.
+        "rebuild_choice": None if pipe.rebuild_choice is None else pipe.rebuild_choice.summary(),
     }
     given = pipe.options.two_bp
     if cfg.two_bp is None and isinstance(given, (list, tuple)):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import combinations
 
 import torch
 from torch import nn
@@ -32,12 +33,13 @@ from twobp.runtime.setup.auto.plan import (
     read_memory_limit,
 )
 from twobp.runtime.setup.fingerprint import check_same_pipeline, stable_hash
+from twobp.runtime.setup.rebuild_choice import choose_rebuilds
 from twobp.runtime.setup.stage_blocks import (
     balanced_counts,
     example_input_needed,
     stage_counts,
 )
-from twobp.runtime.setup.two_bp_choice import choose_two_bp
+from twobp.runtime.setup.two_bp_choice import choose_two_bp, profile
 from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
 from twobp.schedule._timing import Costs
 from twobp.schedule.prepare import (
@@ -50,6 +52,7 @@ from twobp.schedule.prepare import (
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
+from twobp.sim.rebuild_choice import RebuildChoice
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO
 from twobp.sim.search import microbatch_counts
 from twobp.sim.split_choice import SplitChoice
@@ -86,12 +89,16 @@ class PipelinePlan:
         auto: what ``schedule="auto"`` chose and from what; None for a given schedule.
         two_bp: with ``two_bp=None`` and an example input, the stages 2BP was
             found to pay on and the predictions (None otherwise).
+        rebuilds: with ``recompute="auto"`` on a schedule by name, whether
+            the schedule fit ``memory_limit`` as it was or which stashes are
+            rebuilt, and the predictions (None otherwise).
     """
 
     schedule: Schedule
     ranges: tuple[range, ...]
     auto: AutoPlan | None = None
     two_bp: SplitChoice | None = None
+    rebuilds: RebuildChoice | None = None
 
 
 def plan_pipeline(
@@ -132,9 +139,13 @@ def plan_pipeline(
     ``sample`` is the first step's batch of inputs (the same on every rank)
     that ``schedule="auto"`` plans on where no ``example_input`` was given,
     and whose size ``n_microbatches="auto"`` chooses the count for;
-    ``recompute="auto"`` has the plan rebuild the stashes that do not fit
-    ``memory_limit`` (a schedule given by name is then planned on the costs
-    too, as with ``costs="profile"``).
+    ``recompute="auto"`` rebuilds stashes only where what the pipeline runs
+    without it does not fit ``memory_limit``: a schedule by name is settled
+    as without it (the same 2BP stages and partition), costed (profiled on
+    ``example_input`` or the first micro-batch of ``sample``, or ``costs=``)
+    and kept whole if it fits, else the fewest stashes that fit are rebuilt;
+    under ``schedule="auto"`` (or ``costs="profile"``) every option the
+    search simulates does the same.
 
     Returns:
         The layout, the same on every rank.
@@ -155,15 +166,13 @@ def plan_pipeline(
             f"schedule={schedule!r} is given whole: use a name or 'auto', or mark the "
             "rebuilt micro-batches in the schedule yourself (IR and WR actions)"
         )
-    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs) or rebuilding):
+    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
         fixed = schedule != AUTO
         if isinstance(two_bp, (list, tuple)):
             # The planned path searches policies for every stage alike.
-            planned_by = "recompute='auto'" if rebuilding else f"costs={costs!r}"
             raise PipelineConfigError(
-                f"two_bp={list(two_bp)!r} (one per stage) with {planned_by}, which plans "
-                "2BP the same on every stage: pass True, False or None, or drop "
-                f"{planned_by.split('=')[0]}"
+                f"two_bp={list(two_bp)!r} (one per stage) with costs={costs!r}, which plans "
+                "2BP the same on every stage: pass True, False or None, or drop costs"
             )
         n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
         planned_counts, examples = _microbatches(n_microbatches, sample, n_ranks)
@@ -233,11 +242,24 @@ def plan_pipeline(
             tied=tied,
         )
 
+    # recompute="auto" on a schedule by name: the default, costed against the limit.
+    rebuild_limit: float | None = None
+    rebuild_costs: CostModel | None = None
     try:
-        if auto is None and memory_limit is not None:
+        if auto is None and rebuilding:
+            rebuild_limit = read_memory_limit(memory_limit)
+            rebuild_costs = _auto_costs(costs, "recompute='auto'")
+            if rebuild_costs is None and example_input is None and sample is None:
+                raise PipelineConfigError(
+                    "recompute='auto' costs the schedule on the blocks, profiled on "
+                    "example_input=<one micro-batch of model inputs>: pass it (on every "
+                    "rank), or a cost model as costs="
+                )
+        elif auto is None and memory_limit is not None:
             raise PipelineConfigError(
-                f"memory_limit={memory_limit!r} bounds the choice of schedule='auto'; with "
-                f"schedule={schedule!r} it does nothing: drop it, or use schedule='auto'"
+                f"memory_limit={memory_limit!r} bounds the choice of schedule='auto' and what "
+                f"recompute='auto' rebuilds; with schedule={schedule!r} and neither it does "
+                "nothing: drop it, or use schedule='auto' or recompute='auto'"
             )
         if nonfinite not in NONFINITE_POLICIES:
             raise PipelineConfigError(
@@ -259,10 +281,26 @@ def plan_pipeline(
         problem = exc
     options = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
     options["2BP by a profile"] = str(profiled_split)
+    # Whether every rank joins the profile and the choice of recompute="auto".
+    options["recompute='auto' costed on"] = (
+        "-" if rebuild_limit is None else "costs=" if rebuild_costs is not None else "a profile"
+    )
     check_same_pipeline(world, device, timeout, problem, options, blocks)
     assert resolved is not None
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
+    measured = None
+    if rebuild_limit is not None and rebuild_costs is None:
+        # One profile for both choices: the stages 2BP pays on and the stashes to rebuild.
+        assert not isinstance(n_microbatches, str)
+        measured = profile(
+            blocks,
+            world,
+            device,
+            _profiling_input(example_input, sample, resolved.n_microbatches),
+            resolved.n_microbatches,
+            list(range(n_ranks)) if pipeline_ranks is None else pipeline_ranks,
+        )
     choice = None
     if profiled_split:
         assert example_input is not None and not isinstance(n_microbatches, str)
@@ -283,9 +321,50 @@ def plan_pipeline(
             pipeline_ranks=list(range(n_ranks)) if pipeline_ranks is None else pipeline_ranks,
             reduce=reduces(sourced, data_parallel, tied),
             data_parallel=data_parallel,
+            measured=measured,
         )
         resolved = prepared(choice.split)
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice)
+    rebuilds = None
+    if rebuild_limit is not None:
+        priced = rebuild_costs if rebuild_costs is not None else measured
+        assert priced is not None
+        # The stages two_bp=None chose to split, fewer of them: they hold fewer stashes.
+        fewer = {} if choice is None else {s: prepared(s) for s in _fewer_split(choice.split)}
+        rebuilds = choose_rebuilds(
+            blocks,
+            world,
+            resolved,
+            counts,
+            rebuild_limit,
+            costs=priced,
+            optimizer=optimizer,
+            data_parallel=data_parallel,
+            fewer_split=list(fewer.values()),
+        )
+        resolved = rebuilds.schedule
+        split = next((s for s, other in fewer.items() if other == resolved), None)
+        if choice is not None and split is not None:
+            choice = replace(choice, split=split, step=rebuilds.chosen_step)
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds)
+
+
+def _fewer_split(split: Sequence[bool]) -> list[tuple[bool, ...]]:
+    """Every choice of split stages that splits some of ``split``'s, not all."""
+    chosen = [s for s, b in enumerate(split) if b]
+    return [
+        tuple(s in kept for s in range(len(split)))
+        for n in range(len(chosen))
+        for kept in map(set, combinations(chosen, n))
+    ]
+
+
+def _profiling_input(example_input: Batch | None, sample: Batch | None, count: int) -> Batch:
+    """What ``recompute="auto"`` profiles the blocks on: the example input, or the first
+    micro-batch of the first step's batch."""
+    if example_input is not None:
+        return example_input
+    assert sample is not None, "without an example input the pipeline plans at its first step"
+    return split_batch(sample, count)[0]
 
 
 def _named(schedule: object) -> bool:
@@ -385,7 +464,7 @@ def _auto_arguments(
                 "simulator's choice)"
             )
         limit = read_memory_limit(memory_limit)
-        model = None if costs is None or costs == PROFILE else _auto_costs(costs)
+        model = None if costs == PROFILE else _auto_costs(costs, "schedule='auto'")
         if model is None:
             profiling_input(example_input)
     except PipelineConfigError as exc:
@@ -400,8 +479,9 @@ def _profiles(schedule: str, costs: CostsArgument) -> bool:
     return isinstance(costs, str) and costs == PROFILE and schedule in SCHEDULES
 
 
-def _auto_costs(costs: CostsArgument) -> CostModel | None:
-    """The cost model ``schedule="auto"`` plans with instead of profiling, if given.
+def _auto_costs(costs: CostsArgument, planned_by: str) -> CostModel | None:
+    """The cost model ``schedule="auto"`` (or ``recompute="auto"``, as ``planned_by``
+    says) plans with instead of profiling, if given.
 
     Raises:
         PipelineConfigError: for costs that are not a full cost model.
@@ -410,7 +490,7 @@ def _auto_costs(costs: CostsArgument) -> CostModel | None:
     if model is None or isinstance(model, CostModel):
         return model
     raise PipelineConfigError(
-        "schedule='auto' with costs= needs a twobp.sim.CostModel or a cost JSON file (it "
+        f"{planned_by} with costs= needs a twobp.sim.CostModel or a cost JSON file (it "
         "simulates memory and transfers too), not a mapping of times; or leave costs unset "
         "to profile the blocks"
     )

@@ -21,11 +21,11 @@ from torch import nn
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto.cost_measurement import measure
+from twobp.runtime.setup.auto.cost_measurement import Measured, measure
 from twobp.runtime.setup.auto.plan import PARAMETER_FACTOR
 from twobp.schedule import Schedule
 from twobp.sim.candidate import fit_costs
-from twobp.sim.from_profile import profiled_costs
+from twobp.sim.from_profile import CostsFor, profiled_costs
 from twobp.sim.split_choice import SplitChoice, choose_split
 
 log = logging.getLogger("twobp")
@@ -43,6 +43,7 @@ def choose_two_bp(
     pipeline_ranks: Sequence[int],
     reduce: bool,
     data_parallel: int,
+    measured: Measured | None = None,
 ) -> SplitChoice:
     """Which stages of the model split their backward, the same on every rank.
 
@@ -57,6 +58,8 @@ def choose_two_bp(
         pipeline_ranks: the group ranks of the first copy of the pipeline.
         reduce: the schedule's stages reduce their gradients (``R``).
         data_parallel: copies of the pipeline.
+        measured: the blocks, the contention and the link, measured on
+            ``example_input`` already (:func:`profile`); None: measured here.
 
     Returns:
         Rank 0's choice.
@@ -64,30 +67,16 @@ def choose_two_bp(
     Raises:
         PipelineConfigError: on every rank, if profiling or simulating failed on rank 0.
     """
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        figures, tables, contention, link, reduce_bandwidth, problem = measure(
+    if measured is None:
+        measured = profile(
             blocks, world, device, example_input, schedule.n_microbatches, pipeline_ranks
         )
     answer: list[SplitChoice | str | None] = [None]
     if world.rank == 0:
         try:
-            if problem:
-                raise PipelineConfigError(problem)
-            sizes = tuple(counts)
-            costs_for = profiled_costs(
-                figures,
-                tables,
-                lambda _n: sizes,
-                contention=contention,
-                parameter_factor=PARAMETER_FACTOR,
-                send_latency=link[0],
-                bandwidth=link[1],
-                send_overhead=link[2],
-                reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
-            )
             chosen = choose_split(
                 schedule,
-                fit_costs(costs_for, schedule),
+                fit_costs(stage_costs(measured, counts), schedule),
                 policy=policy,
                 reduce=reduce,
                 data_parallel=data_parallel,
@@ -104,3 +93,42 @@ def choose_two_bp(
     if not isinstance(choice, SplitChoice):
         raise PipelineConfigError(f"{choice}; pass two_bp=True or False to run without the profile")
     return choice
+
+
+def profile(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    example_input: Batch,
+    n_microbatches: int,
+    pipeline_ranks: Sequence[int],
+) -> Measured:
+    """Rank 0's profile of the blocks on ``example_input``, the contention and the link
+    (:func:`twobp.runtime.setup.auto.cost_measurement.measure`), leaving the random
+    state as found (the blocks' dropout draws). Collective."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return measure(blocks, world, device, example_input, n_microbatches, pipeline_ranks)
+
+
+def stage_costs(measured: Measured, counts: Sequence[int]) -> CostsFor:
+    """The cost model of the blocks cut into stages of ``counts`` blocks, from rank 0's
+    measurements (weights and their gradients counted as :data:`PARAMETER_FACTOR`).
+
+    Raises:
+        PipelineConfigError: if profiling failed on rank 0.
+    """
+    figures, tables, contention, link, reduce_bandwidth, problem = measured
+    if problem:
+        raise PipelineConfigError(problem)
+    sizes = tuple(counts)
+    return profiled_costs(
+        figures,
+        tables,
+        lambda _n: sizes,
+        contention=contention,
+        parameter_factor=PARAMETER_FACTOR,
+        send_latency=link[0],
+        bandwidth=link[1],
+        send_overhead=link[2],
+        reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
+    )
