@@ -14,7 +14,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -205,9 +204,7 @@ def _mid_step_failures(rank: int) -> dict[str, Any]:
         build_blocks("mlp"), _non_scalar_loss, n_microbatches=N_MB, device="cpu", group=group,
         timeout=timeout,
     )  # fmt: skip
-    start = time.monotonic()
     out["non-scalar loss"] = outcome_of(lambda: pipe.step(*needed_batches(pipe, x, y)))
-    out["non-scalar loss seconds"] = time.monotonic() - start
 
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     blocks = build_blocks("mlp")
@@ -231,8 +228,8 @@ class StallingLoss:
 
     def __call__(self, out: Tensor, y: Tensor) -> Tensor:
         self.calls += 1
-        if self.calls > N_MB:
-            time.sleep(3600)
+        while self.calls > N_MB:  # until the launcher ends this process
+            signal.pause()
         return loss_fn("mlp")(out, y)
 
 

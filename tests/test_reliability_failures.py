@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from reliability_workers import stalled_rank_session
@@ -21,12 +19,10 @@ GRACE = 1.0
 
 
 def test_a_stalled_rank_is_named_with_where_it_was():
-    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         launch(
             stalled_rank_session, 2, TIMEOUT, threads_per_rank=1, grace_period=GRACE, timeout=120
         )
-    elapsed = time.monotonic() - start
     error = info.value
     stuck, waiting = error.failures
     # Rank 1 never returns from its loss; rank 0 gives up after the timeout.
@@ -42,8 +38,6 @@ def test_a_stalled_rank_is_named_with_where_it_was():
     assert str(error).startswith(
         "2 of 2 processes failed; rank 1 was stuck (the others timed out waiting on it)"
     )
-    # Start-up, one step, the timeout and the grace period: well below a minute.
-    assert elapsed < 60
 
 
 def test_last_frame_reads_both_stack_orders():

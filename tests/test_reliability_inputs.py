@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from reliability_workers import BATCH, FATAL_TIMEOUT, MID_STEP_TIMEOUT, N_MB, bad_inputs_session
+from reliability_workers import BATCH, FATAL_TIMEOUT, N_MB, bad_inputs_session
 from runtime_models import build_blocks, make_batch, reference_step
 from twobp.runtime import LaunchError, launch
 from twobp.runtime.errors import PipelineConfigError
@@ -133,8 +133,8 @@ def test_errors_in_the_middle_of_a_step_reach_the_peer_at_once(session):
     assert name == "PeerStepFailedError"
     assert message.startswith("rank 0: rank 1 failed at 1F0 (stage 1, micro-batch(es) 0): ")
     assert "ValueError: loss_fn returned tensors of shapes" in message
-    # Rank 0 learnt of the failure (in milliseconds), it did not wait out its timeout.
-    assert rank0["non-scalar loss seconds"] < MID_STEP_TIMEOUT / 2
+    # Rank 1 told rank 0 (which would otherwise have waited for the gradient until its
+    # timeout, and said so in a PeerTimeoutError).
     name, message = rank0["dtype change"]
     assert name == "ShapeMismatchError"
     assert "[2, 8] float32, requires grad instead of [2, 8] float64" in message
@@ -152,9 +152,8 @@ def test_a_rank_that_raises_ends_the_others_at_once(session):
     assert second.peer == 1
     assert second.message.startswith("rank 0: rank 1 failed at 1F0 (stage 1, micro-batch(es) 0)")
     assert str(error).startswith("2 of 2 processes failed; the first was rank 1")
-    # Rank 0 noticed rank 1's end at once: waiting out its timeout would take FATAL_TIMEOUT.
-    assert first.when is not None and second.when is not None
-    assert second.when - first.when < FATAL_TIMEOUT / 2
+    # Rank 0 learnt of rank 1's failure from rank 1 (PeerStepFailedError, above), not by
+    # waiting out its timeout (a PeerTimeoutError).
 
 
 # -- the pure parts, without processes -------------------------------------------------
