@@ -351,16 +351,14 @@ def test_load_state_dict_takes_the_local_entries(two_rank_results):
         torch.testing.assert_close(loaded[name], value + 1)
 
 
-def test_a_killed_rank_ends_the_others_with_an_error(tmp_path):
+def test_a_killed_rank_ends_the_others_with_an_error():
     # Rank 0 waits on rank 1 at most 6 s; the launcher gives it 10 s to fail on its own.
     with pytest.raises(LaunchError) as info:
-        launch(rank_killed_mid_step, 2, N_MB, 6.0, str(tmp_path), grace_period=10.0, timeout=120)
+        launch(rank_killed_mid_step, 2, N_MB, 6.0, grace_period=10.0, timeout=120)
     failures = {f.rank: f for f in info.value.failures}
-    killed_at = float((tmp_path / "killed_at").read_text())
-    # The survivor noticed the closed connection at once: waiting out its timeout
-    # would have taken it 6 s.
-    assert failures[0].when is not None and failures[0].when - killed_at < 2.0
     assert failures[1].message == "killed by SIGKILL"
+    # The survivor noticed the closed connection (PeerFailedError), it did not wait out its
+    # timeout (PeerTimeoutError).
     assert failures[0].error_type == "PeerFailedError"
     # Rank 0 waited, in 1F1B, for the gradient of micro-batch 0 at its first I.
     assert failures[0].message.startswith("rank 0 at 0I0: communication with rank 1 failed")
