@@ -1,22 +1,28 @@
-"""`twobp train` stopped early: Ctrl-C, SIGTERM, a second Ctrl-C, a killed rank.
+"""`twobp train` stopped early: Ctrl-C, SIGTERM, SIGHUP, a second Ctrl-C, a killed rank.
 
 The first stop signal ends the run on every rank after the same step, with a
 checkpoint of that step, the report, and the command that continues it (exit
 code 130); a second one ends it at once. Real ranks and real signals: a run
-in a session of its own gets SIGINT on its whole process group, as from a
-terminal, and step hooks (tests/stopping_workers.py) signal one rank or the
-launcher alone.
+in a session of its own gets SIGINT (or SIGHUP) on its whole process group, as
+from a terminal, and step hooks (tests/stopping_workers.py) signal one rank or
+the launcher alone. A console that is gone by then (a pipe without a reader, a
+terminal that hung up) costs nothing: the command's lines go to OUT/train.log.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
+import pty
+import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import types
 from pathlib import Path
 
@@ -30,6 +36,7 @@ from twobp.cli.main import build_parser, main
 from twobp.cli.train import resume_command, train_config
 from twobp.runtime.state.checkpoint import read_manifest
 from twobp.train.config import TrainConfig
+from twobp.train.console import RUN_LOG, Console
 from twobp.train.failures import ERROR_LOG
 from twobp.train.preflight import check_config
 from twobp.train.stopping import SAME_REQUEST_SECONDS, StopSignals
@@ -90,6 +97,81 @@ def test_ctrl_c_finishes_the_step_saves_and_prints_the_resume_command(tmp_path):
     )
     assert lines[-1].startswith("continue with: twobp train ")
     _continues(lines[-1].removeprefix("continue with: "), out, steps)
+
+
+def _a_long_run(out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "twobp.cli.main", "train", *OPTIONS, "--steps", "5000",
+        "--log-every", "1", "--out", str(out),
+    ]  # fmt: skip
+
+
+def _what_the_ranks_said(out: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(out.glob("**/*.log")))
+
+
+def _saved_reported_and_logged(out: Path) -> None:
+    """A stopped 5000-step run saved its step, wrote its report, and logged how to continue."""
+    steps = json.loads((out / "metrics.json").read_text())["steps_run"]
+    assert 1 <= steps < 5000 and _steps_in(out) == [f"step-{steps:08d}"]
+    assert (out / "report.md").exists()
+    log = (out / RUN_LOG).read_text().splitlines()
+    assert f"stopping after step {steps}, as asked; saving a checkpoint" in log
+    assert log[-2] == (
+        f"interrupted after step {steps} of 5000, saved in {out}/checkpoints/step-{steps:08d}"
+    )
+    _continues(log[-1].removeprefix("continue with: "), out, steps)
+
+
+def test_ctrl_c_into_a_pipe_without_a_reader_still_saves_and_logs_the_resume_command(tmp_path):
+    """`twobp train ... 2>&1 | tee LOG`, then Ctrl-C: the tee ends at once, and every later
+    write of the run, rank 0's progress and the command's closing lines alike, meets a pipe
+    without a reader (BrokenPipeError)."""
+    out = tmp_path / "run"
+    reader, writer = os.pipe()
+    run = subprocess.Popen(_a_long_run(out), stdout=writer, stderr=writer, start_new_session=True)
+    os.close(writer)
+    with open(reader) as pipe:
+        for line in pipe:
+            if line.startswith("step "):  # the first step is done: the ranks are training
+                break
+    # The reader is gone; the next step's progress line (--log-every 1) is the first to fail.
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.wait(timeout=120) == INTERRUPTED, _what_the_ranks_said(out)
+    _saved_reported_and_logged(out)
+
+
+def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(tmp_path):
+    """The terminal closes: SIGHUP to its whole process group (the launcher, its fork server,
+    the ranks), and every later write to it fails (EIO)."""
+    out = tmp_path / "run"
+    terminal, tty = pty.openpty()
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # room for the bar
+    run = subprocess.Popen(_a_long_run(out), stdout=tty, stderr=tty, start_new_session=True)
+    os.close(tty)
+    shown = b""
+    while not re.search(rb"\| *[1-9][0-9]*/5000 ", shown):  # the bar after the first step
+        shown += os.read(terminal, 4096)
+    os.close(terminal)
+    os.killpg(run.pid, signal.SIGHUP)
+    assert run.wait(timeout=120) == INTERRUPTED, _what_the_ranks_said(out)
+    _saved_reported_and_logged(out)
+
+
+def test_a_console_whose_reader_is_gone_goes_quiet_and_stdout_s_lines_go_to_stderr(tmp_path):
+    terminal, tty = pty.openpty()
+    os.close(terminal)  # a terminal that hung up: every write fails (EIO)
+    reader, writer = os.pipe()
+    with open(tty, "w") as gone, open(reader) as seen:
+        with open(writer, "w") as err:
+            console = Console(tmp_path, stdout=gone, stderr=err)
+            console.say("continue with: twobp train --resume runs/x")
+        assert console.stdout.gone
+        assert seen.read() == "continue with: twobp train --resume runs/x\n"
+        # The descriptor now leads to /dev/null: the process's other writes there go quietly.
+        gone.write("more\n")
+        gone.flush()
+    assert (tmp_path / RUN_LOG).read_text() == "continue with: twobp train --resume runs/x\n"
 
 
 def test_ranks_stop_after_the_same_step_when_one_rank_is_signalled(tmp_path, monkeypatch, capsys):

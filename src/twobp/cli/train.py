@@ -6,13 +6,13 @@ import argparse
 import dataclasses
 import re
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 from twobp.cli.errors import UsageError
 from twobp.config import add_arguments, read_toml
 from twobp.train.config import TrainConfig
+from twobp.train.console import Console
 
 
 def register(subparsers: Any) -> None:
@@ -29,13 +29,16 @@ def register(subparsers: Any) -> None:
             "OUT/checkpoints, every --save-every steps and at the end; --resume OUT continues a "
             "run where it stopped (under torchrun --max-restarts, pass --resume auto). A new run "
             "into an OUT that holds checkpoints of another run is refused (--overwrite replaces "
-            "them). Ctrl-C or SIGTERM ends the run after the step in flight with a checkpoint "
-            "and prints the command that continues it (exit code 130); a second Ctrl-C stops at "
-            "once. Options are checked before any rank starts; if a rank fails, the command "
-            "prints one line per failed rank and writes the tracebacks to OUT/errors.log (exit "
-            "code 1). With --config FILE.toml the options "
-            "come from a file (one key per option), and those given here override it; every "
-            "run writes the options it ran with to OUT/config.toml."
+            "them). Ctrl-C, SIGTERM or SIGHUP ends the run after the step in flight with a "
+            "checkpoint and prints the command that continues it (exit code 130), also into "
+            "OUT/train.log, which keeps what the command printed if the terminal or the pipe "
+            "it printed to is gone; a second Ctrl-C stops at once. Steps skipped for a float16 "
+            "overflow or a non-finite loss are told as they happen and counted at the end; a "
+            "run that skips all its steps fails (exit code 1). Options are checked before any "
+            "rank starts; if a rank fails, the command prints one line per failed rank and "
+            "writes the tracebacks to OUT/errors.log (exit code 1). With --config FILE.toml the "
+            "options come from a file (one key per option), and those given here override it; "
+            "every run writes the options it ran with to OUT/config.toml."
         ),
     )
     parser.add_argument(
@@ -74,7 +77,8 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any]]
 
 
 INTERRUPTED_EXIT_CODE = 130
-"""Exit code of a run stopped by Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it)."""
+"""Exit code of a run stopped by Ctrl-C, SIGTERM or SIGHUP (128 + SIGINT, as a shell reports
+it)."""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -82,57 +86,68 @@ def _run(args: argparse.Namespace) -> int:
     from twobp.train.failures import failure_summary
     from twobp.train.preflight import OptionError
     from twobp.train.run import run_training
+    from twobp.train.skipped import every_step_skipped
     from twobp.train.stopping import TrainingInterrupted
 
     cfg, from_file = train_config(args)
+    # What the command prints also goes to OUT/train.log, and goes on there if stdout and
+    # stderr are gone (a closed pipe, a terminal that hung up).
+    console = Console(Path(cfg.out))
     try:
         summary = run_training(cfg)
     except OptionError as exc:
         raise UsageError(_name_the_file(str(exc), from_file, args.config)) from exc
     except TrainingInterrupted as exc:
         if exc.summary is not None:
-            _print_summary(cfg, exc.summary)
+            _print_summary(console, cfg, exc.summary)
             saved = f", saved in {exc.checkpoint}" if exc.checkpoint else "; nothing saved"
-            print(f"interrupted after step {exc.step} of {cfg.steps}{saved}")
+            console.say(f"interrupted after step {exc.step} of {cfg.steps}{saved}")
             if exc.checkpoint:
-                print(f"continue with: {_continue_with(cfg)}")
+                console.say(f"continue with: {_continue_with(cfg)}")
         return INTERRUPTED_EXIT_CODE
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        _print_resume_hint(cfg)
+        console.warn("interrupted")
+        _print_resume_hint(console, cfg)
         return INTERRUPTED_EXIT_CODE
     except LaunchError as exc:
-        print(f"twobp train: {failure_summary(exc, Path(cfg.out), cfg.verbose)}", file=sys.stderr)
-        _print_resume_hint(cfg)
+        console.warn(f"twobp train: {failure_summary(exc, Path(cfg.out), cfg.verbose)}")
+        _print_resume_hint(console, cfg)
         return 1
     except PipelineError as exc:
         # This rank's error under torchrun, which then ends or restarts the group.
-        print(f"twobp train: {exc}", file=sys.stderr)
+        console.warn(f"twobp train: {exc}")
         return 1
     if summary is not None:
-        _print_summary(cfg, summary)
+        _print_summary(console, cfg, summary)
         if summary["steps_run"] < cfg.steps:
-            print(
+            console.say(
                 f"stopped after step {summary['steps_run']} of {cfg.steps}; continue with the "
                 f"same options and --resume {cfg.out}"
             )
+        nothing_learnt = every_step_skipped(summary)
+        if nothing_learnt is not None:
+            console.warn(f"twobp train: {nothing_learnt}")
+            return 1
     return 0
 
 
-def _print_summary(cfg: TrainConfig, summary: dict[str, Any]) -> None:
+def _print_summary(console: Console, cfg: TrainConfig, summary: dict[str, Any]) -> None:
     from twobp.train.report import memory_line, throughput
+    from twobp.train.skipped import skipped_text
 
-    print(
+    skipped = skipped_text(summary)
+    console.say(
         f"done: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
         f"held-out {summary['eval_loss']:.3f}; {throughput(summary)}; "
         f"bubble {summary['bubble_ratio']:.3f}; report in {cfg.out}/report.md"
+        + ("" if skipped is None else f"; {skipped}")
     )
     memory = memory_line(summary.get("memory_per_rank", {}))
     if memory is not None:
-        print(memory)
+        console.say(memory)
 
 
-def _print_resume_hint(cfg: TrainConfig) -> None:
+def _print_resume_hint(console: Console, cfg: TrainConfig) -> None:
     """After a failure or a hard stop: the latest checkpoint, and how to continue from it."""
     from twobp.runtime.errors import CheckpointError
     from twobp.runtime.state.checkpoint import latest_checkpoint, read_manifest
@@ -147,9 +162,8 @@ def _print_resume_hint(cfg: TrainConfig) -> None:
         return
     if step >= last_step(cfg):
         return
-    print(
-        f"the latest checkpoint is {latest} (step {step}); continue with: {_continue_with(cfg)}",
-        file=sys.stderr,
+    console.warn(
+        f"the latest checkpoint is {latest} (step {step}); continue with: {_continue_with(cfg)}"
     )
 
 

@@ -26,10 +26,16 @@ each rank gets the caller's environment as it is at the call. A rank ends as
 forked processes do, without the interpreter's exit (``atexit`` handlers do not
 run): ``start_method="spawn"`` gives each rank a whole interpreter of its own
 instead.
+
+The fork server (and multiprocessing's resource tracker, which starts with it)
+never see SIGHUP: a terminal that closes hangs up its whole process group, and
+a server gone looks to the launcher like the death of every rank it forked.
+The ranks get SIGHUP as the caller does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import multiprocessing as mp
@@ -44,7 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -195,8 +201,9 @@ def _launch_once(
             for rank in range(nprocs)
         ]
         try:
-            for proc in procs:
-                proc.start()
+            with _hang_up_held():
+                for proc in procs:
+                    proc.start()
             terminated = _supervise(procs, grace_period, timeout)
         except BaseException:
             # Interrupted (Ctrl-C) or failed to start: leave no rank behind.
@@ -210,6 +217,25 @@ def _launch_once(
         return _collect(procs, folder, terminated)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _hang_up_held() -> Iterator[None]:
+    """Block SIGHUP in this thread while ranks start, then deliver it if it came.
+
+    A process started now inherits the mask: the fork server and the resource
+    tracker keep SIGHUP blocked for good (as multiprocessing blocks SIGINT and
+    SIGTERM for the tracker), and each rank unblocks it as it starts
+    (:func:`_child_main`).
+    """
+    if not hasattr(signal, "SIGHUP") or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
 
 def _end_if_starting_a_rank() -> None:
@@ -391,6 +417,8 @@ def _child_main(
     output: tuple[int, int] | None,
 ) -> None:
     """Body of one rank: set the environment and output, join the group, run, report."""
+    if hasattr(signal, "SIGHUP") and hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # see _hang_up_held
     if output is not None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -160,7 +160,7 @@ class TrainConfig:
     save: bool = doc("write checkpoints into OUT/checkpoints (the last step's, at least)", True)
     save_every: int = doc(
         "steps between checkpoints, so that a crash loses at most this many steps (0: only at "
-        "the end of the run; Ctrl-C or SIGTERM saves the step reached in any case)",
+        "the end of the run; Ctrl-C, SIGTERM or SIGHUP saves the step reached in any case)",
         100,
     )
     keep_checkpoints: int = doc(

@@ -23,8 +23,10 @@ from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.timeline import Span, bubble_ratio
 from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
+from twobp.train.console import ConsoleStream
 from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
+from twobp.train.skipped import SkipNotes
 from twobp.train.stopping import StopSignals, agree_to_stop
 from twobp.train.task import Task, autocast_dtype, build_task, grad_scaler
 from twobp.train.what_ran import resumed_split_text, what_ran
@@ -125,7 +127,7 @@ def train_rank(
     cfg: TrainConfig,
     on_step: StepHook | None = None,
     progress_stream: TextIO | None = None,
-    stop_signals: Sequence[int] = (signal.SIGINT,),
+    stop_signals: Sequence[int] = (signal.SIGINT, signal.SIGHUP),
 ) -> RankResult:
     """Train on this rank of the current process group; returns its figures.
 
@@ -137,16 +139,19 @@ def train_rank(
     Args:
         cfg: the run's options.
         on_step: called with ``(rank, step)`` before each step.
-        progress_stream: where rank 0 writes its progress (default: stderr).
+        progress_stream: where rank 0 writes its progress (default: stderr);
+            once its reader is gone (a closed pipe, a terminal that hung up),
+            nothing more is written there and the run goes on.
         stop_signals: the signals that stop the run. Local ranks leave SIGTERM
             to the launcher, which terminates a stuck rank with it.
     """
+    console = ConsoleStream(progress_stream or sys.stderr)
     with StopSignals(stop_signals) as stop:
-        return _train_rank(cfg, on_step, progress_stream, stop)
+        return _train_rank(cfg, on_step, console, stop)
 
 
 def _train_rank(
-    cfg: TrainConfig, on_step: StepHook | None, progress_stream: TextIO | None, stop: StopSignals
+    cfg: TrainConfig, on_step: StepHook | None, progress_stream: ConsoleStream, stop: StopSignals
 ) -> RankResult:
     task = build_task(cfg)
     scaler = grad_scaler(cfg)
@@ -290,12 +295,12 @@ def _precision(pipe: Pipeline) -> str:
 
 
 def _reporters(
-    rank: int, cfg: TrainConfig, stream: TextIO | None, initial: int
+    rank: int, cfg: TrainConfig, stream: ConsoleStream, initial: int
 ) -> tuple[Progress | None, MetricsLog | None]:
     """Rank 0's progress display and metrics files (None on other ranks)."""
     if rank != 0:
         return None, None
-    progress = Progress(cfg.steps, cfg.log_every, stream, initial=initial)
+    progress = Progress(cfg.steps, cfg.log_every, stream, initial=initial, out=Path(cfg.out))
     metrics = MetricsLog(Path(cfg.out), resumed_from=initial)
     if metrics.tensorboard_missing:
         print(
@@ -321,10 +326,12 @@ def _train_steps(
     """Run the steps from ``history.step`` to the run's last, saving as ``cfg`` says.
 
     After every step the ranks agree whether one of them was asked to stop;
-    if so, they all save the step reached and end.
+    if so, they all save the step reached and end. Rank 0 tells of skipped
+    steps as they happen (see :mod:`twobp.train.skipped`).
     """
     logged = len(result.step_seconds)  # steps of this run before the last record
     end = checkpointing.last_step(cfg)
+    skip_notes = SkipNotes(cfg.steps, cfg.log_every)
     for step in range(history.step, end):
         if on_step is not None:
             on_step(pipe.rank, step)
@@ -337,8 +344,10 @@ def _train_steps(
         start = time.perf_counter()
         loss = float(pipe.step(inputs, targets))
         scaler = pipe.grad_scaler
+        skip_note: str | None = None
         if pipe.last_step_skipped:
             result.skipped_steps.append(step)
+            skip_note = skip_notes.nonfinite(step + 1, loss)
             _check_skipped_in_a_row(result.skipped_steps, pipe.rank)
         else:
             if scaler is not None:
@@ -352,11 +361,14 @@ def _train_steps(
             if scaler is None:
                 optimizer.step()
             else:
+                scale = scaler.get_scale()
                 scaler.step(optimizer)
                 scaler.update()
                 if scaler.last_step_skipped:
                     result.overflow_steps.append(step)
                     grad_norm = None
+                    static = scaler.get_backoff_factor() == 1.0
+                    skip_note = skip_notes.overflow(step + 1, scale, scaler.get_scale(), static)
         pipe.zero_grad()
         result.step_seconds.append(time.perf_counter() - start)
         _add_step_times(result.step_times, pipe)
@@ -375,6 +387,8 @@ def _train_steps(
                 metrics.write(record)
         if progress is not None:
             progress.update(step + 1, loss, samples, tokens)
+            if skip_note is not None:
+                progress.note(skip_note)
         stopping = agree_to_stop(pipe.topology.members, pipe.device, cfg.timeout, stop.requested)
         if log_due and not stopping and history.step < end:
             # After the last step, train_rank evaluates once its timeline is taken.

@@ -4,6 +4,10 @@ On a terminal, tqdm draws the bar with the elapsed time, the ETA and the step
 rate, and the latest loss and throughput after it. In a log file (stderr not
 a terminal), a bar's carriage returns are noise: every ``every`` steps (and
 at the first and the last) one plain line says the same.
+
+What it writes goes quiet once the stream's reader is gone (a closed pipe, a
+terminal that hung up; see :mod:`twobp.train.console`): the run goes on.
+Its notes (:meth:`Progress.note`) also go to the run's log.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from tqdm import tqdm
+
+from twobp.train.console import ConsoleStream, log_line
 
 
 class Progress:
@@ -24,16 +31,26 @@ class Progress:
         every: steps between plain lines when the stream is not a terminal.
         stream: where to write (default stderr).
         initial: steps done before this run started (a resumed run).
+        out: the run's output folder, whose log (:data:`twobp.train.console.RUN_LOG`)
+            gets the notes too; None: no log.
     """
 
     def __init__(
-        self, total: int, every: int = 10, stream: TextIO | None = None, initial: int = 0
+        self,
+        total: int,
+        every: int = 10,
+        stream: TextIO | ConsoleStream | None = None,
+        initial: int = 0,
+        out: Path | None = None,
     ) -> None:
         self.total = total
         self.every = max(1, every)
         self.initial = initial
-        self.stream = stream if stream is not None else sys.stderr
-        is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.out = out
+        if not isinstance(stream, ConsoleStream):
+            stream = ConsoleStream(stream if stream is not None else sys.stderr)
+        self.stream = stream
+        is_tty = self.stream.isatty()
         self._bar = (
             tqdm(
                 total=total,
@@ -77,7 +94,9 @@ class Progress:
         self.stream.flush()
 
     def note(self, text: str) -> None:
-        """Write one line of its own, below the bar on a terminal."""
+        """Write one line of its own, below the bar on a terminal, and into the log."""
+        if self.out is not None:
+            log_line(self.out, text)
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
             return

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from twobp.runtime import LaunchError, launch
 from twobp.runtime.base.group import launched_by_env
 from twobp.train.config import TrainConfig
+from twobp.train.console import Console, start_log
 from twobp.train.failures import ERROR_LOG, RANK_LOGS, send_stderr_to, write_error_log
 from twobp.train.loop import RankResult, StepHook, train_rank
 from twobp.train.out_folder import delete_foreign_checkpoints
@@ -21,7 +22,9 @@ from twobp.train.preflight import check_config
 from twobp.train.report import write_config, write_report
 from twobp.train.stopping import StopSignals, TrainingInterrupted
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, ``kill``, and the hang-up of a terminal that closed: each ends the run with a
+checkpoint."""
 
 
 def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str, Any] | None:
@@ -35,9 +38,11 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
     :mod:`twobp.train.failures`). With ``cfg.overwrite``, the checkpoints of
     ``OUT/checkpoints`` that this run does not continue are deleted first.
 
-    SIGINT and SIGTERM end the run after the step in flight, with a
+    SIGINT, SIGTERM and SIGHUP end the run after the step in flight, with a
     checkpoint and the report; a second one stops at once (see
-    :mod:`twobp.train.stopping`).
+    :mod:`twobp.train.stopping`). A console that goes away (a closed pipe, a
+    terminal that hung up) does not end it: the notices go on into
+    ``OUT/train.log`` (see :mod:`twobp.train.console`).
 
     Args:
         cfg: the run's options.
@@ -64,6 +69,7 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
         if _global_rank() == 0:
             delete_foreign_checkpoints(cfg)
             write_config(cfg, out)
+            start_log(out)
         # Each rank is its own: torchrun forwards SIGINT and SIGTERM to every one.
         mine = train_rank(cfg, on_step, stop_signals=STOP_SIGNALS)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -73,10 +79,11 @@ def run_training(cfg: TrainConfig, on_step: StepHook | None = None) -> dict[str,
         return summary
     delete_foreign_checkpoints(cfg)
     write_config(cfg, out)
+    start_log(out)
     logs = out / RANK_LOGS
     logs.mkdir(parents=True, exist_ok=True)
     (out / ERROR_LOG).unlink(missing_ok=True)
-    stop = StopSignals(STOP_SIGNALS, on_first=_tell_the_ranks)
+    stop = StopSignals(STOP_SIGNALS, on_first=functools.partial(_tell_the_ranks, Console(out)))
     try:
         with stop:
             results = launch(
@@ -110,16 +117,15 @@ def _train_local_rank(cfg: TrainConfig, on_step: StepHook | None, logs: str | No
         terminal.close()
 
 
-def _tell_the_ranks(number: int) -> None:
+def _tell_the_ranks(console: Console, number: int) -> None:
     """Pass a stop signal that reached this launcher on to its ranks, as SIGINT.
 
     Ctrl-C reaches the ranks by itself (it signals the terminal's whole
     process group); ``kill`` or a job scheduler may signal this process only.
     """
-    print(
+    console.warn(
         "twobp train: stopping after the step in flight, then saving a checkpoint "
-        "(Ctrl-C again to stop at once)",
-        file=sys.stderr,
+        "(Ctrl-C again to stop at once)"
     )
     for child in multiprocessing.active_children():
         # The launcher names its ranks so; other children of this process are not ours.

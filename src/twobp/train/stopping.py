@@ -1,4 +1,5 @@
-"""Ending a run early on Ctrl-C or SIGTERM: the step in flight finishes, then a checkpoint.
+"""Ending a run early on Ctrl-C, SIGTERM or SIGHUP: the step in flight finishes, then a
+checkpoint.
 
 The first stop signal only sets a flag (:class:`StopSignals`). At the end of
 every step the ranks reduce their flags (:func:`agree_to_stop`, one scalar
@@ -61,7 +62,7 @@ class StopSignals:
     it installs nothing and ``requested`` stays False.
 
     Args:
-        signals: the signals to catch (``signal.SIGINT``, ``signal.SIGTERM``).
+        signals: the signals to catch (``signal.SIGINT``, ``signal.SIGTERM``, ``signal.SIGHUP``).
         on_first: called in the handler when the first signal arrives.
     """
 
