@@ -201,6 +201,41 @@ def test_the_default_two_bp_splits_the_stages_a_profile_finds_it_pays_on(monkeyp
     assert pipe.schedule == want and pipe.rebuild_choice is not None and pipe.plan is None
 
 
+def test_auto_over_the_limit_splits_fewer_of_the_stages_the_profile_chose(monkeypatch):
+    from twobp.runtime.setup import two_bp_choice
+    from twobp.schedule import prepare
+    from twobp.schedule.rebuild import rebuilt_microbatches
+    from twobp.sim.split_choice import SplitChoice
+
+    # The profile "chooses" every stage, whose stashes do not fit; fused stages hold none.
+    monkeypatch.setattr(
+        two_bp_choice, "choose_split", lambda *a, **k: SplitChoice((True, True), 1.0, 2.0, 1.0)
+    )
+    options = {
+        "schedule": "interleaved-1f1b",
+        "partition": "uniform",
+        "recompute": "auto",
+        "example_input": make_batch("mlp", 0, 2)[0],
+    }
+    peaks = {
+        two_bp: _pipe(two_bp=two_bp, memory_limit=1e9, **options).rebuild_choice.peak
+        for two_bp in (False, True)
+    }
+    assert peaks[False] < peaks[True]
+    pipe = _pipe(memory_limit=(peaks[False] + peaks[True]) / 2, **options)
+    rebuilt = pipe.rebuild_choice
+    assert rebuilt is not None and rebuilt.peak == peaks[True]
+    assert rebuilt.chosen_peak <= rebuilt.memory_limit < rebuilt.peak
+    # One rank has no idle time for a rebuild to hide in: fewer split stages that fit as
+    # they are run, and two_bp_choice names them.
+    split = pipe.two_bp_choice.split
+    assert rebuilt.alternative is not None, rebuilt.summary()
+    assert split != (True, True) and rebuilt.rebuilds == 0
+    assert not rebuilt_microbatches(pipe.schedule)
+    want = prepare("interleaved-1f1b", n_ranks=1, n_microbatches=N_MB, two_bp=split)
+    assert pipe.schedule == want and "instead, 0 stashes rebuilt" in rebuilt.summary()
+
+
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):
     from twobp.partition import profiler, solve, stage_ranges
 

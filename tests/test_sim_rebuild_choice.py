@@ -38,6 +38,13 @@ def test_a_default_that_fits_runs_unchanged(name, two_bp):
         assert choice.schedule is default and choice.rebuilds == 0, (limit, choice.summary())
         assert (choice.peak, choice.chosen_peak) == (peak, peak)
         assert "nothing rebuilt" in choice.summary()
+    # The other contenders are not even built where the default fits.
+    assert rebuild_to_fit(default, costs, peak, fewer_split=_unread()).schedule is default
+
+
+def _unread():
+    raise AssertionError("fewer_split was read though the default fits")
+    yield
 
 
 def test_a_default_that_fits_stays_though_fusing_is_predicted_faster():
@@ -75,6 +82,7 @@ def test_over_the_limit_the_fastest_that_fits_runs(fused_backward, limit, fused_
     rebuilt = _predicted(rebuild_to_fit(default, costs, limit).schedule, costs).makespan
     kept = _predicted(fused, costs).makespan
     assert (choice.schedule is fused) is fused_wins, (rebuilt, kept)
+    assert choice.alternative == (0 if fused_wins else None)
     assert choice.chosen_step == min(rebuilt, kept) and choice.chosen_peak <= limit
     if fused_wins:
         assert "1f1b instead, 0 stashes rebuilt" in choice.summary()
@@ -88,6 +96,7 @@ def test_what_nothing_fits_is_named():
     with pytest.raises(RebuildError, match=r"rank \d needs 3 with 4 stashes rebuilt"):
         rebuild_to_fit(default, costs, 2.5)
     # A fused schedule that fits is taken rather than an error.
-    assert rebuild_to_fit(default, costs, 2.5, fewer_split=[fused]).schedule is fused
+    kept = rebuild_to_fit(default, costs, 2.5, fewer_split=[default, fused])
+    assert kept.schedule is fused and kept.alternative == 1
     with pytest.raises(RebuildError, match=r"over memory_limit=1\.5"):
         rebuild_to_fit(default, costs, 1.5, fewer_split=[fused])

@@ -16,7 +16,7 @@ the predictions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from twobp.schedule.schedule import Schedule
@@ -45,6 +45,8 @@ class RebuildChoice:
         step: the default's predicted step time.
         chosen_peak: the predicted peak of ``schedule``.
         chosen_step: the predicted step time of ``schedule``.
+        alternative: the position in ``fewer_split`` of the schedule that
+            runs (:func:`rebuild_to_fit`); None: the default, rebuilt or not.
     """
 
     schedule: Schedule
@@ -54,6 +56,7 @@ class RebuildChoice:
     step: float
     chosen_peak: float
     chosen_step: float
+    alternative: int | None = None
 
     @property
     def rebuilds(self) -> int:
@@ -87,7 +90,7 @@ def rebuild_to_fit(
     costs: CostModel | CostsFor,
     memory_limit: float,
     data_parallel: int = 1,
-    fewer_split: Sequence[Schedule] = (),
+    fewer_split: Iterable[Schedule] = (),
 ) -> RebuildChoice:
     """The default schedule if its predicted peak fits; else the fastest predicted of it
     with the fewest stashes rebuilt that fit and each of ``fewer_split`` that fits as it is.
@@ -101,8 +104,8 @@ def rebuild_to_fit(
         memory_limit: memory per rank, in the cost model's unit.
         data_parallel: copies of the pipeline (they time its reductions).
         fewer_split: the default with fewer of its stages split, where the
-            pipeline chose them (``two_bp=None``); looked at only if the
-            default does not fit.
+            pipeline chose them (``two_bp=None``); read only if the default
+            does not fit (a generator builds them only then).
 
     Returns:
         The choice: ``default`` itself (the same object) where it fits.
@@ -122,12 +125,12 @@ def rebuild_to_fit(
     step, peak, timed = predict(default)
     if peak <= memory_limit:
         return RebuildChoice(default, default, memory_limit, peak, step, peak, step)
-    # (step, peak, schedule) of each contender that fits.
-    fitting = []
-    for other in fewer_split:
+    # (step, peak, schedule, position in fewer_split) of each contender that fits.
+    fitting: list[tuple[float, float, Schedule, int | None]] = []
+    for position, other in enumerate(fewer_split):
         other_step, other_peak, _ = predict(other)
         if other_peak <= memory_limit:
-            fitting.append((other_step, other_peak, other))
+            fitting.append((other_step, other_peak, other, position))
     try:
         rebuilt = fewest_rebuilds(default, timed, memory_limit)
     except RebuildError:
@@ -135,6 +138,8 @@ def rebuild_to_fit(
             raise
     else:
         result = simulate(rebuilt, timed)
-        fitting.append((result.makespan, max(result.peak_memory), rebuilt))
-    chosen_step, chosen_peak, chosen = min(fitting, key=lambda c: (c[0], c[1]))
-    return RebuildChoice(chosen, default, memory_limit, peak, step, chosen_peak, chosen_step)
+        fitting.append((result.makespan, max(result.peak_memory), rebuilt, None))
+    chosen_step, chosen_peak, chosen, alternative = min(fitting, key=lambda c: (c[0], c[1]))
+    return RebuildChoice(
+        chosen, default, memory_limit, peak, step, chosen_peak, chosen_step, alternative
+    )

@@ -329,7 +329,7 @@ def plan_pipeline(
         priced = rebuild_costs if rebuild_costs is not None else measured
         assert priced is not None
         # The stages two_bp=None chose to split, fewer of them: they hold fewer stashes.
-        fewer = {} if choice is None else {s: prepared(s) for s in _fewer_split(choice.split)}
+        fewer = [] if choice is None else _fewer_split(choice.split)
         rebuilds = choose_rebuilds(
             blocks,
             world,
@@ -339,11 +339,11 @@ def plan_pipeline(
             costs=priced,
             optimizer=optimizer,
             data_parallel=data_parallel,
-            fewer_split=list(fewer.values()),
+            fewer_split=(prepared(split) for split in fewer),
         )
         resolved = rebuilds.schedule
-        split = next((s for s, other in fewer.items() if other == resolved), None)
-        if choice is not None and split is not None:
+        if choice is not None and rebuilds.alternative is not None:
+            split = fewer[rebuilds.alternative]
             choice = replace(choice, split=split, step=rebuilds.chosen_step)
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds)
 

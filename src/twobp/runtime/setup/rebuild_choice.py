@@ -14,7 +14,7 @@ rank runs rank 0's choice. Collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -42,7 +42,7 @@ def choose_rebuilds(
     costs: CostModel | Measured,
     optimizer: OptimizerMemory | None,
     data_parallel: int,
-    fewer_split: Sequence[Schedule] = (),
+    fewer_split: Iterable[Schedule] = (),
 ) -> RebuildChoice:
     """The schedule to run under ``memory_limit``, the same on every rank.
 
@@ -57,7 +57,8 @@ def choose_rebuilds(
         optimizer: the optimizer state to count, and whether it will be sharded.
         data_parallel: copies of the pipeline.
         fewer_split: with ``two_bp=None``, ``schedule`` with fewer of the
-            stages it chose split, to run instead if it does not fit.
+            stages it chose split, to run instead if it does not fit (read on
+            rank 0 only, and only then).
 
     Returns:
         Rank 0's choice: ``schedule`` unchanged where it fits.
