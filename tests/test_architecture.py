@@ -40,13 +40,13 @@ NO_TORCH = ("twobp.schedule", "twobp.sim", "twobp.viz", "twobp.timeline")
 # The floors of runtime/, bottom first (docs/architecture.md): a folder or top-level module
 # imports only from its own floor and those below it.
 RUNTIME_FLOORS = (
-    {"errors"},
+    {"errors", "options"},
     {"base"},
     {"communication"},
     {"execution"},
     {"state"},
     {"setup"},
-    {"options", "pipeline_steps", "pipeline", "launch", "__init__"},
+    {"pipeline_steps", "pipeline", "launch", "__init__"},
 )
 RUNTIME = SRC / "runtime"
 
@@ -124,6 +124,21 @@ def test_the_runtime_imports_nothing_from_a_floor_above(path):
     part = _runtime_part(path)
     upward = sorted(o for o in _runtime_imports(path) if _floor(o) > _floor(part))
     assert not upward, f"runtime/{path.relative_to(RUNTIME)} ({part}) imports {upward} from above"
+
+
+def test_the_options_take_nothing_from_the_runtime_but_its_errors():
+    # The vocabulary every floor hands down: it must not reach up for a type or a marker.
+    assert _runtime_imports(RUNTIME / "options.py") <= {"errors"}
+
+
+def test_pipeline_is_not_built_inside_the_setup():
+    # Planning and building a rank's parts never build a whole Pipeline of their own.
+    users = sorted(
+        str(p.relative_to(RUNTIME))
+        for p in (RUNTIME / "setup").rglob("*.py")
+        if "pipeline" in _runtime_imports(p)
+    )
+    assert not users, users
 
 
 def _says_no_torch() -> list[str]:

@@ -6,25 +6,47 @@ import argparse
 import dataclasses
 import inspect
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from twobp.config import add_arguments
 from twobp.runtime import Pipeline
-from twobp.runtime.options import PipelineOptions, option_help
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.options import RESOURCES, PipelineOptions, option_help
 from twobp.train.config import TrainConfig
 
 
-def test_the_pipeline_takes_exactly_the_fields_of_its_options():
+def test_the_pipeline_takes_exactly_the_fields_of_its_options_and_its_resources():
     signature = inspect.signature(Pipeline.__init__)
     keywords = {
         name: p.default
         for name, p in signature.parameters.items()
-        if name not in ("self", "blocks", "loss_fn")
+        if name not in ("self", "blocks", "loss_fn", "options", *RESOURCES)
     }
     fields = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
     assert keywords == fields
+    # The live resources are arguments, never options that a pipeline keeps.
+    assert set(RESOURCES) <= set(signature.parameters)
+    assert not set(RESOURCES) & set(fields)
+
+
+def test_options_given_whole_and_keywords_that_change_them():
+    blocks = [nn.Linear(4, 4).double() for _ in range(2)]
+    x = torch.randn(4, 4, dtype=torch.float64)
+    given = PipelineOptions(schedule="gpipe", n_microbatches=2, two_bp=False, timeout=7.0)
+    with Pipeline(blocks, F.mse_loss, options=given) as pipe:
+        assert pipe.options == given
+        first = pipe.step(x, x)
+        pipe.zero_grad()
+    with Pipeline(blocks, F.mse_loss, options=given, timeout=9.0, two_bp=True) as again:
+        assert again.options == dataclasses.replace(given, timeout=9.0, two_bp=True)
+        assert again.step(x, x) == first
+    with pytest.raises(PipelineConfigError, match="nonfinite='sometimes'"):
+        Pipeline(blocks, F.mse_loss, options=dataclasses.replace(given, nonfinite="sometimes"))
+    with pytest.raises(PipelineConfigError, match="not an option of a pipeline"):
+        given.updated({"schedul": "gpipe"})
 
 
 def test_every_option_is_documented():

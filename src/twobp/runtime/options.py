@@ -1,10 +1,17 @@
-"""The options of a pipeline, typed, one docstring per field.
+"""The options of a pipeline, typed, one docstring per field: the runtime's vocabulary.
 
-``Pipeline(blocks, loss_fn, **options)`` takes exactly the fields of
-:class:`PipelineOptions`, by the same names, and keeps them as
-``pipe.options``. ``twobp train``'s options that set the same thing take
-their help from here (:func:`option_help`), and the trial pipelines of
-``schedule="auto"`` are built from ``replace(pipe.options, ...)``.
+``Pipeline(blocks, loss_fn, **options)`` takes the fields of
+:class:`PipelineOptions` by the same names (or ``options=PipelineOptions(...)``)
+and keeps them as ``pipe.options``; the live resources a pipeline is built on
+(``group``, ``mesh``, ``device``, ``example_input``, ``grad_scaler``) are
+arguments of their own, not options. ``twobp train`` builds its options in one
+function from its config and takes its help from here (:func:`option_help`);
+the planner takes them whole, and the trial pipelines of ``schedule="auto"``
+are built from ``replace(pipe.options, ...)``.
+
+This module is the bottom floor of :mod:`twobp.runtime` (with its errors): it
+holds the value types and markers the options need and the checks that need
+nothing but the options, so every layer of the runtime can take them.
 """
 
 from __future__ import annotations
@@ -13,16 +20,37 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
-import torch.distributed as dist
+from torch import Tensor
 
-from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto.plan import CONTENDERS
-from twobp.runtime.setup.pipeline_plan import CostsArgument
-from twobp.runtime.state.grad_scaler import GradScaler
+from twobp.runtime.errors import PipelineConfigError
+from twobp.schedule._timing import Costs
+from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.schedule import Schedule
+from twobp.sim.recompute import RECOMPUTE_AUTO, parse_recompute
+
+Batch: TypeAlias = Tensor | tuple[Tensor, ...]
+"""One tensor or a tuple of tensors, all with the samples along dim 0."""
+
+CostsArgument = Costs | str | os.PathLike[str]
+"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
+``"profile"`` (measure the blocks and place W by their costs)."""
+
+AUTO = "auto"
+"""The schedule name that asks the pipeline to choose."""
+AUTO_MICROBATCHES = "auto"
+"""``n_microbatches=`` that has ``schedule="auto"`` choose the count for the first step's batch."""
+PROFILE = "profile"
+"""``costs=`` that measures the blocks on ``example_input`` (as ``schedule="auto"`` does)."""
+NONFINITE_POLICIES = ("raise", "skip")
+"""What a pipeline does when a step's mean loss is NaN or infinite."""
+CONTENDERS = 6
+"""Schedules ``schedule="auto"`` runs for a few trial steps before it settles (``auto_trials``)."""
+
+RESOURCES = ("group", "mesh", "device", "example_input", "grad_scaler")
+"""What ``Pipeline`` is built on besides its options: live objects, not kept as options."""
 
 
 def _help(text: str) -> dict[str, str]:
@@ -76,13 +104,6 @@ class PipelineOptions:
         default=None,
         metadata=_help("stages per rank for a schedule name (None: what the schedule needs)"),
     )
-    device: torch.device | str | None = field(
-        default=None,
-        metadata=_help(
-            "this rank's device; None picks cuda:LOCAL_RANK if CUDA is available and the backend "
-            "can use it (NCCL), else the CPU"
-        ),
-    )
     timeout: float = field(
         default=300.0, metadata=_help("seconds a rank waits on a peer before PeerTimeoutError")
     )
@@ -93,25 +114,11 @@ class PipelineOptions:
             "rebuilds) at once in one W; None: no cap"
         ),
     )
-    group: dist.ProcessGroup | None = field(
-        default=None,
-        metadata=_help(
-            "the process group; None uses the default group (initialised from torchrun's "
-            "environment if needed), or a single process world"
-        ),
-    )
     num_threads: int | None = field(
         default=None,
         metadata=_help(
             "intra-op threads of this rank; None shares the cores between the ranks of this "
             "machine unless OMP_NUM_THREADS is set"
-        ),
-    )
-    example_input: Batch | None = field(
-        default=None,
-        metadata=_help(
-            "one micro-batch of model inputs, for partition='balanced', costs='profile' and "
-            "schedule='auto' (rank 0 profiles the blocks on it)"
         ),
     )
     nonfinite: str = field(
@@ -143,10 +150,6 @@ class PipelineOptions:
             "stage's gradients are all-reduced over its copies by the schedule's R; None: 1, or "
             "the mesh's"
         ),
-    )
-    mesh: Any = field(
-        default=None,
-        metadata=_help("a 2-D DeviceMesh with dims ('dp', 'pp') that lays out the copies instead"),
     )
     recompute: str | Sequence[str | None] | None = field(
         default=None,
@@ -205,18 +208,45 @@ class PipelineOptions:
             "choice"
         ),
     )
-    grad_scaler: GradScaler | None = field(
-        default=None,
-        metadata=_help(
-            "a twobp.GradScaler for float16: every micro-batch's loss is multiplied by its scale "
-            "before the backward, and its unscale_/step/update agree on overflows over every "
-            "rank of the pipeline and its copies (skipped or stepped together); None: no scaling"
-        ),
-    )
 
     def keywords(self) -> dict[str, Any]:
         """The options as keyword arguments of ``Pipeline``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def updated(self, keywords: dict[str, Any]) -> PipelineOptions:
+        """These options with every keyword that is not its field's default taken instead.
+
+        Raises:
+            PipelineConfigError: naming a keyword that is not an option.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unknown = sorted(set(keywords) - set(defaults))
+        if unknown:
+            raise PipelineConfigError(
+                f"{', '.join(unknown)}: not an option of a pipeline (see PipelineOptions)"
+            )
+        changed = {k: v for k, v in keywords.items() if not _is_default(v, defaults[k])}
+        return dataclasses.replace(self, **changed) if changed else self
+
+    def check(self) -> None:
+        """Refuse what no rank could run, at once, before any collective work.
+
+        Raises:
+            PipelineConfigError: naming the option and what to give instead.
+        """
+        check_recompute(self.recompute, self.memory_limit)
+        check_two_bp(self.two_bp, self.schedule)
+        check_microbatches(self.schedule, self.n_microbatches, self.costs)
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise PipelineConfigError(
+                f"nonfinite={self.nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
+                "'skip' (drop the step's gradients and go on)"
+            )
+
+    @property
+    def rebuilds(self) -> bool:
+        """True for ``recompute="auto"``: rebuild only the stashes that do not fit."""
+        return rebuilds(self.recompute)
 
 
 def option_help(name: str) -> str:
@@ -229,3 +259,87 @@ def option_help(name: str) -> str:
         if f.name == name:
             return str(f.metadata["help"])
     raise KeyError(name)
+
+
+def _is_default(value: object, default: object) -> bool:
+    try:
+        return value is default or bool(value == default)
+    except Exception:  # a tensor or another value without a plain ==
+        return False
+
+
+def rebuilds(recompute: object) -> bool:
+    """True for ``recompute="auto"``: rebuild only the stashes that do not fit."""
+    return isinstance(recompute, str) and recompute == RECOMPUTE_AUTO
+
+
+def check_recompute(recompute: object, memory_limit: object) -> None:
+    """Refuse an unknown recompute mode, or ``"auto"`` without a limit.
+
+    Raises:
+        PipelineConfigError: saying what to give instead.
+    """
+    if rebuilds(recompute):
+        if memory_limit is None:
+            raise PipelineConfigError(
+                "recompute='auto' rebuilds only the stashes that do not fit memory_limit, "
+                "and none was given: pass memory_limit= (bytes per rank, or a size such as "
+                "'2GiB'), or choose a mode for every stage: 'activations', 'derivatives', 'all'"
+            )
+        return
+    count = len(recompute) if isinstance(recompute, (list, tuple)) else 1
+    try:
+        parse_recompute(recompute, count)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise PipelineConfigError(str(error)) from None
+
+
+def check_two_bp(two_bp: object, schedule: object) -> None:
+    """Refuse a ``two_bp`` that is neither a bool, None nor a list of bools,
+    and one per stage with ``schedule="auto"``, which chooses 2BP itself.
+
+    Raises:
+        PipelineConfigError: saying what to give instead.
+    """
+    if two_bp is None or isinstance(two_bp, bool):
+        return
+    count = len(two_bp) if isinstance(two_bp, (list, tuple)) else 1
+    try:
+        split_per_stage(two_bp, count)  # type: ignore[arg-type]
+    except ScheduleConfigError as error:
+        raise PipelineConfigError(str(error)) from None
+    if isinstance(schedule, str) and schedule == AUTO:
+        raise PipelineConfigError(
+            f"two_bp={two_bp!r} (one per stage) with schedule='auto', which chooses "
+            "2BP and the stages itself: pass True, False or None, or name a schedule"
+        )
+
+
+def check_microbatches(schedule: object, n_microbatches: object, costs: object) -> None:
+    """Refuse a micro-batch count that is neither a positive int, None nor ``"auto"``,
+    and ``"auto"`` where nothing measures what the counts cost.
+
+    Raises:
+        PipelineConfigError: saying what to give instead.
+    """
+    if n_microbatches is None or (
+        isinstance(n_microbatches, int) and not isinstance(n_microbatches, bool)
+    ):
+        return
+    if n_microbatches != AUTO_MICROBATCHES:
+        raise PipelineConfigError(
+            f"n_microbatches={n_microbatches!r}: give a positive int, None (the schedule's "
+            "own count) or 'auto' (with schedule='auto': chosen for the first step's batch)"
+        )
+    if not (isinstance(schedule, str) and schedule == AUTO):
+        raise PipelineConfigError(
+            f"n_microbatches='auto' is chosen by schedule='auto', not with schedule="
+            f"{schedule if isinstance(schedule, str) else type(schedule).__name__!r}: use "
+            "schedule='auto', or give a count"
+        )
+    if costs is not None:
+        raise PipelineConfigError(
+            "n_microbatches='auto' compares micro-batches of different sizes, which a given "
+            "cost model does not price: drop costs= (the blocks are profiled on the first "
+            "step's batch), or give a count"
+        )

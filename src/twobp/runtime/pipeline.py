@@ -25,7 +25,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,22 +65,22 @@ from twobp.runtime.execution.microbatch import (
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.execution.step_start import StepBatches, StepInputs, start_step
-from twobp.runtime.options import PipelineOptions
+from twobp.runtime.options import (
+    AUTO,
+    AUTO_MICROBATCHES,
+    CONTENDERS,
+    CostsArgument,
+    PipelineOptions,
+)
 from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.auto.plan import AUTO, CONTENDERS, AutoPlan, Contender, OptimizerMemory
+from twobp.runtime.setup.auto.plan import AutoPlan, Contender
 from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
 from twobp.runtime.setup.compile_trial import CompileTrial
 from twobp.runtime.setup.compiled_stages import compile_options, compile_stage
 from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
-from twobp.runtime.setup.pipeline_plan import (
-    AUTO_MICROBATCHES,
-    CostsArgument,
-    Trials,
-    check_microbatches,
-    plan_pipeline,
-)
+from twobp.runtime.setup.pipeline_plan import Trials, plan_pipeline
 from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.accumulation import EarlierGradients
@@ -92,12 +92,11 @@ from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule import SCHEDULES
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
-from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.sim.rebuild_choice import RebuildChoice
-from twobp.sim.recompute import RECOMPUTE_AUTO, effective_modes, parse_recompute
+from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
 
@@ -296,45 +295,22 @@ class Pipeline:
         auto_trials: int = CONTENDERS,
         compile: bool | dict[str, Any] = False,
         grad_scaler: GradScaler | None = None,
+        options: PipelineOptions | None = None,
     ) -> None:
+        keywords = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
         self._released = False
         all_blocks = as_blocks(blocks)
         names = model_names_of(blocks)
-        given = PipelineOptions(
-            schedule=schedule,
-            n_microbatches=n_microbatches,
-            two_bp=two_bp,
-            partition=partition,
-            two_bp_policy=two_bp_policy,
-            stages_per_rank=stages_per_rank,
-            device=device,
-            timeout=timeout,
-            weight_group_size=weight_group_size,
-            group=group,
-            num_threads=num_threads,
-            example_input=example_input,
-            nonfinite=nonfinite,
-            costs=costs,
-            autocast=autocast,
-            data_parallel=data_parallel,
-            mesh=mesh,
-            recompute=recompute,
-            memory_limit=memory_limit,
-            optimizer_state_bytes=optimizer_state_bytes,
-            optimizer_sharded=optimizer_sharded,
-            retain_host_memory=retain_host_memory,
-            auto_trials=auto_trials,
-            compile=compile,
-            grad_scaler=grad_scaler,
-        )
+        self.options = (options or PipelineOptions()).updated(keywords)
+        """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`):
+        ``options``, with every keyword given that is not its default taken instead."""
+        self.options.check()
         # The pipeline keeps neither the process group nor a mesh of groups alive (destroying
-        # the group ends it, see close()), nor the example micro-batch.
-        self.options = replace(given, group=None, mesh=None, example_input=None)
-        """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`),
-        less ``group``, ``mesh`` and ``example_input``, which it does not keep."""
-        _check_recompute(recompute, memory_limit)
-        _check_two_bp(two_bp, schedule)
-        check_microbatches(schedule, n_microbatches, costs)
+        # the group ends it, see close()): only planning, at the first step, sees them.
+        given = _Given(self.options, example_input, group, mesh)
+        timeout, num_threads = self.options.timeout, self.options.num_threads
+        autocast, compile = self.options.autocast, self.options.compile
+        data_parallel = self.options.data_parallel
         self._compile = compile_options(compile)
         self._compile_trial: CompileTrial | None = None
         _check_grad_scaler(grad_scaler, self)
@@ -358,7 +334,7 @@ class Pipeline:
                     f"rank {self.rank}: autocast={autocast}: {error}"
                 ) from None
         set_threads_per_rank(members.local_size, num_threads)
-        if retain_host_memory and self.device.type == "cpu":
+        if self.options.retain_host_memory and self.device.type == "cpu":
             retain_freed_memory()
         grid = data_parallel_grid(members, data_parallel, mesh)
         self.autocast = autocast
@@ -391,7 +367,7 @@ class Pipeline:
         all_blocks: list[nn.Module],
         names: Any,
         loss_fn: LossFn,
-        given: PipelineOptions,
+        given: _Given,
         members: Membership,
         grid: list[list[int]],
         sample: Batch | None,
@@ -402,25 +378,13 @@ class Pipeline:
             all_blocks,
             members,
             self.device,
-            self.timeout,
-            schedule=given.schedule,
-            n_microbatches=given.n_microbatches,
-            two_bp=given.two_bp,
-            policy=given.two_bp_policy,
-            stages_per_rank=given.stages_per_rank,
-            partition=given.partition,
+            given.options,
             example_input=given.example_input,
-            nonfinite=given.nonfinite,
-            costs=given.costs,
             pipeline_ranks=grid[0],
-            memory_limit=given.memory_limit,
-            optimizer=OptimizerMemory(given.optimizer_state_bytes, given.optimizer_sharded),
-            auto_trials=given.auto_trials,
             trials=_trials(all_blocks, given, members, self.device, sample),
             data_parallel=len(grid),
             tied=tied_across_blocks(all_blocks),
             sample=sample,
-            recompute=given.recompute,
         )
         self.plan = plan.auto
         self.two_bp_choice = plan.two_bp
@@ -442,10 +406,10 @@ class Pipeline:
         self.dp_size = self.topology.dp_size
         """How many copies of the pipeline run side by side."""
         self.n_microbatches = self.schedule.n_microbatches
-        self.nonfinite = given.nonfinite
+        self.nonfinite = given.options.nonfinite
         try:
             # Under "auto" the schedule says which stashes are rebuilt (IR and WR), no mode.
-            mode = None if _rebuilds(given.recompute) else given.recompute
+            mode = None if given.options.rebuilds else given.options.recompute
             per_model_stage = parse_recompute(mode, self.schedule.pipeline_stages)
             self.recompute = tuple(
                 per_model_stage[self.schedule.model_stage(s)] for s in range(self.schedule.n_stages)
@@ -495,7 +459,7 @@ class Pipeline:
             ),
             tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
             model_names=None if names is None else ModelNames(names),
-            grad_scaler=given.grad_scaler,
+            grad_scaler=self.grad_scaler,
         )
         """This rank's blocks as a model: parameters, state dicts, checkpoints
         (:class:`twobp.runtime.state.model_state.PipelineState`)."""
@@ -521,7 +485,7 @@ class Pipeline:
             n_microbatches=self.n_microbatches,
             stages=self.stages,
             reducer=self._reducer,
-            weight_group_size=given.weight_group_size,
+            weight_group_size=given.options.weight_group_size,
             links=links,
         )
         self._earlier_gradients = EarlierGradients()
@@ -1183,7 +1147,7 @@ class Pipeline:
 
 def _trials(
     blocks: list[nn.Module],
-    options: PipelineOptions,
+    given: _Given,
     members: Membership,
     device: torch.device,
     sample: Batch | None = None,
@@ -1191,8 +1155,9 @@ def _trials(
     """The trial steps of ``schedule="auto"``: each contender a pipeline built with this
     pipeline's options but the contender's prepared schedule and partition, stepping on
     the first step's batch ``sample`` or the example input repeated (None without either)."""
-    if options.example_input is None and sample is None:
+    if given.example_input is None and sample is None:
         return None
+    options = given.options
 
     def build(contender: Contender) -> Pipeline:
         trial = replace(
@@ -1202,30 +1167,43 @@ def _trials(
             two_bp=is_split(contender.schedule),
             partition=list(contender.partition),
             stages_per_rank=None,
-            device=device,
             # The contender is prepared: nothing is profiled, costed or bounded again
             # (what it rebuilds is in its schedule).
-            example_input=None,
             costs=None,
             memory_limit=None,
-            recompute=None if _rebuilds(options.recompute) else options.recompute,
+            recompute=None if options.rebuilds else options.recompute,
             nonfinite="skip",
             auto_trials=0,
-            # Trial steps take no optimizer step: the scaler stays with the pipeline.
-            grad_scaler=None,
         )
-        return Pipeline(blocks, stand_in_loss, **trial.keywords())
+        # Trial steps take no optimizer step: the scaler stays with the pipeline.
+        return Pipeline(
+            blocks, stand_in_loss, options=trial, device=device, group=given.group, mesh=given.mesh
+        )
 
     return partial(
         run_trials,
         build=build,
         blocks=blocks,
-        example_input=options.example_input,
+        example_input=given.example_input,
         batch=sample,
         world=members,
         device=device,
         timeout=options.timeout,
     )
+
+
+@dataclass(frozen=True)
+class _Given:
+    """What planning takes: the options, and the live resources the pipeline does not keep
+    once planned (the example input, the process group or mesh the trials are built on)."""
+
+    options: PipelineOptions
+    example_input: Batch | None
+    group: dist.ProcessGroup | None
+    mesh: Any
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(PipelineOptions))
 
 
 @dataclass(frozen=True)
@@ -1235,7 +1213,7 @@ class _Pending:
     blocks: list[nn.Module]
     names: Any
     loss_fn: LossFn
-    given: PipelineOptions
+    given: _Given
     members: Membership
     grid: list[list[int]]
 
@@ -1252,17 +1230,18 @@ class _Pending:
 
 
 def _plans_at_first_step(
-    given: PipelineOptions, members: Membership, device: torch.device, timeout: float
+    given: _Given, members: Membership, device: torch.device, timeout: float
 ) -> bool:
     """True if ``schedule="auto"`` plans on the first step's batch: with
     ``n_microbatches="auto"``, or where no rank was given an example input and
     nothing else is to plan by (collective where it depends on the example input)."""
-    planned = isinstance(given.schedule, str) and (
-        given.schedule == AUTO or (_rebuilds(given.recompute) and given.schedule in SCHEDULES)
+    options = given.options
+    planned = isinstance(options.schedule, str) and (
+        options.schedule == AUTO or (options.rebuilds and options.schedule in SCHEDULES)
     )
-    if not planned or given.costs is not None:
+    if not planned or options.costs is not None:
         return False
-    if given.n_microbatches == AUTO_MICROBATCHES:
+    if options.n_microbatches == AUTO_MICROBATCHES:
         return True
     # Alike on every rank: if any has an example input, all plan now (and those without
     # one are refused there, naming what they lack).
@@ -1297,43 +1276,3 @@ def _check_grad_scaler(scaler: object, pipe: Pipeline) -> None:
     raise PipelineConfigError(
         f"grad_scaler must be a twobp.GradScaler or None, not {type(scaler).__name__}"
     )
-
-
-def _check_two_bp(two_bp: object, schedule: object) -> None:
-    """Refuse a ``two_bp`` that is neither a bool, None nor a list of bools at once,
-    and one per stage with ``schedule="auto"``, which chooses 2BP itself."""
-    if two_bp is None or isinstance(two_bp, bool):
-        return
-    count = len(two_bp) if isinstance(two_bp, (list, tuple)) else 1
-    try:
-        split_per_stage(two_bp, count)  # type: ignore[arg-type]
-    except ScheduleConfigError as error:
-        raise PipelineConfigError(str(error)) from None
-    if isinstance(schedule, str) and schedule == AUTO:
-        raise PipelineConfigError(
-            f"two_bp={two_bp!r} (one per stage) with schedule='auto', which chooses "
-            "2BP and the stages itself: pass True, False or None, or name a schedule"
-        )
-
-
-def _rebuilds(recompute: object) -> bool:
-    """True for ``recompute="auto"``: rebuild only the stashes that do not fit."""
-    return isinstance(recompute, str) and recompute == RECOMPUTE_AUTO
-
-
-def _check_recompute(recompute: object, memory_limit: object) -> None:
-    """Refuse an unknown recompute mode, or ``"auto"`` without a limit, at once,
-    before any collective work."""
-    if _rebuilds(recompute):
-        if memory_limit is None:
-            raise PipelineConfigError(
-                "recompute='auto' rebuilds only the stashes that do not fit memory_limit, "
-                "and none was given: pass memory_limit= (bytes per rank, or a size such as "
-                "'2GiB'), or choose a mode for every stage: 'activations', 'derivatives', 'all'"
-            )
-        return
-    count = len(recompute) if isinstance(recompute, (list, tuple)) else 1
-    try:
-        parse_recompute(recompute, count)
-    except ValueError as error:
-        raise PipelineConfigError(str(error)) from None

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from twobp.runtime import Pipeline
+from twobp.runtime import Pipeline, PipelineOptions
 from twobp.runtime.communication.collective import all_gather_objects
 from twobp.runtime.errors import NonFiniteLossError
 from twobp.runtime.execution.microbatch import Batch, split_batch
@@ -150,18 +150,10 @@ def train_rank(
         return _train_rank(cfg, on_step, console, stop)
 
 
-def _train_rank(
-    cfg: TrainConfig, on_step: StepHook | None, progress_stream: ConsoleStream, stop: StopSignals
-) -> RankResult:
-    task = build_task(cfg)
-    scaler = grad_scaler(cfg)
-    # A resume runs the 2BP stages its checkpoint's run chose (two_bp unset), if any.
-    resumed_split = checkpointing.resumed_split(
-        cfg, dist.get_world_size() if dist.is_initialized() else 1
-    )
-    pipe = Pipeline(
-        task.spec.blocks,
-        task.spec.loss_fn,
+def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) -> PipelineOptions:
+    """The pipeline's options of a run: its config's, and the 2BP stages a resumed run's
+    checkpoint chose (``two_bp`` unset), if any."""
+    return PipelineOptions(
         schedule=cfg.schedule,
         n_microbatches=cfg.microbatches,
         two_bp=cfg.two_bp if resumed_split is None else resumed_split,
@@ -174,13 +166,6 @@ def _train_rank(
         recompute=cfg.recompute,
         weight_group_size=cfg.weight_group_size,
         autocast=autocast_dtype(cfg),
-        # The first micro-batch: what a balanced partition, the default two_bp and auto
-        # profile the blocks on.
-        example_input=(
-            task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if isinstance(cfg.microbatches, int)
-            else None
-        ),
         data_parallel=cfg.data_parallel,
         memory_limit=cfg.memory_limit,
         # AdamW's two float32 moments per parameter, sharded with --shard-optimizer.
@@ -188,6 +173,29 @@ def _train_rank(
         optimizer_sharded=cfg.shard_optimizer,
         auto_trials=cfg.auto_trials,
         compile=cfg.compile,
+    )
+
+
+def _train_rank(
+    cfg: TrainConfig, on_step: StepHook | None, progress_stream: ConsoleStream, stop: StopSignals
+) -> RankResult:
+    task = build_task(cfg)
+    scaler = grad_scaler(cfg)
+    # A resume runs the 2BP stages its checkpoint's run chose (two_bp unset), if any.
+    resumed_split = checkpointing.resumed_split(
+        cfg, dist.get_world_size() if dist.is_initialized() else 1
+    )
+    pipe = Pipeline(
+        task.spec.blocks,
+        task.spec.loss_fn,
+        options=pipeline_options(cfg, resumed_split),
+        # The first micro-batch: what a balanced partition, the default two_bp and auto
+        # profile the blocks on.
+        example_input=(
+            task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
+            if isinstance(cfg.microbatches, int)
+            else None
+        ),
         grad_scaler=scaler,
     )
     if not isinstance(cfg.microbatches, int):

@@ -8,15 +8,12 @@ shares its first dimension, the samples.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeAlias
 
 import torch
 from torch import Tensor
 
 from twobp.runtime.errors import PipelineConfigError
-
-Batch: TypeAlias = Tensor | tuple[Tensor, ...]
-"""One tensor or a tuple of tensors, all with the samples along dim 0."""
+from twobp.runtime.options import Batch as Batch
 
 
 def flatten(batch: Batch, what: str = "value") -> tuple[tuple[Tensor, ...], bool]:

@@ -23,9 +23,18 @@ from twobp.partition import stage_ranges
 from twobp.runtime.base.group import Membership
 from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.microbatch import Batch, batch_size, split_batch
-from twobp.runtime.setup.auto.plan import (
+from twobp.runtime.execution.microbatch import batch_size, split_batch
+from twobp.runtime.options import (
     AUTO,
+    AUTO_MICROBATCHES,
+    NONFINITE_POLICIES,
+    PROFILE,
+    Batch,
+    CostsArgument,
+    PipelineOptions,
+)
+from twobp.runtime.options import check_microbatches as check_microbatches
+from twobp.runtime.setup.auto.plan import (
     AutoPlan,
     OptimizerMemory,
     plan_auto,
@@ -56,17 +65,6 @@ from twobp.sim.rebuild_choice import RebuildChoice
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO
 from twobp.sim.search import microbatch_counts
 from twobp.sim.split_choice import SplitChoice
-
-CostsArgument = Costs | str | os.PathLike[str]
-"""What ``Pipeline(costs=...)`` takes: a cost model, a mapping, a cost JSON file, or
-``"profile"`` (measure the blocks and place W by their costs)."""
-AUTO_MICROBATCHES = "auto"
-"""``n_microbatches=`` that has ``schedule="auto"`` choose the count for the first step's batch."""
-PROFILE = "profile"
-"""``costs=`` that measures the blocks on ``example_input`` (as ``schedule="auto"`` does)."""
-
-NONFINITE_POLICIES = ("raise", "skip")
-"""What a pipeline does when a step's mean loss is NaN or infinite."""
 
 Trials = Callable[[AutoPlan], AutoPlan]
 """Runs the trial steps of ``schedule="auto"``'s contenders and settles the plan
@@ -105,35 +103,22 @@ def plan_pipeline(
     blocks: Sequence[nn.Module],
     world: Membership,
     device: torch.device,
-    timeout: float,
+    options: PipelineOptions,
     *,
-    schedule: str | os.PathLike[str] | Schedule,
-    n_microbatches: int | str | None,
-    two_bp: TwoBP | None,
-    policy: str,
-    stages_per_rank: int | None,
-    partition: Sequence[int] | str | None,
-    example_input: Batch | None,
-    nonfinite: str,
-    costs: CostsArgument = None,
+    example_input: Batch | None = None,
     pipeline_ranks: Sequence[int] | None = None,
-    memory_limit: float | str | None = None,
-    optimizer: OptimizerMemory | None = None,
-    auto_trials: int = 0,
     trials: Trials | None = None,
     data_parallel: int = 1,
     tied: bool = False,
     sample: Batch | None = None,
-    recompute: object = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
-    Collective: every rank calls it. The arguments are those of
+    Collective: every rank calls it. ``options`` and ``example_input`` are those of
     :class:`twobp.runtime.Pipeline`; ``pipeline_ranks`` are the group ranks of
     the first copy of the pipeline, by pipeline rank (None: the whole group);
     ``trials`` measures the contenders of ``schedule="auto"`` (rank 0's
     ``auto_trials`` of them; every rank needs it), None: the simulator's choice;
-    ``optimizer`` is the optimizer state ``schedule="auto"`` counts;
     ``data_parallel`` is the number of copies of the pipeline and ``tied`` says
     whether a weight is used by several blocks (both place reductions);
     ``sample`` is the first step's batch of inputs (the same on every rank)
@@ -157,8 +142,13 @@ def plan_pipeline(
             incomplete or deadlocks.
         ModelMismatchError: if ranks have other options or other models.
     """
+    schedule, n_microbatches, two_bp = options.schedule, options.n_microbatches, options.two_bp
+    policy, partition, costs = options.two_bp_policy, options.partition, options.costs
+    stages_per_rank, memory_limit = options.stages_per_rank, options.memory_limit
+    timeout, nonfinite, auto_trials = options.timeout, options.nonfinite, options.auto_trials
+    optimizer = OptimizerMemory(options.optimizer_state_bytes, options.optimizer_sharded)
     auto = None
-    rebuilding = isinstance(recompute, str) and recompute == RECOMPUTE_AUTO
+    rebuilding = options.rebuilds
     named = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
     if rebuilding and not named:
         raise PipelineConfigError(
@@ -279,13 +269,13 @@ def plan_pipeline(
         problem = PipelineConfigError(str(exc))
     except (PipelineConfigError, ScheduleError) as exc:
         problem = exc
-    options = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
-    options["2BP by a profile"] = str(profiled_split)
+    agreed = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
+    agreed["2BP by a profile"] = str(profiled_split)
     # Whether every rank joins the profile and the choice of recompute="auto".
-    options["recompute='auto' costed on"] = (
+    agreed["recompute='auto' costed on"] = (
         "-" if rebuild_limit is None else "costs=" if rebuild_costs is not None else "a profile"
     )
-    check_same_pipeline(world, device, timeout, problem, options, blocks)
+    check_same_pipeline(world, device, timeout, problem, agreed, blocks)
     assert resolved is not None
     if counts is None:
         counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
@@ -385,36 +375,6 @@ def default_partition(
     if partition is None and schedule.is_v_shaped and example_input is not None:
         return "balanced"
     return partition
-
-
-def check_microbatches(schedule: object, n_microbatches: object, costs: object) -> None:
-    """Refuse a micro-batch count that is neither a positive int, None nor ``"auto"``,
-    and ``"auto"`` where nothing measures what the counts cost.
-
-    Raises:
-        PipelineConfigError: saying what to give instead.
-    """
-    if n_microbatches is None or (
-        isinstance(n_microbatches, int) and not isinstance(n_microbatches, bool)
-    ):
-        return
-    if n_microbatches != AUTO_MICROBATCHES:
-        raise PipelineConfigError(
-            f"n_microbatches={n_microbatches!r}: give a positive int, None (the schedule's "
-            "own count) or 'auto' (with schedule='auto': chosen for the first step's batch)"
-        )
-    if not (isinstance(schedule, str) and schedule == AUTO):
-        raise PipelineConfigError(
-            f"n_microbatches='auto' is chosen by schedule='auto', not with schedule="
-            f"{schedule if isinstance(schedule, str) else type(schedule).__name__!r}: use "
-            "schedule='auto', or give a count"
-        )
-    if costs is not None:
-        raise PipelineConfigError(
-            "n_microbatches='auto' compares micro-batches of different sizes, which a given "
-            "cost model does not price: drop costs= (the blocks are profiled on the first "
-            "step's batch), or give a count"
-        )
 
 
 def _microbatches(

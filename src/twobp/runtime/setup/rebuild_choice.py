@@ -16,17 +16,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-import torch.distributed as dist
 from torch import nn
 
 from twobp.runtime.base.group import Membership
-from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.setup.auto.cost_measurement import Measured
 from twobp.runtime.setup.auto.plan import OptimizerMemory
+from twobp.runtime.setup.decide import decided_on_rank_0
 from twobp.runtime.setup.two_bp_choice import stage_costs
 from twobp.schedule import Schedule
 from twobp.sim.costs import CostModel
-from twobp.sim.from_profile import CostsFor, with_optimizer_state
+from twobp.sim.from_profile import CostsFor
 from twobp.sim.rebuild_choice import RebuildChoice, rebuild_to_fit
 
 log = logging.getLogger("twobp")
@@ -68,29 +67,16 @@ def choose_rebuilds(
             rebuilt stashes fits (naming the rank and what it needs), or
             could not cost the schedule.
     """
-    answer: list[RebuildChoice | str | None] = [None]
-    if world.rank == 0:
-        try:
-            sizes = tuple(counts)
-            costs_for: CostsFor = (
-                costs.for_stages if isinstance(costs, CostModel) else stage_costs(costs, counts)
-            )
-            if optimizer is not None:
-                costs_for = with_optimizer_state(
-                    costs_for,
-                    lambda _n: sizes,
-                    [sum(p.numel() for p in b.parameters()) for b in blocks],
-                    optimizer.state_bytes,
-                    optimizer.sharded,
-                )
-            chosen = rebuild_to_fit(schedule, costs_for, memory_limit, data_parallel, fewer_split)
-            log.info("%s", chosen.summary())
-            answer[0] = chosen
-        except (ValueError, PipelineConfigError) as exc:
-            answer[0] = f"recompute='auto': {exc}"
-    if world.group is not None:
-        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
-    choice = answer[0]
-    if not isinstance(choice, RebuildChoice):
-        raise PipelineConfigError(str(choice))
-    return choice
+
+    def choose() -> RebuildChoice:
+        sizes = tuple(counts)
+        costs_for: CostsFor = (
+            costs.for_stages if isinstance(costs, CostModel) else stage_costs(costs, counts)
+        )
+        if optimizer is not None:
+            costs_for = optimizer.counted(costs_for, lambda _n: sizes, blocks)
+        chosen = rebuild_to_fit(schedule, costs_for, memory_limit, data_parallel, fewer_split)
+        log.info("%s", chosen.summary())
+        return chosen
+
+    return decided_on_rank_0(world, choose, RebuildChoice, lambda exc: f"recompute='auto': {exc}")

@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from twobp.runtime.base.group import Membership
@@ -23,6 +22,7 @@ from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
 from twobp.runtime.setup.auto.cost_measurement import Measured, measure
 from twobp.runtime.setup.auto.plan import PARAMETER_FACTOR
+from twobp.runtime.setup.decide import decided_on_rank_0
 from twobp.schedule import Schedule
 from twobp.sim.candidate import fit_costs
 from twobp.sim.from_profile import CostsFor, profiled_costs
@@ -71,28 +71,27 @@ def choose_two_bp(
         measured = profile(
             blocks, world, device, example_input, schedule.n_microbatches, pipeline_ranks
         )
-    answer: list[SplitChoice | str | None] = [None]
-    if world.rank == 0:
-        try:
-            chosen = choose_split(
-                schedule,
-                fit_costs(stage_costs(measured, counts), schedule),
-                policy=policy,
-                reduce=reduce,
-                data_parallel=data_parallel,
-            )
-            log.info("two_bp: %s", chosen.summary())
-            answer[0] = chosen
-        except (ValueError, PipelineConfigError) as exc:
-            answer[0] = (
-                f"two_bp=None chooses the stages 2BP pays on by a profile, which failed: {exc}"
-            )
-    if world.group is not None:
-        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
-    choice = answer[0]
-    if not isinstance(choice, SplitChoice):
-        raise PipelineConfigError(f"{choice}; pass two_bp=True or False to run without the profile")
-    return choice
+
+    def choose() -> SplitChoice:
+        chosen = choose_split(
+            schedule,
+            fit_costs(stage_costs(measured, counts), schedule),
+            policy=policy,
+            reduce=reduce,
+            data_parallel=data_parallel,
+        )
+        log.info("two_bp: %s", chosen.summary())
+        return chosen
+
+    return decided_on_rank_0(
+        world,
+        choose,
+        SplitChoice,
+        lambda exc: (
+            f"two_bp=None chooses the stages 2BP pays on by a profile, which failed: {exc}; "
+            "pass two_bp=True or False to run without the profile"
+        ),
+    )
 
 
 def profile(

@@ -23,14 +23,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from twobp.partition.profiler import solver_costs
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.microbatch import Batch
+from twobp.runtime.options import AUTO as AUTO
+from twobp.runtime.options import CONTENDERS as CONTENDERS
+from twobp.runtime.options import Batch
 from twobp.runtime.setup.auto.cost_measurement import Measured, measure
+from twobp.runtime.setup.decide import decided_on_rank_0
 from twobp.schedule import Schedule
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
@@ -55,14 +57,10 @@ from twobp.sim.search import (
     simulate_option,
 )
 
-AUTO = "auto"
-"""The schedule name that asks the pipeline to choose."""
 PARAMETER_FACTOR = 2.0
 """Bytes counted per parameter byte against ``memory_limit``: the weights and their gradients."""
 SHOWN = 10
 """Candidates :meth:`AutoPlan.table` lists."""
-CONTENDERS = 6
-"""Schedules ``schedule="auto"`` runs for a few trial steps before it settles (``auto_trials``)."""
 CONTENDER_WINDOW = 0.25
 """How much slower than the choice a simulated step may be for its schedule to contend."""
 
@@ -84,6 +82,18 @@ class OptimizerMemory:
 
     state_bytes: float = 0.0
     sharded: bool = False
+
+    def counted(
+        self, costs_for: CostsFor, sizes_for: SizesFor, blocks: Sequence[nn.Module]
+    ) -> CostsFor:
+        """``costs_for`` with this state added to every stage's memory."""
+        return with_optimizer_state(
+            costs_for,
+            sizes_for,
+            [sum(p.numel() for p in b.parameters()) for b in blocks],
+            self.state_bytes,
+            self.sharded,
+        )
 
 
 @dataclass(frozen=True)
@@ -322,7 +332,6 @@ def plan_auto(
             if the input is missing (:func:`twobp.runtime.setup.pipeline_plan.plan_pipeline`
             checks it on every rank first).
     """
-    answer: list[AutoPlan | str | None] = [None]
     ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
     chosen_count = not isinstance(n_microbatches, int)
     counts = [n_microbatches] if isinstance(n_microbatches, int) else list(n_microbatches)
@@ -336,46 +345,34 @@ def plan_auto(
                 example = examples[m] if examples is not None else profiling_input(example_input)
                 measured[m] = measure(blocks, world, device, example, m, ranks, machine)
                 machine = machine or measured[m]
-    if world.rank == 0:
-        try:
-            spaces = []
-            for m in counts:
-                sizes_for, costs_for = _costs_of(
-                    blocks, partition, costs, measured[m] if costs is None else None
-                )
-                if optimizer is not None:
-                    costs_for = with_optimizer_state(
-                        costs_for,
-                        sizes_for,
-                        [sum(p.numel() for p in b.parameters()) for b in blocks],
-                        optimizer.state_bytes,
-                        optimizer.sharded,
-                    )
-                choices = auto_options(
-                    m,
-                    two_bp=two_bp,
-                    schedules=schedules,
-                    policies=policies,
-                    stages_per_rank=stages_per_rank,
-                    recompute=recompute,
-                )
-                spaces.append(_Space(m if chosen_count else None, m, choices, costs_for, sizes_for))
-            answer[0] = _choose(
-                spaces,
-                len(ranks),
-                memory_limit,
-                max(1, world.size // len(ranks)),
-                contenders,
-                tied,
+
+    def choose() -> AutoPlan:
+        spaces = []
+        for m in counts:
+            sizes_for, costs_for = _costs_of(
+                blocks, partition, costs, measured[m] if costs is None else None
             )
-        except (ValueError, PipelineConfigError) as exc:
-            answer[0] = f"schedule='auto': {exc}"
-    if world.group is not None:
-        dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
-    plan = answer[0]
-    if not isinstance(plan, AutoPlan):
-        raise PipelineConfigError(str(plan))
-    return plan
+            if optimizer is not None:
+                costs_for = optimizer.counted(costs_for, sizes_for, blocks)
+            choices = auto_options(
+                m,
+                two_bp=two_bp,
+                schedules=schedules,
+                policies=policies,
+                stages_per_rank=stages_per_rank,
+                recompute=recompute,
+            )
+            spaces.append(_Space(m if chosen_count else None, m, choices, costs_for, sizes_for))
+        return _choose(
+            spaces,
+            len(ranks),
+            memory_limit,
+            max(1, world.size // len(ranks)),
+            contenders,
+            tied,
+        )
+
+    return decided_on_rank_0(world, choose, AutoPlan, lambda exc: f"schedule='auto': {exc}")
 
 
 def _costs_of(
