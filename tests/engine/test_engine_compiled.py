@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+import twobp.engine.compiled as engine_compiled
 from twobp.engine import defer_weight_grads
 from twobp.engine.compiled import (
+    FrameCodes,
     SplittingBackend,
     _joins_a_region,
     compile_for_two_stage,
@@ -389,3 +391,58 @@ def test_a_block_past_the_recompile_limit_warns_once() -> None:
     assert seen[1][0].startswith("stage 1: the compiled block '1' (_Shaped) ran")
     assert "recompile_limit = 1" in seen[1][0]
     assert "dynamic=True" in seen[1][0]
+
+
+def test_frame_codes_keep_the_most_recently_used_under_names_never_reused() -> None:
+    codes = FrameCodes(size=2)
+    template = _Shaped.forward.__code__
+    linear, relu, gelu = ((nn.Sequential, c) for c in (nn.Linear, nn.ReLU, nn.GELU))
+    a = codes.code(linear, template)
+    b = codes.code(relu, template)
+    assert codes.code(linear, template) is a  # a hit: relu's is now the oldest
+    c = codes.code(gelu, template)
+    assert len(codes) == 2 and relu not in codes
+    assert codes.code(linear, template) is a
+    again = codes.code(relu, template)  # made anew, under a name no code had; gelu's goes
+    assert again is not b and gelu not in codes
+    assert len({a.co_name, b.co_name, c.co_name, again.co_name}) == 4
+    codes.clear()
+    assert len(codes) == 0 and codes.code(linear, template) is not a
+
+
+def _store_grads(stage: nn.Module, x: Tensor) -> list[Tensor | None]:
+    """One micro-batch's F, I and W through a store: each parameter's gradient."""
+    store = defer_weight_grads(stage)
+    with store.forward(0):
+        out = stage(x)
+    store.backward_input(0, [out], [torch.ones_like(out)], [])
+    store.backward_weight([0])
+    store.finish_step()
+    return [p.grad for p in stage.parameters()]
+
+
+def test_a_stage_whose_frame_code_was_forgotten_compiles_again_with_eager_s_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With room for one frame code, a stage of other blocks takes the first stage's place;
+    a stage like the first then gets a code of its own again, and all three keep the
+    gradients of plain autograd in float64."""
+    codes = FrameCodes(size=1)
+    monkeypatch.setattr(engine_compiled, "FRAME_CODES", codes)
+    torch.manual_seed(0)
+    x = torch.randn(3, DIM, dtype=torch.float64, requires_grad=True)
+    first, other, again = (
+        nn.Sequential(nn.Linear(DIM, DIM), last).double()
+        for last in (nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+    )
+    keys = [(nn.Sequential, nn.Linear, type(s[1])) for s in (first, other, again)]
+    present = []
+    for stage in (first, other, again):
+        plain = copy.deepcopy(stage)
+        plain(x).sum().backward()
+        compile_for_two_stage(stage, backend="aot_eager", regions="compiled", dynamic=False)
+        got = _store_grads(stage, x)
+        for ours, reference in zip(got, plain.parameters(), strict=True):
+            torch.testing.assert_close(ours, reference.grad)
+        present.append([key in codes for key in keys[:2]])
+    assert present == [[True, False], [False, True], [True, False]]

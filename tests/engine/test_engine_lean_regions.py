@@ -16,6 +16,7 @@ import twobp.engine.compiled as engine_compiled
 from twobp.engine import defer_weight_grads, lean_regions
 from twobp.engine.compiled import SplittingBackend
 from twobp.engine.lean_regions import compile_region
+from twobp.engine.lru import LruCache
 
 
 def _inductor() -> Any:
@@ -225,3 +226,30 @@ def test_a_stage_recompiled_with_symbolic_sizes_keeps_eager_s_gradients() -> Non
         _same_grads(module, eager)
     assert len(backend.choices) == 10
     assert all(c.lean for c in backend.choices[:5]) and not any(c.lean for c in backend.choices[5:])
+
+
+def _other_region(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.tanh(a) * c - b, (b * c).sum(-1), (a > 0)
+
+
+def test_a_region_forgotten_by_the_cache_is_compiled_again_with_eager_s_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With room for one compiled region, another region takes the first one's place; the
+    first, compiled again, still computes what plain autograd does in float64, and a
+    region found in the cache is the one compiled before."""
+    monkeypatch.setattr(lean_regions, "COMPILED_REGIONS", LruCache(1))
+    inputs = [t.detach().double().requires_grad_() for t in _inputs(4, 6)]
+    made = []
+    for fn in (_region, _other_region, _region, _region):
+        compiled, regions = _compiled(fn)
+        got = _grads(compiled, _loss, *inputs)
+        (region,) = regions
+        for ours, eager in zip(got, _grads(fn, _loss, *inputs), strict=True):
+            torch.testing.assert_close(ours, eager)
+        for ours, eager in zip(compiled(*inputs), fn(*inputs), strict=True):
+            torch.testing.assert_close(ours, eager)
+        assert len(lean_regions.COMPILED_REGIONS) == 1
+        made.append(region)
+    assert made[2] is not made[0]  # forgotten when the other region came: compiled again
+    assert made[3] is made[2]  # kept since: found

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
 import types
 import warnings
 import weakref
@@ -48,8 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from twobp.engine import torch_internals as internals
 from twobp.engine.capture import running_capture
 from twobp.engine.lean_regions import compile_region
+from twobp.engine.lru import LruCache
 from twobp.engine.operand import VIEW_STEPS
 from twobp.engine.region_choice import (
     REGION_MODES,
@@ -65,9 +66,7 @@ _log = logging.getLogger(__name__)
 Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 """A dynamo backend: compiles a graph for its example inputs."""
 
-_ATTRIBUTE_VIEWS = {
-    name: torch._C.TensorBase.__dict__[name].__get__ for name in ("T", "mT", "H", "mH")
-}
+_ATTRIBUTE_VIEWS = ("T", "mT", "H", "mH")
 # The dynamo graph names some calls otherwise than the torch function the
 # capture sees in eager mode: dynamo inlines F.rms_norm into torch.rms_norm and
 # writes `a @ b` as operator.matmul.
@@ -197,8 +196,7 @@ def _eager_function(node: fx.Node) -> Callable[..., Any] | None:
         return None
     target = node.target
     if target is getattr and len(node.args) == 2 and node.args[1] in _ATTRIBUTE_VIEWS:
-        view: Callable[..., Any] = _ATTRIBUTE_VIEWS[str(node.args[1])]
-        return view
+        return internals.tensor_attribute_view(str(node.args[1]))
     if target is getattr:
         return None
     eager = _EAGER_NAME.get(target)
@@ -472,7 +470,7 @@ class SplittingBackend:
         self.choices: list[RegionChoice] = []
         """Every region of the graphs compiled so far, and how it runs."""
         self._compile_region: Backend = (
-            torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+            internals.lookup_backend(inner) if isinstance(inner, str) else inner
         )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -533,7 +531,7 @@ class _SettingCaptureAside:
 
     def _uncompiled_message(self, capture: Any) -> str:
         module = self._module()
-        inner = getattr(module, "_orig_mod", module)
+        inner = internals.original_module(module) if module is not None else None
         name = f"block {type(inner).__name__}"
         where = f"{capture._label}: " if getattr(capture, "_label", "") else ""
         for relative, p in inner.named_parameters() if inner is not None else ():
@@ -542,10 +540,10 @@ class _SettingCaptureAside:
                 prefix = full[: -len(relative)].rstrip(".")
                 if prefix:
                     name = f"block '{prefix}' ({type(inner).__name__})"
-                elif inner is not None and len(inner._modules) > 1:
-                    name = f"stage ({type(inner).__name__} of {len(inner._modules)} blocks)"
+                elif inner is not None and len(children := list(inner.children())) > 1:
+                    name = f"stage ({type(inner).__name__} of {len(children)} blocks)"
                 break
-        limit = torch._dynamo.config.recompile_limit
+        limit = internals.recompile_limit()
         return (
             f"{where}the compiled {name} ran uncompiled: dynamo ran its frame as plain "
             f"Python (past torch._dynamo.config.recompile_limit = {limit} compiled variants of "
@@ -580,22 +578,59 @@ def compile_for_two_stage(module: nn.Module, **options: Any) -> nn.Module:
     """
     inner = options.pop("backend", "inductor")
     if inner == "inductor":
-        from torch import _TorchCompileInductorWrapper
-
-        inner = _TorchCompileInductorWrapper(  # type: ignore[no-untyped-call]
-            options.pop("mode", None), options.pop("options", None), options.get("dynamic"), None
+        inner = internals.inductor_backend(
+            options.pop("mode", None), options.pop("options", None), options.get("dynamic")
         )
     regions = options.pop("regions", "measured")
     norms = options.pop("norms", "unfolded")
     backend = splitting_backend(inner, regions, norms)
     compiled = torch.compile(_inline(module), backend=backend, **options)
-    module._compiled_call_impl = _set_aside_around(compiled, module)
+    internals.set_compiled_call_impl(module, _set_aside_around(compiled, module))
     return module
 
 
-_FRAMES: dict[tuple[type, ...], types.CodeType] = {}
-"""The code of the frame around a torch container's ``_call_impl``, by its class and its
-children's classes (see :func:`_inline`)."""
+FRAME_CODES_SIZE = 64
+"""How many frame codes :data:`FRAME_CODES` keeps: one per class of torch container and
+classes of its children compiled in the process (a handful per model)."""
+
+
+class FrameCodes:
+    """The code of the frame around a torch container's ``_call_impl``, by the container's
+    class and its children's classes (see :func:`_inline`); the :data:`FRAME_CODES_SIZE`
+    most recently used.
+
+    Containers of one key share a code, and so dynamo's compiled code for it. A key whose
+    code was forgotten gets a new one, under a new name: containers compiled from then on
+    compile again (and count against that code's recompile limit, not the old one's).
+    """
+
+    def __init__(self, size: int = FRAME_CODES_SIZE) -> None:
+        self._codes: LruCache[tuple[type, ...], types.CodeType] = LruCache(size)
+        self._made = 0  # never reset: no two codes alive in one process share a name
+
+    def code(self, key: tuple[type, ...], template: types.CodeType) -> types.CodeType:
+        """The code of ``key``'s frame: ``template`` under a name of its own, made once."""
+        code = self._codes.get(key)
+        if code is None:  # a name of its own: dynamo tells codes apart by their text
+            code = template.replace(co_name=f"inline_{key[0].__name__}_{self._made}")
+            self._made += 1
+            self._codes.put(key, code)
+        return code
+
+    def clear(self) -> None:
+        """Forget every code (containers compiled from now on get new ones)."""
+        self._codes.clear()
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has a code now (without making it the most recently used)."""
+        return key in self._codes
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+
+FRAME_CODES = FrameCodes()
+"""The frame codes of the containers compiled in this process (:class:`FrameCodes`)."""
 
 
 def _inline(module: nn.Module) -> Callable[..., Any]:
@@ -605,52 +640,31 @@ def _inline(module: nn.Module) -> Callable[..., Any]:
     skips: their ``_call_impl`` goes behind a frame it traces, whose code is shared by the
     containers of the same classes of children (their compiled code is the same, and
     containers of other blocks do not count against the recompile limit of one code)."""
-    trace_rules = torch._dynamo.trace_rules
     forward = module.forward
-    if isinstance(forward, types.MethodType) and trace_rules.check(forward):
-        call: Callable[..., Any] = module._call_impl
+    call: Callable[..., Any] = internals.call_impl(module)
+    if isinstance(forward, types.MethodType) and internals.dynamo_skips(forward):
 
         def inline(*args: Any, **kwargs: Any) -> Any:
             return call(*args, **kwargs)
 
         key = (type(module), *(type(child) for child in module.children()))
-        if key not in _FRAMES:  # a name of its own: dynamo tells codes apart by their text
-            name = f"inline_{type(module).__name__}_{len(_FRAMES)}"
-            _FRAMES[key] = inline.__code__.replace(co_name=name)
-        inline.__code__ = _FRAMES[key]
+        inline.__code__ = FRAME_CODES.code(key, inline.__code__)
         return inline
-    return module._call_impl
+    return call
 
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` is compiled: a ``torch.compile`` wrapper, or compiled in place."""
-    dynamo = sys.modules.get("torch._dynamo")  # nothing is compiled before it loads
-    if dynamo is None:
-        return False
-    return (
-        isinstance(module, dynamo.eval_frame.OptimizedModule)
-        or getattr(module, "_compiled_call_impl", None) is not None
-    )
+    return internals.is_optimized_module(module) or internals.compiled_call_impl(module) is not None
 
 
 def _splitting_context(context: Any) -> Any:
     """A dynamo context like ``context`` (fullgraph, dynamic), its backend wrapped to split."""
-    backend = torch._dynamo.eval_frame.innermost_backend(context.callback)
+    backend = internals.innermost_backend(context)
     # torch.compile(backend=callable) wraps the callable in a _TorchCompileWrapper.
     if getattr(getattr(backend, "compiler_fn", backend), "_twobp_splitting", False):
         return context
-    return torch._dynamo.optimize(
-        backend=splitting_backend(backend), nopython=context.fullgraph, dynamic=context._dynamic
-    )
-
-
-def _context_of(compiled: Callable[..., Any]) -> Any:
-    """The dynamo context of a function compiled by ``torch.compile``, or None."""
-    contexts = torch._dynamo.eval_frame.OptimizeContext
-    for cell in getattr(compiled, "__closure__", None) or ():
-        if isinstance(cell.cell_contents, contexts):
-            return cell.cell_contents
-    return None
+    return internals.context_with_backend(context, splitting_backend(backend))
 
 
 def _set_aside_around(compiled: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
@@ -669,27 +683,30 @@ def keep_two_stage(module: nn.Module) -> None:
     Args:
         module: a ``torch._dynamo.OptimizedModule`` (``torch.compile(module)``)
             or a module compiled in place (``module.compile()``).
+
+    Raises:
+        MissingTorchInternalError: if the installed torch lacks an internal this reaches
+            (:mod:`twobp.engine.torch_internals`).
     """
-    eval_frame = torch._dynamo.eval_frame
-    if isinstance(module, eval_frame.OptimizedModule):
+    if internals.is_optimized_module(module):
         if getattr(module.forward, "_twobp_keeps_two_stage", False):
             return
-        if isinstance(module.dynamo_ctx, eval_frame.DisableContext):
+        current = internals.module_context(module)
+        if internals.is_disabled(current):
             return
-        context = _splitting_context(module.dynamo_ctx)
-        if context is not module.dynamo_ctx:
-            module.dynamo_ctx = context
-            module._initialize()
-        module.forward = _set_aside_around(module.forward, module)
+        context = _splitting_context(current)
+        if context is not current:
+            internals.set_module_context(module, context)
+        module.forward = _set_aside_around(module.forward, module)  # type: ignore[method-assign]
         return
-    compiled = module._compiled_call_impl
+    compiled = internals.compiled_call_impl(module)
     if compiled is None or getattr(compiled, "_twobp_keeps_two_stage", False):
         return
-    context = _context_of(compiled)
-    if context is None or isinstance(context, eval_frame.DisableContext):
+    context = internals.context_in_closure(compiled)
+    if context is None or internals.is_disabled(context):
         return
     compiled = _splitting_context(context)(_inline(module))
-    module._compiled_call_impl = _set_aside_around(compiled, module)
+    internals.set_compiled_call_impl(module, _set_aside_around(compiled, module))
 
 
 def compiled_modules(module: nn.Module) -> list[nn.Module]:

@@ -18,8 +18,11 @@ and with static shapes, is run so.
 
 The regions of a stage compiled whole repeat one another (block k's attention core is block
 j's): a region whose calls, constants and input layouts are those of one compiled before
-reuses its compiled code (:data:`_COMPILED`, kept for the process), so a stage of n blocks
-compiles about as many regions as one block.
+reuses its compiled code (:data:`COMPILED_REGIONS`, the last :data:`COMPILED_REGIONS_SIZE`
+compiled in the process), so a stage of n blocks compiles about as many regions as one block.
+
+The internals of torch this reaches (inductor's compile functions, AOTAutograd's metadata)
+are behind :mod:`twobp.engine.torch_internals`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, fx
+
+from twobp.engine import torch_internals as internals
+from twobp.engine.lru import LruCache
+from twobp.engine.torch_internals import MissingTorchInternalError
 
 _log = logging.getLogger(__name__)
 
@@ -47,18 +54,14 @@ class _Graphs:
 
 
 def _capturing(graphs: _Graphs) -> Callable[..., Any]:
-    from torch._guards import TracingContext
-    from torch._inductor.compile_fx import compile_fx_inner
-
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        out = internals.compile_fx_inner(gm, example_inputs, **kwargs)
         if kwargs.get("is_backward"):
             graphs.backward, graphs.backward_graph = out, gm
         else:
             graphs.forward = out
             graphs.inference = bool(kwargs.get("is_inference"))
-            context = TracingContext.try_get()
-            graphs.metadata = getattr(context, "fw_metadata", None)
+            graphs.metadata = internals.aot_forward_metadata()
         return out
 
     return inner_compile
@@ -73,8 +76,6 @@ def _placeholders(backward: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node
 
 def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
     """Why the region's graphs cannot run from a plain Function (None: they can)."""
-    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
-
     meta = graphs.metadata
     if graphs.inference or None in (graphs.forward, graphs.backward, graphs.backward_graph, meta):
         return "no backward graph (no input needs a gradient)"
@@ -90,12 +91,14 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
         return "symbolic sizes"
     if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
         return "an input changed in place"
-    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+    non_alias = internals.aot_non_alias_output()
+    if any(o.output_type != non_alias for o in meta.output_info):
         return "an output that aliases an input or another tensor"
     if not all(
         isinstance(o.raw_type, type) and issubclass(o.raw_type, Tensor) for o in meta.output_info
     ):
         return "an output that is not a tensor"
+    plain = internals.aot_plain_tensor_meta()
     extra = (
         meta.num_intermediate_bases,
         meta.num_symints_saved_for_bw or 0,
@@ -104,7 +107,7 @@ def _why_not_lean(example_inputs: Sequence[Any], graphs: _Graphs) -> str | None:
         meta.num_backward_tokens,
         meta.num_graphsafe_rng_states,
         int(bool(meta.is_rng_op_functionalized)),
-        int(any(not isinstance(m, PlainTensorMeta) for m in meta.subclass_inp_meta)),
+        int(any(not isinstance(m, plain) for m in meta.subclass_inp_meta)),
     )
     if any(extra):
         return "state beyond tensors (symbolic sizes, RNG, tokens, subclasses)"
@@ -163,9 +166,15 @@ class _LeanRegion(torch.autograd.Function):
         return (None, *input_grads)
 
 
-_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
-"""What :func:`compile_region` made, by :func:`_key`: the regions of a stage's blocks repeat
-one another (block k's attention core is block j's), so each is compiled once."""
+COMPILED_REGIONS_SIZE = 256
+"""How many compiled regions :data:`COMPILED_REGIONS` keeps: the distinct regions of a few
+models' blocks (a LLaMA-like decoder block has about 5)."""
+
+COMPILED_REGIONS: LruCache[Any, Callable[..., Any]] = LruCache(COMPILED_REGIONS_SIZE)
+"""What :func:`compile_region` made, by :func:`_key`, the most recently used kept: the
+regions of a stage's blocks repeat one another (block k's attention core is block j's), so
+each is compiled once. A region forgotten is compiled again the next time one like it is
+(its callers keep the code they were given)."""
 
 
 def _canonical(graph: fx.Graph) -> str:
@@ -207,7 +216,7 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: dict[str, An
             str(t.device),
             t.requires_grad,
             t.is_leaf,
-            storages.setdefault(t.untyped_storage()._cdata, len(storages)),
+            storages.setdefault(internals.storage_id(t), len(storages)),
         )
         for t in example_inputs
     )
@@ -216,7 +225,7 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: dict[str, An
         layouts,
         repr(sorted(config.items())),
         torch.is_grad_enabled(),
-        torch._C._is_any_autocast_enabled(),
+        internals.autocast_enabled(),
     )
 
 
@@ -232,41 +241,39 @@ def compile_region(gm: fx.GraphModule, example_inputs: list[Any], inner: Any) ->
     Returns:
         A callable with the signature of ``gm``.
     """
-    config = getattr(inner, "config", None)
+    settings = internals.inductor_settings(inner)
+    if settings is None:
+        return inner(gm, example_inputs)  # type: ignore[no-any-return]
+    config, dynamic = settings
     if (
-        type(inner).__name__ != "_TorchCompileInductorWrapper"
-        or not isinstance(config, dict)
-        or any(str(k).startswith("triton.cudagraph") and v for k, v in config.items())
+        any(str(k).startswith("triton.cudagraph") and v for k, v in config.items())
         or not torch.is_grad_enabled()
-        or torch._C._is_any_autocast_enabled()
-        or getattr(inner, "dynamic", None)
+        or internals.autocast_enabled()
+        or dynamic
     ):
         return inner(gm, example_inputs)  # type: ignore[no-any-return]
     key = _key(gm, example_inputs, config)
-    made = _COMPILED.get(key) if key is not None else None
+    made = COMPILED_REGIONS.get(key) if key is not None else None
     if made is None:
         made = _compile(gm, example_inputs, config)
         if key is not None:
-            _COMPILED[key] = made
+            COMPILED_REGIONS.put(key, made)
     return made
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: dict[str, Any]) -> Any:
     """``gm`` compiled by inductor with ``config``, its graphs called directly where they can."""
-    from torch._inductor.compile_fx import compile_fx
-
     graphs = _Graphs()
     # Both graphs now, through the inner compile (AOTAutograd's own cache would load them
     # without it; inductor's cache of each graph still serves).
     patch = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
-    with torch._functorch.config.patch(patch):
-        compiled = cast(
-            Callable[..., Any],
-            compile_fx(gm, example_inputs, inner_compile=_capturing(graphs), config_patches=config),
+    with internals.aot_autograd_config(**patch):
+        compiled = internals.compile_fx(
+            gm, example_inputs, inner_compile=_capturing(graphs), config_patches=config
         )
     try:
         why = _why_not_lean(example_inputs, graphs)
-    except (AttributeError, ImportError, KeyError, TypeError) as e:  # another torch's metadata
+    except (AttributeError, ImportError, KeyError, TypeError, MissingTorchInternalError) as e:
         why = f"AOTAutograd's metadata is not as this code reads it ({e!r})"
     if why is not None:
         _log.debug("a region runs through AOTAutograd's wrappers: %s", why)
