@@ -74,9 +74,12 @@ def _pipeline(case: Case, n_mb: int, timeout: float, **options: Any) -> Pipeline
     )
 
 
-def train_case(case: Case, n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
-    """Train ``case`` for a few AdamW steps; this rank's losses, first gradients, final state."""
-    pipe = _pipeline(case, n_mb, timeout)
+def train_case(
+    case: Case, n_mb: int, batch_size: int, timeout: float, **options: Any
+) -> dict[str, Any]:
+    """Train ``case`` for a few AdamW steps; this rank's losses, first gradients, final state.
+    ``options`` go to the pipeline as they are."""
+    pipe = _pipeline(case, n_mb, timeout, **options)
     losses, grads = train_steps(pipe, case.model, batch_size)
     return {
         "losses": losses,
@@ -107,9 +110,11 @@ def train_steps(
     return losses, grads
 
 
-def train_cases(cases: list[Case], n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
+def train_cases(
+    cases: list[Case], n_mb: int, batch_size: int, timeout: float, **options: Any
+) -> dict[str, Any]:
     """:func:`train_case` for every case; keyed by ``str(case)``."""
-    return {str(c): train_case(c, n_mb, batch_size, timeout) for c in cases}
+    return {str(c): train_case(c, n_mb, batch_size, timeout, **options) for c in cases}
 
 
 class WeightProducts(TorchDispatchMode):

@@ -55,7 +55,7 @@ def _outcome(call: Any) -> tuple[str, str]:
 
 
 def failing_steps(
-    cases: list[tuple[str, int, bool]], timeout: float, schedule: str = "1f1b"
+    cases: list[tuple[str, int, bool]], timeout: float, schedule: str = "1f1b", **options: Any
 ) -> dict[str, Any]:
     """For each (how, block index, fail on the first step): a failed step, then a good one.
 
@@ -63,7 +63,7 @@ def failing_steps(
     dtype after the first step) or ``loss`` (the loss is not a scalar). The
     failing rank catches its error and goes on, as a training loop that skips
     a bad batch would; the next step of the same pipeline must equal one
-    process's.
+    process's. ``options`` go to the pipeline as they are.
     """
     out: dict[str, Any] = {}
     x, y = make_batch("mlp", 0, BATCH)
@@ -72,7 +72,7 @@ def failing_steps(
         trap = Trap(blocks[index], how)
         blocks[index] = trap
         loss = TrapLoss()
-        pipe = Pipeline(blocks, loss, schedule, N_MB, device="cpu", timeout=timeout)
+        pipe = Pipeline(blocks, loss, schedule, N_MB, device="cpu", timeout=timeout, **options)
         if not first_step:
             pipe.step(*needed_batches(pipe, x, y))
             pipe.zero_grad()

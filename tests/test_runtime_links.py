@@ -79,6 +79,9 @@ def test_reductions_wait_for_the_transfers_on_nccl_only(monkeypatch):
     assert reductions_wait_for_transfers("nccl")
     assert not reductions_wait_for_transfers("gloo")
     assert not reductions_wait_for_transfers(None)
+    # The pipeline option reduce_after_transfers, or the variable (read when a pipeline is
+    # built), applies the NCCL rule on any backend.
+    assert reductions_wait_for_transfers("gloo", requested=True)
     monkeypatch.setenv(REDUCE_AFTER_TRANSFERS_VARIABLE, "1")
     assert reductions_wait_for_transfers("gloo")
 

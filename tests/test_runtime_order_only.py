@@ -2,24 +2,27 @@
 
 NCCL ignores tags and matches the operations of a pair by their order; gloo
 honours tags, so a runtime tested only on gloo could come to rely on them.
-With ``TWOBP_ORDER_ONLY_MATCHING=1`` (:data:`ORDER_ONLY_VARIABLE`) the channel
-sends every operation with tag 0. One launch of 2 ranks runs a representative
-subset of the equality and failure cases in that mode: every way that
-transfers of several kinds share a pair of ranks (two stages per rank in a V
-and in a ring, two pipelines in opposite directions, tuples of tensors, an
-uneven partition), and failures of a V on the first step, before any layout
-crossed, and later ones; with the reductions of ``R`` started after the
-step's transfers, as on NCCL (``TWOBP_REDUCE_AFTER_TRANSFERS=1``). A launch of
-3 ranks checks that every rank names its links as its neighbours do, and
-still belongs to as many groups as the others afterwards. The whole suite
-runs in that mode with the variable set in the environment
-(``TWOBP_ORDER_ONLY_MATCHING=1 make test``).
+A pipeline built with ``order_only_matching=True`` sends every operation with
+tag 0. One launch of 2 ranks runs a representative subset of the equality and
+failure cases in that mode: every way that transfers of several kinds share a
+pair of ranks (two stages per rank in a V and in a ring, two pipelines in
+opposite directions, tuples of tensors, an uneven partition), and failures of
+a V on the first step, before any layout crossed, and later ones; with the
+reductions of ``R`` started after the step's transfers, as on NCCL
+(``reduce_after_transfers=True``). A launch of 3 ranks checks that every rank
+names its links as its neighbours do, and still belongs to as many groups as
+the others afterwards. The whole suite runs in that mode with the variable
+:data:`ORDER_ONLY_VARIABLE` set in the environment
+(``TWOBP_ORDER_ONLY_MATCHING=1 make test``), which a pipeline reads once, when
+it is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,7 +41,8 @@ from twobp.runtime.communication.channel import (
     StepChannel,
     order_only_matching,
 )
-from twobp.runtime.execution.step_run import REDUCE_AFTER_TRANSFERS_VARIABLE
+from twobp.runtime.communication.reduction import GradientReducer
+from twobp.runtime.execution.step_run import StepRun
 from twobp.schedule.transfers import Direction
 
 TIMEOUT = 30.0
@@ -54,14 +58,99 @@ TWO_RANKS = [
 FAILURES_ZB_V = [("block", 0, True), ("block", 4, False), ("loss", 9, False)]
 
 
+# Every tag 0, and R's reductions after the step's transfers, as on NCCL (chimera and
+# dualpipe reduce).
+AS_ON_NCCL = {"order_only_matching": True, "reduce_after_transfers": True}
+
+
+@contextlib.contextmanager
+def _noted_tags() -> Iterator[set[int]]:
+    """The tags of every point-to-point operation that step channels post meanwhile."""
+    tags: set[int] = set()
+    originals = StepChannel._tag, StepChannel._meta_tag
+
+    def noting(original: Any) -> Any:
+        def tag(channel: StepChannel, *args: Any) -> int:
+            value: int = original(channel, *args)
+            tags.add(value)
+            return value
+
+        return tag
+
+    StepChannel._tag, StepChannel._meta_tag = noting(originals[0]), noting(originals[1])
+    try:
+        yield tags
+    finally:
+        StepChannel._tag, StepChannel._meta_tag = originals
+
+
+@contextlib.contextmanager
+def _noted_order() -> Iterator[list[str]]:
+    """What steps do meanwhile, in order: each step's start, the end of its transfers
+    (``finish``) and each reduction it starts (``reduce``)."""
+    events: list[str] = []
+    originals = StepRun.run, StepChannel.finish, GradientReducer.start
+
+    def noting(event: str, original: Any) -> Any:
+        def call(self: Any, *args: Any) -> Any:
+            events.append(event)
+            return original(self, *args)
+
+        return call
+
+    StepRun.run = noting("step", originals[0])  # type: ignore[method-assign]
+    StepChannel.finish = noting("finish", originals[1])  # type: ignore[method-assign]
+    GradientReducer.start = noting("reduce", originals[2])  # type: ignore[method-assign]
+    try:
+        yield events
+    finally:
+        StepRun.run, StepChannel.finish, GradientReducer.start = originals  # type: ignore[method-assign]
+
+
+def _reduced_after_transfers(events: list[str]) -> bool:
+    """Whether steps reduced, and every reduction started after its step's transfers."""
+    transfers_done = False
+    for event in events:
+        if event == "step":
+            transfers_done = False
+        elif event == "finish":
+            transfers_done = True
+        elif not transfers_done:
+            return False
+    return "reduce" in events
+
+
 def _session(timeout: float) -> dict[str, Any]:
-    os.environ[ORDER_ONLY_VARIABLE] = "1"
-    # And R's reductions after the step's transfers, as on NCCL (chimera and dualpipe reduce).
-    os.environ[REDUCE_AFTER_TRANSFERS_VARIABLE] = "1"
-    out: dict[str, Any] = {"order only": order_only_matching()}
-    out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout)
-    out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v")
-    out["posted at the start"] = _posted_at_the_start(timeout)
+    out: dict[str, Any] = {}
+    with _noted_tags() as tags, _noted_order() as events:
+        out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout, **AS_ON_NCCL)
+        out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v", **AS_ON_NCCL)
+        out["posted at the start"] = _posted_at_the_start(timeout)
+    out["order only"] = tags == {0}
+    out["reduced after transfers"] = _reduced_after_transfers(events)
+    out["tags by the environment"] = _tags_by_the_environment(timeout)
+    return out
+
+
+def _tags_by_the_environment(timeout: float) -> dict[str, set[int]]:
+    """The tags of one step of a pipeline built with :data:`ORDER_ONLY_VARIABLE` set to 1,
+    unset again before the step, and of one built without it."""
+    pipes = {}
+    for name, variable in (("built with it", "1"), ("built without it", None)):
+        if variable is not None:
+            os.environ[ORDER_ONLY_VARIABLE] = variable
+        try:
+            pipes[name] = Pipeline(
+                build_blocks("mlp"), loss_fn("mlp"), "1f1b", N_MB, device="cpu", timeout=timeout
+            )
+        finally:
+            os.environ.pop(ORDER_ONLY_VARIABLE, None)
+    x, y = make_batch("mlp", 0, BATCH)
+    out = {}
+    for name, pipe in pipes.items():
+        with _noted_tags() as tags:
+            pipe.step(*needed_batches(pipe, x, y))
+        out[name] = tags
     return out
 
 
@@ -84,7 +173,13 @@ def _posted_at_the_start(timeout: float) -> list[tuple[int, int, int]]:
     StepChannel.post_ahead = observed  # type: ignore[method-assign]
     try:
         pipe = Pipeline(
-            build_blocks("mlp"), loss_fn("mlp"), "zb-v", N_MB, device="cpu", timeout=timeout
+            build_blocks("mlp"),
+            loss_fn("mlp"),
+            "zb-v",
+            N_MB,
+            device="cpu",
+            timeout=timeout,
+            **AS_ON_NCCL,
         )
         x, y = make_batch("mlp", 0, BATCH)
         for _ in range(2):
@@ -100,8 +195,8 @@ THREE_RANKS = Case("transformer", "1f1b", True, partition=(3, 5, 2))
 def _three_ranks(timeout: float) -> dict[str, Any]:
     """A 3-rank pipeline (its middle rank has two neighbours, the ends one), then a group
     of all three made with ``use_local_synchronization``, as checkpoint storage makes it."""
-    os.environ[ORDER_ONLY_VARIABLE] = "1"
-    out: dict[str, Any] = {"trained": train_cases([THREE_RANKS], N_MB, BATCH, timeout)}
+    trained = train_cases([THREE_RANKS], N_MB, BATCH, timeout, order_only_matching=True)
+    out: dict[str, Any] = {"trained": trained}
     names = dist.distributed_c10d._world.pg_names
     out["links"] = sorted(
         (tuple(dist.get_process_group_ranks(g)), name)
@@ -144,6 +239,7 @@ def failure_reference() -> tuple[float, dict[str, Any]]:
 @pytest.mark.parametrize("case", TWO_RANKS, ids=str)
 def test_two_ranks_match_single_process_with_every_tag_zero(case, two_ranks):
     assert all(r["order only"] for r in two_ranks)
+    assert all(r["reduced after transfers"] for r in two_ranks)
     reference = train_reference(case.model, case.n_microbatches or N_MB, BATCH, _replicas(case))
     _check_case(case, [r["trained"] for r in two_ranks], reference)
 
@@ -187,9 +283,17 @@ def test_every_activation_receive_is_posted_at_the_start_of_a_step(two_ranks):
     assert any(posted > before_a_send for posted, _, before_a_send in seconds)
 
 
+def test_a_pipeline_reads_the_environment_once_when_it_is_built(two_ranks):
+    for rank in two_ranks:
+        tags = rank["tags by the environment"]
+        assert tags["built with it"] == {0}
+        assert len(tags["built without it"]) > 1
+
+
 def test_the_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(ORDER_ONLY_VARIABLE, raising=False)
     assert not order_only_matching()
+    assert order_only_matching(requested=True)
     monkeypatch.setenv(ORDER_ONLY_VARIABLE, "1")
     assert order_only_matching()
     monkeypatch.setenv(ORDER_ONLY_VARIABLE, "0")

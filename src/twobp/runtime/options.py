@@ -208,6 +208,24 @@ class PipelineOptions:
             "choice"
         ),
     )
+    order_only_matching: bool = field(
+        default=False,
+        metadata=_help(
+            "send every point-to-point operation with tag 0, so that gloo too matches them by "
+            "their order only, as NCCL does (a check on CPU that nothing relies on tags); "
+            "TWOBP_ORDER_ONLY_MATCHING=1 in the environment when the pipeline is built turns it "
+            "on as well"
+        ),
+    )
+    reduce_after_transfers: bool = field(
+        default=False,
+        metadata=_help(
+            "start the gradient reductions of R only once the step's point-to-point transfers "
+            "are complete, as on NCCL (always so there), on any backend; "
+            "TWOBP_REDUCE_AFTER_TRANSFERS=1 in the environment when the pipeline is built turns "
+            "it on as well"
+        ),
+    )
 
     def keywords(self) -> dict[str, Any]:
         """The options as keyword arguments of ``Pipeline``."""

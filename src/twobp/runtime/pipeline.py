@@ -238,6 +238,13 @@ class Pipeline:
             :mod:`twobp.engine.compiled`). True: inductor; a dict:
             ``torch.compile``'s keywords (``backend``, ``mode``, ``dynamic``).
             Blocks the user compiled keep 2BP without it.
+        order_only_matching: send every point-to-point operation with tag 0,
+            so that gloo too matches them by order only, as NCCL does (also
+            with ``TWOBP_ORDER_ONLY_MATCHING=1`` in the environment, read
+            once, here; see docs/reliability.md).
+        reduce_after_transfers: start the reductions of ``R`` only once the
+            step's transfers are complete on any backend, as on NCCL (also
+            with ``TWOBP_REDUCE_AFTER_TRANSFERS=1``, read once, here).
         grad_scaler: a :class:`twobp.GradScaler` for float16 (with
             ``autocast=torch.float16``): every micro-batch's loss is
             multiplied by its scale before its backward, so I and W see scaled
@@ -294,6 +301,8 @@ class Pipeline:
         retain_host_memory: bool = True,
         auto_trials: int = CONTENDERS,
         compile: bool | dict[str, Any] = False,
+        order_only_matching: bool = False,
+        reduce_after_transfers: bool = False,
         grad_scaler: GradScaler | None = None,
         options: PipelineOptions | None = None,
     ) -> None:
@@ -487,6 +496,8 @@ class Pipeline:
             reducer=self._reducer,
             weight_group_size=given.options.weight_group_size,
             links=links,
+            order_only=given.options.order_only_matching,
+            reduce_after_transfers=given.options.reduce_after_transfers,
         )
         self._earlier_gradients = EarlierGradients()
         self._start_buffer = small_buffer(members.size, self.device)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.communication.channel import StepChannel
+from twobp.runtime.communication.channel import StepChannel, order_only_matching
 from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PeerError
@@ -54,6 +54,11 @@ class StepRunner:
         weight_group_size: the engine's concatenation cap of each ``W``.
         links: the process groups of the transfers to and from every peer
             (None: the rank has no peers).
+        order_only: send every transfer with tag 0 (the pipeline option
+            ``order_only_matching``; its environment variable is read here, once).
+        reduce_after_transfers: start the reductions of ``R`` after the step's
+            transfers on any backend (the pipeline option; its environment
+            variable is read here, once).
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class StepRunner:
         reducer: GradientReducer | None,
         weight_group_size: int | None,
         links: Links | None = None,
+        order_only: bool = False,
+        reduce_after_transfers: bool = False,
     ) -> None:
         self.rank = rank
         self.pp_rank = pp_rank
@@ -80,6 +87,10 @@ class StepRunner:
         self._reducer = reducer
         self._weight_group_size = weight_group_size
         self._links = links
+        self._order_only = order_only_matching(order_only)
+        self._reductions_after_transfers = reductions_wait_for_transfers(
+            topology.members.backend, reduce_after_transfers
+        )
         self.failure: Failure | None = None
         """How and where the last failed step failed on this rank."""
         self.spans: list[Span] = []
@@ -119,6 +130,7 @@ class StepRunner:
                 schedule.n_stages,
                 self.n_microbatches,
                 batches.rows,
+                order_only=self._order_only,
             )
         run = StepRun(
             self.rank,
@@ -130,7 +142,7 @@ class StepRunner:
             clock,
             self._weight_group_size,
             reducer=self._reducer,
-            reductions_after_transfers=reductions_wait_for_transfers(self.topology.members.backend),
+            reductions_after_transfers=self._reductions_after_transfers,
             wait_parameters=self.wait_parameters,
             weights=batches.weights,
         )

@@ -19,10 +19,12 @@ in :meth:`StepChannel.finish`.
 
 Tags are unique per (direction, boundary, micro-batch, tensor) within a step,
 which gloo honours; NCCL ignores tags and relies on the order of each link,
-which both sides follow. With :data:`ORDER_ONLY_VARIABLE` set to ``1`` every
-operation carries tag 0, so that gloo too matches by order only, as NCCL
-does: the test suite runs its distributed cases in that mode
-(``tests/test_runtime_order_only.py``), so that nothing comes to rely on tags.
+which both sides follow. A channel made with ``order_only=True`` (the pipeline
+option ``order_only_matching``, or :data:`ORDER_ONLY_VARIABLE` set to ``1`` when
+the pipeline is built) sends every operation with tag 0, so that gloo too
+matches by order only, as NCCL does: the test suite runs distributed cases in
+that mode (``tests/test_runtime_order_only.py``), so that nothing comes to rely
+on tags.
 
 Lifetimes: a send's tensor is held (with its handle) until
 :meth:`StepChannel.finish` or :meth:`StepChannel.drain` has waited for it, so
@@ -67,15 +69,17 @@ MAX_TENSORS = 64
 
 ORDER_ONLY_VARIABLE = "TWOBP_ORDER_ONLY_MATCHING"
 """Environment variable: ``1`` sends every point-to-point operation with tag 0
-(matching by order only, as on NCCL). Read when a step's channel is made."""
+(matching by order only, as on NCCL), as the pipeline option ``order_only_matching``
+does. Read once, when a pipeline is built (:func:`order_only_matching`)."""
 
 _TAG_CODE = {Direction.ACTIVATION: 0, Direction.GRADIENT: 1}
 _META_CODE = 2
 
 
-def order_only_matching() -> bool:
-    """True if :data:`ORDER_ONLY_VARIABLE` asks for every tag to be 0."""
-    return os.environ.get(ORDER_ONLY_VARIABLE, "") == "1"
+def order_only_matching(requested: bool = False) -> bool:
+    """Whether a pipeline's channels send every tag 0: if ``requested`` (its option
+    ``order_only_matching``), or if :data:`ORDER_ONLY_VARIABLE` asks for it now."""
+    return requested or os.environ.get(ORDER_ONLY_VARIABLE, "") == "1"
 
 
 @dataclass
@@ -147,6 +151,8 @@ class StepChannel:
         n_microbatches: micro-batches per step (to make tags unique).
         rows: the rows of each micro-batch (None: all alike). Micro-batches of
             as many rows share a layout.
+        order_only: send every operation with tag 0 (matching by order only, as
+            NCCL does).
     """
 
     def __init__(
@@ -160,6 +166,7 @@ class StepChannel:
         n_stages: int,
         n_microbatches: int,
         rows: Sequence[int] | None = None,
+        order_only: bool = False,
     ) -> None:
         self._plan = plan
         self._topology = topology
@@ -171,7 +178,7 @@ class StepChannel:
         self._n_stages = n_stages
         self._n_mb = n_microbatches
         self._rows = tuple(rows) if rows is not None else (0,) * n_microbatches
-        self._order_only = order_only_matching()
+        self._order_only = order_only
         self._split = links.split
         self._peers = {p: _Peer.of(p, ops) for p, ops in plan.peers.items()}
         self._posted: dict[tuple[Direction, int, int], _Posted] = {}

@@ -320,10 +320,12 @@ class StepRun:
 
 REDUCE_AFTER_TRANSFERS_VARIABLE = "TWOBP_REDUCE_AFTER_TRANSFERS"
 """Environment variable: ``1`` defers every ``R`` to the end of the step's transfers on any
-backend, as on NCCL (for the tests, which run gloo)."""
+backend, as on NCCL (for the tests, which run gloo), as the pipeline option
+``reduce_after_transfers`` does. Read once, when a pipeline is built
+(:func:`reductions_wait_for_transfers`)."""
 
 
-def reductions_wait_for_transfers(backend: str | None) -> bool:
+def reductions_wait_for_transfers(backend: str | None, requested: bool = False) -> bool:
     """Whether a step's reductions wait until its point-to-point transfers are complete.
 
     On NCCL they do: an all-reduce of ``R`` and a transfer in flight at the
@@ -333,9 +335,10 @@ def reductions_wait_for_transfers(backend: str | None) -> bool:
     transfers, a rank has only reductions in flight, started in one order on
     every rank (:func:`reduction_order`). Gloo progresses every operation on
     threads of its own: there ``R`` starts at once, overlapping the step's
-    remaining work. :data:`REDUCE_AFTER_TRANSFERS_VARIABLE` forces the NCCL rule.
+    remaining work. ``requested`` (the pipeline option ``reduce_after_transfers``) or
+    :data:`REDUCE_AFTER_TRANSFERS_VARIABLE` set to ``1`` now forces the NCCL rule.
     """
-    if os.environ.get(REDUCE_AFTER_TRANSFERS_VARIABLE, "") == "1":
+    if requested or os.environ.get(REDUCE_AFTER_TRANSFERS_VARIABLE, "") == "1":
         return True
     return backend is not None and "nccl" in backend
 
