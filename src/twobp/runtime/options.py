@@ -229,7 +229,8 @@ class PipelineOptions:
         return dataclasses.replace(self, **changed) if changed else self
 
     def check(self) -> None:
-        """Refuse what no rank could run, at once, before any collective work.
+        """Refuse what no rank could run, at once, before any collective work (the
+        planner refuses the rest on every rank, naming the rank: ``nonfinite``).
 
         Raises:
             PipelineConfigError: naming the option and what to give instead.
@@ -237,11 +238,6 @@ class PipelineOptions:
         check_recompute(self.recompute, self.memory_limit)
         check_two_bp(self.two_bp, self.schedule)
         check_microbatches(self.schedule, self.n_microbatches, self.costs)
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise PipelineConfigError(
-                f"nonfinite={self.nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
-                "'skip' (drop the step's gradients and go on)"
-            )
 
     @property
     def rebuilds(self) -> bool:
