@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import PipelineConfigError
+from twobp.schedule import SCHEDULES
 from twobp.schedule._timing import Costs
 from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.schedule import Schedule
@@ -238,6 +239,19 @@ class PipelineOptions:
         check_recompute(self.recompute, self.memory_limit)
         check_two_bp(self.two_bp, self.schedule)
         check_microbatches(self.schedule, self.n_microbatches, self.costs)
+        schedule = self.schedule
+        by_name = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
+        if self.rebuilds and not by_name:
+            raise PipelineConfigError(
+                f"recompute='auto' chooses the stashes to rebuild on a schedule it builds; "
+                f"schedule={schedule!r} is given whole: use a name or 'auto', or mark the "
+                "rebuilt micro-batches in the schedule yourself (IR and WR actions)"
+            )
+        if isinstance(self.costs, str) and self.costs == PROFILE and not by_name:
+            raise PipelineConfigError(
+                "costs='profile' places W by the measured costs of a schedule given by name; "
+                f"{schedule!r} is not one: use a name, or schedule='auto'"
+            )
 
     @property
     def rebuilds(self) -> bool:

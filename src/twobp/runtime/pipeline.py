@@ -153,6 +153,19 @@ class Pipeline:
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
     """
 
+    plan: AutoPlan | None = None
+    """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
+    ranking, the predicted step time (``print`` shows it); None otherwise, and until
+    the first step where ``auto`` plans on that step's inputs."""
+    two_bp_choice: SplitChoice | None = None
+    """With ``two_bp=None`` and an example input: which stages split their
+    backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
+    None otherwise."""
+    rebuild_choice: RebuildChoice | None = None
+    """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
+    ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
+    peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
+
     def __init__(
         self,
         blocks: nn.Sequential | Sequence[nn.Module],
@@ -197,40 +210,17 @@ class Pipeline:
         self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
-        self.device = requested if requested is not None else device_for(members)
+        self.device = _device(requested, members)
         """The device this rank computes on."""
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = default_device()
-            # Collectives of objects (timeline, balanced partition) use the current device.
-            torch.cuda.set_device(self.device)
         self.rank = members.rank
         """This process's rank in the process group."""
         self.autocast = self.options.autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
-        if self.autocast is not None:
-            try:
-                check_autocast_dtype(self.device, self.autocast)
-            except ValueError as error:
-                raise PipelineConfigError(
-                    f"rank {self.rank}: autocast={self.autocast}: {error}"
-                ) from None
+        _check_autocast(self.device, self.autocast, self.rank)
         set_threads_per_rank(members.local_size, self.options.num_threads)
         if self.options.retain_host_memory and self.device.type == "cpu":
             retain_freed_memory()
         grid = data_parallel_grid(members, self.options.data_parallel, mesh)
-        self.plan: AutoPlan | None = None
-        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
-        ranking, the predicted step time (``print`` shows it); None otherwise, and until
-        the first step where ``auto`` plans on that step's inputs."""
-        self.two_bp_choice: SplitChoice | None = None
-        """With ``two_bp=None`` and an example input: which stages split their
-        backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
-        None otherwise."""
-        self.rebuild_choice: RebuildChoice | None = None
-        """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
-        ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
-        peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:
@@ -812,6 +802,27 @@ def _plans_at_first_step(
         members, device, timeout, None, "building the pipeline", [given.example_input is not None]
     )
     return not any(row[0] for row in table)
+
+
+def _device(requested: torch.device | None, members: Membership) -> torch.device:
+    """This rank's device: the one asked for, or the group's (see ``device_for``); a CUDA
+    device becomes the current one (collectives of objects use it)."""
+    device = requested if requested is not None else device_for(members)
+    if device.type == "cuda":
+        if device.index is None:
+            device = default_device()
+        torch.cuda.set_device(device)
+    return device
+
+
+def _check_autocast(device: torch.device, dtype: torch.dtype | None, rank: int) -> None:
+    """Refuse an autocast dtype the device cannot run, naming the rank."""
+    if dtype is None:
+        return
+    try:
+        check_autocast_dtype(device, dtype)
+    except ValueError as error:
+        raise PipelineConfigError(f"rank {rank}: autocast={dtype}: {error}") from None
 
 
 def _detached(batch: Batch) -> Batch:

@@ -41,7 +41,7 @@ from twobp.runtime.setup.compile_trial import CompileTrial
 from twobp.runtime.setup.compiled_stages import compile_options, compile_stage
 from twobp.runtime.setup.data_parallel import make_reducer
 from twobp.runtime.setup.pipeline_plan import PipelinePlan, Trials
-from twobp.runtime.setup.replicas import local_aliases, shared_parameters
+from twobp.runtime.setup.replicas import SharedParameter, local_aliases, shared_parameters
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.model_state import PipelineState
@@ -326,64 +326,15 @@ def build_rank(
     shared = shared_parameters(blocks, ranges)
     aliases = local_aliases(shared, mine, blocks)
     memory = MemoryMeter(device)
-    stages: dict[int, Stage] = {}
-    problem: Exception | None = None
-    try:
-        module = module.to(device)
-        stages = _stages(
-            schedule,
-            topology.pp_rank,
-            ranges,
-            module,
-            loss_fn,
-            options,
-            recompute,
-            memory,
-            compile,
-            members.rank,
-        )
-    except Exception as exc:
-        problem = exc
-    # A rank that fails here tells the others, instead of leaving them at the first step.
-    agree(members, device, options.timeout, problem, "building the stages")
+    module, stages = _stages(
+        plan, topology.pp_rank, module, loss_fn, options, recompute, memory, compile, members
+    )
     modules = {s: stage.module for s, stage in stages.items()}
     reducer = make_reducer(members, topology, schedule, modules, shared, options.timeout)
     _check_reductions_placed(reducer, schedule, topology.pp_rank, members.rank)
-    state = PipelineState(
-        module=module,
-        rank=members.rank,
-        pp_rank=topology.pp_rank,
-        topology=topology,
-        device=device,
-        timeout=options.timeout,
-        schedule=schedule,
-        stage_blocks=ranges,
-        aliases=aliases,
-        written_blocks=frozenset(
-            i for s in topology.written_stages for i in ranges[schedule.model_stage(s)]
-        ),
-        tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
-        model_names=names,
-        grad_scaler=grad_scaler,
-    )
-    # Collective: every rank makes and warms up the links to its peers here, in one order.
-    links = (
-        make_links(members, schedule, grid, options.timeout, device)
-        if not members.is_single
-        else None
-    )
-    runner = StepRunner(
-        rank=members.rank,
-        pp_rank=topology.pp_rank,
-        device=device,
-        timeout=options.timeout,
-        topology=topology,
-        n_microbatches=schedule.n_microbatches,
-        stages=stages,
-        reducer=reducer,
-        weight_group_size=options.weight_group_size,
-        links=links,
-    )
+    state = _model_state(plan, module, members, topology, device, options, aliases, shared, names)
+    state.grad_scaler = grad_scaler
+    runner = _runner(members, topology, schedule, stages, reducer, options, grid, device)
     trial = None
     if compile is not None and compile.get("stages", "measured") == "measured":
         trial = CompileTrial(modules, f"rank {members.rank} ")
@@ -413,6 +364,37 @@ def build_rank(
     )
 
 
+def _model_state(
+    plan: PipelinePlan,
+    module: nn.Sequential,
+    members: Membership,
+    topology: Topology,
+    device: torch.device,
+    options: PipelineOptions,
+    aliases: dict[str, tuple[str, ...]],
+    shared: dict[int, SharedParameter],
+    names: ModelNames | None,
+) -> PipelineState:
+    """This rank's blocks as a model (parameters, state dicts, checkpoints)."""
+    schedule, ranges = plan.schedule, tuple(plan.ranges)
+    return PipelineState(
+        module=module,
+        rank=members.rank,
+        pp_rank=topology.pp_rank,
+        topology=topology,
+        device=device,
+        timeout=options.timeout,
+        schedule=schedule,
+        stage_blocks=ranges,
+        aliases=aliases,
+        written_blocks=frozenset(
+            i for s in topology.written_stages for i in ranges[schedule.model_stage(s)]
+        ),
+        tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
+        model_names=names,
+    )
+
+
 def _recompute_modes(
     options: PipelineOptions, schedule: Schedule, rank: int
 ) -> tuple[str | None, ...]:
@@ -427,46 +409,84 @@ def _recompute_modes(
 
 
 def _stages(
-    schedule: Schedule,
+    plan: PipelinePlan,
     pp_rank: int,
-    ranges: Sequence[range],
     module: nn.Sequential,
     loss_fn: LossFn,
     options: PipelineOptions,
     recompute: tuple[str | None, ...],
     memory: MemoryMeter,
     compile: dict[str, Any] | None,
-    rank: int,
-) -> dict[int, Stage]:
-    """This rank's stages over the blocks of ``module``."""
+    members: Membership,
+) -> tuple[nn.Sequential, dict[int, Stage]]:
+    """This rank's blocks on its device, and its stages over them; a rank that fails
+    here tells the others, instead of leaving them at the first step. Collective."""
+    schedule, ranges = plan.schedule, plan.ranges
     split = split_stages(schedule)
     modes = effective_modes(recompute, split)
     rebuilt = rebuilt_microbatches(schedule)
     autocast = options.autocast
     stages: dict[int, Stage] = {}
-    for s in schedule.stages_of(pp_rank):
-        model_stage = schedule.model_stage(s)
-        stage_module = nn.Sequential(
-            OrderedDict((str(i), getattr(module, str(i))) for i in ranges[model_stage])
-        )
-        if compile is not None:
-            compile_stage(stage_module, compile, split=s in split)
-        label = f"rank {rank} stage {s}"
-        stages[s] = Stage(
-            s,
-            schedule.pipeline_stages,
-            stage_module,
-            stage_gradients(stage_module, split=s in split, label=label),
-            loss_fn,
-            schedule.n_microbatches,
-            autocast=None if autocast is None else (memory.device.type, autocast),
-            model_stage=model_stage,
-            recompute=modes[s],
-            memory=memory,
-            label=label,
-            rebuilt=rebuilt.get(s, ()),
-        )
-    return stages
+    problem: Exception | None = None
+    try:
+        module = module.to(memory.device)
+        for s in schedule.stages_of(pp_rank):
+            model_stage = schedule.model_stage(s)
+            stage_module = nn.Sequential(
+                OrderedDict((str(i), getattr(module, str(i))) for i in ranges[model_stage])
+            )
+            if compile is not None:
+                compile_stage(stage_module, compile, split=s in split)
+            label = f"rank {members.rank} stage {s}"
+            stages[s] = Stage(
+                s,
+                schedule.pipeline_stages,
+                stage_module,
+                stage_gradients(stage_module, split=s in split, label=label),
+                loss_fn,
+                schedule.n_microbatches,
+                autocast=None if autocast is None else (memory.device.type, autocast),
+                model_stage=model_stage,
+                recompute=modes[s],
+                memory=memory,
+                label=label,
+                rebuilt=rebuilt.get(s, ()),
+            )
+    except Exception as exc:
+        problem = exc
+    agree(members, memory.device, options.timeout, problem, "building the stages")
+    return module, stages
+
+
+def _runner(
+    members: Membership,
+    topology: Topology,
+    schedule: Schedule,
+    stages: dict[int, Stage],
+    reducer: GradientReducer | None,
+    options: PipelineOptions,
+    grid: Sequence[Sequence[int]],
+    device: torch.device,
+) -> StepRunner:
+    """The step runner of this rank, with the links to its peers: every rank makes and
+    warms them up here, in one order. Collective."""
+    links = (
+        make_links(members, schedule, grid, options.timeout, device)
+        if not members.is_single
+        else None
+    )
+    return StepRunner(
+        rank=members.rank,
+        pp_rank=topology.pp_rank,
+        device=device,
+        timeout=options.timeout,
+        topology=topology,
+        n_microbatches=schedule.n_microbatches,
+        stages=stages,
+        reducer=reducer,
+        weight_group_size=options.weight_group_size,
+        links=links,
+    )
 
 
 def _check_reductions_placed(
