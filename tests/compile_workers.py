@@ -191,7 +191,7 @@ def _trial_choices(model: Callable[[], list[nn.Module]], options: dict[str, Any]
         name: {n: p.grad.clone() for n, p in pipe.module.named_parameters() if p.grad is not None}
         for name, pipe in pipes.items()
     }
-    trial = pipes["trial"]._compile_trial
+    trial = pipes["trial"]._parts.compile_trial
     assert trial is not None
     out = {"choices": choices, "grads": grads, "times": trial.times}
     for pipe in pipes.values():

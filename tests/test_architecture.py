@@ -46,7 +46,7 @@ RUNTIME_FLOORS = (
     {"execution"},
     {"state"},
     {"setup"},
-    {"pipeline_steps", "pipeline", "launch", "__init__"},
+    {"pipeline", "launch", "__init__"},
 )
 RUNTIME = SRC / "runtime"
 

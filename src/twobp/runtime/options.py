@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import PipelineConfigError
+from twobp.schedule import SCHEDULES
 from twobp.schedule._timing import Costs
 from twobp.schedule.prepare import ScheduleConfigError, split_per_stage
 from twobp.schedule.schedule import Schedule
@@ -247,7 +248,8 @@ class PipelineOptions:
         return dataclasses.replace(self, **changed) if changed else self
 
     def check(self) -> None:
-        """Refuse what no rank could run, at once, before any collective work.
+        """Refuse what no rank could run, at once, before any collective work (the
+        planner refuses the rest on every rank, naming the rank: ``nonfinite``).
 
         Raises:
             PipelineConfigError: naming the option and what to give instead.
@@ -255,10 +257,18 @@ class PipelineOptions:
         check_recompute(self.recompute, self.memory_limit)
         check_two_bp(self.two_bp, self.schedule)
         check_microbatches(self.schedule, self.n_microbatches, self.costs)
-        if self.nonfinite not in NONFINITE_POLICIES:
+        schedule = self.schedule
+        by_name = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
+        if self.rebuilds and not by_name:
             raise PipelineConfigError(
-                f"nonfinite={self.nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
-                "'skip' (drop the step's gradients and go on)"
+                f"recompute='auto' chooses the stashes to rebuild on a schedule it builds; "
+                f"schedule={schedule!r} is given whole: use a name or 'auto', or mark the "
+                "rebuilt micro-batches in the schedule yourself (IR and WR actions)"
+            )
+        if isinstance(self.costs, str) and self.costs == PROFILE and not by_name:
+            raise PipelineConfigError(
+                "costs='profile' places W by the measured costs of a schedule given by name; "
+                f"{schedule!r} is not one: use a name, or schedule='auto'"
             )
 
     @property

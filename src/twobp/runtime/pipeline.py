@@ -21,12 +21,10 @@ every rank; see :mod:`twobp.runtime.execution.step_start` and
 
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
-from functools import partial
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,26 +43,19 @@ from twobp.runtime.base.group import (
 from twobp.runtime.base.process_state import close_at_exit, forget
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
-from twobp.runtime.communication.agreement import agree, small_buffer
-from twobp.runtime.communication.layout_cache import LayoutCache
-from twobp.runtime.communication.links import make_links
+from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import (
     PipelineClosedError,
     PipelineConfigError,
-    nonfinite_error,
 )
-from twobp.runtime.execution.backward import stage_gradients
-from twobp.runtime.execution.memory import MemoryMeter, memory_stats
 from twobp.runtime.execution.microbatch import (
     Batch,
-    concat_microbatches,
     flatten,
     to_device,
     unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
-from twobp.runtime.execution.step_start import StepBatches, StepInputs, start_step
 from twobp.runtime.options import (
     AUTO,
     AUTO_MICROBATCHES,
@@ -72,31 +63,21 @@ from twobp.runtime.options import (
     CostsArgument,
     PipelineOptions,
 )
-from twobp.runtime.pipeline_steps import StepRunner
-from twobp.runtime.setup.auto.plan import AutoPlan, Contender
-from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
-from twobp.runtime.setup.compile_trial import CompileTrial
-from twobp.runtime.setup.compiled_stages import compile_options, compile_stage
-from twobp.runtime.setup.data_parallel import data_parallel_grid, make_reducer
+from twobp.runtime.setup.auto.plan import AutoPlan
+from twobp.runtime.setup.compiled_stages import compile_options
+from twobp.runtime.setup.data_parallel import data_parallel_grid
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
-from twobp.runtime.setup.pipeline_plan import Trials, plan_pipeline
-from twobp.runtime.setup.replicas import local_aliases, shared_parameters, tied_across_blocks
+from twobp.runtime.setup.pipeline_plan import plan_pipeline
+from twobp.runtime.setup.rank_parts import RankParts, build_rank, contender_trials
+from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.state import checkpoint
-from twobp.runtime.state.accumulation import EarlierGradients
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
-from twobp.runtime.state.optimizer_and_rng import parameter_names
-from twobp.runtime.state.sharded_optimizer import ShardedParameters
 from twobp.schedule import SCHEDULES
-from twobp.schedule.action import Action, Kind
-from twobp.schedule.lowering import add_communication, forward_only, is_split, split_stages
-from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.transfers import CommPlan, plan_communication
 from twobp.sim.rebuild_choice import RebuildChoice
-from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
 
@@ -117,6 +98,13 @@ def _same_doc(method: Callable[..., Any]) -> Callable[[_F], _F]:
 class Pipeline:
     """A model run as a pipeline of stages over the ranks of a process group.
 
+    A thin facade over two things: the plan every rank runs (the schedule and
+    the blocks of every stage, :mod:`twobp.runtime.setup.pipeline_plan`) and
+    this rank's parts built from it (stages, reducer, model state, step runner:
+    :class:`twobp.runtime.setup.rank_parts.RankParts`). A pipeline that plans
+    on its first step's batch (``schedule="auto"`` without ``example_input``,
+    or ``n_microbatches="auto"``) has no parts until then (see :meth:`plan_on`).
+
     Args:
         blocks: the whole model as an ``nn.Sequential`` or a list of modules,
             built identically on every rank; for a model written as one
@@ -128,123 +116,20 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar``, the mean over one
             micro-batch; or ``-> (sum, count)`` for an exact mean over the whole
             batch when micro-batches count different numbers of items (padding).
-        schedule: a name of :data:`twobp.schedule.SCHEDULES`, a ``Schedule``,
-            the path of a CSV file, or ``"auto"``: profile the blocks on
-            ``example_input`` (or plan on ``costs``), simulate every schedule,
-            2BP policy, W group cap and stages per rank, and run the fastest
-            that fits ``memory_limit`` (see :attr:`plan`).
-        n_microbatches: micro-batches per step; None takes a Schedule's or
-            CSV's own count, and 8 for a name; ``"auto"`` (with
-            ``schedule="auto"``): chosen with the schedule for the first step's
-            batch among ``p``, ``2p``, ``4p`` and ``8p`` (those that divide it;
-            every count gives the same gradient), each profiled on its own
-            micro-batch; later batches are cut into the same count.
-        two_bp: True splits each backward into ``I`` and ``W`` (placing ``W`` by
-            ``two_bp_policy``); False runs fused ``B`` (split schedules are merged);
-            a list of one bool per stage of the model splits those given True
-            only. None (the default): for a schedule by name given an
-            ``example_input``, rank 0 profiles the blocks and the pipeline
-            splits the stages where the simulator finds that 2BP makes the step
-            faster (``pipe.two_bp_choice`` says which, and by how much);
-            without an example input (or for a ``Schedule`` or CSV), True.
-        partition: blocks per stage (one int per stage), ``"uniform"``, ``"balanced"``
-            or None: uniform, but balanced (profiled on ``example_input``) for a
-            V-shaped schedule (``zb-v``, ``dualpipev``) given an example input.
-        two_bp_policy: ``"paper"``, ``"eager"`` or ``"fill"`` (see ``apply_two_bp``).
-        stages_per_rank: stages per rank for a schedule name (None: its default).
+        schedule, n_microbatches, two_bp, partition and every other keyword
+            not listed here: the fields of
+            :class:`twobp.runtime.options.PipelineOptions`, documented there.
+        options: the options whole (``PipelineOptions``); a keyword given
+            besides them that is not its field's default changes that option.
         device: this rank's device; None picks ``cuda:LOCAL_RANK`` if CUDA is
             available and the backend can use it (NCCL), else the CPU.
-        timeout: seconds a rank waits on a peer before raising ``PeerTimeoutError``.
-        weight_group_size: passed to the engine's ``backward_weight`` for each ``W``.
         group: the process group to use; None uses the default group (initialised
             from ``torchrun``'s environment if needed), or a single process world.
-        num_threads: intra-op threads of this rank; None shares the cores between
-            the ranks of this machine unless ``OMP_NUM_THREADS`` is set.
-        example_input: one micro-batch of model inputs, needed by
-            ``partition="balanced"`` (rank 0 profiles the blocks on it).
-        nonfinite: what :meth:`step` does when the mean loss is NaN or
-            infinite: ``"raise"`` :class:`NonFiniteLossError`, or ``"skip"``
-            the step (see :attr:`last_step_skipped`). Either way the step's
-            gradients are dropped on every rank.
-        autocast: run every stage's forward (and loss) under
-            ``torch.autocast(device type, autocast)``, e.g. ``torch.bfloat16``:
-            float32 master weights, the 2BP engine's I and W in autocast's dtypes.
-            None: no autocast.
-        data_parallel: run ``D`` copies of the pipeline on ``D x P`` ranks
-            (copy ``d`` on ranks ``d * P .. d * P + P - 1``); each copy passes
-            its own part of the global batch, ``n_microbatches`` counts the
-            micro-batches of that part, and each stage's gradients are
-            all-reduced over its copies by the schedule's ``R`` action, as
-            soon as the stage's last ``W`` is done. None: 1, or the mesh's.
         mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` with dims
-            ``("dp", "pp")`` that lays out the copies instead.
-        costs: the cost model by which the ``paper`` and ``fill`` policies place
-            ``W`` (a ``twobp.sim.CostModel``, a mapping ``{"F": t, "I": t,
-            "W": t}``, or the path of a cost JSON as ``twobp profile`` writes
-            it); with the same costs the placement is the one ``twobp plan``
-            simulates. None: unit times. ``"profile"``: measure the blocks on
-            ``example_input`` and place ``W`` by their costs, grouped where a
-            concatenated ``W`` is cheaper (zero-bubble schedules too; see
-            :attr:`plan`). With ``schedule="auto"``, a cost model to choose by
-            instead of profiling.
-        recompute: trade compute for memory (see :mod:`twobp.sim.recompute`):
-            ``"activations"`` keeps only each stage's inputs from ``F`` until
-            ``I`` (or ``B``) and runs the forward again there; ``"derivatives"``
-            keeps only the inputs and output gradients from ``I`` until ``W``,
-            whose stash ``W`` rebuilds by running the forward and input pass
-            again; ``"all"`` both; or a list with one mode (or None) per
-            stage of the model. Random states are replayed, so gradients are
-            unchanged. ``"auto"`` (with ``memory_limit``): run what the
-            pipeline runs without it (the same schedule, 2BP stages and
-            partition) if the simulator predicts it fits the limit, on the
-            profiled costs (or ``costs=``); else rebuild the fewest stashes
-            that fit, chosen per stage and micro-batch (see
-            :attr:`rebuild_choice`); the schedule shows which (``IR`` and ``WR``
-            actions: :func:`twobp.schedule.rebuild.rebuilt_microbatches`), and
-            with ``schedule="auto"`` the planner ranks it against every other
-            schedule. None: keep everything.
-        memory_limit: for ``schedule="auto"`` (or ``recompute="auto"``), the
-            most bytes a rank may hold (parameters and their gradients,
-            activations, stored W inputs as the simulator counts them), a
-            number or a size such as ``"2GiB"``.
-        optimizer_state_bytes: for ``schedule="auto"`` (or ``recompute="auto"``),
-            the bytes of optimizer state each parameter adds, held all the
-            time, counted against ``memory_limit`` (AdamW in float32: 8; with
-            float32 masters of half-precision parameters: 12). 0: not counted.
-        optimizer_sharded: for ``schedule="auto"`` (or ``recompute="auto"``),
-            the optimizer will be :meth:`shard_optimizer`'s: each holder of a
-            stage counts ``1/n`` of its optimizer state, ``R`` is timed as a
-            reduce-scatter and the gather of the updated parameters as the
-            runtime waits for it.
-        retain_host_memory: on a CPU device, make the process keep the memory
-            it frees for its next allocations instead of giving it back to the
-            system after every step, where the next step's activations would
-            fault their pages in again (glibc's malloc; see
-            :mod:`twobp.runtime.setup.host_memory`). A setting of the whole
-            process, like ``num_threads``; the resident memory stays at its
-            peak. False leaves the allocator as it is.
-        auto_trials: for ``schedule="auto"`` on measured costs, how many
-            schedules run a few trial steps before the pipeline settles on
-            the fastest measured: the simulator's choice and the fastest
-            simulated candidate of each other schedule and stage count (see
-            :mod:`twobp.runtime.setup.auto.trials`; the times show in
-            :attr:`plan`). The simulator cannot tell apart schedules within a
-            few per cent of each other; the trials can. 0 or 1: run the
-            simulator's choice. Rank 0's count counts.
-        compile: compile each block with ``torch.compile`` (in place: the
-            parameter names stay). In a 2BP stage the graph is cut at the
-            calls that read parameters, which defer their weight gradients as
-            in eager mode, and the regions between are compiled (see
-            :mod:`twobp.engine.compiled`). True: inductor; a dict:
-            ``torch.compile``'s keywords (``backend``, ``mode``, ``dynamic``).
-            Blocks the user compiled keep 2BP without it.
-        order_only_matching: send every point-to-point operation with tag 0,
-            so that gloo too matches them by order only, as NCCL does (also
-            with ``TWOBP_ORDER_ONLY_MATCHING=1`` in the environment, read
-            once, here; see docs/reliability.md).
-        reduce_after_transfers: start the reductions of ``R`` only once the
-            step's transfers are complete on any backend, as on NCCL (also
-            with ``TWOBP_REDUCE_AFTER_TRANSFERS=1``, read once, here).
+            ``("dp", "pp")`` that lays out the data-parallel copies.
+        example_input: one micro-batch of model inputs, on which rank 0
+            profiles the blocks (``partition="balanced"``, ``two_bp=None``,
+            ``costs="profile"``, ``schedule="auto"``, ``recompute="auto"``).
         grad_scaler: a :class:`twobp.GradScaler` for float16 (with
             ``autocast=torch.float16``): every micro-batch's loss is
             multiplied by its scale before its backward, so I and W see scaled
@@ -255,10 +140,6 @@ class Pipeline:
             An overflow is then a skipped step, not a ``NonFiniteLossError``
             (a loss that is not finite itself still follows ``nonfinite``).
             None: no loss scaling.
-
-    Every argument after ``loss_fn`` is a field of
-    :class:`twobp.runtime.options.PipelineOptions`, documented there too, and
-    :attr:`options` holds them.
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -271,6 +152,19 @@ class Pipeline:
             other models (it names the ranks and the first differing block).
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
     """
+
+    plan: AutoPlan | None = None
+    """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
+    ranking, the predicted step time (``print`` shows it); None otherwise, and until
+    the first step where ``auto`` plans on that step's inputs."""
+    two_bp_choice: SplitChoice | None = None
+    """With ``two_bp=None`` and an example input: which stages split their
+    backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
+    None otherwise."""
+    rebuild_choice: RebuildChoice | None = None
+    """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
+    ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
+    peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
 
     def __init__(
         self,
@@ -307,205 +201,93 @@ class Pipeline:
         options: PipelineOptions | None = None,
     ) -> None:
         keywords = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
-        self._released = False
-        all_blocks = as_blocks(blocks)
-        names = model_names_of(blocks)
         self.options = (options or PipelineOptions()).updated(keywords)
         """What this pipeline was built with (:class:`twobp.runtime.options.PipelineOptions`):
         ``options``, with every keyword given that is not its default taken instead."""
         self.options.check()
-        # The pipeline keeps neither the process group nor a mesh of groups alive (destroying
-        # the group ends it, see close()): only planning, at the first step, sees them.
-        given = _Given(self.options, example_input, group, mesh)
-        timeout, num_threads = self.options.timeout, self.options.num_threads
-        autocast, compile = self.options.autocast, self.options.compile
-        data_parallel = self.options.data_parallel
-        self._compile = compile_options(compile)
-        self._compile_trial: CompileTrial | None = None
+        self._parts: RankParts | None = None
+        self._closed_unplanned = False
+        self._compile = compile_options(self.options.compile)
         _check_grad_scaler(grad_scaler, self)
-        self.timeout = float(timeout)
+        self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
-        self.device = requested if requested is not None else device_for(members)
+        self.device = _device(requested, members)
         """The device this rank computes on."""
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = default_device()
-            # Collectives of objects (timeline, balanced partition) use the current device.
-            torch.cuda.set_device(self.device)
         self.rank = members.rank
         """This process's rank in the process group."""
-        if autocast is not None:
-            try:
-                check_autocast_dtype(self.device, autocast)
-            except ValueError as error:
-                raise PipelineConfigError(
-                    f"rank {self.rank}: autocast={autocast}: {error}"
-                ) from None
-        set_threads_per_rank(members.local_size, num_threads)
+        self.autocast = self.options.autocast
+        """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
+        _check_autocast(self.device, self.autocast, self.rank)
+        set_threads_per_rank(members.local_size, self.options.num_threads)
         if self.options.retain_host_memory and self.device.type == "cpu":
             retain_freed_memory()
-        grid = data_parallel_grid(members, data_parallel, mesh)
-        self.autocast = autocast
-        """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
-        self.plan: AutoPlan | None = None
-        """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
-        ranking, the predicted step time (``print`` shows it); None otherwise, and until
-        the first step where ``auto`` plans on that step's inputs."""
-        self.two_bp_choice: SplitChoice | None = None
-        self.rebuild_choice: RebuildChoice | None = None
+        grid = data_parallel_grid(members, self.options.data_parallel, mesh)
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:
             grad_scaler.bind(self, members, self.device, self.timeout)
-        self._pending: _Pending | None = None
-        self._closed_unplanned = False
         # Known before planning, so that each copy can pass its own part of the first batch.
         self.dp_rank = next(d for d, row in enumerate(grid) if members.rank in row)
+        """Which copy of the pipeline this process belongs to (0 without data parallel)."""
         self.dp_size = len(grid)
-        if _plans_at_first_step(given, members, self.device, self.timeout):
-            # Every block until the first step: an optimizer built on parameters() now
-            # holds this rank's too (the others never get a gradient here).
-            self._pending = _Pending(all_blocks, names, loss_fn, given, members, grid)
-            close_at_exit(self)
-            return
-        self._build(all_blocks, names, loss_fn, given, members, grid, None)
+        """How many copies of the pipeline run side by side."""
+        given = _Given(self.options, example_input, group, mesh)
+        self._pending: _Pending | None = _Pending(
+            as_blocks(blocks), model_names_of(blocks), loss_fn, given, members, grid
+        )
+        if not _plans_at_first_step(given, members, self.device, self.timeout):
+            self._ensure_planned(None)
+        close_at_exit(self)
 
-    def _build(
-        self,
-        all_blocks: list[nn.Module],
-        names: Any,
-        loss_fn: LossFn,
-        given: _Given,
-        members: Membership,
-        grid: list[list[int]],
-        sample: Batch | None,
-    ) -> None:
-        """Plan the schedule (on ``sample``, the first step's inputs, if given) and build
-        this rank's stages, its reducer and its step runner. Collective."""
+    def _ensure_planned(self, sample: Batch | None) -> RankParts:
+        """This rank's parts; planned and built now (on ``sample``, the first step's
+        inputs, shared from rank 0) if not yet. Collective when it plans."""
+        if self._parts is not None:
+            return self._parts
+        pending = self._pending
+        if pending is None:
+            raise PipelineClosedError(
+                f"rank {self.rank}: this pipeline was closed; build a new Pipeline to go on"
+            )
+        given, members = pending.given, pending.members
         plan = plan_pipeline(
-            all_blocks,
+            pending.blocks,
             members,
             self.device,
             given.options,
             example_input=given.example_input,
-            pipeline_ranks=grid[0],
-            trials=_trials(all_blocks, given, members, self.device, sample),
-            data_parallel=len(grid),
-            tied=tied_across_blocks(all_blocks),
+            pipeline_ranks=pending.grid[0],
+            trials=contender_trials(
+                pending.blocks,
+                given.options,
+                given.example_input,
+                members,
+                self.device,
+                pending.grid,
+                sample,
+            ),
+            data_parallel=len(pending.grid),
+            tied=tied_across_blocks(pending.blocks),
             sample=sample,
         )
-        self.plan = plan.auto
-        self.two_bp_choice = plan.two_bp
-        """With ``two_bp=None`` and an example input: which stages split their
-        backward, with the predicted steps (:class:`twobp.sim.split_choice.SplitChoice`);
-        None otherwise."""
-        self.rebuild_choice = plan.rebuilds
-        """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
-        ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
-        peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
-        self.schedule = plan.schedule
-        """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
-        self.topology = Topology.replicated(members, self.schedule, grid)
-        """Which process runs each stage, and which hold its replicas."""
-        self.pp_rank = self.topology.pp_rank
-        """This process's pipeline rank: its row of the schedule."""
-        self.dp_rank = self.topology.dp_rank
-        """Which copy of the pipeline this process belongs to (0 without data parallel)."""
-        self.dp_size = self.topology.dp_size
-        """How many copies of the pipeline run side by side."""
-        self.n_microbatches = self.schedule.n_microbatches
-        self.nonfinite = given.options.nonfinite
-        try:
-            # Under "auto" the schedule says which stashes are rebuilt (IR and WR), no mode.
-            mode = None if given.options.rebuilds else given.options.recompute
-            per_model_stage = parse_recompute(mode, self.schedule.pipeline_stages)
-            self.recompute = tuple(
-                per_model_stage[self.schedule.model_stage(s)] for s in range(self.schedule.n_stages)
-            )
-            """The recompute mode of every stage (None: none); a list names one per model stage."""
-        except ValueError as error:
-            raise PipelineConfigError(f"rank {self.rank}: {error}") from None
-        ranges = plan.ranges
-        self.stage_blocks = ranges
-        """The block indices of every stage (all stages, not only this rank's)."""
-        self.module = nn.Sequential()
-        """This rank's blocks, named by their index in the whole model."""
-        self.stages: dict[int, Stage] = {}
-        shared = shared_parameters(all_blocks, ranges)
-        aliases = local_aliases(shared, self._local_blocks(), all_blocks)
-        problem: Exception | None = None
-        try:
-            self._build_stages(all_blocks, loss_fn)
-        except Exception as exc:
-            problem = exc
-        del all_blocks
-        # A rank that fails here tells the others, instead of leaving them at the first step.
-        agree(members, self.device, self.timeout, problem, "building the stages")
-        self._reducer = make_reducer(
+        self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
+        self._parts = build_rank(
+            plan,
+            pending.blocks,
+            pending.loss_fn,
             members,
-            self.topology,
-            self.schedule,
-            {s: stage.module for s, stage in self.stages.items()},
-            shared,
-            self.timeout,
-        )
-        self._check_reductions_placed()
-        self.state = PipelineState(
-            module=self.module,
-            rank=self.rank,
-            pp_rank=self.pp_rank,
-            topology=self.topology,
-            device=self.device,
-            timeout=self.timeout,
-            schedule=self.schedule,
-            stage_blocks=ranges,
-            aliases=aliases,
-            written_blocks=frozenset(
-                i
-                for s in self.topology.written_stages
-                for i in ranges[self.schedule.model_stage(s)]
-            ),
-            tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
-            model_names=None if names is None else ModelNames(names),
+            self.device,
+            given.options,
+            pending.grid,
+            names=None if pending.names is None else ModelNames(pending.names),
+            compile=self._compile,
             grad_scaler=self.grad_scaler,
         )
-        """This rank's blocks as a model: parameters, state dicts, checkpoints
-        (:class:`twobp.runtime.state.model_state.PipelineState`)."""
-        self.lowered_schedule = add_communication(self.schedule)
-        """The schedule with its transfers between ranks: what this pipeline runs."""
-        self._plan = plan_communication(self.schedule, self.pp_rank)
-        # Collective: every rank makes and warms up the links to its peers here, in one order.
-        links = (
-            make_links(members, self.schedule, grid, self.timeout, self.device)
-            if not members.is_single
-            else None
-        )
-        self._layouts = LayoutCache()
-        self._eval_layouts = LayoutCache()
-        self._forward_schedule: Schedule | None = None
-        self._forward_plan: CommPlan | None = None
-        self._steps = StepRunner(
-            rank=self.rank,
-            pp_rank=self.pp_rank,
-            device=self.device,
-            timeout=self.timeout,
-            topology=self.topology,
-            n_microbatches=self.n_microbatches,
-            stages=self.stages,
-            reducer=self._reducer,
-            weight_group_size=given.options.weight_group_size,
-            links=links,
-            order_only=given.options.order_only_matching,
-            reduce_after_transfers=given.options.reduce_after_transfers,
-        )
-        self._earlier_gradients = EarlierGradients()
-        self._start_buffer = small_buffer(members.size, self.device)
-        self.skipped_steps: list[int] = []
-        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
-        self.last_step_skipped = False
-        """True if the last step's loss was not finite and its gradients were dropped."""
-        close_at_exit(self)
+        # The pipeline keeps neither the blocks it does not run, nor the process group or
+        # mesh (destroying the group ends it, see close()), nor the example micro-batch.
+        self._pending = None
+        return self._parts
 
     def plan_on(self, inputs: Batch | None) -> None:
         """Plan now on this batch of inputs, as the first step does. Collective.
@@ -526,7 +308,7 @@ class Pipeline:
                 not split; and what planning raises.
         """
         pending = self._pending
-        if pending is None:
+        if self._parts is not None or pending is None:
             return
         sample: Any = None
         if pending.members.rank == 0:
@@ -542,93 +324,89 @@ class Pipeline:
                 f"but {sample}: pass the batch on rank 0, or give example_input= when building "
                 "the pipeline"
             )
-        self._build(
-            pending.blocks,
-            pending.names,
-            pending.loss_fn,
-            pending.given,
-            pending.members,
-            pending.grid,
-            sample,
-        )
-        self._pending = None
+        self._ensure_planned(sample)
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for what a pipeline that plans at its first step does not have yet.
-        if self.__dict__.get("_closed_unplanned"):
+    def _planned(self, name: str) -> RankParts:
+        """The parts, for ``name``, which a pipeline has only once planned."""
+        if self._parts is not None:
+            return self._parts
+        if self._closed_unplanned:
             raise PipelineClosedError(
-                f"rank {self.__dict__.get('rank')}: this pipeline was closed; build a new "
-                "Pipeline to go on"
+                f"rank {self.rank}: this pipeline was closed; build a new Pipeline to go on"
             )
-        if self.__dict__.get("_pending") is not None:
-            raise PipelineConfigError(
-                f"rank {self.__dict__.get('rank')}: this pipeline plans its schedule on the "
-                "first step's batch (schedule='auto' without example_input, or "
-                f"n_microbatches='auto') and has no {name} until then: run a step first, or "
-                "call plan_on(inputs)"
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise PipelineConfigError(
+            f"rank {self.rank}: this pipeline plans its schedule on the first step's batch "
+            "(schedule='auto' without example_input, or n_microbatches='auto') and has no "
+            f"{name} until then: run a step first, or call plan_on(inputs)"
+        )
 
-    def _local_blocks(self) -> list[int]:
-        """The indices of this rank's blocks, in model order."""
-        schedule, ranges = self.schedule, self.stage_blocks
-        mine = schedule.stages_of(self.pp_rank)
-        return sorted({i for s in mine for i in ranges[schedule.model_stage(s)]})
+    # -- what the plan and the parts say -------------------------------------------------
 
-    def _build_stages(self, all_blocks: list[nn.Module], loss_fn: LossFn) -> None:
-        """Keep this rank's blocks, on its device, as its stages."""
-        schedule, ranges = self.schedule, self.stage_blocks
-        self.module = nn.Sequential(
-            OrderedDict((str(i), all_blocks[i]) for i in self._local_blocks())
-        ).to(self.device)
-        split = split_stages(schedule)
-        self._memory = MemoryMeter(self.device)
-        modes = effective_modes(self.recompute, split)
-        rebuilt = rebuilt_microbatches(schedule)
-        for s in schedule.stages_of(self.pp_rank):
-            model_stage = schedule.model_stage(s)
-            module = nn.Sequential(
-                OrderedDict((str(i), getattr(self.module, str(i))) for i in ranges[model_stage])
-            )
-            if self._compile is not None:
-                compile_stage(module, self._compile, split=s in split)
-            self.stages[s] = Stage(
-                s,
-                schedule.pipeline_stages,
-                module,
-                stage_gradients(module, split=s in split, label=f"rank {self.rank} stage {s}"),
-                loss_fn,
-                self.n_microbatches,
-                autocast=None if self.autocast is None else (self.device.type, self.autocast),
-                model_stage=model_stage,
-                recompute=modes[s],
-                memory=self._memory,
-                label=f"rank {self.rank} stage {s}",
-                rebuilt=rebuilt.get(s, ()),
-            )
-        if self._compile is not None and self._compile.get("stages", "measured") == "measured":
-            self._compile_trial = CompileTrial(
-                {s: stage.module for s, stage in self.stages.items()}, f"rank {self.rank} "
-            )
+    @property
+    def schedule(self) -> Schedule:
+        """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
+        return self._planned("schedule").schedule
 
-    def _check_reductions_placed(self) -> None:
-        """Every stage that reduces gradients here has its ``R`` in the schedule.
+    @property
+    def lowered_schedule(self) -> Schedule:
+        """The schedule with its transfers between ranks: what this pipeline runs."""
+        return self._planned("lowered_schedule").lowered_schedule
 
-        The preparation pass places them (:func:`twobp.schedule.prepare.reduces`);
-        a stage whose ``R`` were missing would never start its all-reduce.
+    @property
+    def topology(self) -> Topology:
+        """Which process runs each stage, and which hold its replicas."""
+        return self._planned("topology").topology
 
-        Raises:
-            PipelineConfigError: naming the stages, if a given schedule lacks them.
-        """
-        if self._reducer is None:
-            return
-        placed = {a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.REDUCE}
-        missing = sorted(set(self._reducer.stages) - placed)
-        if missing:
-            raise PipelineConfigError(
-                f"rank {self.rank}: stages {missing} hold gradients reduced over several "
-                f"ranks, but the schedule {self.schedule.name or ''} has no R for them"
-            )
+    @property
+    def pp_rank(self) -> int:
+        """This process's pipeline rank: its row of the schedule."""
+        return self._planned("pp_rank").pp_rank
+
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches per step (of this copy's part of the batch)."""
+        return self._planned("n_microbatches").schedule.n_microbatches
+
+    @property
+    def nonfinite(self) -> str:
+        """``"raise"`` or ``"skip"`` a step whose mean loss is not finite."""
+        return self.options.nonfinite
+
+    @property
+    def recompute(self) -> tuple[str | None, ...]:
+        """The recompute mode of every stage (None: none); a list names one per model stage."""
+        return self._planned("recompute").recompute
+
+    @property
+    def stage_blocks(self) -> tuple[range, ...]:
+        """The block indices of every stage (all stages, not only this rank's)."""
+        return self._planned("stage_blocks").stage_blocks
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This rank's blocks, named by their index in the whole model."""
+        return self._planned("module").module
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        """This rank's stages, by stage."""
+        return self._planned("stages").stages
+
+    @property
+    def state(self) -> PipelineState:
+        """This rank's blocks as a model: parameters, state dicts, checkpoints
+        (:class:`twobp.runtime.state.model_state.PipelineState`)."""
+        return self._planned("state").state
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
+        return self._planned("skipped_steps").settlement.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True if the last step's loss was not finite and its gradients were dropped."""
+        return self._planned("last_step_skipped").settlement.last_step_skipped
 
     # -- the model state (this rank's blocks as a model; see PipelineState) -----------
 
@@ -737,27 +515,17 @@ class Pipeline:
         the runtime closes every pipeline still open when the interpreter exits.
         Not collective.
         """
-        if self._pending is not None or self._closed_unplanned:
-            self._pending, self._closed_unplanned = None, True
-            forget(self)
+        if self._parts is None:
+            if self._pending is not None or self._closed_unplanned:
+                self._pending, self._closed_unplanned = None, True
+                forget(self)
             return
-        if self.state.closed:
+        if self._parts.state.closed:
             return
-        self.state.closed = True
         forget(self)
-        scaler = getattr(self, "grad_scaler", None)
-        if scaler is not None:
-            scaler.unbind(self)
-        for stage in self.stages.values():
-            stage.abandon_step()
-            # The blocks are free again: another pipeline may be built on them.
-            stage.gradients.restore()
-        self._steps.abandon_reductions()
-        if self.state.sharded is not None:
-            self.state.sharded.abandon()
-        self._layouts.clear()
-        self._eval_layouts.clear()
-        self._forward_plan = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.unbind(self)
+        self._parts.close()
 
     def release_blocks(self) -> None:
         """Let another pipeline on the same blocks run its steps until :meth:`claim_blocks`.
@@ -769,10 +537,7 @@ class Pipeline:
         steps. Not collective; between steps only. :meth:`step` refuses to run
         until the blocks are claimed again.
         """
-        self.state.check_open()
-        for stage in self.stages.values():
-            stage.gradients.release()
-        self._released = True
+        self._planned("release_blocks").release_blocks()
 
     def claim_blocks(self) -> None:
         """Hold the blocks again after :meth:`release_blocks`.
@@ -780,17 +545,7 @@ class Pipeline:
         Raises:
             twobp.engine.TwoStageBackwardError: if another open pipeline holds them.
         """
-        self.state.check_open()
-        claimed: list[Stage] = []
-        try:
-            for stage in self.stages.values():
-                stage.gradients.claim()
-                claimed.append(stage)
-        except Exception:
-            for stage in claimed:
-                stage.gradients.release()
-            raise
-        self._released = False
+        self._planned("claim_blocks").claim_blocks()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -857,52 +612,8 @@ class Pipeline:
             PeerError: if a peer is gone or times out; then end the process
                 (``torchrun`` can restart the group, and a checkpoint resumes the run).
         """
-        if self._pending is not None:
-            self.plan_on(inputs)
-        self.state.check_open()
-        if self._released:
-            raise PipelineConfigError(
-                f"rank {self.rank}: this pipeline released its blocks (release_blocks()); "
-                "call claim_blocks() before its next step"
-            )
-        batches = self._prepare(inputs, targets, training=True)
-        scale = 1.0 if self.grad_scaler is None else self.grad_scaler.loss_scale()
-        for stage in self.stages.values():
-            stage.set_loss_scale(scale)
-        # The step reduces and settles its own gradients only (see accumulation).
-        self._earlier_gradients.set_aside(self.module.parameters())
-        if self._compile_trial is not None:
-            self._compile_trial.before_step()
-        try:
-            _, end = self._steps.run_step(self.lowered_schedule, self._plan, batches, True)
-        except BaseException:
-            self._earlier_gradients.put_back()
-            if self.state.sharded is not None:
-                self.state.sharded.discard()
-            self._layouts.forget(batches.code)
-            raise
-        loss, first_bad, bad_rank = end.loss, end.first_bad, end.bad_rank
-        assert loss is not None
-        if self._compile_trial is not None:
-            self._compile_trial.after_step(self._steps.spans)
-        if end.count is not None and math.isfinite(loss):
-            self._divide_gradients(end.count / self.topology.dp_size)
-        step = self.state.step_count
-        self.state.step_count += 1
-        self.last_step_skipped = not math.isfinite(loss)
-        if self.last_step_skipped:
-            # Every rank learnt the loss from the last stage: all drop the step alike.
-            self._earlier_gradients.put_back()
-            if self.state.sharded is not None:
-                self.state.sharded.discard()
-            if self.nonfinite == "raise":
-                raise nonfinite_error(self.rank, step, loss, first_bad, bad_rank)
-            self.skipped_steps.append(step)
-        else:
-            self._earlier_gradients.add_back()
-            if self.state.sharded is not None:
-                self.state.sharded.commit()
-        return loss
+        self.plan_on(inputs)
+        return self._planned("step").step(inputs, targets)
 
     def shard_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any
@@ -941,54 +652,8 @@ class Pipeline:
                 ``optimizer_kwargs`` name ``params`` (the returned optimizer's
                 ``add_param_group`` raises it too: one param group only).
         """
-        self.state.check_open()
-        is_class = isinstance(optimizer_class, type)
-        if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise PipelineConfigError(
-                f"shard_optimizer({optimizer_class!r}): pass an optimizer class such as "
-                "torch.optim.AdamW, and its arguments as keywords"
-            )
-        if "params" in optimizer_kwargs:
-            raise PipelineConfigError(
-                f"rank {self.rank}: shard_optimizer makes the optimizer's parameters itself (this "
-                "rank's shards, in one param group); pass only its options (lr=..., "
-                "weight_decay=...). Param groups with other options per parameter are not "
-                "supported on a sharded optimizer: use one setting for all, or a plain "
-                "optimizer over pipe.parameters() with your groups"
-            )
-        if self.state.sharded is not None:
-            raise PipelineConfigError(
-                f"rank {self.rank}: this pipeline already has a sharded optimizer; keep the "
-                "one shard_optimizer returned (its state_dict and pipe.load restore it)"
-            )
-        reducer = self._reducer
-        if reducer is None or not any(b.parameters for bs in reducer.by_stage.values() for b in bs):
-            raise PipelineConfigError(
-                f"rank {self.rank}: shard_optimizer needs parameters held by several ranks "
-                "(data_parallel > 1, chimera, dualpipe, or a weight tied across ranks); this "
-                "pipeline holds each parameter on one rank: use "
-                "optimizer_class(pipe.parameters(), ...) instead"
-            )
-        order = [a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.REDUCE]
-        order += [s for s in self.stages if s not in order]
-        self.state.settle_parameters()
-        sharded = ShardedParameters(
-            reducer,
-            order,
-            {s: stage.module for s, stage in self.stages.items()},
-            parameter_names(self.named_parameters()),
-            self.rank,
-            self.timeout,
-            [a.stage for a in self.schedule.actions[self.pp_rank] if a.kind is Kind.FORWARD],
-        )
-        optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
-        sharded.attach(optimizer)
-        sharded.route(reducer)
-        self.state.sharded = sharded
-        self._steps.wait_parameters = sharded.wait
-        return optimizer
+        return self._planned("shard_optimizer").shard_optimizer(optimizer_class, optimizer_kwargs)
 
-    @torch.no_grad()
     def eval_step(self, inputs: Batch | None, targets: Batch | None = None) -> Any:
         """Forward only, without autograd. Collective: every rank calls it.
 
@@ -1008,73 +673,8 @@ class Pipeline:
             gathers the up pipeline's outputs); None on the other ranks. Each
             data-parallel copy returns the outputs of its own batch.
         """
-        if self._pending is not None:
-            self.plan_on(inputs)
-        self.state.check_open()
-        if self._forward_plan is None:
-            forward = forward_only(self.schedule)
-            self._forward_schedule = add_communication(forward)
-            self._forward_plan = plan_communication(forward, self.pp_rank)
-        assert self._forward_schedule is not None
-        # Layouts of their own: no gradient flags, and other shapes than training's.
-        batches = self._prepare(inputs, targets, training=False)
-        try:
-            result, end = self._steps.run_step(
-                self._forward_schedule, self._forward_plan, batches, False
-            )
-        except BaseException:
-            self._eval_layouts.forget(batches.code)
-            raise
-        if end.loss is not None:
-            return end.loss
-        outputs = result.outputs
-        if self.schedule.n_pipelines > 1:
-            outputs = self._gather_outputs(outputs)
-        if not outputs:
-            return None
-        parts = [unflatten(*outputs[m]) for m in range(self.n_microbatches)]
-        return concat_microbatches(parts)
-
-    def _gather_outputs(self, outputs: dict[int, Any]) -> dict[int, Any]:
-        """Every pipeline's outputs of this copy, on the rank of the first pipeline's last
-        stage (empty elsewhere). Collective."""
-        mine = {m: (tuple(t.cpu() for t in ts), is_tuple) for m, (ts, is_tuple) in outputs.items()}
-        every = collective.all_gather_objects(self.topology.members, mine)
-        if self.rank != self.topology.rank_of_stage(self.schedule.pipeline_stages - 1):
-            return {}
-        gathered: dict[int, Any] = {}
-        for rank in self.topology.pipeline_ranks:
-            for m, (ts, is_tuple) in every[rank].items():
-                gathered[m] = (tuple(t.to(self.device) for t in ts), is_tuple)
-        return gathered
-
-    def _prepare(self, inputs: Batch | None, targets: Batch | None, training: bool) -> StepBatches:
-        schedule = self.schedule
-        last = schedule.pipeline_stages - 1
-        return start_step(
-            self.topology,
-            self.device,
-            self.timeout,
-            StepInputs(inputs, targets, training, self.step_count),
-            self.n_microbatches,
-            self._layouts if training else self._eval_layouts,
-            self._start_buffer,
-            (schedule.replicas_of(0), schedule.replicas_of(last)),
-        )
-
-    @torch.no_grad()
-    def _divide_gradients(self, divisor: float) -> None:
-        """Divide the step's own gradients (earlier steps' are set aside) by ``divisor``:
-        a loss that returned ``(sum, count)`` is the mean over the count of the whole batch.
-
-        They live in the parameters' ``grad``, and under a sharded optimizer, for the
-        replicated parameters, in the step's reduced shards (their ``grad`` was dropped
-        at ``R``), which the step commits after this."""
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.div_(divisor)
-        if self.state.sharded is not None:
-            self.state.sharded.divide_pending(divisor)
+        self.plan_on(inputs)
+        return self._planned("eval_step").eval_step(inputs, targets)
 
     # -- timing ------------------------------------------------------------------------
 
@@ -1083,7 +683,7 @@ class Pipeline:
 
         Sampled after every ``I``; 0 without 2BP.
         """
-        return self._steps.peak_stashed_bytes
+        return self._planned("peak_stashed_bytes").runner.peak_stashed_bytes
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """What this rank held in the last training step, in bytes, measured.
@@ -1103,14 +703,12 @@ class Pipeline:
             over steps, the earlier steps' gradients held aside. Tensors are
             counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
         """
-        return memory_stats(
-            self._memory, self.module, optimizer, self._earlier_gradients.last_nbytes
-        )
+        return self._planned("memory_stats").memory_stats(optimizer)
 
     @property
     def local_spans(self) -> list[Span]:
         """The compute spans of this rank in the last step (seconds from its start)."""
-        return list(self._steps.spans)
+        return list(self._planned("local_spans").runner.spans)
 
     @property
     def compile_choice(self) -> dict[int, str | None]:
@@ -1120,9 +718,10 @@ class Pipeline:
         ``compile={"stages": "compiled"}``. Empty without ``compile``."""
         if self._compile is None:
             return {}
-        if self._compile_trial is None:
-            return dict.fromkeys(self.stages, "compiled")
-        return dict(self._compile_trial.choice)
+        parts = self._planned("compile_choice")
+        if parts.compile_trial is None:
+            return dict.fromkeys(parts.stages, "compiled")
+        return dict(parts.compile_trial.choice)
 
     @property
     def step_times(self) -> StepTimes:
@@ -1130,7 +729,7 @@ class Pipeline:
 
         Host seconds (see :class:`~twobp.runtime.execution.step_run.StepTimes`).
         """
-        return self._steps.times
+        return self._planned("step_times").runner.times
 
     def timeline(self, waits: bool = False) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.
@@ -1145,62 +744,7 @@ class Pipeline:
                 the step (a span of the rank's last ``R``, after its compute).
                 They are not compute: ``bubble_ratio`` counts them as idle.
         """
-        self.state.check_open()
-        spans = [*self._steps.spans, *(self._steps.waits if waits else ())]
-        mine = [(s.rank, str(s.action), s.start, s.end) for s in spans]
-        merged = [
-            Span(r, Action.parse(a), start, end)
-            for spans in collective.all_gather_objects(self.topology.members, mine)
-            for r, a, start, end in spans
-        ]
-        return sorted(merged, key=lambda s: (s.rank, s.start))
-
-
-def _trials(
-    blocks: list[nn.Module],
-    given: _Given,
-    members: Membership,
-    device: torch.device,
-    sample: Batch | None = None,
-) -> Trials | None:
-    """The trial steps of ``schedule="auto"``: each contender a pipeline built with this
-    pipeline's options but the contender's prepared schedule and partition, stepping on
-    the first step's batch ``sample`` or the example input repeated (None without either)."""
-    if given.example_input is None and sample is None:
-        return None
-    options = given.options
-
-    def build(contender: Contender) -> Pipeline:
-        trial = replace(
-            options,
-            schedule=contender.schedule,
-            n_microbatches=None,
-            two_bp=is_split(contender.schedule),
-            partition=list(contender.partition),
-            stages_per_rank=None,
-            # The contender is prepared: nothing is profiled, costed or bounded again
-            # (what it rebuilds is in its schedule).
-            costs=None,
-            memory_limit=None,
-            recompute=None if options.rebuilds else options.recompute,
-            nonfinite="skip",
-            auto_trials=0,
-        )
-        # Trial steps take no optimizer step: the scaler stays with the pipeline.
-        return Pipeline(
-            blocks, stand_in_loss, options=trial, device=device, group=given.group, mesh=given.mesh
-        )
-
-    return partial(
-        run_trials,
-        build=build,
-        blocks=blocks,
-        example_input=given.example_input,
-        batch=sample,
-        world=members,
-        device=device,
-        timeout=options.timeout,
-    )
+        return self._planned("timeline").timeline(waits)
 
 
 @dataclass(frozen=True)
@@ -1260,6 +804,27 @@ def _plans_at_first_step(
         members, device, timeout, None, "building the pipeline", [given.example_input is not None]
     )
     return not any(row[0] for row in table)
+
+
+def _device(requested: torch.device | None, members: Membership) -> torch.device:
+    """This rank's device: the one asked for, or the group's (see ``device_for``); a CUDA
+    device becomes the current one (collectives of objects use it)."""
+    device = requested if requested is not None else device_for(members)
+    if device.type == "cuda":
+        if device.index is None:
+            device = default_device()
+        torch.cuda.set_device(device)
+    return device
+
+
+def _check_autocast(device: torch.device, dtype: torch.dtype | None, rank: int) -> None:
+    """Refuse an autocast dtype the device cannot run, naming the rank."""
+    if dtype is None:
+        return
+    try:
+        check_autocast_dtype(device, dtype)
+    except ValueError as error:
+        raise PipelineConfigError(f"rank {rank}: autocast={dtype}: {error}") from None
 
 
 def _detached(batch: Batch) -> Batch:

@@ -208,34 +208,54 @@ class Stage:
             if out_is_tuple:
                 seed = self._loss_scale
         if training:
-            if recomputes_activations(self.recompute):
-                # Flagged as the forward with autograd would have (the next stage
-                # sends gradients for them); I keeps those its recomputation flags.
-                wanted = any(x.requires_grad for x in inputs) or any(
-                    p.requires_grad for p in self._parameters
-                )
-                tensors = tuple(
-                    t.detach().requires_grad_() if wanted and t.is_floating_point() else t
-                    for t in tensors
-                )
-            flags = tuple(t.requires_grad for t in tensors)
-            kept = _Kept(inputs, is_tuple, target, rng, flags, weight=seed)
-            if not recomputes_activations(self.recompute):
-                kept.outputs = tuple(t for t in tensors if t.requires_grad)
-            self._kept[mb] = kept
-            # The target too: the stage keeps it until the backward.
-            held = storages((*inputs, *kept.outputs, *targets))
-            if beyond is None:
-                self.memory.learn_saved(self.index, signature, saved, held)
-                held = {**saved, **held}
-            else:
-                # Same shapes as the watched forward: as many bytes saved.
-                held[("saved", id(kept))] = beyond
-            self.memory.hold(ACTIVATIONS, (self.index, mb), held)
-            self.memory.sample()
+            tensors = self._keep(
+                mb,
+                _Kept(inputs, is_tuple, target, rng, (), weight=seed),
+                tensors,
+                targets,
+                (signature, saved, beyond),
+            )
         if self.is_last and target is not None:
             return tuple(t.detach() for t in tensors), False
         return tensors, out_is_tuple
+
+    def _keep(
+        self,
+        mb: int,
+        kept: _Kept,
+        tensors: tuple[Tensor, ...],
+        targets: Sequence[Tensor],
+        watched: tuple[Signature, dict[Any, int], int | None],
+    ) -> tuple[Tensor, ...]:
+        """Keep what the backward of ``mb`` needs (``kept``, with the outputs), and count
+        what it holds; the outputs as the next stage gets them."""
+        signature, saved, beyond = watched
+        inputs = kept.inputs
+        if recomputes_activations(self.recompute):
+            # Flagged as the forward with autograd would have (the next stage
+            # sends gradients for them); I keeps those its recomputation flags.
+            wanted = any(x.requires_grad for x in inputs) or any(
+                p.requires_grad for p in self._parameters
+            )
+            tensors = tuple(
+                t.detach().requires_grad_() if wanted and t.is_floating_point() else t
+                for t in tensors
+            )
+        kept.flags = tuple(t.requires_grad for t in tensors)
+        if not recomputes_activations(self.recompute):
+            kept.outputs = tuple(t for t in tensors if t.requires_grad)
+        self._kept[mb] = kept
+        # The target too: the stage keeps it until the backward.
+        held = storages((*inputs, *kept.outputs, *targets))
+        if beyond is None:
+            self.memory.learn_saved(self.index, signature, saved, held)
+            held = {**saved, **held}
+        else:
+            # Same shapes as the watched forward: as many bytes saved.
+            held[("saved", id(kept))] = beyond
+        self.memory.hold(ACTIVATIONS, (self.index, mb), held)
+        self.memory.sample()
+        return tensors
 
     def _forward_again(self, mb: int, kept: _Kept, saved: dict[Any, int]) -> tuple[Tensor, ...]:
         """The forward of ``mb`` run again from its inputs and random states: its outputs."""

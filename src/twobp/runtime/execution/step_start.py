@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -177,37 +178,8 @@ def start_step(
     firsts = {topology.rank_of_stage(s): s for s in first_stages}
     lasts = {topology.rank_of_stage(s): s for s in last_stages}
     decider = topology.rank_of_stage(first_stages[0])
-    mb_inputs = mb_targets = None
-    size = 0
-    slot = NO_SLOT
-    signature = None
-    problem = None
-    try:
-        if rank in firsts:
-            if given.inputs is None:
-                raise PipelineConfigError(
-                    f"rank {rank} holds stage {firsts[rank]} and needs the inputs, but got None; "
-                    "pass the batch of inputs on this rank"
-                )
-            mb_inputs = split_batch(to_device(given.inputs, device), n_microbatches)
-            size = batch_size(given.inputs)
-            if rank == decider:
-                signature = input_signature(*flatten(given.inputs))
-                slot = layouts.propose(signature)
-        if rank in lasts and (given.training or given.targets is not None):
-            if given.targets is None:
-                raise PipelineConfigError(
-                    f"rank {rank} holds the last stage ({lasts[rank]}) and needs the "
-                    "targets to compute the loss, but got None; pass the batch of targets on "
-                    "this rank (eval_step(inputs) without targets returns the outputs)"
-                )
-            mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
-            n_targets = batch_size(given.targets, "targets")
-            if rank in firsts:
-                check_sizes(rank, size, rank, n_targets)
-            size = n_targets if rank not in firsts else size
-    except PipelineConfigError as exc:
-        problem = exc
+    own = _own_batches(rank, firsts, lasts, rank == decider, given, device, n_microbatches, layouts)
+    mb_inputs, mb_targets, size, slot, signature, problem = own
     call = _CALLS[int(given.training)]
     mine = CallInfo(given.training, given.step_count, size, slot)
     where = f"at the start of {call} {given.step_count}"
@@ -234,6 +206,52 @@ def start_step(
         learning=layouts.learns(code),
         code=code,
     )
+
+
+def _own_batches(
+    rank: int,
+    firsts: dict[int, int],
+    lasts: dict[int, int],
+    decides: bool,
+    given: StepInputs,
+    device: torch.device,
+    n_microbatches: int,
+    layouts: LayoutCache,
+) -> tuple[Any, Any, int, int, Any, PipelineConfigError | None]:
+    """This rank's micro-batches of inputs and targets (where its stages need them), the
+    batch size it sees, and, on the rank that decides the layout, its proposed slot and
+    the inputs' signature; with the problem that this rank found, to tell every rank."""
+    mb_inputs = mb_targets = None
+    size = 0
+    slot = NO_SLOT
+    signature = None
+    try:
+        if rank in firsts:
+            if given.inputs is None:
+                raise PipelineConfigError(
+                    f"rank {rank} holds stage {firsts[rank]} and needs the inputs, but got None; "
+                    "pass the batch of inputs on this rank"
+                )
+            mb_inputs = split_batch(to_device(given.inputs, device), n_microbatches)
+            size = batch_size(given.inputs)
+            if decides:
+                signature = input_signature(*flatten(given.inputs))
+                slot = layouts.propose(signature)
+        if rank in lasts and (given.training or given.targets is not None):
+            if given.targets is None:
+                raise PipelineConfigError(
+                    f"rank {rank} holds the last stage ({lasts[rank]}) and needs the "
+                    "targets to compute the loss, but got None; pass the batch of targets on "
+                    "this rank (eval_step(inputs) without targets returns the outputs)"
+                )
+            mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
+            n_targets = batch_size(given.targets, "targets")
+            if rank in firsts:
+                check_sizes(rank, size, rank, n_targets)
+            size = n_targets if rank not in firsts else size
+    except PipelineConfigError as exc:
+        return mb_inputs, mb_targets, size, slot, signature, exc
+    return mb_inputs, mb_targets, size, slot, signature, None
 
 
 def copy_ends(

@@ -34,6 +34,7 @@ from twobp.runtime.options import (
     PipelineOptions,
 )
 from twobp.runtime.options import check_microbatches as check_microbatches
+from twobp.runtime.setup.auto.cost_measurement import Measured
 from twobp.runtime.setup.auto.plan import (
     AutoPlan,
     OptimizerMemory,
@@ -142,200 +143,281 @@ def plan_pipeline(
             incomplete or deadlocks.
         ModelMismatchError: if ranks have other options or other models.
     """
-    schedule, n_microbatches, two_bp = options.schedule, options.n_microbatches, options.two_bp
-    policy, partition, costs = options.two_bp_policy, options.partition, options.costs
-    stages_per_rank, memory_limit = options.stages_per_rank, options.memory_limit
-    timeout, nonfinite, auto_trials = options.timeout, options.nonfinite, options.auto_trials
-    optimizer = OptimizerMemory(options.optimizer_state_bytes, options.optimizer_sharded)
+    planning = _Planning(
+        blocks, world, device, options, example_input, pipeline_ranks, data_parallel, tied, sample
+    )
+    schedule = options.schedule
     auto = None
-    rebuilding = options.rebuilds
-    named = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
-    if rebuilding and not named:
-        raise PipelineConfigError(
-            f"recompute='auto' chooses the stashes to rebuild on a schedule it builds; "
-            f"schedule={schedule!r} is given whole: use a name or 'auto', or mark the "
-            "rebuilt micro-batches in the schedule yourself (IR and WR actions)"
-        )
-    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, costs)):
-        fixed = schedule != AUTO
-        if isinstance(two_bp, (list, tuple)):
-            # The planned path searches policies for every stage alike.
-            raise PipelineConfigError(
-                f"two_bp={list(two_bp)!r} (one per stage) with costs={costs!r}, which plans "
-                "2BP the same on every stage: pass True, False or None, or drop costs"
-            )
-        n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
-        planned_counts, examples = _microbatches(n_microbatches, sample, n_ranks)
-        if examples is not None:
-            example_input = next(iter(examples.values()))
-        limit, model = _auto_arguments(
-            world, device, timeout, memory_limit, costs, example_input, auto_trials
-        )
-        auto = plan_auto(
-            blocks,
-            world,
-            device,
-            n_microbatches=planned_counts,
-            examples=examples,
-            two_bp=two_bp is not False,
-            stages_per_rank=(
-                stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
-                if fixed
-                else stages_per_rank
-            ),
-            partition=partition,
-            example_input=example_input,
-            memory_limit=limit,
-            optimizer=optimizer,
-            costs=model,
-            schedules=[schedule] if fixed else None,
-            policies=[policy if two_bp is not False else NO_TWO_BP] if fixed else None,
-            pipeline_ranks=pipeline_ranks,
-            tied=tied,
-            recompute=RECOMPUTE_AUTO if rebuilding else NO_RECOMPUTE,
-            # Trial steps run on the example input: not with a cost model given.
-            contenders=auto_trials if model is None and trials is not None and not fixed else 1,
-        )
-        if trials is not None and auto.contenders:
-            auto = trials(auto)
-        if world.rank == 0:
-            log.info("%s", auto.summary())
-        partition = list(auto.partition)
-        n_microbatches = auto.schedule.n_microbatches
-    elif costs == PROFILE:
-        raise PipelineConfigError(
-            "costs='profile' places W by the measured costs of a schedule given by name; "
-            f"{schedule!r} is not one: use a name, or schedule='auto'"
-        )
-    problem: Exception | None = None
-    resolved: Schedule | None = None
-    counts: list[int] | None = None
-    n_ranks = world.size if pipeline_ranks is None else len(pipeline_ranks)
+    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs)):
+        auto = _searched(planning, trials)
+    resolved, counts, rebuild = _resolved(planning, auto)
     # The default two_bp splits where a profile says it pays: on a schedule by name,
     # with an example input to profile on. Elsewhere it splits every stage.
     profiled_split = (
-        auto is None and two_bp is None and example_input is not None and _named(schedule)
+        auto is None
+        and options.two_bp is None
+        and planning.example_input is not None
+        and _named(schedule)
     )
+    measured = None
+    if rebuild is not None and rebuild[1] is None:
+        # One profile for both choices: the stages 2BP pays on and the stashes to rebuild.
+        measured = profile(
+            blocks,
+            world,
+            device,
+            _profiling_input(planning.example_input, sample, resolved.n_microbatches),
+            resolved.n_microbatches,
+            planning.ranks,
+        )
+    choice = _profiled_split(planning, counts, measured) if profiled_split else None
+    if choice is not None:
+        resolved = planning.prepared(choice.split)
+    rebuilds = None
+    if rebuild is not None:
+        rebuilds, choice = _rebuilt(planning, resolved, counts, rebuild, measured, choice)
+        resolved = rebuilds.schedule
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds)
 
-    def prepared(split: TwoBP) -> Schedule:
+
+@dataclass
+class _Planning:
+    """What :func:`plan_pipeline` plans with; the example input, partition and count
+    are what ``schedule="auto"`` chose, once it has."""
+
+    blocks: Sequence[nn.Module]
+    world: Membership
+    device: torch.device
+    options: PipelineOptions
+    example_input: Batch | None
+    pipeline_ranks: Sequence[int] | None
+    data_parallel: int
+    tied: bool
+    sample: Batch | None
+    partition: Sequence[int] | str | None = None
+    n_microbatches: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.partition = self.options.partition
+        self.n_microbatches = self.options.n_microbatches
+
+    @property
+    def ranks(self) -> list[int]:
+        """The group ranks of the first copy of the pipeline, by pipeline rank."""
+        if self.pipeline_ranks is None:
+            return list(range(self.world.size))
+        return list(self.pipeline_ranks)
+
+    @property
+    def optimizer(self) -> OptimizerMemory:
+        return OptimizerMemory(self.options.optimizer_state_bytes, self.options.optimizer_sharded)
+
+    def prepared(self, split: TwoBP) -> Schedule:
         """The schedule by name, prepared with ``split`` as its 2BP."""
-        assert not isinstance(n_microbatches, str)  # check_microbatches refused it
+        assert not isinstance(self.n_microbatches, str)  # check_microbatches refused it
+        options = self.options
         return prepare(
-            schedule,
-            n_ranks=n_ranks,
-            n_microbatches=n_microbatches,
+            options.schedule,
+            n_ranks=len(self.ranks),
+            n_microbatches=self.n_microbatches,
             two_bp=split,
-            policy=policy,
-            stages_per_rank=stages_per_rank,
-            costs=cost_model(costs),
-            data_parallel=data_parallel,
-            tied=tied,
+            policy=options.two_bp_policy,
+            stages_per_rank=options.stages_per_rank,
+            costs=cost_model(options.costs),
+            data_parallel=self.data_parallel,
+            tied=self.tied,
         )
 
-    # recompute="auto" on a schedule by name: the default, costed against the limit.
-    rebuild_limit: float | None = None
-    rebuild_costs: CostModel | None = None
+
+def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
+    """What ``schedule="auto"`` (or ``costs="profile"`` on a schedule by name) chose,
+    after the trial steps of its contenders. Collective."""
+    options = planning.options
+    schedule, two_bp = options.schedule, options.two_bp
+    assert isinstance(schedule, str)
+    fixed = schedule != AUTO
+    if isinstance(two_bp, (list, tuple)):
+        # The planned path searches policies for every stage alike.
+        raise PipelineConfigError(
+            f"two_bp={list(two_bp)!r} (one per stage) with costs={options.costs!r}, which plans "
+            "2BP the same on every stage: pass True, False or None, or drop costs"
+        )
+    counts, examples = _microbatches(planning.n_microbatches, planning.sample, len(planning.ranks))
+    if examples is not None:
+        planning.example_input = next(iter(examples.values()))
+    world = planning.world
+    limit, model = _auto_arguments(
+        world,
+        planning.device,
+        options.timeout,
+        options.memory_limit,
+        options.costs,
+        planning.example_input,
+        options.auto_trials,
+    )
+    stages_per_rank = options.stages_per_rank
+    auto = plan_auto(
+        planning.blocks,
+        world,
+        planning.device,
+        n_microbatches=counts,
+        examples=examples,
+        two_bp=two_bp is not False,
+        stages_per_rank=(
+            stages_per_rank or SCHEDULES[schedule].default_stages_per_rank
+            if fixed
+            else stages_per_rank
+        ),
+        partition=planning.partition,
+        example_input=planning.example_input,
+        memory_limit=limit,
+        optimizer=planning.optimizer,
+        costs=model,
+        schedules=[schedule] if fixed else None,
+        policies=[options.two_bp_policy if two_bp is not False else NO_TWO_BP] if fixed else None,
+        pipeline_ranks=planning.pipeline_ranks,
+        tied=planning.tied,
+        recompute=RECOMPUTE_AUTO if options.rebuilds else NO_RECOMPUTE,
+        # Trial steps run on the example input: not with a cost model given.
+        contenders=options.auto_trials if model is None and trials is not None and not fixed else 1,
+    )
+    if trials is not None and auto.contenders:
+        auto = trials(auto)
+    if world.rank == 0:
+        log.info("%s", auto.summary())
+    planning.partition = list(auto.partition)
+    planning.n_microbatches = auto.schedule.n_microbatches
+    return auto
+
+
+def _resolved(
+    planning: _Planning, auto: AutoPlan | None
+) -> tuple[Schedule, list[int], tuple[float, CostModel | None] | None]:
+    """The schedule (``auto``'s, or the one given prepared as asked), the blocks per
+    stage, and with ``recompute="auto"`` on a schedule by name, the limit and the cost
+    model (None: a profile) it rebuilds by; checked alike on every rank. Collective."""
+    options = planning.options
+    problem: Exception | None = None
+    resolved: Schedule | None = None
+    counts: list[int] | None = None
+    rebuild: tuple[float, CostModel | None] | None = None
+    example_input = planning.example_input
     try:
-        if auto is None and rebuilding:
-            rebuild_limit = read_memory_limit(memory_limit)
-            rebuild_costs = _auto_costs(costs, "recompute='auto'")
-            if rebuild_costs is None and example_input is None and sample is None:
+        if auto is None and options.rebuilds:
+            costs = _auto_costs(options.costs, "recompute='auto'")
+            limit = read_memory_limit(options.memory_limit)
+            assert limit is not None  # options.check() refused recompute='auto' without one
+            rebuild = (limit, costs)
+            if costs is None and example_input is None and planning.sample is None:
                 raise PipelineConfigError(
                     "recompute='auto' costs the schedule on the blocks, profiled on "
                     "example_input=<one micro-batch of model inputs>: pass it (on every "
                     "rank), or a cost model as costs="
                 )
-        elif auto is None and memory_limit is not None:
+        elif auto is None and options.memory_limit is not None:
             raise PipelineConfigError(
-                f"memory_limit={memory_limit!r} bounds the choice of schedule='auto' and what "
-                f"recompute='auto' rebuilds; with schedule={schedule!r} and neither it does "
-                "nothing: drop it, or use schedule='auto' or recompute='auto'"
+                f"memory_limit={options.memory_limit!r} bounds the choice of schedule='auto' "
+                f"and what recompute='auto' rebuilds; with schedule={options.schedule!r} and "
+                "neither it does nothing: drop it, or use schedule='auto' or recompute='auto'"
             )
-        if nonfinite not in NONFINITE_POLICIES:
+        if options.nonfinite not in NONFINITE_POLICIES:
             raise PipelineConfigError(
-                f"nonfinite={nonfinite!r}: use 'raise' (stop with NonFiniteLossError) or "
-                "'skip' (drop the step's gradients and go on)"
+                f"nonfinite={options.nonfinite!r}: use 'raise' (stop with NonFiniteLossError) "
+                "or 'skip' (drop the step's gradients and go on)"
             )
-        if auto is not None:
-            # What the search simulated is what runs: nothing prepares it again.
-            resolved = auto.schedule
-        else:
-            resolved = prepared(True if two_bp is None else two_bp)
-        partition = default_partition(resolved, partition, example_input)
-        counts = stage_counts(len(blocks), resolved.pipeline_stages, partition)
+        # What the search simulated is what runs: nothing prepares it again.
+        two_bp = True if options.two_bp is None else options.two_bp
+        resolved = auto.schedule if auto is not None else planning.prepared(two_bp)
+        planning.partition = default_partition(resolved, planning.partition, example_input)
+        counts = stage_counts(len(planning.blocks), resolved.pipeline_stages, planning.partition)
         if counts is None:
             example_input_needed(example_input)
     except ScheduleConfigError as exc:
         problem = PipelineConfigError(str(exc))
     except (PipelineConfigError, ScheduleError) as exc:
         problem = exc
-    agreed = {} if resolved is None else _options(resolved, counts, partition, nonfinite)
-    agreed["2BP by a profile"] = str(profiled_split)
+    agreed = {}
+    if resolved is not None:
+        agreed = _options(resolved, counts, planning.partition, options.nonfinite)
+    agreed["2BP by a profile"] = str(
+        auto is None
+        and options.two_bp is None
+        and example_input is not None
+        and _named(options.schedule)
+    )
     # Whether every rank joins the profile and the choice of recompute="auto".
     agreed["recompute='auto' costed on"] = (
-        "-" if rebuild_limit is None else "costs=" if rebuild_costs is not None else "a profile"
+        "-" if rebuild is None else "costs=" if rebuild[1] is not None else "a profile"
     )
-    check_same_pipeline(world, device, timeout, problem, agreed, blocks)
+    world, device = planning.world, planning.device
+    check_same_pipeline(world, device, options.timeout, problem, agreed, planning.blocks)
     assert resolved is not None
     if counts is None:
-        counts = balanced_counts(blocks, resolved.pipeline_stages, example_input, world, device)
-    measured = None
-    if rebuild_limit is not None and rebuild_costs is None:
-        # One profile for both choices: the stages 2BP pays on and the stashes to rebuild.
-        assert not isinstance(n_microbatches, str)
-        measured = profile(
-            blocks,
-            world,
-            device,
-            _profiling_input(example_input, sample, resolved.n_microbatches),
-            resolved.n_microbatches,
-            list(range(n_ranks)) if pipeline_ranks is None else pipeline_ranks,
+        counts = balanced_counts(
+            planning.blocks, resolved.pipeline_stages, example_input, world, device
         )
-    choice = None
-    if profiled_split:
-        assert example_input is not None and not isinstance(n_microbatches, str)
-        sourced = source_schedule(
-            schedule,
-            n_ranks=n_ranks,
-            n_microbatches=n_microbatches,
-            stages_per_rank=stages_per_rank,
-        )
-        choice = choose_two_bp(
-            blocks,
-            world,
-            device,
-            sourced,
-            counts,
-            example_input,
-            policy=policy,
-            pipeline_ranks=list(range(n_ranks)) if pipeline_ranks is None else pipeline_ranks,
-            reduce=reduces(sourced, data_parallel, tied),
-            data_parallel=data_parallel,
-            measured=measured,
-        )
-        resolved = prepared(choice.split)
-    rebuilds = None
-    if rebuild_limit is not None:
-        priced = rebuild_costs if rebuild_costs is not None else measured
-        assert priced is not None
-        # The stages two_bp=None chose to split, fewer of them: they hold fewer stashes.
-        fewer = [] if choice is None else _fewer_split(choice.split)
-        rebuilds = choose_rebuilds(
-            blocks,
-            world,
-            resolved,
-            counts,
-            rebuild_limit,
-            costs=priced,
-            optimizer=optimizer,
-            data_parallel=data_parallel,
-            fewer_split=(prepared(split) for split in fewer),
-        )
-        resolved = rebuilds.schedule
-        if choice is not None and rebuilds.alternative is not None:
-            split = fewer[rebuilds.alternative]
-            choice = replace(choice, split=split, step=rebuilds.chosen_step)
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds)
+    return resolved, counts, rebuild
+
+
+def _profiled_split(
+    planning: _Planning, counts: Sequence[int], measured: Measured | None
+) -> SplitChoice:
+    """The stages ``two_bp=None`` splits: where a profile says 2BP pays. Collective."""
+    options = planning.options
+    example_input = planning.example_input
+    assert example_input is not None and not isinstance(planning.n_microbatches, str)
+    sourced = source_schedule(
+        options.schedule,
+        n_ranks=len(planning.ranks),
+        n_microbatches=planning.n_microbatches,
+        stages_per_rank=options.stages_per_rank,
+    )
+    return choose_two_bp(
+        planning.blocks,
+        planning.world,
+        planning.device,
+        sourced,
+        counts,
+        example_input,
+        policy=options.two_bp_policy,
+        pipeline_ranks=planning.ranks,
+        reduce=reduces(sourced, planning.data_parallel, planning.tied),
+        data_parallel=planning.data_parallel,
+        measured=measured,
+    )
+
+
+def _rebuilt(
+    planning: _Planning,
+    resolved: Schedule,
+    counts: Sequence[int],
+    rebuild: tuple[float, CostModel | None],
+    measured: Measured | None,
+    choice: SplitChoice | None,
+) -> tuple[RebuildChoice, SplitChoice | None]:
+    """What ``recompute="auto"`` runs: ``resolved`` if it fits, else the fewest stashes
+    rebuilt, or fewer of ``choice``'s stages split; and the 2BP choice that then runs.
+    Collective."""
+    limit, costs = rebuild
+    priced = costs if costs is not None else measured
+    assert priced is not None
+    # The stages two_bp=None chose to split, fewer of them: they hold fewer stashes.
+    fewer = [] if choice is None else _fewer_split(choice.split)
+    rebuilds = choose_rebuilds(
+        planning.blocks,
+        planning.world,
+        resolved,
+        counts,
+        limit,
+        costs=priced,
+        optimizer=planning.optimizer,
+        data_parallel=planning.data_parallel,
+        fewer_split=(planning.prepared(split) for split in fewer),
+    )
+    if choice is not None and rebuilds.alternative is not None:
+        split = fewer[rebuilds.alternative]
+        choice = replace(choice, split=split, step=rebuilds.chosen_step)
+    return rebuilds, choice
 
 
 def _fewer_split(split: Sequence[bool]) -> list[tuple[bool, ...]]:

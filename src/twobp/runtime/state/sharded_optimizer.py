@@ -49,6 +49,8 @@ from twobp.engine.compiled import is_compiled
 from twobp.runtime.communication.reduction import Bucket, GradientReducer
 from twobp.runtime.communication.sharding import ParameterGathers, ShardLayout
 from twobp.runtime.errors import PipelineConfigError
+from twobp.schedule.action import Kind
+from twobp.schedule.schedule import Schedule
 
 HALF = (torch.float16, torch.bfloat16)
 """Parameter dtypes whose shards the optimizer steps as a float32 master copy."""
@@ -301,6 +303,74 @@ class ShardedParameters:
             for index, first, stop in shard.layout.pieces():
                 yield shard, shard.names[index], first, stop, at
                 at += stop - first
+
+
+def shard_optimizer(
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: Mapping[str, Any],
+    *,
+    reducer: GradientReducer | None,
+    schedule: Schedule,
+    pp_rank: int,
+    stage_modules: Mapping[int, nn.Module],
+    names: Mapping[int, str],
+    rank: int,
+    timeout: float,
+    existing: ShardedParameters | None = None,
+) -> tuple[torch.optim.Optimizer, ShardedParameters]:
+    """``optimizer_class`` over this rank's shards, and the shards (``Pipeline.shard_optimizer``).
+
+    The buckets are laid out in the order of this rank's stages' ``R`` in
+    ``schedule`` (then the stages without one), gathered in the order of their
+    first ``F``; ``reducer`` reduce-scatters them from now on.
+
+    Raises:
+        PipelineConfigError: if ``optimizer_class`` is not an optimizer class,
+            ``optimizer_kwargs`` name ``params``, the shards exist already
+            (``existing``), or no parameter here is held by several ranks.
+    """
+    is_class = isinstance(optimizer_class, type)
+    if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise PipelineConfigError(
+            f"shard_optimizer({optimizer_class!r}): pass an optimizer class such as "
+            "torch.optim.AdamW, and its arguments as keywords"
+        )
+    if "params" in optimizer_kwargs:
+        raise PipelineConfigError(
+            f"rank {rank}: shard_optimizer makes the optimizer's parameters itself (this "
+            "rank's shards, in one param group); pass only its options (lr=..., "
+            "weight_decay=...). Param groups with other options per parameter are not "
+            "supported on a sharded optimizer: use one setting for all, or a plain "
+            "optimizer over pipe.parameters() with your groups"
+        )
+    if existing is not None:
+        raise PipelineConfigError(
+            f"rank {rank}: this pipeline already has a sharded optimizer; keep the "
+            "one shard_optimizer returned (its state_dict and pipe.load restore it)"
+        )
+    if reducer is None or not any(b.parameters for bs in reducer.by_stage.values() for b in bs):
+        raise PipelineConfigError(
+            f"rank {rank}: shard_optimizer needs parameters held by several ranks "
+            "(data_parallel > 1, chimera, dualpipe, or a weight tied across ranks); this "
+            "pipeline holds each parameter on one rank: use "
+            "optimizer_class(pipe.parameters(), ...) instead"
+        )
+    actions = schedule.actions[pp_rank]
+    order = [a.stage for a in actions if a.kind is Kind.REDUCE]
+    order += [s for s in stage_modules if s not in order]
+    sharded = ShardedParameters(
+        reducer,
+        order,
+        stage_modules,
+        names,
+        rank,
+        timeout,
+        [a.stage for a in actions if a.kind is Kind.FORWARD],
+    )
+    optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
+    sharded.attach(optimizer)
+    sharded.route(reducer)
+    return optimizer, sharded
 
 
 def _flat_shard(

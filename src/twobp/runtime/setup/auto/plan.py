@@ -337,14 +337,7 @@ def plan_auto(
     counts = [n_microbatches] if isinstance(n_microbatches, int) else list(n_microbatches)
     measured: dict[int, Measured] = {}
     if costs is None:
-        # The machine (contention, link) is measured once, on the largest micro-batch.
-        machine: Measured | None = None
-        # The measurements run the blocks (dropout draws): the random state is left as found.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for m in counts:
-                example = examples[m] if examples is not None else profiling_input(example_input)
-                measured[m] = measure(blocks, world, device, example, m, ranks, machine)
-                machine = machine or measured[m]
+        measured = _measured(blocks, world, device, counts, ranks, example_input, examples)
 
     def choose() -> AutoPlan:
         spaces = []
@@ -373,6 +366,28 @@ def plan_auto(
         )
 
     return decided_on_rank_0(world, choose, AutoPlan, lambda exc: f"schedule='auto': {exc}")
+
+
+def _measured(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    counts: Sequence[int],
+    ranks: Sequence[int],
+    example_input: Batch | None,
+    examples: Mapping[int, Batch] | None,
+) -> dict[int, Measured]:
+    """Rank 0's measurements of the blocks on a micro-batch of each count. The machine
+    (contention, link) is measured once, on the largest micro-batch; the measurements
+    run the blocks (dropout draws), and the random state is left as found. Collective."""
+    measured: dict[int, Measured] = {}
+    machine: Measured | None = None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for m in counts:
+            example = examples[m] if examples is not None else profiling_input(example_input)
+            measured[m] = measure(blocks, world, device, example, m, list(ranks), machine)
+            machine = machine or measured[m]
+    return measured
 
 
 def _costs_of(

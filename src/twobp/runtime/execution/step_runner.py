@@ -1,6 +1,6 @@
 """How a pipeline runs one step on this rank and settles it with the others.
 
-:class:`StepRunner`, which :class:`twobp.runtime.Pipeline` holds, runs the
+:class:`StepRunner`, which a rank's parts hold (:mod:`twobp.runtime.setup.rank_parts`), runs the
 lowered schedule of one step: it builds the step's channel and dispatcher,
 and when the step fails part-way it completes the transfers and gradient
 reductions that peers wait for, then settles the step with every rank (the
@@ -38,7 +38,7 @@ from twobp.timeline import Span
 class StepRunner:
     """Runs the lowered schedule of one step on this rank and settles it with the others.
 
-    One per pipeline: :class:`twobp.runtime.Pipeline` builds it once its stages
+    One per pipeline: :func:`twobp.runtime.setup.rank_parts.build_rank` builds it once its stages
     and reducer exist and keeps what the last step measured here (:attr:`spans`,
     :attr:`times`, :attr:`peak_stashed_bytes`).
 
