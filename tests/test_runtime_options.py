@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from torch import nn
 from twobp.config import add_arguments
 from twobp.runtime import Pipeline
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.options import RESOURCES, PipelineOptions, option_help
+from twobp.runtime.options import (
+    README_END,
+    README_START,
+    RESOURCES,
+    PipelineOptions,
+    option_help,
+    options_table,
+)
 from twobp.train.config import TrainConfig
 
 
@@ -85,3 +93,19 @@ def test_a_pipeline_keeps_what_it_was_built_with_and_builds_again_from_it():
     ) as again:
         assert again.options.two_bp and again.options.timeout == 7.0
         assert again.step(x, x) == first
+
+
+def test_the_readme_table_of_options_is_rendered_from_their_documentation():
+    # Each option is documented once, in its field; the README shows that text.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index(README_START) + len(README_START) + 1
+    end = readme.index(README_END)
+    assert readme[start:end] == options_table(), "run render_readme('README.md')"
+    for f in dataclasses.fields(PipelineOptions):
+        assert f"| `{f.name}` |" in readme[start:end], f.name
+
+
+def test_the_schedule_names_in_the_documentation_are_the_schedules():
+    from twobp.schedule import SCHEDULES
+
+    assert all(name in option_help("schedule") for name in SCHEDULES)

@@ -54,8 +54,10 @@ RESOURCES = ("group", "mesh", "device", "example_input", "grad_scaler")
 """What ``Pipeline`` is built on besides its options: live objects, not kept as options."""
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, cli: str = "", details: str = "") -> dict[str, str]:
+    """A field's documentation: its help, the ``twobp train`` option that sets it (if
+    any) and a link to more (relative to the repository's root), both for the README."""
+    return {"help": text, "cli": cli, "details": details}
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,14 @@ class PipelineOptions:
     schedule: str | os.PathLike[str] | Schedule = field(
         default="1f1b",
         metadata=_help(
-            "a name of twobp.schedule.SCHEDULES, a Schedule, the path of a CSV file, or 'auto': "
+            "a name of twobp.schedule.SCHEDULES (naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, "
+            "zb-h2, zb-v, dualpipev, chimera, dualpipe), a Schedule, the path of a CSV file, or "
+            "'auto': "
             "profile the blocks on example_input (or plan on costs; without either, on the first "
             "step's first micro-batch), simulate every schedule, 2BP policy, W group cap and "
-            "stages per rank, and run the fastest that fits memory_limit"
+            "stages per rank, and run the fastest that fits memory_limit",
+            cli="--schedule",
+            details="docs/schedules.md#letting-twobp-choose-scheduleauto",
         ),
     )
     n_microbatches: int | str | None = field(
@@ -76,7 +82,8 @@ class PipelineOptions:
         metadata=_help(
             "micro-batches per step; None takes a Schedule's or CSV's own count, and 8 for a "
             "name; 'auto' (with schedule='auto'): chosen with the schedule for the first step's "
-            "batch (the gradient is the same for every count)"
+            "batch (the gradient is the same for every count)",
+            cli="--microbatches",
         ),
     )
     two_bp: bool | Sequence[bool] | None = field(
@@ -86,7 +93,9 @@ class PipelineOptions:
             "(split schedules are merged); one bool per stage of the model splits those stages "
             "only (not with schedule='auto', costs='profile' or recompute='auto'); None: where "
             "a profile says 2BP pays (a schedule by name with example_input: "
-            "rank 0 profiles the blocks and simulates each stage split or fused), else True"
+            "rank 0 profiles the blocks and simulates each stage split or fused), else True",
+            cli="--two-bp / --no-two-bp",
+            details="docs/user-guide.md#use-it-from-python",
         ),
     )
     partition: Sequence[int] | str | None = field(
@@ -94,39 +103,54 @@ class PipelineOptions:
         metadata=_help(
             "blocks per stage (one int per stage), 'uniform', 'balanced' (profiled on "
             "example_input) or None: uniform, except for a V-shaped schedule (zb-v, dualpipev: "
-            "rank 0 holds the first stage and the last), balanced where example_input is given"
+            "rank 0 holds the first stage and the last), balanced where example_input is given",
+            cli="--partition",
         ),
     )
     two_bp_policy: str = field(
         default="paper",
-        metadata=_help("where W goes: 'paper', 'eager' or 'fill' (see apply_two_bp)"),
+        metadata=_help(
+            "where W goes: 'paper', 'eager' or 'fill' (see apply_two_bp)", cli="--policy"
+        ),
     )
     stages_per_rank: int | None = field(
         default=None,
-        metadata=_help("stages per rank for a schedule name (None: what the schedule needs)"),
+        metadata=_help(
+            "stages per rank for a schedule name (None: what the schedule needs)",
+            cli="--stages-per-rank",
+        ),
     )
     timeout: float = field(
-        default=300.0, metadata=_help("seconds a rank waits on a peer before PeerTimeoutError")
+        default=300.0,
+        metadata=_help(
+            "seconds a rank waits on a peer before PeerTimeoutError",
+            cli="--timeout",
+            details="docs/reliability.md",
+        ),
     )
     weight_group_size: int | None = field(
         default=None,
         metadata=_help(
             "the most micro-batches the 2BP engine concatenates (and, recomputing derivatives, "
-            "rebuilds) at once in one W; None: no cap"
+            "rebuilds) at once in one W; None: no cap",
+            cli="--weight-group-size",
         ),
     )
     num_threads: int | None = field(
         default=None,
         metadata=_help(
             "intra-op threads of this rank; None shares the cores between the ranks of this "
-            "machine unless OMP_NUM_THREADS is set"
+            "machine unless OMP_NUM_THREADS is set",
+            cli="--threads",
         ),
     )
     nonfinite: str = field(
         default="raise",
         metadata=_help(
             "when a step's mean loss is NaN or infinite: 'raise' NonFiniteLossError, or 'skip' "
-            "the step; either way its gradients are dropped on every rank"
+            "the step; either way its gradients are dropped on every rank",
+            cli="--nonfinite",
+            details="docs/reliability.md",
         ),
     )
     costs: CostsArgument = field(
@@ -141,7 +165,8 @@ class PipelineOptions:
         default=None,
         metadata=_help(
             "run every stage's forward and loss under torch.autocast with this dtype (float32 "
-            "master weights; 2BP's I and W in autocast's dtypes); None: no autocast"
+            "master weights; 2BP's I and W in autocast's dtypes); None: no autocast",
+            cli="--dtype bfloat16 --autocast",
         ),
     )
     data_parallel: int | None = field(
@@ -149,7 +174,9 @@ class PipelineOptions:
         metadata=_help(
             "copies of the pipeline D on D x P ranks, each on its own part of the batch; each "
             "stage's gradients are all-reduced over its copies by the schedule's R; None: 1, or "
-            "the mesh's"
+            "the mesh's",
+            cli="--data-parallel",
+            details="docs/user-guide.md#replicated-stages-data-parallel-chimera-tied-weights",
         ),
     )
     recompute: str | Sequence[str | None] | None = field(
@@ -157,15 +184,19 @@ class PipelineOptions:
         metadata=_help(
             "trade compute for memory: 'activations' (F again in I), 'derivatives' (F and I again "
             "in W), 'all', or one mode (or None) per stage of the model; 'auto' (with "
-            "memory_limit): rebuild only the stashes that do not fit, chosen per stage and "
-            "micro-batch (the schedule's IR and WR); None: keep everything"
+            "memory_limit): the run as without it (schedule, 2BP stages, partition) where the "
+            "simulator predicts it fits, else only the stashes that do not fit are rebuilt, "
+            "chosen per stage and micro-batch (the schedule's IR and WR); None: keep everything",
+            cli="--recompute",
+            details="README.md#memory",
         ),
     )
     memory_limit: float | str | None = field(
         default=None,
         metadata=_help(
             "with schedule='auto' (or recompute='auto'), the most bytes a rank may hold, a number "
-            "or a size such as '2GiB'"
+            "or a size such as '2GiB'",
+            cli="--memory-limit",
         ),
     )
     optimizer_state_bytes: float = field(
@@ -182,7 +213,9 @@ class PipelineOptions:
             "with schedule='auto', the optimizer will be pipe.shard_optimizer's: each rank that "
             "holds a stage counts its share of the stage's optimizer_state_bytes, R is timed as "
             "a reduce-scatter and the all-gather of the updated parameters is waited for block "
-            "by block in the first F (as twobp plan --shard-optimizer simulates)"
+            "by block in the first F (as twobp plan --shard-optimizer simulates)",
+            cli="--shard-optimizer",
+            details="docs/user-guide.md#the-optimizer-state-sharded-over-the-copies-zero-1",
         ),
     )
     retain_host_memory: bool = field(
@@ -198,7 +231,9 @@ class PipelineOptions:
             "compile each block with torch.compile, cut at the calls that read parameters so that "
             "2BP still defers and concatenates their weight gradients (the regions between are "
             "compiled); True: inductor; a dict: torch.compile's keywords (backend, mode, "
-            "dynamic, ...). Blocks compiled by the user keep 2BP without it"
+            "dynamic, ...). Blocks compiled by the user keep 2BP without it",
+            cli="--compile",
+            details="docs/engine.md#compiled-modules-torchcompile",
         ),
     )
     auto_trials: int = field(
@@ -206,7 +241,8 @@ class PipelineOptions:
         metadata=_help(
             "with schedule='auto' on measured costs, how many of the fastest simulated schedules "
             "run a few trial steps before the fastest measured is kept; 0 or 1: the simulator's "
-            "choice"
+            "choice",
+            cli="--auto-trials",
         ),
     )
     order_only_matching: bool = field(
@@ -215,7 +251,8 @@ class PipelineOptions:
             "send every point-to-point operation with tag 0, so that gloo too matches them by "
             "their order only, as NCCL does (a check on CPU that nothing relies on tags); "
             "TWOBP_ORDER_ONLY_MATCHING=1 in the environment when the pipeline is built turns it "
-            "on as well"
+            "on as well",
+            details="docs/reliability.md",
         ),
     )
     reduce_after_transfers: bool = field(
@@ -224,7 +261,8 @@ class PipelineOptions:
             "start the gradient reductions of R only once the step's point-to-point transfers "
             "are complete, as on NCCL (always so there), on any backend; "
             "TWOBP_REDUCE_AFTER_TRANSFERS=1 in the environment when the pipeline is built turns "
-            "it on as well"
+            "it on as well",
+            details="docs/reliability.md",
         ),
     )
 
@@ -275,6 +313,35 @@ class PipelineOptions:
     def rebuilds(self) -> bool:
         """True for ``recompute="auto"``: rebuild only the stashes that do not fit."""
         return rebuilds(self.recompute)
+
+
+def options_table() -> str:
+    """Every option as a Markdown table (option, ``twobp train`` option, default, what),
+    from the fields' documentation: the README's table of options, rendered.
+
+    ``twobp.runtime.options.render_readme(path)`` writes it into the README.
+    """
+    rows = ["| option | `twobp train` | default | what |", "|---|---|---|---|"]
+    for f in dataclasses.fields(PipelineOptions):
+        meta = f.metadata
+        cli = " / ".join(f"`{c.strip()}`" for c in meta["cli"].split("/")) if meta["cli"] else ""
+        what = meta["help"] + (f" ([details]({meta['details']}))" if meta["details"] else "")
+        rows.append(f"| `{f.name}` | {cli} | `{f.default!r}` | {what} |")
+    return "\n".join(rows) + "\n"
+
+
+README_START = "<!-- options: rendered by twobp.runtime.options.render_readme; edit the fields -->"
+README_END = "<!-- end of options -->"
+
+
+def render_readme(path: str | os.PathLike[str]) -> None:
+    """Write :func:`options_table` into the README at ``path``, between its markers."""
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    start = text.index(README_START) + len(README_START) + 1
+    end = text.index(README_END)
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text[:start] + options_table() + text[end:])
 
 
 def option_help(name: str) -> str:
