@@ -114,6 +114,9 @@ def test_float16_autocast_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path
     assert abs(scaled["loss_last"] - plain["loss_last"]) < 0.05 * plain["loss_last"]
     report = (f16 / "report.md").read_text()
     assert f"dynamic loss scale, {state['scale']:g} at the end" in report
+    # What ran names the scaler the pipeline stepped with.
+    assert scaled["ran"]["scaler"] == "GradScaler"
+    assert "gradient scaler: GradScaler" in report
 
 
 @pytest.mark.parametrize(

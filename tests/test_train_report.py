@@ -108,3 +108,29 @@ def test_the_report_says_how_each_stage_ran_its_compiled_blocks():
     results[0].compile_choice = {0: None}
     assert _compile_choice(results)[0] == "compiled/not chosen yet"
     assert _compile_lines(_compile_choice([RankResult(rank=0)])) == []
+
+
+@pytest.mark.parametrize("policy", ["off", "paper"])
+def test_a_choice_of_auto_is_repeated_by_options_the_command_line_takes(policy, tmp_path):
+    # A zero-bubble schedule that keeps its own W placement is chosen with policy "off",
+    # which no --policy names: the config repeats the rest, and it loads.
+    from twobp.config import to_toml
+    from twobp.train.what_ran import chosen_options
+
+    ran = {
+        "schedule": "zb-h1",
+        "two_bp": True,
+        "policy": policy,
+        "partition": [5, 5],
+        "stages_per_rank": 1,
+        "weight_group_size": None,
+    }
+    options = {k: v for k, v in chosen_options(ran).items() if v is not None}
+    assert options.get("policy") == (None if policy == "off" else policy)
+    (tmp_path / "config.toml").write_text(to_toml(options))
+    cfg = dataclasses.replace(TrainConfig(), **read_toml(TrainConfig, tmp_path / "config.toml"))
+    assert (
+        cfg.schedule == "zb-h1"
+        and cfg.two_bp is True
+        and cfg.policy == policy.replace("off", "paper")
+    )

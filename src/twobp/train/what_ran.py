@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from twobp.runtime import Pipeline
+from twobp.schedule import TWO_BP_POLICIES
 from twobp.schedule.lowering import is_split
 from twobp.schedule.rebuild import rebuilt_microbatches
 from twobp.sim.candidate import describe
@@ -28,7 +29,7 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
     policy = plan.choice.policy if plan is not None else cfg.policy
     split = is_split(schedule)
     modes = sorted({m or "none" for m in pipe.recompute})
-    scaler = getattr(pipe.options, "grad_scaler", None)
+    scaler = pipe.grad_scaler
     ran: dict[str, Any] = {
         # The generator's name (the schedule's own says how it was transformed: 1f1b+2bp:paper).
         "schedule": plan.choice.schedule if plan is not None else cfg.schedule,
@@ -101,6 +102,7 @@ def chosen_options(ran: dict[str, Any]) -> dict[str, Any]:
         "weight_group_size": ran["weight_group_size"],
         "memory_limit": None,
     }
-    if ran["policy"] is not None:
+    if ran["policy"] in TWO_BP_POLICIES:
+        # (A zero-bubble schedule that keeps its own W placement runs with no policy.)
         options["policy"] = ran["policy"]
     return options
