@@ -22,9 +22,8 @@ every rank; see :mod:`twobp.runtime.execution.step_start` and
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,57 +31,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twobp.engine.autocast import check_autocast_dtype
 from twobp.runtime.base.group import (
-    Membership,
     default_device,
-    device_for,
     join_world,
     set_threads_per_rank,
 )
 from twobp.runtime.base.process_state import close_at_exit, forget
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
-from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import (
     PipelineClosedError,
     PipelineConfigError,
 )
 from twobp.runtime.execution.microbatch import (
     Batch,
-    flatten,
     to_device,
-    unflatten,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
 from twobp.runtime.options import (
-    AUTO,
-    AUTO_MICROBATCHES,
     CONTENDERS,
     CostsArgument,
     PipelineOptions,
 )
 from twobp.runtime.setup.auto.plan import AutoPlan
+from twobp.runtime.setup.build_rank import build_rank, contender_trials
 from twobp.runtime.setup.compiled_stages import compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid
+from twobp.runtime.setup.first_step import Given, Pending, detached, plans_at_first_step
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.pipeline_plan import plan_pipeline
-from twobp.runtime.setup.rank_parts import RankParts, build_rank, contender_trials
+from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
+from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.runtime.state.model_state import PipelineState
-from twobp.schedule import SCHEDULES
 from twobp.schedule.schedule import Schedule
 from twobp.sim.rebuild_choice import RebuildChoice
 from twobp.sim.split_choice import SplitChoice
 from twobp.timeline import Span
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_T = TypeVar("_T")
 
 
 def _same_doc(method: Callable[..., Any]) -> Callable[[_F], _F]:
@@ -131,15 +123,9 @@ class Pipeline:
             profiles the blocks (``partition="balanced"``, ``two_bp=None``,
             ``costs="profile"``, ``schedule="auto"``, ``recompute="auto"``).
         grad_scaler: a :class:`twobp.GradScaler` for float16 (with
-            ``autocast=torch.float16``): every micro-batch's loss is
-            multiplied by its scale before its backward, so I and W see scaled
-            gradients (:meth:`step` still returns the unscaled mean loss);
-            ``scaler.unscale_``, ``step`` and ``update`` agree on overflows by
-            one all-reduce over every rank of the pipeline and its copies, so
-            all ranks skip or step together and the scale moves identically.
-            An overflow is then a skipped step, not a ``NonFiniteLossError``
-            (a loss that is not finite itself still follows ``nonfinite``).
-            None: no loss scaling.
+            ``autocast=torch.float16``): every micro-batch's loss is scaled
+            before its backward, and overflows are agreed over every rank, so
+            all skip or step together (see :mod:`twobp.runtime.state.grad_scaler`).
 
     Construction is collective: the ranks check that they resolved the same
     schedule and partition and built the same model (a fingerprint of every
@@ -208,17 +194,17 @@ class Pipeline:
         self._parts: RankParts | None = None
         self._closed_unplanned = False
         self._compile = compile_options(self.options.compile)
-        _check_grad_scaler(grad_scaler, self)
+        check_grad_scaler(grad_scaler, self)
         self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
-        self.device = _device(requested, members)
+        self.device = rank_device(requested, members)
         """The device this rank computes on."""
         self.rank = members.rank
         """This process's rank in the process group."""
         self.autocast = self.options.autocast
         """The dtype every stage's forward runs under ``torch.autocast`` with, or None."""
-        _check_autocast(self.device, self.autocast, self.rank)
+        check_autocast(self.device, self.autocast, self.rank)
         set_threads_per_rank(members.local_size, self.options.num_threads)
         if self.options.retain_host_memory and self.device.type == "cpu":
             retain_freed_memory()
@@ -232,11 +218,11 @@ class Pipeline:
         """Which copy of the pipeline this process belongs to (0 without data parallel)."""
         self.dp_size = len(grid)
         """How many copies of the pipeline run side by side."""
-        given = _Given(self.options, example_input, group, mesh)
-        self._pending: _Pending | None = _Pending(
+        given = Given(self.options, example_input, group, mesh)
+        self._pending: Pending | None = Pending(
             as_blocks(blocks), model_names_of(blocks), loss_fn, given, members, grid
         )
-        if not _plans_at_first_step(given, members, self.device, self.timeout):
+        if not plans_at_first_step(given, members, self.device, self.timeout):
             self._ensure_planned(None)
         close_at_exit(self)
 
@@ -292,13 +278,10 @@ class Pipeline:
     def plan_on(self, inputs: Batch | None) -> None:
         """Plan now on this batch of inputs, as the first step does. Collective.
 
-        A pipeline with ``schedule="auto"`` and no ``example_input`` (or with
-        ``n_microbatches="auto"``) plans at its first :meth:`step` (or
-        :meth:`eval_step`), on that step's batch: rank 0 profiles the blocks
-        on its first micro-batch (the batch of every count it tries, with
-        ``n_microbatches="auto"``), and trial steps run on the batch. Call
-        this to plan before the first step, for example to :meth:`load` a
-        checkpoint into the planned stages. Nothing happens once planned.
+        A pipeline that plans on its first step's batch (``schedule="auto"``
+        without ``example_input``, or ``n_microbatches="auto"``) does it here
+        instead: to :meth:`load` a checkpoint into the planned stages, say.
+        Nothing happens once planned.
 
         Args:
             inputs: the batch of model inputs (only rank 0's counts; others may pass None).
@@ -315,7 +298,7 @@ class Pipeline:
             sample = (
                 "rank 0 was given no inputs"
                 if inputs is None
-                else to_device(_detached(inputs), torch.device("cpu"))
+                else to_device(detached(inputs), torch.device("cpu"))
             )
         sample = collective.all_gather_objects(pending.members, sample, self.timeout)[0]
         if isinstance(sample, str):
@@ -342,88 +325,73 @@ class Pipeline:
 
     # -- what the plan and the parts say -------------------------------------------------
 
-    @property
-    def schedule(self) -> Schedule:
-        """The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks)."""
-        return self._planned("schedule").schedule
-
-    @property
-    def lowered_schedule(self) -> Schedule:
-        """The schedule with its transfers between ranks: what this pipeline runs."""
-        return self._planned("lowered_schedule").lowered_schedule
-
-    @property
-    def topology(self) -> Topology:
-        """Which process runs each stage, and which hold its replicas."""
-        return self._planned("topology").topology
-
-    @property
-    def pp_rank(self) -> int:
-        """This process's pipeline rank: its row of the schedule."""
-        return self._planned("pp_rank").pp_rank
-
-    @property
-    def n_microbatches(self) -> int:
-        """Micro-batches per step (of this copy's part of the batch)."""
-        return self._planned("n_microbatches").schedule.n_microbatches
+    schedule = PlannedPart[Schedule](
+        lambda parts: parts.schedule,
+        "The compute schedule every pipeline rank runs (ranks of the schedule: pipeline ranks).",
+    )
+    lowered_schedule = PlannedPart[Schedule](
+        lambda parts: parts.lowered_schedule,
+        "The schedule with its transfers between ranks: what this pipeline runs.",
+    )
+    topology = PlannedPart[Topology](
+        lambda parts: parts.topology, "Which process runs each stage, and which hold its replicas."
+    )
+    pp_rank = PlannedPart[int](
+        lambda parts: parts.pp_rank, "This process's pipeline rank: its row of the schedule."
+    )
+    n_microbatches = PlannedPart[int](
+        lambda parts: parts.schedule.n_microbatches,
+        "Micro-batches per step (of this copy's part of the batch).",
+    )
+    recompute = PlannedPart[tuple[str | None, ...]](
+        lambda parts: parts.recompute,
+        "The recompute mode of every stage (None: none); a list names one per model stage.",
+    )
+    stage_blocks = PlannedPart[tuple[range, ...]](
+        lambda parts: parts.stage_blocks,
+        "The block indices of every stage (all stages, not only this rank's).",
+    )
+    module = PlannedPart[nn.Sequential](
+        lambda parts: parts.module, "This rank's blocks, named by their index in the whole model."
+    )
+    stages = PlannedPart[dict[int, Stage]](
+        lambda parts: parts.stages, "This rank's stages, by stage."
+    )
+    state = PlannedPart[PipelineState](
+        lambda parts: parts.state,
+        "This rank's blocks as a model: parameters, state dicts, checkpoints "
+        "(:class:`twobp.runtime.state.model_state.PipelineState`).",
+    )
+    skipped_steps = PlannedPart[list[int]](
+        lambda parts: parts.settlement.skipped_steps,
+        'Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``).',
+    )
+    last_step_skipped = PlannedPart[bool](
+        lambda parts: parts.settlement.last_step_skipped,
+        "True if the last step's loss was not finite and its gradients were dropped.",
+    )
 
     @property
     def nonfinite(self) -> str:
         """``"raise"`` or ``"skip"`` a step whose mean loss is not finite."""
         return self.options.nonfinite
 
-    @property
-    def recompute(self) -> tuple[str | None, ...]:
-        """The recompute mode of every stage (None: none); a list names one per model stage."""
-        return self._planned("recompute").recompute
-
-    @property
-    def stage_blocks(self) -> tuple[range, ...]:
-        """The block indices of every stage (all stages, not only this rank's)."""
-        return self._planned("stage_blocks").stage_blocks
-
-    @property
-    def module(self) -> nn.Sequential:
-        """This rank's blocks, named by their index in the whole model."""
-        return self._planned("module").module
-
-    @property
-    def stages(self) -> dict[int, Stage]:
-        """This rank's stages, by stage."""
-        return self._planned("stages").stages
-
-    @property
-    def state(self) -> PipelineState:
-        """This rank's blocks as a model: parameters, state dicts, checkpoints
-        (:class:`twobp.runtime.state.model_state.PipelineState`)."""
-        return self._planned("state").state
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        """Indices of the steps skipped for a non-finite loss (``nonfinite="skip"``)."""
-        return self._planned("skipped_steps").settlement.skipped_steps
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """True if the last step's loss was not finite and its gradients were dropped."""
-        return self._planned("last_step_skipped").settlement.last_step_skipped
-
     # -- the model state (this rank's blocks as a model; see PipelineState) -----------
 
-    @property
-    def step_count(self) -> int:
-        """Steps run so far (restored by :meth:`load`); the index of the next step."""
-        return self.state.step_count
+    step_count = PlannedPart[int](
+        lambda parts: parts.state.step_count,
+        "Steps run so far (restored by :meth:`load`); the index of the next step.",
+    )
 
-    @property
-    def background_saves(self) -> checkpoint.BackgroundSaves:
-        """The checkpoint being written in the background (``save(..., async_save=True)``)."""
-        return self.state.background_saves
+    background_saves = PlannedPart[checkpoint.BackgroundSaves](
+        lambda parts: parts.state.background_saves,
+        "The checkpoint being written in the background (``save(..., async_save=True)``).",
+    )
 
-    @property
-    def written_blocks(self) -> frozenset[int]:
-        """The blocks whose entries this process writes to a checkpoint (one copy each)."""
-        return self.state.written_blocks
+    written_blocks = PlannedPart[frozenset[int]](
+        lambda parts: parts.state.written_blocks,
+        "The blocks whose entries this process writes to a checkpoint (one copy each).",
+    )
 
     @_same_doc(PipelineState.parameters)
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -527,24 +495,12 @@ class Pipeline:
             self.grad_scaler.unbind(self)
         self._parts.close()
 
+    @_same_doc(RankParts.release_blocks)
     def release_blocks(self) -> None:
-        """Let another pipeline on the same blocks run its steps until :meth:`claim_blocks`.
-
-        The 2BP engine defers a module for one pipeline at a time: a second
-        pipeline on the same blocks is refused while the first holds them. To
-        compare two schedules on one model step by step, build the first,
-        release it, build the second, and have each claim the blocks for its
-        steps. Not collective; between steps only. :meth:`step` refuses to run
-        until the blocks are claimed again.
-        """
         self._planned("release_blocks").release_blocks()
 
+    @_same_doc(RankParts.claim_blocks)
     def claim_blocks(self) -> None:
-        """Hold the blocks again after :meth:`release_blocks`.
-
-        Raises:
-            twobp.engine.TwoStageBackwardError: if another open pipeline holds them.
-        """
         self._planned("claim_blocks").claim_blocks()
 
     def __enter__(self) -> Pipeline:
@@ -567,112 +523,19 @@ class Pipeline:
         last = self.schedule.pipeline_stages - 1
         return any(self.schedule.model_stage(s) == last for s in self.stages)
 
+    @_same_doc(RankParts.step)
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:
-        """Run one training step: forward and backward of every micro-batch.
-
-        The step's gradients are added to ``.grad`` of this rank's parameters,
-        so that steps without :meth:`zero_grad` between them accumulate exactly
-        as ``backward`` does in plain PyTorch, replicated and tied parameters
-        included: each step reduces only its own part. While a step runs, the
-        gradients of earlier steps are held aside beside the step's own
-        (memory: one more set of gradients while accumulating; more
-        micro-batches per step accumulate at no memory cost). Collective:
-        every rank calls it.
-
-        Args:
-            inputs: the batch of model inputs; only the rank of stage 0 needs it
-                (others may pass None).
-            targets: the batch of targets; only the rank of the last stage
-                needs it (others may pass None).
-
-        The batch may have any size (at least ``n_microbatches`` rows) and
-        other shapes than the last step's: it splits as ``torch.tensor_split``
-        does, and each micro-batch's loss is weighted by its share of the rows.
-
-        Returns:
-            The mean loss over the batch (the micro-batch losses weighted by
-            their rows; for a loss returning ``(sum, count)``, the sum over
-            the batch by the count over the batch), on every rank, unscaled
-            under a ``grad_scaler``. NaN or infinite only with
-            ``nonfinite="skip"``, when the step was skipped.
-
-        Raises:
-            PipelineConfigError: on every rank, if a needed batch is missing or
-                holds fewer rows than micro-batches on any rank, the inputs and targets disagree on
-                the batch size, or the ranks are not at the same step.
-            NonFiniteLossError: on every rank, if the mean loss is not finite
-                (with ``nonfinite="raise"``); the step's gradients were dropped,
-                the earlier steps' are kept (so with ``nonfinite="skip"``).
-            ShapeMismatchError: if a block's output shape depends on the values of
-                its inputs, not only on their shapes (named by its boundary).
-            PeerStepFailedError: on every other rank, when the step failed on
-                one rank (in a block, the loss, a shape check); that rank raises
-                its own error. The step's gradients are dropped on every rank (the
-                earlier steps' are kept) and the pipeline can run the next step.
-            PeerError: if a peer is gone or times out; then end the process
-                (``torchrun`` can restart the group, and a checkpoint resumes the run).
-        """
         self.plan_on(inputs)
         return self._planned("step").step(inputs, targets)
 
+    @_same_doc(RankParts.shard_optimizer)
     def shard_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any
     ) -> torch.optim.Optimizer:
-        """An optimizer whose state is sharded over the ranks that hold each parameter (ZeRO-1).
+        return self._planned("shard_optimizer").shard_optimizer(optimizer_class, **optimizer_kwargs)
 
-        Each bucket of replicated parameters (the copies of a stage under
-        ``data_parallel``, Chimera's and DualPipe's two pipelines, a weight
-        tied across ranks) becomes a padded flat buffer cut into one
-        contiguous shard per holder, laid out alike on every holder, bucket
-        after bucket in the order of the stages' ``R`` on this rank. At each
-        stage's ``R`` the gradients are reduce-scattered instead of
-        all-reduced; ``optimizer.step()`` steps this rank's shards only (a
-        float32 master shard for half-precision parameters); then the
-        updated shards are all-gathered in the background, and each stage's
-        next forward waits for its own (see
-        :mod:`twobp.runtime.state.sharded_optimizer`). Parameters that no other
-        rank holds are stepped whole. :meth:`clip_grad_norm_`,
-        :meth:`zero_grad`, :meth:`memory_stats`, :meth:`save` and
-        :meth:`load` know the shards. Every rank calls it, between steps.
-
-        Args:
-            optimizer_class: a ``torch.optim.Optimizer`` class (``torch.optim.AdamW``).
-            **optimizer_kwargs: its arguments besides the parameters (``lr=...``).
-
-        Returns:
-            ``optimizer_class(shards, **optimizer_kwargs)``: a plain optimizer
-            over this rank's shards (its ``param_groups`` drive LR schedulers;
-            ``state_dict`` numbers the shards, ``pipe.save(path, optimizer)``
-            saves the state by parameter name).
-
-        Raises:
-            PipelineConfigError: if no parameter of this pipeline is held by
-                several ranks, the pipeline already has a sharded optimizer,
-                ``optimizer_class`` is not an optimizer class, or
-                ``optimizer_kwargs`` name ``params`` (the returned optimizer's
-                ``add_param_group`` raises it too: one param group only).
-        """
-        return self._planned("shard_optimizer").shard_optimizer(optimizer_class, optimizer_kwargs)
-
+    @_same_doc(RankParts.eval_step)
     def eval_step(self, inputs: Batch | None, targets: Batch | None = None) -> Any:
-        """Forward only, without autograd. Collective: every rank calls it.
-
-        It runs in the mode the blocks are in, as a module's forward does:
-        after training that is training mode (dropout on, BatchNorm on the
-        batch's statistics). For a held-out loss call :meth:`eval` first and
-        :meth:`train` after, as with an ``nn.Module``.
-
-        Args:
-            inputs: the batch (needed on the rank of stage 0).
-            targets: the targets (needed on the rank of the last stage); None for outputs.
-
-        Returns:
-            With targets: the mean loss, on every rank. Without: on the rank of
-            the last stage, the output batch (micro-batch outputs concatenated;
-            under Chimera, the rank of the down pipeline's last stage, which
-            gathers the up pipeline's outputs); None on the other ranks. Each
-            data-parallel copy returns the outputs of its own batch.
-        """
         self.plan_on(inputs)
         return self._planned("eval_step").eval_step(inputs, targets)
 
@@ -685,30 +548,14 @@ class Pipeline:
         """
         return self._planned("peak_stashed_bytes").runner.peak_stashed_bytes
 
+    @_same_doc(RankParts.memory_stats)
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """What this rank held in the last training step, in bytes, measured.
-
-        Args:
-            optimizer: the optimizer of this rank's parameters, whose state
-                is counted under ``"optimizer"``; None counts 0 (the pipeline
-                does not know the optimizer otherwise).
-
-        Returns:
-            ``activations``: the most held at once from ``F`` until ``I`` (or
-            ``B``); ``stash``: the most held at once from ``I`` until ``W``;
-            ``parameters``: parameters, gradients and buffers; ``optimizer``;
-            ``peak``: on CUDA ``torch.cuda.max_memory_allocated`` since the
-            step started, elsewhere ``parameters + optimizer`` plus the most
-            held at once between passes and, when gradients are accumulated
-            over steps, the earlier steps' gradients held aside. Tensors are
-            counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
-        """
         return self._planned("memory_stats").memory_stats(optimizer)
 
-    @property
-    def local_spans(self) -> list[Span]:
-        """The compute spans of this rank in the last step (seconds from its start)."""
-        return list(self._planned("local_spans").runner.spans)
+    local_spans = PlannedPart[list[Span]](
+        lambda parts: list(parts.runner.spans),
+        "The compute spans of this rank in the last step (seconds from its start).",
+    )
 
     @property
     def compile_choice(self) -> dict[int, str | None]:
@@ -723,132 +570,15 @@ class Pipeline:
             return dict.fromkeys(parts.stages, "compiled")
         return dict(parts.compile_trial.choice)
 
-    @property
-    def step_times(self) -> StepTimes:
-        """Where this rank's last step went outside its compute: dispatch, sends, receives.
+    step_times = PlannedPart[StepTimes](
+        lambda parts: parts.runner.times,
+        "Where this rank's last step went outside its compute: dispatch, sends, receives "
+        "(host seconds, see :class:`~twobp.runtime.execution.step_run.StepTimes`).",
+    )
 
-        Host seconds (see :class:`~twobp.runtime.execution.step_run.StepTimes`).
-        """
-        return self._planned("step_times").runner.times
-
+    @_same_doc(RankParts.timeline)
     def timeline(self, waits: bool = False) -> list[Span]:
-        """The last step's compute spans of every rank, merged. Collective.
-
-        Times are seconds from the step start, which the all-reduce that opens every
-        step aligns across ranks.
-
-        Args:
-            waits: also the time each rank waited on its peers: every receive
-                (a span of its ``RECV`` action, from posting it until the tensors
-                arrived) and the wait for the gradient reductions at the end of
-                the step (a span of the rank's last ``R``, after its compute).
-                They are not compute: ``bubble_ratio`` counts them as idle.
-        """
         return self._planned("timeline").timeline(waits)
 
 
-@dataclass(frozen=True)
-class _Given:
-    """What planning takes: the options, and the live resources the pipeline does not keep
-    once planned (the example input, the process group or mesh the trials are built on)."""
-
-    options: PipelineOptions
-    example_input: Batch | None
-    group: dist.ProcessGroup | None
-    mesh: Any
-
-
 _OPTION_NAMES = frozenset(f.name for f in fields(PipelineOptions))
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """What a pipeline that plans at its first step builds its stages from then."""
-
-    blocks: list[nn.Module]
-    names: Any
-    loss_fn: LossFn
-    given: _Given
-    members: Membership
-    grid: list[list[int]]
-
-    @property
-    def model(self) -> nn.Sequential:
-        """Every block, as ``nn.Sequential(*blocks)`` names them (a tied weight once)."""
-        return nn.Sequential(OrderedDict((str(i), b) for i, b in enumerate(self.blocks)))
-
-    def named(self, named: Iterator[tuple[str, _T]], prefix: str) -> Iterator[tuple[str, _T]]:
-        """``named`` (block names) in the names the planned pipeline will give."""
-        if self.names is None:
-            return ((prefix + n, t) for n, t in named)
-        return ((prefix + n, t) for n, t in ModelNames(self.names).named(named))
-
-
-def _plans_at_first_step(
-    given: _Given, members: Membership, device: torch.device, timeout: float
-) -> bool:
-    """True if ``schedule="auto"`` plans on the first step's batch: with
-    ``n_microbatches="auto"``, or where no rank was given an example input and
-    nothing else is to plan by (collective where it depends on the example input)."""
-    options = given.options
-    planned = isinstance(options.schedule, str) and (
-        options.schedule == AUTO or (options.rebuilds and options.schedule in SCHEDULES)
-    )
-    if not planned or options.costs is not None:
-        return False
-    if options.n_microbatches == AUTO_MICROBATCHES:
-        return True
-    # Alike on every rank: if any has an example input, all plan now (and those without
-    # one are refused there, naming what they lack).
-    table = agree(
-        members, device, timeout, None, "building the pipeline", [given.example_input is not None]
-    )
-    return not any(row[0] for row in table)
-
-
-def _device(requested: torch.device | None, members: Membership) -> torch.device:
-    """This rank's device: the one asked for, or the group's (see ``device_for``); a CUDA
-    device becomes the current one (collectives of objects use it)."""
-    device = requested if requested is not None else device_for(members)
-    if device.type == "cuda":
-        if device.index is None:
-            device = default_device()
-        torch.cuda.set_device(device)
-    return device
-
-
-def _check_autocast(device: torch.device, dtype: torch.dtype | None, rank: int) -> None:
-    """Refuse an autocast dtype the device cannot run, naming the rank."""
-    if dtype is None:
-        return
-    try:
-        check_autocast_dtype(device, dtype)
-    except ValueError as error:
-        raise PipelineConfigError(f"rank {rank}: autocast={dtype}: {error}") from None
-
-
-def _detached(batch: Batch) -> Batch:
-    tensors, is_tuple = flatten(batch)
-    return unflatten([t.detach() for t in tensors], is_tuple)
-
-
-def _check_grad_scaler(scaler: object, pipe: Pipeline) -> None:
-    """Refuse a scaler that cannot agree across ranks, or that another pipeline holds, at once."""
-    if scaler is None:
-        return
-    if isinstance(scaler, GradScaler):
-        if scaler.belongs_elsewhere(pipe):
-            raise PipelineConfigError(
-                "grad_scaler belongs to another open pipeline: close that one first "
-                "(pipe.close()), or give each pipeline its own twobp.GradScaler"
-            )
-        return
-    if isinstance(scaler, torch.amp.GradScaler):
-        raise PipelineConfigError(
-            "grad_scaler is a torch.amp.GradScaler, which looks only at this rank's gradients "
-            "(one rank would skip a step that another applies); use twobp.GradScaler, which "
-            "takes the same arguments and methods"
-        )
-    raise PipelineConfigError(
-        f"grad_scaler must be a twobp.GradScaler or None, not {type(scaler).__name__}"
-    )

@@ -1,59 +1,43 @@
-"""One rank's parts of a planned pipeline, built from the plan: the builder and what it builds.
+"""One rank's parts of a planned pipeline, and how they step.
 
-:func:`build_rank` turns a :class:`~twobp.runtime.setup.pipeline_plan.PipelinePlan`
-into this rank's :class:`RankParts`: its stages on its device, the reducer of
-replicated gradients, the model state, the lowered schedule, the links to its
-peers and the step runner. It never plans: what runs is what the plan says.
-:class:`twobp.runtime.Pipeline` holds one; the trial steps of
-``schedule="auto"`` build one per contender and step it directly.
+:class:`RankParts` holds what this rank runs of a plan: its stages, the reducer
+of replicated gradients, the model state, the lowered schedule, the step runner
+and the settlement of each step's gradients (built by
+:func:`twobp.runtime.setup.build_rank.build_rank`). :class:`twobp.runtime.Pipeline`
+holds one once planned; the trial steps of ``schedule="auto"`` build one per
+contender and step it directly.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 from torch import nn
 
-from twobp.partition import stage_ranges
-from twobp.runtime.base.group import Membership
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.communication import collective
-from twobp.runtime.communication.agreement import agree, small_buffer
 from twobp.runtime.communication.layout_cache import LayoutCache
-from twobp.runtime.communication.links import make_links
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.backward import stage_gradients
 from twobp.runtime.execution.memory import MemoryMeter, memory_stats
 from twobp.runtime.execution.microbatch import concat_microbatches, unflatten
-from twobp.runtime.execution.stage import LossFn, Stage
+from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_runner import StepRunner
 from twobp.runtime.execution.step_start import StepBatches, StepInputs, start_step
-from twobp.runtime.options import Batch, PipelineOptions
-from twobp.runtime.setup.auto.plan import Contender
-from twobp.runtime.setup.auto.trials import run_trials, stand_in_loss
+from twobp.runtime.options import Batch
 from twobp.runtime.setup.compile_trial import CompileTrial
-from twobp.runtime.setup.compiled_stages import compile_options, compile_stage
-from twobp.runtime.setup.data_parallel import make_reducer
-from twobp.runtime.setup.pipeline_plan import PipelinePlan, Trials
-from twobp.runtime.setup.replicas import SharedParameter, local_aliases, shared_parameters
 from twobp.runtime.state.grad_scaler import GradScaler
-from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.model_state import PipelineState
 from twobp.runtime.state.optimizer_and_rng import parameter_names
 from twobp.runtime.state.settlement import Settlement
 from twobp.runtime.state.sharded_optimizer import shard_optimizer
-from twobp.schedule.action import Action, Kind
-from twobp.schedule.lowering import add_communication, forward_only, split_stages
-from twobp.schedule.rebuild import rebuilt_microbatches
+from twobp.schedule.action import Action
+from twobp.schedule.lowering import add_communication, forward_only
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan, plan_communication
-from twobp.sim.recompute import effective_modes, parse_recompute
 from twobp.timeline import Span
 
 
@@ -113,7 +97,50 @@ class RankParts:
     # -- steps -----------------------------------------------------------------------
 
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:
-        """One training step; its gradients settled (see :class:`Settlement`). Collective."""
+        """Run one training step: forward and backward of every micro-batch.
+
+        The step's gradients are added to ``.grad`` of this rank's parameters,
+        so that steps without :meth:`zero_grad` between them accumulate exactly
+        as ``backward`` does in plain PyTorch, replicated and tied parameters
+        included: each step reduces only its own part. While a step runs, the
+        gradients of earlier steps are held aside beside the step's own
+        (memory: one more set of gradients while accumulating; more
+        micro-batches per step accumulate at no memory cost). Collective:
+        every rank calls it.
+
+        Args:
+            inputs: the batch of model inputs; only the rank of stage 0 needs it
+                (others may pass None).
+            targets: the batch of targets; only the rank of the last stage
+                needs it (others may pass None).
+
+        The batch may have any size (at least ``n_microbatches`` rows) and
+        other shapes than the last step's: it splits as ``torch.tensor_split``
+        does, and each micro-batch's loss is weighted by its share of the rows.
+
+        Returns:
+            The mean loss over the batch (the micro-batch losses weighted by
+            their rows; for a loss returning ``(sum, count)``, the sum over
+            the batch by the count over the batch), on every rank, unscaled
+            under a ``grad_scaler``. NaN or infinite only with
+            ``nonfinite="skip"``, when the step was skipped.
+
+        Raises:
+            PipelineConfigError: on every rank, if a needed batch is missing or
+                holds fewer rows than micro-batches on any rank, the inputs and targets disagree on
+                the batch size, or the ranks are not at the same step.
+            NonFiniteLossError: on every rank, if the mean loss is not finite
+                (with ``nonfinite="raise"``); the step's gradients were dropped,
+                the earlier steps' are kept (so with ``nonfinite="skip"``).
+            ShapeMismatchError: if a block's output shape depends on the values of
+                its inputs, not only on their shapes (named by its boundary).
+            PeerStepFailedError: on every other rank, when the step failed on
+                one rank (in a block, the loss, a shape check); that rank raises
+                its own error. The step's gradients are dropped on every rank (the
+                earlier steps' are kept) and the pipeline can run the next step.
+            PeerError: if a peer is gone or times out; then end the process
+                (``torchrun`` can restart the group, and a checkpoint resumes the run).
+        """
         self.state.check_open()
         if self.released:
             raise PipelineConfigError(
@@ -142,7 +169,24 @@ class RankParts:
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch | None, targets: Batch | None) -> Any:
-        """Forward only (see :meth:`twobp.runtime.Pipeline.eval_step`). Collective."""
+        """Forward only, without autograd. Collective: every rank calls it.
+
+        It runs in the mode the blocks are in, as a module's forward does:
+        after training that is training mode (dropout on, BatchNorm on the
+        batch's statistics). For a held-out loss call :meth:`eval` first and
+        :meth:`train` after, as with an ``nn.Module``.
+
+        Args:
+            inputs: the batch (needed on the rank of stage 0).
+            targets: the targets (needed on the rank of the last stage); None for outputs.
+
+        Returns:
+            With targets: the mean loss, on every rank. Without: on the rank of
+            the last stage, the output batch (micro-batch outputs concatenated;
+            under Chimera, the rank of the down pipeline's last stage, which
+            gathers the up pipeline's outputs); None on the other ranks. Each
+            data-parallel copy returns the outputs of its own batch.
+        """
         self.state.check_open()
         if self._forward is None:
             forward = forward_only(self.schedule)
@@ -201,7 +245,15 @@ class RankParts:
         self.state.zero_grad(set_to_none)
 
     def release_blocks(self) -> None:
-        """Let another pipeline on the same blocks step until :meth:`claim_blocks`."""
+        """Let another pipeline on the same blocks run its steps until :meth:`claim_blocks`.
+
+        The 2BP engine defers a module for one pipeline at a time: a second
+        pipeline on the same blocks is refused while the first holds them. To
+        compare two schedules on one model step by step, build the first,
+        release it, build the second, and have each claim the blocks for its
+        steps. Not collective; between steps only. :meth:`step` refuses to run
+        until the blocks are claimed again.
+        """
         self.state.check_open()
         for stage in self.stages.values():
             stage.gradients.release()
@@ -226,9 +278,42 @@ class RankParts:
         self.released = False
 
     def shard_optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any]
+        self, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any
     ) -> torch.optim.Optimizer:
-        """An optimizer over this rank's shards (see ``Pipeline.shard_optimizer``)."""
+        """An optimizer whose state is sharded over the ranks that hold each parameter (ZeRO-1).
+
+        Each bucket of replicated parameters (the copies of a stage under
+        ``data_parallel``, Chimera's and DualPipe's two pipelines, a weight
+        tied across ranks) becomes a padded flat buffer cut into one
+        contiguous shard per holder, laid out alike on every holder, bucket
+        after bucket in the order of the stages' ``R`` on this rank. At each
+        stage's ``R`` the gradients are reduce-scattered instead of
+        all-reduced; ``optimizer.step()`` steps this rank's shards only (a
+        float32 master shard for half-precision parameters); then the
+        updated shards are all-gathered in the background, and each stage's
+        next forward waits for its own (see
+        :mod:`twobp.runtime.state.sharded_optimizer`). Parameters that no other
+        rank holds are stepped whole. :meth:`clip_grad_norm_`,
+        :meth:`zero_grad`, :meth:`memory_stats`, :meth:`save` and
+        :meth:`load` know the shards. Every rank calls it, between steps.
+
+        Args:
+            optimizer_class: a ``torch.optim.Optimizer`` class (``torch.optim.AdamW``).
+            **optimizer_kwargs: its arguments besides the parameters (``lr=...``).
+
+        Returns:
+            ``optimizer_class(shards, **optimizer_kwargs)``: a plain optimizer
+            over this rank's shards (its ``param_groups`` drive LR schedulers;
+            ``state_dict`` numbers the shards, ``pipe.save(path, optimizer)``
+            saves the state by parameter name).
+
+        Raises:
+            PipelineConfigError: if no parameter of this pipeline is held by
+                several ranks, the pipeline already has a sharded optimizer,
+                ``optimizer_class`` is not an optimizer class, or
+                ``optimizer_kwargs`` name ``params`` (the returned optimizer's
+                ``add_param_group`` raises it too: one param group only).
+        """
         self.state.check_open()
         self.state.settle_parameters()
         optimizer, sharded = shard_optimizer(
@@ -267,12 +352,39 @@ class RankParts:
     # -- what the last step measured ---------------------------------------------------
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-        """What this rank held in the last training step (see ``Pipeline.memory_stats``)."""
+        """What this rank held in the last training step, in bytes, measured.
+
+        Args:
+            optimizer: the optimizer of this rank's parameters, whose state
+                is counted under ``"optimizer"``; None counts 0 (the pipeline
+                does not know the optimizer otherwise).
+
+        Returns:
+            ``activations``: the most held at once from ``F`` until ``I`` (or
+            ``B``); ``stash``: the most held at once from ``I`` until ``W``;
+            ``parameters``: parameters, gradients and buffers; ``optimizer``;
+            ``peak``: on CUDA ``torch.cuda.max_memory_allocated`` since the
+            step started, elsewhere ``parameters + optimizer`` plus the most
+            held at once between passes and, when gradients are accumulated
+            over steps, the earlier steps' gradients held aside. Tensors are
+            counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
+        """
         earlier = self.settlement.earlier.last_nbytes
         return memory_stats(self.memory, self.module, optimizer, earlier)
 
     def timeline(self, waits: bool) -> list[Span]:
-        """The last step's spans of every rank, merged (see ``Pipeline.timeline``). Collective."""
+        """The last step's compute spans of every rank, merged. Collective.
+
+        Times are seconds from the step start, which the all-reduce that opens every
+        step aligns across ranks.
+
+        Args:
+            waits: also the time each rank waited on its peers: every receive
+                (a span of its ``RECV`` action, from posting it until the tensors
+                arrived) and the wait for the gradient reductions at the end of
+                the step (a span of the rank's last ``R``, after its compute).
+                They are not compute: ``bubble_ratio`` counts them as idle.
+        """
         self.state.check_open()
         spans = [*self.runner.spans, *(self.runner.waits if waits else ())]
         mine = [(s.rank, str(s.action), s.start, s.end) for s in spans]
@@ -284,281 +396,34 @@ class RankParts:
         return sorted(merged, key=lambda s: (s.rank, s.start))
 
 
-def build_rank(
-    plan: PipelinePlan,
-    blocks: Sequence[nn.Module],
-    loss_fn: LossFn,
-    members: Membership,
-    device: torch.device,
-    options: PipelineOptions,
-    grid: Sequence[Sequence[int]],
-    *,
-    names: ModelNames | None = None,
-    compile: dict[str, Any] | None = None,
-    grad_scaler: GradScaler | None = None,
-) -> RankParts:
-    """This rank's parts of the pipeline ``plan`` describes. Collective.
+class Planned(Protocol):
+    """What holds a rank's parts once planned (``twobp.runtime.Pipeline``)."""
 
-    Args:
-        plan: the schedule and the blocks of every stage.
-        blocks: the whole model's blocks (only this rank's are kept).
-        loss_fn: the loss of the last stage.
-        members: the group.
-        device: where this rank computes.
-        options: the pipeline's options (``nonfinite``, ``recompute``,
-            ``weight_group_size``, ``autocast``).
-        grid: the group ranks of every copy of the pipeline.
-        names: the names of the model the blocks were cut from, or None.
-        compile: ``torch.compile``'s options for the stages (None: eager).
-        grad_scaler: the loss scaler, or None.
-
-    Raises:
-        PipelineConfigError: on every rank, if a rank could not build its
-            stages (naming it), or the schedule lacks a reduction it needs.
-    """
-    schedule, ranges = plan.schedule, tuple(plan.ranges)
-    topology = Topology.replicated(members, schedule, grid)
-    recompute = _recompute_modes(options, schedule, members.rank)
-    mine = sorted(
-        {i for s in schedule.stages_of(topology.pp_rank) for i in ranges[schedule.model_stage(s)]}
-    )
-    module = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in mine))
-    shared = shared_parameters(blocks, ranges)
-    aliases = local_aliases(shared, mine, blocks)
-    memory = MemoryMeter(device)
-    module, stages = _stages(
-        plan, topology.pp_rank, module, loss_fn, options, recompute, memory, compile, members
-    )
-    modules = {s: stage.module for s, stage in stages.items()}
-    reducer = make_reducer(members, topology, schedule, modules, shared, options.timeout)
-    _check_reductions_placed(reducer, schedule, topology.pp_rank, members.rank)
-    state = _model_state(plan, module, members, topology, device, options, aliases, shared, names)
-    state.grad_scaler = grad_scaler
-    runner = _runner(members, topology, schedule, stages, reducer, options, grid, device)
-    trial = None
-    if compile is not None and compile.get("stages", "measured") == "measured":
-        trial = CompileTrial(modules, f"rank {members.rank} ")
-    return RankParts(
-        schedule=schedule,
-        topology=topology,
-        stage_blocks=ranges,
-        recompute=recompute,
-        module=module,
-        stages=stages,
-        state=state,
-        lowered_schedule=add_communication(schedule),
-        runner=runner,
-        settlement=Settlement(
-            module.parameters,
-            lambda: state.sharded,
-            members.rank,
-            options.nonfinite,
-            topology.dp_size,
-        ),
-        reducer=reducer,
-        memory=memory,
-        grad_scaler=grad_scaler,
-        compile_trial=trial,
-        _comm=plan_communication(schedule, topology.pp_rank),
-        _start_buffer=small_buffer(members.size, device),
-    )
+    def _planned(self, name: str) -> RankParts: ...
 
 
-def _model_state(
-    plan: PipelinePlan,
-    module: nn.Sequential,
-    members: Membership,
-    topology: Topology,
-    device: torch.device,
-    options: PipelineOptions,
-    aliases: dict[str, tuple[str, ...]],
-    shared: dict[int, SharedParameter],
-    names: ModelNames | None,
-) -> PipelineState:
-    """This rank's blocks as a model (parameters, state dicts, checkpoints)."""
-    schedule, ranges = plan.schedule, tuple(plan.ranges)
-    return PipelineState(
-        module=module,
-        rank=members.rank,
-        pp_rank=topology.pp_rank,
-        topology=topology,
-        device=device,
-        timeout=options.timeout,
-        schedule=schedule,
-        stage_blocks=ranges,
-        aliases=aliases,
-        written_blocks=frozenset(
-            i for s in topology.written_stages for i in ranges[schedule.model_stage(s)]
-        ),
-        tied_names={n: tie.name for tie in shared.values() for n in tie.names[1:]},
-        model_names=names,
-    )
+V = TypeVar("V")
 
 
-def _recompute_modes(
-    options: PipelineOptions, schedule: Schedule, rank: int
-) -> tuple[str | None, ...]:
-    """The recompute mode of every stage of ``schedule`` (under ``"auto"`` the schedule
-    says which stashes are rebuilt, IR and WR: no mode)."""
-    try:
-        mode = None if options.rebuilds else options.recompute
-        per_model_stage = parse_recompute(mode, schedule.pipeline_stages)
-    except ValueError as error:
-        raise PipelineConfigError(f"rank {rank}: {error}") from None
-    return tuple(per_model_stage[schedule.model_stage(s)] for s in range(schedule.n_stages))
+class PlannedPart(Generic[V]):
+    """An attribute of a pipeline that it has once planned, read from its parts; before,
+    the error that says to run a step first or to call ``plan_on`` (``_planned``)."""
 
+    def __init__(self, read: Callable[[RankParts], V], doc: str) -> None:
+        self._read = read
+        self.__doc__ = doc
+        self._name = ""
 
-def _stages(
-    plan: PipelinePlan,
-    pp_rank: int,
-    module: nn.Sequential,
-    loss_fn: LossFn,
-    options: PipelineOptions,
-    recompute: tuple[str | None, ...],
-    memory: MemoryMeter,
-    compile: dict[str, Any] | None,
-    members: Membership,
-) -> tuple[nn.Sequential, dict[int, Stage]]:
-    """This rank's blocks on its device, and its stages over them; a rank that fails
-    here tells the others, instead of leaving them at the first step. Collective."""
-    schedule, ranges = plan.schedule, plan.ranges
-    split = split_stages(schedule)
-    modes = effective_modes(recompute, split)
-    rebuilt = rebuilt_microbatches(schedule)
-    autocast = options.autocast
-    stages: dict[int, Stage] = {}
-    problem: Exception | None = None
-    try:
-        module = module.to(memory.device)
-        for s in schedule.stages_of(pp_rank):
-            model_stage = schedule.model_stage(s)
-            stage_module = nn.Sequential(
-                OrderedDict((str(i), getattr(module, str(i))) for i in ranges[model_stage])
-            )
-            if compile is not None:
-                compile_stage(stage_module, compile, split=s in split)
-            label = f"rank {members.rank} stage {s}"
-            stages[s] = Stage(
-                s,
-                schedule.pipeline_stages,
-                stage_module,
-                stage_gradients(stage_module, split=s in split, label=label),
-                loss_fn,
-                schedule.n_microbatches,
-                autocast=None if autocast is None else (memory.device.type, autocast),
-                model_stage=model_stage,
-                recompute=modes[s],
-                memory=memory,
-                label=label,
-                rebuilt=rebuilt.get(s, ()),
-            )
-    except Exception as exc:
-        problem = exc
-    agree(members, memory.device, options.timeout, problem, "building the stages")
-    return module, stages
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
 
+    @overload
+    def __get__(self, holder: None, owner: type) -> PlannedPart[V]: ...
 
-def _runner(
-    members: Membership,
-    topology: Topology,
-    schedule: Schedule,
-    stages: dict[int, Stage],
-    reducer: GradientReducer | None,
-    options: PipelineOptions,
-    grid: Sequence[Sequence[int]],
-    device: torch.device,
-) -> StepRunner:
-    """The step runner of this rank, with the links to its peers: every rank makes and
-    warms them up here, in one order. Collective."""
-    links = (
-        make_links(members, schedule, grid, options.timeout, device)
-        if not members.is_single
-        else None
-    )
-    return StepRunner(
-        rank=members.rank,
-        pp_rank=topology.pp_rank,
-        device=device,
-        timeout=options.timeout,
-        topology=topology,
-        n_microbatches=schedule.n_microbatches,
-        stages=stages,
-        reducer=reducer,
-        weight_group_size=options.weight_group_size,
-        links=links,
-        order_only=options.order_only_matching,
-        reduce_after_transfers=options.reduce_after_transfers,
-    )
+    @overload
+    def __get__(self, holder: Planned, owner: type) -> V: ...
 
-
-def _check_reductions_placed(
-    reducer: GradientReducer | None, schedule: Schedule, pp_rank: int, rank: int
-) -> None:
-    """Every stage that reduces gradients here has its ``R`` in the schedule.
-
-    The preparation pass places them (:func:`twobp.schedule.prepare.reduces`);
-    a stage whose ``R`` were missing would never start its all-reduce.
-
-    Raises:
-        PipelineConfigError: naming the stages, if a given schedule lacks them.
-    """
-    if reducer is None:
-        return
-    placed = {a.stage for a in schedule.actions[pp_rank] if a.kind is Kind.REDUCE}
-    missing = sorted(set(reducer.stages) - placed)
-    if missing:
-        raise PipelineConfigError(
-            f"rank {rank}: stages {missing} hold gradients reduced over several "
-            f"ranks, but the schedule {schedule.name or ''} has no R for them"
-        )
-
-
-def contender_trials(
-    blocks: Sequence[nn.Module],
-    options: PipelineOptions,
-    example_input: Batch | None,
-    members: Membership,
-    device: torch.device,
-    grid: Sequence[Sequence[int]],
-    sample: Batch | None = None,
-) -> Trials | None:
-    """The trial steps of ``schedule="auto"``: each contender's :class:`RankParts`, built
-    with ``options`` but the contender's prepared schedule and partition, stepping on the
-    first step's batch ``sample`` or the example input repeated (None without either)."""
-    if example_input is None and sample is None:
-        return None
-    trial = replace(
-        options,
-        # The contender is prepared: nothing is profiled, costed or bounded again
-        # (what it rebuilds is in its schedule).
-        costs=None,
-        memory_limit=None,
-        recompute=None if options.rebuilds else options.recompute,
-        nonfinite="skip",
-        auto_trials=0,
-    )
-
-    def build(contender: Contender) -> RankParts:
-        plan = PipelinePlan(contender.schedule, tuple(stage_ranges(contender.partition)))
-        # Trial steps take no optimizer step: the scaler stays with the pipeline.
-        return build_rank(
-            plan,
-            blocks,
-            stand_in_loss,
-            members,
-            device,
-            trial,
-            grid,
-            compile=compile_options(trial.compile),
-        )
-
-    return partial(
-        run_trials,
-        build=build,
-        blocks=blocks,
-        example_input=example_input,
-        batch=sample,
-        world=members,
-        device=device,
-        timeout=options.timeout,
-    )
+    def __get__(self, holder: Planned | None, owner: type) -> PlannedPart[V] | V:
+        if holder is None:
+            return self
+        return self._read(holder._planned(self._name))

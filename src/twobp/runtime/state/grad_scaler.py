@@ -17,7 +17,9 @@ its data-parallel copies. Every rank then skips or steps together, and
 :meth:`GradScaler.update` moves the scale identically everywhere. The scale
 and its growth tracker are float32 and int32 tensors updated by torch's own
 kernels, as ``torch.amp.GradScaler`` does, so the scale sequence is the one
-a single process would see.
+a single process would see. An overflow is then a skipped step, not a
+``NonFiniteLossError`` (a loss that is not finite itself still follows the
+pipeline's ``nonfinite``); ``Pipeline.step`` returns the unscaled mean loss.
 """
 
 from __future__ import annotations
