@@ -12,7 +12,7 @@ A folder of checkpoints holds one sub-folder per saved step::
                           file's size and CRC-32 (JSON)
 
 The tensors are named as in the single-process model (``model.3.attn.q.weight``,
-``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.checkpoint_entries`),
+``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.entries`),
 so a checkpoint loads into another partition, schedule or number of ranks, and
 ``torch.distributed.checkpoint.load`` reads it without twobp. One replica of
 each stage writes (:attr:`Topology.writes_stage_files`).
@@ -26,7 +26,7 @@ in the background; rank 0 completes the checkpoint when every rank's data is
 written, and the next ``save``, ``load`` or :func:`wait` reports how it went.
 
 Loading first checks the files against the manifest (sizes, and CRC-32s that
-the ranks split between them; see :mod:`.checkpoint_integrity`): a damaged
+the ranks split between them; see :mod:`.integrity`): a damaged
 checkpoint raises a :class:`CheckpointError` naming the file and the previous
 intact checkpoint. Loading unpickles nothing from the checkpoint: tensors are read with
 ``weights_only``, DCP's metadata through an allow-list of its own classes, and
@@ -48,9 +48,9 @@ from torch import Tensor
 from twobp.runtime.communication import collective
 from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state import checkpoint_integrity as integrity
-from twobp.runtime.state.checkpoint_background import BackgroundSaves
-from twobp.runtime.state.checkpoint_entries import (
+from twobp.runtime.state.checkpoint import integrity
+from twobp.runtime.state.checkpoint.background import BackgroundSaves
+from twobp.runtime.state.checkpoint.entries import (
     MODEL,
     check_json,
     merge_optimizer_json,
@@ -62,7 +62,7 @@ from twobp.runtime.state.checkpoint_entries import (
     rng_state_from_entries,
     rng_tensor_names,
 )
-from twobp.runtime.state.checkpoint_files import (
+from twobp.runtime.state.checkpoint.files import (
     FORMAT,
     VERSION,
     find_checkpoint,
@@ -73,7 +73,7 @@ from twobp.runtime.state.checkpoint_files import (
     read_manifest,
     step_folder,
 )
-from twobp.runtime.state.checkpoint_shards import (
+from twobp.runtime.state.checkpoint.shards import (
     load_sharded_state,
     master_targets,
     sharded_entries,
