@@ -24,7 +24,7 @@ from runtime_models import needs_no_process_group
 from twobp.cli.checkpoint import main as checkpoint_cli
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import merge, read_manifest
-from twobp.runtime.state.checkpoint_integrity import crc32
+from twobp.runtime.state.checkpoint.integrity import crc32
 
 pytestmark = [needs_no_process_group, pytest.mark.usefixtures("torch_one_thread")]
 

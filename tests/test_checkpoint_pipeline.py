@@ -29,8 +29,8 @@ from twobp.cli.checkpoint import main as checkpoint_cli
 from twobp.runtime import LaunchError, launch
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import is_checkpoint, latest_checkpoint, merge, read_manifest
-from twobp.runtime.state.checkpoint_integrity import crc32
-from twobp.runtime.state.checkpoint_storage import tensor_shapes
+from twobp.runtime.state.checkpoint.integrity import crc32
+from twobp.runtime.state.checkpoint.storage import tensor_shapes
 from twobp.runtime.state.optimizer_and_rng import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,

@@ -56,6 +56,14 @@ def test_the_wheel_holds_the_library_and_the_bench_application(wheel):
     assert wheel.name == f"twobp-{twobp.__version__}-py3-none-any.whl"
     assert "twobp/py.typed" in names and "twobp/cli/main.py" in names
     assert "twobp_bench/cli.py" in names
+    # Every module, those of sub-packages too (the build config finds the packages).
+    sources = {
+        path.relative_to(ROOT / top).as_posix()
+        for top in ("src", "tools")
+        for path in (ROOT / top).rglob("*.py")
+    }
+    missing = sorted(sources - set(names))
+    assert not missing, f"the wheel lacks {len(missing)} modules: {missing[:5]}"
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()

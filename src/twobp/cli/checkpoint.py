@@ -67,7 +67,7 @@ def _guarded(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 def _info(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from twobp.runtime.state import checkpoint_integrity as integrity
+    from twobp.runtime.state.checkpoint import integrity
 
     manifest = integrity.checked_manifest(args.path)
     _print_manifest(manifest)
@@ -127,7 +127,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from twobp.runtime.state.checkpoint_convert import convert
+    from twobp.runtime.state.checkpoint.convert import convert
 
     try:
         check_writable("output", args.output, folder=True)

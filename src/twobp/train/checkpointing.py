@@ -21,9 +21,8 @@ import torch
 
 from twobp.runtime import Pipeline
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state import checkpoint_integrity as integrity
-from twobp.runtime.state.checkpoint import find_checkpoint, read_manifest
-from twobp.runtime.state.checkpoint_files import complete_checkpoints
+from twobp.runtime.state.checkpoint import find_checkpoint, integrity, read_manifest
+from twobp.runtime.state.checkpoint.files import complete_checkpoints
 from twobp.train.config import TrainConfig
 
 SAME_MODEL_OPTIONS = (
@@ -72,7 +71,7 @@ def resume_source(cfg: TrainConfig) -> Path | None:
     """The checkpoint this run continues from, or None for a fresh start.
 
     ``--resume auto`` takes the newest checkpoint of ``--out`` whose files
-    have their sizes (see :func:`.checkpoint_integrity.is_intact`).
+    have their sizes (see :func:`.integrity.is_intact`).
 
     Raises:
         CheckpointError: if ``--resume`` names no complete checkpoint.

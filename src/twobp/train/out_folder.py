@@ -3,7 +3,7 @@
 ``OUT/checkpoints`` belongs to one run: a fresh run starts it, and a run that
 continues the latest checkpoint there (``--resume OUT``, ``--resume auto``)
 is the same run going on. Checkpoint rotation (``--keep-checkpoints``, see
-:func:`twobp.runtime.state.checkpoint_files.prune`) deletes older and later
+:func:`twobp.runtime.state.checkpoint.files.prune`) deletes older and later
 checkpoints of the folder, so before any rank starts a run is refused when
 the folder holds checkpoints it does not continue:
 
@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state import checkpoint_integrity as integrity
-from twobp.runtime.state.checkpoint_files import complete_checkpoints, step_of
+from twobp.runtime.state.checkpoint import integrity
+from twobp.runtime.state.checkpoint.files import complete_checkpoints, step_of
 from twobp.train.checkpointing import checkpoint_root, resume_source
 from twobp.train.config import TrainConfig
 

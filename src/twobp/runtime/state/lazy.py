@@ -1,6 +1,6 @@
 """Import a module on first use: what only a checkpoint needs is not loaded at start.
 
-``storage`` is :mod:`twobp.runtime.state.checkpoint_storage` for the modules
+``storage`` is :mod:`twobp.runtime.state.checkpoint.storage` for the modules
 that save and load checkpoints, imported when they first use it.
 
 ``torch.distributed.checkpoint`` takes about a second to import in every rank,
@@ -42,6 +42,6 @@ def lazy_module(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from twobp.runtime.state import checkpoint_storage as storage
+    from twobp.runtime.state.checkpoint import storage
 else:
-    storage = lazy_module("twobp.runtime.state.checkpoint_storage")
+    storage = lazy_module("twobp.runtime.state.checkpoint.storage")

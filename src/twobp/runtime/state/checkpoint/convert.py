@@ -20,14 +20,14 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state import checkpoint_integrity as integrity
-from twobp.runtime.state.checkpoint_entries import (
+from twobp.runtime.state.checkpoint import integrity
+from twobp.runtime.state.checkpoint.entries import (
     check_json,
     model_entries,
     optimizer_entries,
     rng_entries,
 )
-from twobp.runtime.state.checkpoint_files import (
+from twobp.runtime.state.checkpoint.files import (
     VERSION,
     fresh_folder,
     publish,

@@ -12,7 +12,7 @@ page cache; in a background save, rank 0 reads them all in the writing
 thread, off the training's path. CRC-32 (zlib's, a few GB/s on one core)
 finds truncation, flipped bits and overwritten blocks; it is no defence
 against a forger, and needs none: nothing in a checkpoint runs code (see
-:mod:`.checkpoint_storage`).
+:mod:`.storage`).
 
 :func:`check` compares a checkpoint with what is known of it: every file the
 manifest records is there with its size (and CRC-32, when asked), DCP's
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state.checkpoint_files import (
+from twobp.runtime.state.checkpoint.files import (
     MANIFEST,
     complete_checkpoints,
     find_checkpoint,

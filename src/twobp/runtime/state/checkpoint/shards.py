@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state.checkpoint_entries import OPTIMIZER_STATE, check_json
+from twobp.runtime.state.checkpoint.entries import OPTIMIZER_STATE, check_json
 
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
 from twobp.runtime.state.lazy import storage
@@ -112,8 +112,8 @@ def sharded_entries(
         whole_names: ``id(parameter) -> name`` of the parameters stepped whole.
 
     Returns:
-        The tensors (:class:`~.checkpoint_storage.Pieces` and whole tensors) by checkpoint name, and
-        the JSON part as :func:`.checkpoint_entries.optimizer_entries` makes it.
+        The tensors (:class:`~.storage.Pieces` and whole tensors) by checkpoint name, and
+        the JSON part as :func:`.entries.optimizer_entries` makes it.
 
     Raises:
         CheckpointError: if a value of the state is neither a tensor nor JSON data.
