@@ -340,32 +340,43 @@ def plan_auto(
         measured = _measured(blocks, world, device, counts, ranks, example_input, examples)
 
     def choose() -> AutoPlan:
-        spaces = []
-        for m in counts:
-            sizes_for, costs_for = _costs_of(
-                blocks, partition, costs, measured[m] if costs is None else None
-            )
-            if optimizer is not None:
-                costs_for = optimizer.counted(costs_for, sizes_for, blocks)
-            choices = auto_options(
+        spaces = [
+            _space(
                 m,
-                two_bp=two_bp,
-                schedules=schedules,
-                policies=policies,
-                stages_per_rank=stages_per_rank,
-                recompute=recompute,
+                chosen_count,
+                _costs_of(blocks, partition, costs, measured[m] if costs is None else None),
+                blocks,
+                optimizer,
+                auto_options(
+                    m,
+                    two_bp=two_bp,
+                    schedules=schedules,
+                    policies=policies,
+                    stages_per_rank=stages_per_rank,
+                    recompute=recompute,
+                ),
             )
-            spaces.append(_Space(m if chosen_count else None, m, choices, costs_for, sizes_for))
-        return _choose(
-            spaces,
-            len(ranks),
-            memory_limit,
-            max(1, world.size // len(ranks)),
-            contenders,
-            tied,
-        )
+            for m in counts
+        ]
+        copies = max(1, world.size // len(ranks))
+        return _choose(spaces, len(ranks), memory_limit, copies, contenders, tied)
 
     return decided_on_rank_0(world, choose, AutoPlan, lambda exc: f"schedule='auto': {exc}")
+
+
+def _space(
+    m: int,
+    chosen_count: bool,
+    sized: tuple[SizesFor, CostsFor],
+    blocks: Sequence[nn.Module],
+    optimizer: OptimizerMemory | None,
+    choices: Sequence[Option],
+) -> _Space:
+    """The options of ``m`` micro-batches, with their costs (and optimizer state)."""
+    sizes_for, costs_for = sized
+    if optimizer is not None:
+        costs_for = optimizer.counted(costs_for, sizes_for, blocks)
+    return _Space(m if chosen_count else None, m, choices, costs_for, sizes_for)
 
 
 def _measured(

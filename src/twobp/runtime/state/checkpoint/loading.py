@@ -121,16 +121,19 @@ def load(
     return plan.extra
 
 
-def _plan(
-    pipe: PipelineState, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
-) -> _LoadPlan:
-    """Read and check what this rank needs to load, changing nothing."""
-    # Every rank checks the sizes, and computes the CRC-32s of its share of the files.
-    world = pipe.topology.members
-    manifest = integrity.check(path, share=(world.rank, world.size))
-    folder = Path(manifest["path"])
-    saved = manifest["tensors"]
-    own = pipe.state_dict()
+def _check_fits(
+    rank: int,
+    folder: Path,
+    own: dict[str, Any],
+    saved: dict[str, Any],
+    saved_optimizer: str | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Refuse a checkpoint whose tensors or optimizer do not fit this rank's.
+
+    Raises:
+        CheckpointError: naming what is missing or of another shape, or the optimizer.
+    """
     missing = [n for n in own if n not in saved]
     wrong = [
         f"{n} is {list(t.shape)} here but {saved[n]['shape']} in the checkpoint"
@@ -144,18 +147,31 @@ def _plan(
             else ""
         ) + "; ".join(wrong[:5])
         raise CheckpointError(
-            f"rank {pipe.rank}: {folder} does not fit this model ({problems}); load a "
+            f"rank {rank}: {folder} does not fit this model ({problems}); load a "
             "checkpoint of the same model (any partition and number of ranks will do)"
         )
-    if optimizer is not None and manifest["optimizer"] is None:
+    if optimizer is not None and saved_optimizer is None:
         raise CheckpointError(
             f"{folder} was saved without an optimizer; load it with optimizer=None"
         )
-    if optimizer is not None and manifest["optimizer"] != type(optimizer).__name__:
+    if optimizer is not None and saved_optimizer != type(optimizer).__name__:
         raise CheckpointError(
-            f"{folder} holds the state of a {manifest['optimizer']}, not of a "
+            f"{folder} holds the state of a {saved_optimizer}, not of a "
             f"{type(optimizer).__name__}; use the same optimizer class"
         )
+
+
+def _plan(
+    pipe: PipelineState, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+) -> _LoadPlan:
+    """Read and check what this rank needs to load, changing nothing."""
+    # Every rank checks the sizes, and computes the CRC-32s of its share of the files.
+    world = pipe.topology.members
+    manifest = integrity.check(path, share=(world.rank, world.size))
+    folder = Path(manifest["path"])
+    saved = manifest["tensors"]
+    own = pipe.state_dict()
+    _check_fits(pipe.rank, folder, own, saved, manifest["optimizer"], optimizer)
     stored = storage.tensor_shapes(folder)
     wanted = [MODEL + n for n in own]
     optimizer_json = None
