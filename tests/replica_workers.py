@@ -189,12 +189,12 @@ def late_reduction(folder: str) -> dict[str, Any]:
     stage = pipe.stages[0 if pipe.pp_rank == 0 else 1]
     weight = stage.weight
 
-    def rank_0_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
-        weight(mbs, group_size, **options)
+    def rank_0_weight(mbs: Any, weight_group_size: int | None, **options: Any) -> None:
+        weight(mbs, weight_group_size, **options)
         if list(mbs) == [0, 1]:
             handoff.reach(POSTED)
 
-    def rank_1_weight(mbs: Any, group_size: int | None, **options: Any) -> None:
+    def rank_1_weight(mbs: Any, weight_group_size: int | None, **options: Any) -> None:
         if list(mbs) == [1]:
             try:
                 handoff.wait_for(POSTED)
@@ -202,7 +202,7 @@ def late_reduction(folder: str) -> dict[str, Any]:
             except AssertionError as exc:
                 seen["waited for"] = str(exc)
             handoff.reach(LATE)
-        weight(mbs, group_size, **options)
+        weight(mbs, weight_group_size, **options)
 
     late_weight = rank_0_weight if pipe.pp_rank == 0 else rank_1_weight
     stage.weight = late_weight  # type: ignore[method-assign]

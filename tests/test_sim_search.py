@@ -37,11 +37,11 @@ def test_fill_moves_zero_bubble_w_into_groups_that_beat_one_w_per_micro_batch():
 
 
 def test_a_group_cap_splits_every_w():
-    capped = apply_two_bp(generate("1f1b", 2, 8), "paper", costs=CONCAT, group_size=2)
+    capped = apply_two_bp(generate("1f1b", 2, 8), "paper", costs=CONCAT, microbatches_per_w=2)
     assert max(len(w.microbatches) for w in _weights(capped)) == 2
     assert capped.name.endswith("+2bp:paper:w2")
-    with pytest.raises(ValueError, match="group_size must be at least 1"):
-        apply_two_bp(generate("1f1b", 2, 8), "paper", group_size=0)
+    with pytest.raises(ValueError, match="microbatches_per_w must be at least 1"):
+        apply_two_bp(generate("1f1b", 2, 8), "paper", microbatches_per_w=0)
 
 
 def test_options_cover_every_schedule_policy_cap_and_stage_count():
@@ -49,8 +49,9 @@ def test_options_cover_every_schedule_policy_cap_and_stage_count():
     assert Option("zb-v", "fill", 2, 2) in listed
     assert Option("interleaved-1f1b", "off", 1) in listed
     assert Option("gpipe", "paper", 2, None) in listed
-    assert not [o for o in listed if o.policy in ("off", "eager") and o.group_size is not None]
-    assert not [o for o in listed if o.group_size is not None and o.group_size >= 4]
+    capped = [o for o in listed if o.microbatches_per_w is not None]
+    assert not [o for o in capped if o.policy in ("off", "eager")]
+    assert not [o for o in capped if o.microbatches_per_w >= 4]
 
 
 def test_search_orders_what_fits_fastest_first_and_choose_takes_the_first():

@@ -147,7 +147,7 @@ def place_weights(
     *,
     cooldown_only: bool,
     memory_limit: int | None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
 ) -> dict[int, list[Action]]:
     """Insert the ``W`` of every ``I`` where its rank would otherwise wait.
 
@@ -160,14 +160,14 @@ def place_weights(
     ``k`` micro-batches cheaper than ``k`` single ones, the oldest is grouped
     with the later stored ``W`` of its stage, as many as fit in the wait.
     What is left is run at the end as one concatenated ``W`` per stage (in
-    groups of at most ``group_size``), from the last stage to the first.
+    groups of at most ``microbatches_per_w``), from the last stage to the first.
 
     Args:
         schedule: a schedule of ``F`` and ``I`` only.
         timing: the cost model.
         cooldown_only: place a ``W`` only once its rank has no ``F`` left.
         memory_limit: the most micro-batches a rank may hold, or ``None``.
-        group_size: the most micro-batches one ``W`` covers, or ``None``.
+        microbatches_per_w: the most micro-batches one ``W`` covers, or ``None``.
 
     Returns:
         The new action list of every rank.
@@ -175,7 +175,7 @@ def place_weights(
     Raises:
         DeadlockError: if the schedule cannot finish.
     """
-    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit, group_size)
+    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit, microbatches_per_w)
     walked = walk(schedule, timing.duration, transfer=timing.transfer, fill=slots.offer)
     out: dict[int, list[Action]] = {}
     for rank, runs in walked.runs.items():
@@ -185,7 +185,7 @@ def place_weights(
             by_stage.setdefault(w.stage, []).extend(w.microbatches)
         for stage in sorted(by_stage, reverse=True):
             left = by_stage[stage]
-            step = group_size or len(left)
+            step = microbatches_per_w or len(left)
             for first in range(0, len(left), step):
                 out[rank].append(
                     Action.make(stage, Kind.BACKWARD_WEIGHT, left[first : first + step])
@@ -208,12 +208,12 @@ class _WeightSlots:
         duration: Callable[[Action], float],
         cooldown_only: bool,
         memory_limit: int | None,
-        group_size: int | None,
+        microbatches_per_w: int | None,
     ) -> None:
         self._duration = duration
         self._cooldown_only = cooldown_only
         self._memory_limit = memory_limit
-        self._group_size = group_size
+        self._microbatches_per_w = microbatches_per_w
         ranks = list(schedule.actions)
         self._forwards_left = {
             r: sum(a.kind is Kind.FORWARD for a in schedule.actions[r]) for r in ranks
@@ -244,7 +244,7 @@ class _WeightSlots:
         single = self._duration(first)
         if single > gap + _EPS:
             return None
-        limit = self._group_size or len(stored)
+        limit = self._microbatches_per_w or len(stored)
         same = [w.microbatches[0] for w in stored if w.stage == first.stage][:limit]
         best = first
         for k in range(2, len(same) + 1):

@@ -200,7 +200,7 @@ def finish_schedule(
     policy: str = "paper",
     costs: Costs = None,
     held: int | None = None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
     reduce: bool = False,
     place_split: bool = False,
 ) -> Schedule:
@@ -218,7 +218,7 @@ def finish_schedule(
             (fitted to ``schedule``'s stages); None: unit times.
         held: for ``fill``, the most micro-batches a rank may hold from ``F``
             until ``W`` (a memory limit in micro-batches).
-        group_size: the most micro-batches one ``W`` action covers (None: no cap).
+        microbatches_per_w: the most micro-batches one ``W`` action covers (None: no cap).
         reduce: put an ``R`` after every stage's last ``W`` or ``B``
             (:func:`reduces` says when); a schedule that lists ``R`` keeps them
             either way, placed again.
@@ -232,7 +232,7 @@ def finish_schedule(
     Raises:
         ScheduleConfigError: if the policy is unknown, or a split schedule
             cannot be merged.
-        ValueError: if the costs, ``held`` or ``group_size`` do not fit the policy.
+        ValueError: if the costs, ``held`` or ``microbatches_per_w`` do not fit the policy.
         twobp.schedule.ScheduleError: if the result is incomplete or deadlocks.
     """
     _check_policy(policy)
@@ -242,7 +242,7 @@ def finish_schedule(
     finished = schedule
     if two_bp and (place_split or not is_split(finished)):
         finished = apply_two_bp(
-            finished, policy, costs=costs, memory_limit=held, group_size=group_size
+            finished, policy, costs=costs, memory_limit=held, microbatches_per_w=microbatches_per_w
         )
     elif not two_bp and is_split(finished):
         try:
@@ -274,7 +274,7 @@ def prepare(
     policy: str = "paper",
     stages_per_rank: int | None = None,
     costs: Costs = None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
     data_parallel: int = 1,
     tied: bool = False,
 ) -> Schedule:
@@ -282,7 +282,7 @@ def prepare(
 
     Args:
         schedule, n_ranks, n_microbatches, stages_per_rank: as for :func:`source_schedule`.
-        two_bp, policy, group_size: as for :func:`finish_schedule`.
+        two_bp, policy, microbatches_per_w: as for :func:`finish_schedule`.
         costs: as for :func:`finish_schedule`, of the model's stages: fitted
             to the schedule's by :func:`fitted_costs`.
         data_parallel, tied: the pipeline's copies and whether some weight is
@@ -305,7 +305,7 @@ def prepare(
             two_bp=two_bp,
             policy=policy,
             costs=fitted_costs(costs, sourced),
-            group_size=group_size,
+            microbatches_per_w=microbatches_per_w,
             reduce=reduces(sourced, data_parallel, tied),
         )
     except ValueError as exc:

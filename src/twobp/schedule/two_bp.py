@@ -45,7 +45,7 @@ for ``eager`` and 21 for the fused 1F1B with ``B = 2``).
 With a cost model whose ``W`` over ``k`` micro-batches is cheaper than ``k``
 single ones (its ``weight_concat`` table), ``paper`` and ``fill`` put the
 largest group of one stage's stored ``W`` that fits into a wait, as one
-concatenated ``W`` (``group_size`` caps the group).
+concatenated ``W`` (``microbatches_per_w`` caps the group).
 Schedules that are already split (``zb-*``) keep their ``F``/``I`` order and
 get their ``W`` placed again, grouped the same way; ``policy=None`` returns any schedule unchanged.
 This module imports no torch.
@@ -83,7 +83,7 @@ def apply_two_bp(
     *,
     costs: Costs = None,
     memory_limit: int | None = None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
 ) -> Schedule:
     """Split every backward into ``I`` and ``W`` and place the ``W`` by ``policy``.
 
@@ -98,7 +98,7 @@ def apply_two_bp(
             (times, or lists per stage), or ``None`` for unit times. ``eager`` ignores it.
         memory_limit: for ``fill`` only, the most micro-batches a rank may hold
             between their ``F`` and their ``W``.
-        group_size: for ``paper`` and ``fill``, the most micro-batches one
+        microbatches_per_w: for ``paper`` and ``fill``, the most micro-batches one
             ``W`` covers (None: no cap). Where the cost model makes a ``W``
             over several micro-batches cheaper than single ones (a
             ``weight_concat`` table), a wait gets the largest group of stored
@@ -124,8 +124,9 @@ def apply_two_bp(
         )
     if memory_limit is not None and policy != "fill":
         raise ValueError(f"memory_limit applies to policy 'fill' only, not {policy!r}")
-    if group_size is not None and group_size < 1:
-        raise ValueError(f"group_size must be at least 1 micro-batch (or None), got {group_size}")
+    cap = microbatches_per_w
+    if cap is not None and cap < 1:
+        raise ValueError(f"microbatches_per_w must be at least 1 micro-batch (or None), got {cap}")
     if is_lowered(schedule):
         raise ValueError(
             f"{schedule.name or 'schedule'} has communication actions: apply the 2BP "
@@ -144,9 +145,9 @@ def apply_two_bp(
             make_timing(costs, base),
             cooldown_only=policy == "paper",
             memory_limit=memory_limit,
-            group_size=group_size,
+            microbatches_per_w=microbatches_per_w,
         )
-    group = "" if group_size is None or policy == "eager" else f":w{group_size}"
+    group = "" if microbatches_per_w is None or policy == "eager" else f":w{microbatches_per_w}"
     split = schedule.with_actions(actions, f"{schedule.name}+2bp:{policy}{group}")
     return add_reductions(split, reduced) if reduced else split
 

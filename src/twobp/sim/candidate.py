@@ -72,11 +72,6 @@ class Candidate:
     rebuilds: int = 0
 
     @property
-    def group_size(self) -> int | None:
-        """The former name of :attr:`microbatches_per_w`."""
-        return self.microbatches_per_w
-
-    @property
     def ok(self) -> bool:
         """True if it was simulated."""
         return not self.error
@@ -150,7 +145,7 @@ def build_schedule(
     costs: CostModel | CostsFor,
     *,
     memory_limit: float | None = None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
     data_parallel: int = 1,
     tied: bool = False,
     rebuild_within: float | None = None,
@@ -175,7 +170,7 @@ def build_schedule(
         memory_limit: memory per rank; ``fill`` then keeps each rank to the
             micro-batches of :func:`twobp.sim.memory.fill_limit`. The other
             policies ignore it.
-        group_size: the most micro-batches one ``W`` action covers (None: no cap).
+        microbatches_per_w: the most micro-batches one ``W`` action covers (None: no cap).
         data_parallel: copies of the pipeline ``D``: with more than one (or
             several pipelines), every stage reduces its gradients, timed by
             :func:`twobp.sim.reduction.reduction_costs`.
@@ -212,7 +207,7 @@ def build_schedule(
         policy=two_bp if placed else "paper",
         costs=fitted,
         held=held,
-        group_size=group_size if placed else None,
+        microbatches_per_w=microbatches_per_w if placed else None,
         reduce=reduces(schedule, data_parallel, tied),
         place_split=placed,
     )
@@ -230,7 +225,7 @@ def simulate_candidate(
     costs: CostModel | CostsFor,
     *,
     stages_per_rank: int | None = None,
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
@@ -245,7 +240,7 @@ def simulate_candidate(
 
     Args:
         name, policy, n_ranks, n_microbatches, costs, stages_per_rank,
-            group_size, memory_limit, data_parallel, tied, rebuild_within: as for
+            microbatches_per_w, memory_limit, data_parallel, tied, rebuild_within: as for
             :func:`build_schedule`.
 
     Returns:
@@ -253,7 +248,9 @@ def simulate_candidate(
         stages per rank it ran with) and its schedule (None on error): the
         schedule a pipeline with these options runs.
     """
-    base = Candidate(name, policy, stages_per_rank=stages_per_rank, microbatches_per_w=group_size)
+    base = Candidate(
+        name, policy, stages_per_rank=stages_per_rank, microbatches_per_w=microbatches_per_w
+    )
     try:
         schedule, fitted = build_schedule(
             name,
@@ -263,7 +260,7 @@ def simulate_candidate(
             policy,
             costs,
             memory_limit=memory_limit,
-            group_size=group_size,
+            microbatches_per_w=microbatches_per_w,
             data_parallel=data_parallel,
             tied=tied,
             rebuild_within=rebuild_within,

@@ -4,7 +4,7 @@
 named schedule (with each number of stages per rank it takes, up to
 :data:`MAX_STAGES_PER_RANK`), without 2BP (``off``) and with each policy,
 and for ``paper`` and ``fill`` each cap on the micro-batches one ``W`` covers
-(:data:`GROUP_SIZES` and no cap). :func:`search` simulates them under a
+(:data:`MICROBATCHES_PER_W_TRIED` and no cap). :func:`search` simulates them under a
 cost model per stage count (with its contention), bounds ``fill`` by a
 memory limit and orders the results; :func:`choose` takes the fastest that
 fits, or says how much memory the least hungry one needs. This is what
@@ -34,8 +34,8 @@ from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO, with_recompute
 
 __all__ = [
     "GROUPED_POLICIES",
-    "GROUP_SIZES",
     "MAX_STAGES_PER_RANK",
+    "MICROBATCHES_PER_W_TRIED",
     "NEAR_TIE",
     "NothingFitsError",
     "Option",
@@ -53,12 +53,12 @@ __all__ = [
 
 MAX_STAGES_PER_RANK = 2
 """Stages per rank tried for the schedules that take any number (more cost more messages)."""
-GROUP_SIZES = (1, 2, 4)
+MICROBATCHES_PER_W_TRIED = (1, 2, 4)
 """Caps on the micro-batches one ``W`` covers that are tried besides no cap."""
 NEAR_TIE = 0.02
 """Candidates within this fraction of the fastest are a tie, broken without contention."""
 GROUPED_POLICIES = ("paper", "fill")
-"""The policies whose ``W`` groups :func:`apply_two_bp` caps by ``group_size``."""
+"""The policies whose ``W`` actions :func:`apply_two_bp` caps by ``microbatches_per_w``."""
 REBUILT_OPTIONS = 8
 """With ``recompute="auto"``, how many options over the memory limit (the fastest
 first, among those faster than the fastest that fits) have their stashes rebuilt."""
@@ -96,11 +96,6 @@ class Option:
     recompute: str = NO_RECOMPUTE
     weight_group_size: int | None = None
 
-    @property
-    def group_size(self) -> int | None:
-        """The former name of :attr:`microbatches_per_w`."""
-        return self.microbatches_per_w
-
 
 class NothingFitsError(ValueError):
     """No combination fits the memory limit (the message says what the least needs)."""
@@ -136,7 +131,7 @@ def options(
                 info = SCHEDULES[name]
                 allowed = info.allowed_stages_per_rank
                 counts = range(1, max_stages_per_rank + 1) if allowed is None else allowed
-                caps = [None, *(g for g in GROUP_SIZES if g < n_microbatches)]
+                caps = [None, *(g for g in MICROBATCHES_PER_W_TRIED if g < n_microbatches)]
                 for v in counts:
                     for policy in policies:
                         for cap in caps if policy in GROUPED_POLICIES else [None]:
@@ -266,7 +261,7 @@ def simulate_option(
         n_microbatches,
         variant,
         stages_per_rank=option.stages_per_rank,
-        group_size=option.microbatches_per_w,
+        microbatches_per_w=option.microbatches_per_w,
         memory_limit=memory_limit,
         data_parallel=data_parallel,
         tied=tied,

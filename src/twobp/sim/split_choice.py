@@ -79,7 +79,7 @@ def choose_split(
     costs: CostModel,
     *,
     policy: str = "paper",
-    group_size: int | None = None,
+    microbatches_per_w: int | None = None,
     reduce: bool = False,
     data_parallel: int = 1,
     margin: float = SPLIT_MARGIN,
@@ -92,7 +92,7 @@ def choose_split(
         costs: its cost model, fitted to its stages (every pipeline's), with
             ``forward_full`` for the fused stages' forward where measured.
         policy: the 2BP policy that places the split stages' ``W``.
-        group_size: the most micro-batches one ``W`` covers (None: no cap).
+        microbatches_per_w: the most micro-batches one ``W`` covers (None: no cap).
         reduce: the stages reduce their gradients (``R``), as the pipeline will.
         data_parallel: copies of the pipeline, which time the reductions.
         margin: see :data:`SPLIT_MARGIN`.
@@ -113,7 +113,7 @@ def choose_split(
                 two_bp=split,
                 policy=policy,
                 costs=costs,
-                group_size=group_size,
+                microbatches_per_w=microbatches_per_w,
                 reduce=reduce,
             )
             fitted = reduction_costs(prepared, costs, data_parallel)

@@ -340,12 +340,16 @@ class Stage:
         self.memory.sample({**saved, **rebuilt})
         return outputs, kept.grad_outputs
 
-    def weight(self, mbs: Sequence[int], group_size: int | None, rebuild: bool = False) -> None:
-        """W of ``mbs``: accumulate their weight gradients; ``rebuild`` (a ``WR``, or
-        every ``W`` under ``"derivatives"``) first rebuilds the stashes an ``IR`` dropped."""
+    def weight(
+        self, mbs: Sequence[int], weight_group_size: int | None, rebuild: bool = False
+    ) -> None:
+        """W of ``mbs``: accumulate their weight gradients, concatenating at most
+        ``weight_group_size`` micro-batches at once (None: all); ``rebuild`` (a ``WR``,
+        or every ``W`` under ``"derivatives"``) first rebuilds the stashes an ``IR`` dropped."""
         again = rebuild or recomputes_derivatives(self.recompute)
+        # The gradient stores (twobp.engine's and AutogradGradients) name this cap group_size.
         self.gradients.backward_weight(
-            mbs, group_size=group_size, rebuild=self._rebuild if again else None
+            mbs, group_size=weight_group_size, rebuild=self._rebuild if again else None
         )
         for mb in mbs:
             self._pending.pop(mb, None)

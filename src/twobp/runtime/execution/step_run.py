@@ -138,7 +138,7 @@ class StepRun:
         self._clock = clock
         self._marks: list[tuple[Action, Any, Any]] = []
         self._waits: list[tuple[Action, Any, Any]] = []
-        self._group_size = weight_group_size
+        self._weight_group_size = weight_group_size
         self._reducer = reducer
         self._defer_reductions = reductions_after_transfers
         self._deferred: list[int] = []
@@ -275,7 +275,9 @@ class StepRun:
     def _weight(self, action: Action) -> None:
         start = self._clock.mark()
         rebuild = action.kind is Kind.BACKWARD_WEIGHT_REBUILD
-        self._stages[action.stage].weight(action.microbatches, self._group_size, rebuild=rebuild)
+        self._stages[action.stage].weight(
+            action.microbatches, self._weight_group_size, rebuild=rebuild
+        )
         self._record(action, start)
 
     def _reduce(self, action: Action) -> None:
