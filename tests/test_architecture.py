@@ -157,3 +157,22 @@ def test_the_pure_layers_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False", f"importing {module} pulls in torch"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(RUNTIME.rglob("*.py")), ids=lambda p: str(p.relative_to(RUNTIME))
+)
+def test_no_function_of_the_runtime_runs_over_80_lines(path):
+    # A function that reads in one screen; a longer one is several steps to name.
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert not long, f"runtime/{path.relative_to(RUNTIME)}: {long}"
+
+
+def test_the_facade_stays_thin():
+    assert len((RUNTIME / "pipeline.py").read_text().splitlines()) < 600

@@ -290,47 +290,33 @@ def plan_auto(
     """Choose the schedule, the same on every rank. Collective: every rank calls it.
 
     Args:
-        blocks: the whole model's blocks.
-        world: the group.
-        device: where rank 0 profiles the blocks.
-        n_microbatches: micro-batches per step; or the counts to choose among
-            (``n_microbatches="auto"``: each count's blocks are profiled on its
-            own micro-batch, ``examples[count]``, and every candidate names its
-            count in :attr:`Candidate.n_microbatches`).
+        blocks, world, device: the model's blocks, the group, where rank 0 profiles.
+        n_microbatches: micro-batches per step; or the counts to choose among, each
+            profiled on its own micro-batch ``examples[count]`` and named by every
+            candidate (:attr:`Candidate.n_microbatches`).
         two_bp: False tries only fused schedules without 2BP.
         stages_per_rank: only this many stages per rank, or None for any.
-        partition: blocks per stage (only schedules with that many stages
-            are tried), ``"uniform"``, or ``"balanced"`` (by the profile);
-            None: balanced if the blocks are profiled, else uniform.
-        example_input: one micro-batch of model inputs (needed unless ``costs``
-            or ``examples``).
+        partition: blocks per stage (only schedules with that many stages), or
+            ``"uniform"``/``"balanced"``; None: balanced if profiled, else uniform.
+        example_input: one micro-batch of inputs (unless ``costs`` or ``examples``).
         memory_limit: bytes per rank, or None.
         costs: a cost model to plan with instead of measuring (one count only).
-        schedules: the schedules to try (None: every one).
-        policies: the 2BP policies to try (None: every one, or ``off`` without 2BP).
-        pipeline_ranks: the group ranks of the first copy of the pipeline, by
-            pipeline rank (None: the whole group); the link is measured between
-            its first two.
-        contenders: how many schedules, the choice included, the plan keeps for
-            trial steps (:attr:`AutoPlan.contenders`); 1 or less: none.
-        tied: some weight is used by several blocks (its stages reduce it, as
-            the pipeline will: the simulated schedule is the one that runs).
-        examples: one micro-batch of model inputs per count of ``n_microbatches``
-            (instead of ``example_input``).
-        optimizer: the optimizer state to count, and whether it will be sharded
-            (None: not counted, not sharded).
-        recompute: ``off``, or ``auto``: every option rebuilds the stashes that
-            do not fit ``memory_limit``, the fewest that fit
-            (:func:`twobp.sim.rebuild.fewest_rebuilds`), and is ranked so.
+        schedules, policies: the schedules and 2BP policies to try (None: every one).
+        pipeline_ranks: the group ranks of the first copy, by pipeline rank
+            (None: the whole group); the link is measured between its first two.
+        contenders: how many schedules the plan keeps for trial steps; 1 or less: none.
+        tied: some weight is used by several blocks (its stages reduce it).
+        examples: one micro-batch per count of ``n_microbatches``.
+        recompute: ``off``, or ``auto``: every option rebuilds the fewest stashes
+            that fit ``memory_limit`` (:func:`twobp.sim.rebuild.fewest_rebuilds`).
+        optimizer: the optimizer state to count, and whether it is sharded.
 
     Returns:
         The plan, identical on every rank.
 
     Raises:
         PipelineConfigError: on every rank, if nothing fits the memory limit
-            (saying what the least needs) or nothing can be built; on this rank
-            if the input is missing (:func:`twobp.runtime.setup.pipeline_plan.plan_pipeline`
-            checks it on every rank first).
+            (saying what the least needs) or nothing can be built.
     """
     ranks = list(range(world.size)) if pipeline_ranks is None else list(pipeline_ranks)
     chosen_count = not isinstance(n_microbatches, int)
@@ -339,29 +325,27 @@ def plan_auto(
     if costs is None:
         measured = _measured(blocks, world, device, counts, ranks, example_input, examples)
 
-    def choose() -> AutoPlan:
-        spaces = [
-            _space(
-                m,
-                chosen_count,
-                _costs_of(blocks, partition, costs, measured[m] if costs is None else None),
-                blocks,
-                optimizer,
-                auto_options(
-                    m,
-                    two_bp=two_bp,
-                    schedules=schedules,
-                    policies=policies,
-                    stages_per_rank=stages_per_rank,
-                    recompute=recompute,
-                ),
-            )
-            for m in counts
-        ]
-        copies = max(1, world.size // len(ranks))
-        return _choose(spaces, len(ranks), memory_limit, copies, contenders, tied)
+    def space(m: int) -> _Space:
+        options = auto_options(
+            m,
+            two_bp=two_bp,
+            schedules=schedules,
+            policies=policies,
+            stages_per_rank=stages_per_rank,
+            recompute=recompute,
+        )
+        sized = _costs_of(blocks, partition, costs, measured[m] if costs is None else None)
+        return _space(m, chosen_count, sized, blocks, optimizer, options)
 
-    return decided_on_rank_0(world, choose, AutoPlan, lambda exc: f"schedule='auto': {exc}")
+    copies = max(1, world.size // len(ranks))
+    return decided_on_rank_0(
+        world,
+        lambda: _choose(
+            [space(m) for m in counts], len(ranks), memory_limit, copies, contenders, tied
+        ),
+        AutoPlan,
+        lambda exc: f"schedule='auto': {exc}",
+    )
 
 
 def _space(
