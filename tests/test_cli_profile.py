@@ -14,7 +14,7 @@ def test_profile_writes_costs_that_simulate_reads(tmp_path, capsys):
     assert costs.n_stages == 2
     assert all(t > 0 for t in (*costs.forward, *costs.backward_input, *costs.backward_weight))
     argv = ["simulate", "--costs-file", str(out), "--stages", "2", "--microbatches", "4"]
-    assert main([*argv, "--two-bp", "paper"]) == 0
+    assert main([*argv, "--policy", "paper"]) == 0
     assert "bubble ratio" in capsys.readouterr().out
 
 

@@ -27,7 +27,7 @@ def test_simulate_two_bp_costs_png_and_trace(tmp_path, capsys):
     code = main(
         [
             "simulate", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2",
-            "--two-bp", "paper", "--costs", "F=1,I=1,W=1,latency=0.5",
+            "--policy", "paper", "--costs", "F=1,I=1,W=1,latency=0.5",
             "--png", str(png), "--trace", str(trace),
         ]
     )  # fmt: skip

@@ -2,7 +2,7 @@
 
 Example::
 
-    twobp simulate --schedule 1f1b --stages 4 --microbatches 8 --two-bp paper \\
+    twobp simulate --schedule 1f1b --stages 4 --microbatches 8 --policy paper \\
         --costs F=1,I=1,W=1 --png 1f1b.png --trace 1f1b.json
 
 prints the rank-by-time grid, the makespan, the bubble ratio of every rank
@@ -48,7 +48,7 @@ class SimulateConfig:
     stages_per_rank: int | None = doc(
         "stages per rank V (default: the schedule's own, 2 for interleaved-1f1b and V shapes)", None
     )
-    two_bp: str = doc(
+    policy: str = doc(
         "2BP policy placing the weight passes: off (as generated), " + ", ".join(TWO_BP_POLICIES),
         NO_TWO_BP,
         choices=(NO_TWO_BP, *TWO_BP_POLICIES),
@@ -172,7 +172,7 @@ def run(config: SimulateConfig) -> int:
             config.stages,
             config.microbatches,
             config.stages_per_rank,
-            config.two_bp,
+            config.policy,
             costs,
             data_parallel=config.data_parallel,
         )

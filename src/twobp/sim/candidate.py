@@ -141,7 +141,7 @@ def build_schedule(
     n_ranks: int,
     n_microbatches: int,
     stages_per_rank: int | None,
-    two_bp: str,
+    policy: str,
     costs: CostModel | CostsFor,
     *,
     memory_limit: float | None = None,
@@ -163,7 +163,7 @@ def build_schedule(
         n_ranks: number of ranks ``p``.
         n_microbatches: micro-batches per step ``m``.
         stages_per_rank: ``V`` (None: the schedule's default).
-        two_bp: ``off`` or a 2BP policy.
+        policy: ``off`` or a 2BP policy.
         costs: the cost model of the model's stages (split where the
             schedule has more per pipeline), or the cost model of the model
             cut into a given number of stages (see :func:`fit_costs`).
@@ -186,9 +186,9 @@ def build_schedule(
         ValueError: if the schedule, the policy, the costs or the memory
             limit do not fit together.
     """
-    if two_bp != NO_TWO_BP and two_bp not in TWO_BP_POLICIES:
+    if policy != NO_TWO_BP and policy not in TWO_BP_POLICIES:
         raise ValueError(
-            f"unknown 2BP policy {two_bp!r}; use {NO_TWO_BP!r} or one of "
+            f"unknown 2BP policy {policy!r}; use {NO_TWO_BP!r} or one of "
             f"{', '.join(TWO_BP_POLICIES)}"
         )
     schedule = source_schedule(
@@ -196,15 +196,15 @@ def build_schedule(
     )
     fitted = fit_costs(costs.for_stages if isinstance(costs, CostModel) else costs, schedule)
     held = None
-    if two_bp == "fill" and memory_limit is not None:
+    if policy == "fill" and memory_limit is not None:
         held = fill_limit(schedule, fitted, memory_limit)
     # "off" runs the schedule as generated: fused stays fused, a zb-* keeps its own W;
     # a policy places the W of any schedule, a zb-* included.
-    placed = two_bp != NO_TWO_BP
+    placed = policy != NO_TWO_BP
     prepared = finish_schedule(
         schedule,
         two_bp=placed or is_split(schedule),
-        policy=two_bp if placed else "paper",
+        policy=policy if placed else "paper",
         costs=fitted,
         held=held,
         microbatches_per_w=microbatches_per_w if placed else None,
