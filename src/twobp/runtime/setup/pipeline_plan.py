@@ -39,6 +39,7 @@ from twobp.runtime.setup.auto.plan import (
     AutoPlan,
     OptimizerMemory,
     plan_auto,
+    profiled,
     profiling_input,
     read_memory_limit,
 )
@@ -49,7 +50,7 @@ from twobp.runtime.setup.stage_blocks import (
     example_input_needed,
     stage_counts,
 )
-from twobp.runtime.setup.two_bp_choice import choose_two_bp, profile
+from twobp.runtime.setup.two_bp_choice import choose_two_bp
 from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
 from twobp.schedule._timing import Costs
 from twobp.schedule.prepare import (
@@ -162,7 +163,7 @@ def plan_pipeline(
     measured = None
     if rebuild is not None and rebuild[1] is None:
         # One profile for both choices: the stages 2BP pays on and the stashes to rebuild.
-        measured = profile(
+        measured = profiled(
             blocks,
             world,
             device,

@@ -11,21 +11,19 @@ Every rank runs rank 0's choice. Collective.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from twobp.runtime.base.group import Membership
-from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto.cost_measurement import Measured, measure
-from twobp.runtime.setup.auto.plan import PARAMETER_FACTOR
+from twobp.runtime.setup.auto.cost_measurement import Measured
+from twobp.runtime.setup.auto.plan import measured_costs, profiled
 from twobp.runtime.setup.decide import decided_on_rank_0
 from twobp.schedule import Schedule
 from twobp.sim.candidate import fit_costs
-from twobp.sim.from_profile import CostsFor, profiled_costs
+from twobp.sim.from_profile import CostsFor
 from twobp.sim.split_choice import SplitChoice, choose_split
 
 log = logging.getLogger("twobp")
@@ -68,7 +66,7 @@ def choose_two_bp(
         PipelineConfigError: on every rank, if profiling or simulating failed on rank 0.
     """
     if measured is None:
-        measured = profile(
+        measured = profiled(
             blocks, world, device, example_input, schedule.n_microbatches, pipeline_ranks
         )
 
@@ -94,21 +92,6 @@ def choose_two_bp(
     )
 
 
-def profile(
-    blocks: Sequence[nn.Module],
-    world: Membership,
-    device: torch.device,
-    example_input: Batch,
-    n_microbatches: int,
-    pipeline_ranks: Sequence[int],
-) -> Measured:
-    """Rank 0's profile of the blocks on ``example_input``, the contention and the link
-    (:func:`twobp.runtime.setup.auto.cost_measurement.measure`), leaving the random
-    state as found (the blocks' dropout draws). Collective."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return measure(blocks, world, device, example_input, n_microbatches, pipeline_ranks)
-
-
 def stage_costs(measured: Measured, counts: Sequence[int]) -> CostsFor:
     """The cost model of the blocks cut into stages of ``counts`` blocks, from rank 0's
     measurements (weights and their gradients counted as :data:`PARAMETER_FACTOR`).
@@ -116,18 +99,5 @@ def stage_costs(measured: Measured, counts: Sequence[int]) -> CostsFor:
     Raises:
         PipelineConfigError: if profiling failed on rank 0.
     """
-    figures, tables, contention, link, reduce_bandwidth, problem = measured
-    if problem:
-        raise PipelineConfigError(problem)
     sizes = tuple(counts)
-    return profiled_costs(
-        figures,
-        tables,
-        lambda _n: sizes,
-        contention=contention,
-        parameter_factor=PARAMETER_FACTOR,
-        send_latency=link[0],
-        bandwidth=link[1],
-        send_overhead=link[2],
-        reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
-    )
+    return measured_costs(measured, lambda _n: sizes)

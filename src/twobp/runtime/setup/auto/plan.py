@@ -348,6 +348,47 @@ def plan_auto(
     )
 
 
+def measured_costs(measured: Measured, sizes_for: SizesFor) -> CostsFor:
+    """The cost model of the blocks cut by ``sizes_for``, from rank 0's measurements
+    (weights and their gradients counted as :data:`PARAMETER_FACTOR`).
+
+    Raises:
+        PipelineConfigError: if profiling failed on rank 0.
+    """
+    figures, tables, contention, link, reduce_bandwidth, problem = measured
+    if problem:
+        raise PipelineConfigError(problem)
+    return profiled_costs(
+        figures,
+        tables,
+        sizes_for,
+        contention=contention,
+        parameter_factor=PARAMETER_FACTOR,
+        send_latency=link[0],
+        bandwidth=link[1],
+        send_overhead=link[2],
+        reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
+    )
+
+
+def profiled(
+    blocks: Sequence[nn.Module],
+    world: Membership,
+    device: torch.device,
+    example_input: Batch,
+    n_microbatches: int,
+    pipeline_ranks: Sequence[int],
+    machine: Measured | None = None,
+) -> Measured:
+    """Rank 0's profile of the blocks on ``example_input``, the contention and the link
+    (:func:`twobp.runtime.setup.auto.cost_measurement.measure`; ``machine``'s if given),
+    leaving the random state as found (the blocks' dropout draws). Collective."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return measure(
+            blocks, world, device, example_input, n_microbatches, list(pipeline_ranks), machine
+        )
+
+
 def _space(
     m: int,
     chosen_count: bool,
@@ -372,16 +413,14 @@ def _measured(
     example_input: Batch | None,
     examples: Mapping[int, Batch] | None,
 ) -> dict[int, Measured]:
-    """Rank 0's measurements of the blocks on a micro-batch of each count. The machine
-    (contention, link) is measured once, on the largest micro-batch; the measurements
-    run the blocks (dropout draws), and the random state is left as found. Collective."""
+    """Rank 0's measurements of the blocks on a micro-batch of each count; the machine
+    (contention, link) is measured once, on the first. Collective."""
     measured: dict[int, Measured] = {}
     machine: Measured | None = None
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for m in counts:
-            example = examples[m] if examples is not None else profiling_input(example_input)
-            measured[m] = measure(blocks, world, device, example, m, list(ranks), machine)
-            machine = machine or measured[m]
+    for m in counts:
+        example = examples[m] if examples is not None else profiling_input(example_input)
+        measured[m] = profiled(blocks, world, device, example, m, ranks, machine)
+        machine = machine or measured[m]
     return measured
 
 
@@ -394,23 +433,10 @@ def _costs_of(
     """The blocks per stage and the cost model for a number of stages: from the
     measurements (balanced by them unless the caller chose), or from ``costs``."""
     if measured is not None:
-        figures, tables, contention, link, reduce_bandwidth, problem = measured
-        if problem:
-            raise PipelineConfigError(problem)
+        figures = measured[0]
         chosen = "balanced" if partition is None else partition
         sizes_for = partition_for(len(figures), chosen, solver_costs(figures))
-        costs_for = profiled_costs(
-            figures,
-            tables,
-            sizes_for,
-            contention=contention,
-            parameter_factor=PARAMETER_FACTOR,
-            send_latency=link[0],
-            bandwidth=link[1],
-            send_overhead=link[2],
-            reduce_bandwidth=None if math.isinf(reduce_bandwidth) else reduce_bandwidth,
-        )
-        return sizes_for, costs_for
+        return sizes_for, measured_costs(measured, sizes_for)
     assert costs is not None
     if partition == "balanced":
         raise PipelineConfigError(
