@@ -21,7 +21,7 @@ from twobp.schedule import (
     fuse_first_stage_backward,
     generate,
     is_split,
-    resolve_schedule,
+    prepare,
     save_csv,
 )
 from twobp.schedule.schedule import StageGraph
@@ -208,53 +208,51 @@ def _kinds(schedule: Schedule) -> set[str]:
     return {a.kind.value for acts in schedule.actions.values() for a in acts}
 
 
-def test_resolve_by_name_and_two_bp():
-    fused = resolve_schedule("1f1b", n_ranks=2, n_microbatches=4, two_bp=False)
+def test_prepare_by_name_and_two_bp():
+    fused = prepare("1f1b", n_ranks=2, n_microbatches=4, two_bp=False)
     assert _kinds(fused) == {"F", "B"} and fused.n_microbatches == 4
-    split = resolve_schedule("1f1b", n_ranks=2, n_microbatches=4, two_bp=True, policy="eager")
+    split = prepare("1f1b", n_ranks=2, n_microbatches=4, two_bp=True, policy="eager")
     # Eager puts each W right after its I: the first stage's pair runs fused, as one B.
     assert _kinds(split) == {"F", "I", "W", "B"} and split.name.endswith("+2bp:eager")
     assert {a.kind.value for a in split.actions[0] if a.stage == 0} == {"F", "B"}
     assert {a.kind.value for a in split.actions[1]} == {"F", "I", "W"}
-    zb = resolve_schedule("zb-h1", n_ranks=2, n_microbatches=4, two_bp=True)
+    zb = prepare("zb-h1", n_ranks=2, n_microbatches=4, two_bp=True)
     # Natively split: kept as generated, but for the first stage's fusion.
     assert zb == fuse_first_stage_backward(generate("zb-h1", 2, 4))
-    merged = resolve_schedule("zb-h1", n_ranks=2, n_microbatches=4, two_bp=False)
+    merged = prepare("zb-h1", n_ranks=2, n_microbatches=4, two_bp=False)
     assert not is_split(merged)
-    assert (
-        resolve_schedule("gpipe", n_ranks=2, n_microbatches=None, two_bp=False).n_microbatches == 8
-    )
-    v = resolve_schedule("interleaved-1f1b", n_ranks=2, n_microbatches=4, two_bp=False)
+    assert prepare("gpipe", n_ranks=2, n_microbatches=None, two_bp=False).n_microbatches == 8
+    v = prepare("interleaved-1f1b", n_ranks=2, n_microbatches=4, two_bp=False)
     assert v.n_stages == 4
 
 
-def test_resolve_objects_and_files(tmp_path):
+def test_prepare_objects_and_files(tmp_path):
     lowered = add_communication(generate("1f1b", 2, 4))
-    resolved = resolve_schedule(lowered, n_ranks=2, n_microbatches=None, two_bp=False)
+    resolved = prepare(lowered, n_ranks=2, n_microbatches=None, two_bp=False)
     assert _kinds(resolved) == {"F", "B"}  # communication derives from compute actions
     path = tmp_path / "mine.csv"
     save_csv(generate("gpipe", 2, 4), path)
-    from_file = resolve_schedule(path, n_ranks=2, n_microbatches=4, two_bp=True)
+    from_file = prepare(path, n_ranks=2, n_microbatches=4, two_bp=True)
     assert _kinds(from_file) == {"F", "I", "W"}
     with pytest.raises(ScheduleConfigError, match="covers 4"):
-        resolve_schedule(generate("gpipe", 2, 4), n_ranks=2, n_microbatches=8, two_bp=True)
+        prepare(generate("gpipe", 2, 4), n_ranks=2, n_microbatches=8, two_bp=True)
     with pytest.raises(ScheduleConfigError, match="on 2 ranks, but the group has 4"):
-        resolve_schedule(generate("gpipe", 2, 4), n_ranks=4, n_microbatches=None, two_bp=True)
+        prepare(generate("gpipe", 2, 4), n_ranks=4, n_microbatches=None, two_bp=True)
     with pytest.raises(ScheduleConfigError, match="unknown schedule 'pipedream'"):
-        resolve_schedule("pipedream", n_ranks=2, n_microbatches=4, two_bp=True)
+        prepare("pipedream", n_ranks=2, n_microbatches=4, two_bp=True)
     with pytest.raises(ScheduleConfigError, match="does not exist"):
-        resolve_schedule(str(tmp_path / "missing.csv"), n_ranks=2, n_microbatches=4, two_bp=True)
+        prepare(str(tmp_path / "missing.csv"), n_ranks=2, n_microbatches=4, two_bp=True)
     with pytest.raises(ScheduleConfigError, match="interleaved-1f1b"):
-        resolve_schedule("interleaved-1f1b", n_ranks=4, n_microbatches=6, two_bp=True)
+        prepare("interleaved-1f1b", n_ranks=4, n_microbatches=6, two_bp=True)
 
 
-def test_resolve_rejects_incomplete_schedules():
+def test_prepare_rejects_incomplete_schedules():
     schedule = generate("gpipe", 2, 2)
     broken = schedule.with_actions(
         {r: [a for a in acts if str(a) != "1B1"] for r, acts in schedule.actions.items()}
     )
     with pytest.raises(ScheduleError):
-        resolve_schedule(broken, n_ranks=2, n_microbatches=None, two_bp=False)
+        prepare(broken, n_ranks=2, n_microbatches=None, two_bp=False)
 
 
 def test_a_pipeline_places_w_by_its_cost_model_and_runs_the_lowered_schedule(tmp_path):

@@ -9,7 +9,7 @@ from twobp.schedule.action import Action, Kind
 from twobp.schedule.chimera import chimera, chimera_placement
 from twobp.schedule.csv_io import from_rows, to_rows
 from twobp.schedule.lowering import add_communication, add_reductions, without_reductions
-from twobp.schedule.resolve import resolve_schedule
+from twobp.schedule.prepare import prepare
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import plan_communication
 from twobp.sim import simulate
@@ -69,7 +69,7 @@ def test_shortens_the_bubble_of_1f1b_at_unit_costs():
 
 
 def test_resolve_adds_a_reduction_after_each_stages_last_weight_gradient():
-    s = resolve_schedule("chimera", n_ranks=2, n_microbatches=4, two_bp=True)
+    s = prepare("chimera", n_ranks=2, n_microbatches=4, two_bp=True)
     for rank, acts in s.actions.items():
         for stage in s.stages_of(rank):
             own = [
@@ -100,6 +100,6 @@ def test_a_reduction_must_cover_its_stage_once():
 
 
 def test_csv_keeps_the_two_pipelines():
-    s = resolve_schedule("chimera", n_ranks=4, n_microbatches=8, two_bp=True)
+    s = prepare("chimera", n_ranks=4, n_microbatches=8, two_bp=True)
     back = from_rows(to_rows(s), name=s.name)
     assert back == s and back.n_pipelines == 2

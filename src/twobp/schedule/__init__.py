@@ -8,8 +8,7 @@ action is (its :class:`Role`), needs, makes, costs and holds in memory
 Generators build the named schedules (:func:`generate`, :data:`SCHEDULES`);
 :func:`prepare` (:func:`source_schedule`, then :func:`finish_schedule`) is
 the one pass every user of a runnable schedule takes it from; smaller
-passes turn one schedule into another (:func:`resolve_schedule`,
-:func:`apply_two_bp`, :func:`fuse_first_stage_backward`,
+passes turn one schedule into another (:func:`apply_two_bp`, :func:`fuse_first_stage_backward`,
 :func:`add_communication`, :func:`merge_backward`); :func:`validate` checks one
 and :func:`save_csv` / :func:`load_csv` store one in
 ``torch.distributed.pipelining``'s CSV layout.
@@ -37,10 +36,15 @@ from twobp.schedule.lowering import (
     merge_backward,
     split_stages,
 )
-from twobp.schedule.prepare import finish_schedule, prepare, source_schedule
+from twobp.schedule.prepare import (
+    DEFAULT_MICROBATCHES,
+    ScheduleConfigError,
+    finish_schedule,
+    prepare,
+    source_schedule,
+)
 from twobp.schedule.rebuild import mark_rebuilds, rebuilt_microbatches
 from twobp.schedule.registry import SCHEDULES, ScheduleInfo, generate
-from twobp.schedule.resolve import DEFAULT_MICROBATCHES, ScheduleConfigError, resolve_schedule
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
 from twobp.schedule.validate import ScheduleError, dry_run, format_grid, validate
@@ -82,7 +86,6 @@ __all__ = [
     "prepare",
     "rebuilt_microbatches",
     "register_kind",
-    "resolve_schedule",
     "save_csv",
     "source_schedule",
     "split_stages",

@@ -2,8 +2,8 @@
 
 Every option whose valid values are known without running the model is
 checked here, in the process that starts the ranks, with the rules the ranks
-themselves apply: the schedule is resolved as every rank will resolve it
-(:func:`twobp.schedule.resolve_schedule`), the partition is checked
+themselves apply: the schedule is prepared as every rank will prepare it
+(:func:`twobp.schedule.prepare`, the one preparation pass), the partition is checked
 against the model's block count (:func:`twobp.runtime.setup.stage_blocks.stage_counts`,
 the model built on the meta device, which allocates nothing), the data file
 and the checkpoint to resume from are looked at, and the output folder must
@@ -25,7 +25,7 @@ from twobp.models import build_model
 from twobp.runtime.base.group import default_device
 from twobp.runtime.setup.auto.plan import AUTO
 from twobp.runtime.setup.stage_blocks import stage_counts
-from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, resolve_schedule
+from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, prepare
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.recompute import RECOMPUTE_AUTO
 from twobp.train.checkpointing import check_resume
@@ -244,15 +244,17 @@ def _check_memory_limit(cfg: TrainConfig, pipeline_ranks: int = 1) -> None:
 
 
 def _schedule(cfg: TrainConfig, n_ranks: int) -> Schedule:
-    """The schedule every rank will resolve from the options."""
+    """The schedule every rank will prepare from the options (with 2BP where the
+    default chooses it per stage: the stages are the same either way)."""
     try:
-        return resolve_schedule(
+        return prepare(
             cfg.schedule,
             n_ranks=n_ranks,
             n_microbatches=cfg.microbatches if isinstance(cfg.microbatches, int) else None,
             two_bp=cfg.two_bp is not False,
             policy=cfg.policy,
             stages_per_rank=cfg.stages_per_rank,
+            data_parallel=cfg.data_parallel,
         )
     except (ScheduleConfigError, ScheduleError) as exc:
         raise OptionError(f"--schedule {cfg.schedule}: {exc}") from None
