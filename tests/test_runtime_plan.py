@@ -5,18 +5,24 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.step_run import StepRun
 from twobp.runtime.setup.stage_blocks import stage_counts
 from twobp.schedule import (
     SCHEDULES,
     Action,
     Kind,
+    KindSpec,
+    Need,
     Schedule,
     ScheduleConfigError,
     ScheduleError,
     add_communication,
     apply_two_bp,
+    declare_kind,
     forward_only,
     fuse_first_stage_backward,
     generate,
@@ -276,3 +282,10 @@ def test_a_pipeline_places_w_by_its_cost_model_and_runs_the_lowered_schedule(tmp
             assert result[label]["schedule"] == str(planned), label
             assert result[label]["lowered"] == str(add_communication(planned)), label
             assert result[label]["loss"] == pytest.approx(reference, abs=1e-10, rel=0)
+
+
+def test_a_step_refuses_an_action_of_a_kind_it_has_no_handler_for():
+    extra = declare_kind(KindSpec("X", "extra", needs=(Need("F"),), makes=("X",)))
+    run = StepRun(0, StageGraph((0,), 1), {}, None, None, None, StepClock(torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"no handler runs X actions: .*take 0X0 out"):
+        run.run([Action(0, extra, (0,))])

@@ -16,9 +16,9 @@ from twobp.schedule import (
     Role,
     Schedule,
     ScheduleError,
+    declare_kind,
     dry_run,
     register_kind,
-    unregister_kind,
     validate,
 )
 from twobp.schedule.dependencies import produces, requires
@@ -29,7 +29,7 @@ from twobp.sim.memory import memory_timeline
 from twobp.sim.simulate import simulate
 from twobp.timeline import kind_label
 from twobp.viz.ascii import render_ascii
-from twobp.viz.png import render_png
+from twobp.viz.png import legend_kinds, render_png
 
 # A recomputation of a stage's forward output: after its own F, and after
 # that of the stage before it (on another rank: a transfer away). It holds
@@ -46,13 +46,13 @@ RECOMPUTE = KindSpec(
 
 @pytest.fixture
 def recompute():
-    kind = register_kind(RECOMPUTE)
-    yield kind
-    unregister_kind(kind)
+    return declare_kind(RECOMPUTE)
 
 
-def make(rows: list[str], n_microbatches: int = 1, name: str = "hand") -> Schedule:
-    actions = {r: tuple(Action.parse(t) for t in row.split()) for r, row in enumerate(rows)}
+def make(
+    rows: list[str], n_microbatches: int = 1, name: str = "hand", kinds: tuple = ()
+) -> Schedule:
+    actions = {r: tuple(Action.parse(t, kinds) for t in row.split()) for r, row in enumerate(rows)}
     return Schedule(tuple(range(len(rows))), n_microbatches, actions, name)
 
 
@@ -110,9 +110,9 @@ def test_rules_read_from_the_table():
 
 
 def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(recompute, tmp_path):
-    assert Kind("X") is recompute and recompute.is_compute
-    assert str(Action.parse("1X0")) == "1X0" and kind_label(recompute) == "recompute"
-    s = make(["0F0 0X0 0B0", "1F0 1X0 1B0"])
+    assert Action.parse("1X0", [recompute]).kind is recompute and recompute.is_compute
+    assert str(Action.parse("1X0", [recompute])) == "1X0" and kind_label(recompute) == "recompute"
+    s = make(["0F0 0X0 0B0", "1F0 1X0 1B0"], kinds=(recompute,))
 
     validate(s)
     assert [[str(a) if a else "." for a in row] for row in dry_run(s)] == [
@@ -123,7 +123,7 @@ def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(reco
         ["0B0", "."],
     ]
     with pytest.raises(ScheduleError, match=r"rank 1 lists 1X0 \(its action #0\) before 1F0"):
-        validate(make(["0F0 0X0 0B0", "1X0 1F0 1B0"]))
+        validate(make(["0F0 0X0 0B0", "1X0 1F0 1B0"], kinds=(recompute,)))
 
     # R costs a forward (1); a transfer takes 0.5, also for 0X0 -> 1X0.
     costs = CostModel.uniform(2, send_latency=0.5)
@@ -153,42 +153,54 @@ def test_a_kind_declared_only_in_the_table_is_validated_simulated_and_drawn(reco
     grid = render_ascii(result.spans, title="recompute")
     assert grid.splitlines()[1].split("|")[1].split() == ["F0", "X0", ".", ".", ".", ".", "B0~~~"]
     assert render_png(result.spans, tmp_path / "r.png").stat().st_size > 0
+    assert legend_kinds(result.spans) == [Kind.FORWARD, Kind.FULL_BACKWARD, recompute]
 
 
 def test_a_declared_kind_takes_part_in_deadlocks(recompute):
     # 1X0 needs 0X0, listed after 0B0, which needs 1B0, listed after 1X0.
-    s = make(["0F0 0B0 0X0", "1F0 1X0 1B0"])
+    s = make(["0F0 0B0 0X0", "1F0 1X0 1B0"], kinds=(recompute,))
     with pytest.raises(DeadlockError, match=r"rank 1 is stuck at 1X0 .* waits for 0X0 \(rank 0"):
         dry_run(s)
     with pytest.raises(DeadlockError, match=r"waits for 0X0 \(rank 0, its action #2"):
         simulate(s, CostModel.uniform(2))
 
 
-def test_registering_checks_the_entry_and_unregistering_forgets_it():
+def test_declaring_checks_the_entry_and_changes_nothing_shared():
     with pytest.raises(ValueError, match="exists already"):
-        register_kind(dataclasses.replace(RECOMPUTE, code="F"))
+        declare_kind(dataclasses.replace(RECOMPUTE, code="F"))
     with pytest.raises(ValueError, match="upper-case"):
-        register_kind(dataclasses.replace(RECOMPUTE, code="r"))
+        declare_kind(dataclasses.replace(RECOMPUTE, code="r"))
     with pytest.raises(ValueError, match="cost of kind X"):
-        register_kind(dataclasses.replace(RECOMPUTE, cost="recompute"))
+        declare_kind(dataclasses.replace(RECOMPUTE, cost="recompute"))
     with pytest.raises(ValueError, match="role compute and link 1"):
-        register_kind(dataclasses.replace(RECOMPUTE, link=+1))
+        declare_kind(dataclasses.replace(RECOMPUTE, link=+1))
     with pytest.raises(ValueError, match="role send and link None"):
-        register_kind(dataclasses.replace(RECOMPUTE, role=Role.SEND))
+        declare_kind(dataclasses.replace(RECOMPUTE, role=Role.SEND))
+    with pytest.raises(ValueError, match="transfers between ranks are the built-in SEND_F"):
+        declare_kind(dataclasses.replace(RECOMPUTE, role=Role.SEND, link=+1))
     with pytest.raises(ValueError, match="pool must be one of"):
-        register_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange("act", +1),)))
+        declare_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange("act", +1),)))
     with pytest.raises(ValueError, match="change must be"):
-        register_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange(ACTIVATIONS, 2),)))
+        declare_kind(dataclasses.replace(RECOMPUTE, memory=(MemoryChange(ACTIVATIONS, 2),)))
     with pytest.raises(ValueError, match="cap must be"):
-        register_kind(
+        declare_kind(
             dataclasses.replace(RECOMPUTE, memory=(MemoryChange(ACTIVATIONS, 1, cap="forward"),))
         )
-    with pytest.raises(ValueError, match="built in"):
-        unregister_kind(Kind.FORWARD)
-    kind = register_kind(RECOMPUTE)
-    unregister_kind(kind)
+    kind = declare_kind(RECOMPUTE)
+    assert kind == declare_kind(RECOMPUTE)
+    # Only the text that is passed the kind knows it: the built-in table and Kind do not.
     assert "X" not in KINDS
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="kinds are F, I, W"):
         Action.parse("0X0")
     with pytest.raises(ValueError):
         Kind("X")
+    other = declare_kind(dataclasses.replace(RECOMPUTE, label="another"))
+    with pytest.raises(ValueError, match="two declared kinds have the code 'X'"):
+        Action.parse("0X0", [kind, other])
+
+
+def test_register_kind_declares_without_adding_to_kind():
+    with pytest.warns(DeprecationWarning, match="declare_kind"):
+        kind = register_kind(RECOMPUTE)
+    assert kind == declare_kind(RECOMPUTE)
+    assert "X" not in KINDS

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from twobp.schedule.action import Action
-from twobp.schedule.kinds import Kind, Role, kind_spec
+from twobp.schedule.kinds import ActionKind, Role, kind_spec
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,6 @@ def bubble_ratio(spans: Sequence[Span], rank: int | None = None) -> float:
     return sum(idle) / (len(ranks) * total)
 
 
-def kind_label(kind: Kind) -> str:
+def kind_label(kind: ActionKind) -> str:
     """A short human name of an action kind, for legends (from the kind table)."""
     return kind_spec(kind).label

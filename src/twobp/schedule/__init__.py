@@ -3,13 +3,15 @@
 A schedule is a :class:`Schedule`: for each rank, its ordered list of
 :class:`Action` (text form ``1F0``, ``0I3``, ``2W0-3``). What each kind of
 action is (its :class:`Role`), needs, makes, costs and holds in memory
-(:class:`MemoryChange`) is one table (:data:`KINDS`, extended by
-:func:`register_kind`); :func:`walk` runs a schedule in time by that table.
+(:class:`MemoryChange`) is one table (:data:`KINDS`; a kind beyond it carries
+its own entry, :func:`declare_kind`); :func:`walk` runs a schedule in time by
+that table.
 Generators build the named schedules (:func:`generate`, :data:`SCHEDULES`);
 :func:`prepare` (:func:`source_schedule`, then :func:`finish_schedule`) is
 the one pass every user of a runnable schedule takes it from; smaller
-passes turn one schedule into another (:func:`apply_two_bp`, :func:`fuse_first_stage_backward`,
-:func:`add_communication`, :func:`merge_backward`); :func:`validate` checks one
+passes turn one schedule into another (:func:`apply_two_bp`,
+:func:`fuse_first_stage_backward`, :func:`add_communication`,
+:func:`merge_backward`); :func:`validate` checks one
 and :func:`save_csv` / :func:`load_csv` store one in
 ``torch.distributed.pipelining``'s CSV layout.
 """
@@ -19,13 +21,15 @@ from twobp.schedule.csv_io import from_rows, load_csv, save_csv, to_rows
 from twobp.schedule.errors import DeadlockError
 from twobp.schedule.kinds import (
     KINDS,
+    ActionKind,
+    DeclaredKind,
     KindSpec,
     MemoryChange,
     Moment,
     Need,
     Role,
+    declare_kind,
     register_kind,
-    unregister_kind,
 )
 from twobp.schedule.lowering import (
     add_communication,
@@ -56,7 +60,9 @@ __all__ = [
     "SCHEDULES",
     "TWO_BP_POLICIES",
     "Action",
+    "ActionKind",
     "DeadlockError",
+    "DeclaredKind",
     "Kind",
     "KindSpec",
     "MemoryChange",
@@ -72,6 +78,7 @@ __all__ = [
     "add_communication",
     "apply_two_bp",
     "compute_only",
+    "declare_kind",
     "dry_run",
     "finish_schedule",
     "format_grid",
@@ -90,7 +97,6 @@ __all__ = [
     "source_schedule",
     "split_stages",
     "to_rows",
-    "unregister_kind",
     "validate",
     "walk",
 ]

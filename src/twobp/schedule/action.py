@@ -17,7 +17,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from twobp.schedule.kinds import KINDS, Kind, held_change, kind_spec, pool_change
+from twobp.schedule.kinds import (
+    KINDS,
+    ActionKind,
+    DeclaredKind,
+    Kind,
+    held_change,
+    kind_spec,
+    pool_change,
+)
 
 __all__ = ["Action", "Kind", "format_microbatches", "parse_microbatches"]
 
@@ -28,7 +36,8 @@ class Action:
 
     Args:
         stage: the stage index (0 is the first stage of the model).
-        kind: what the action does.
+        kind: what the action does: a built-in :class:`Kind`, or a kind of
+            :func:`twobp.schedule.declare_kind`.
         microbatches: the micro-batch indices it covers, sorted, without
             repeats. Only ``W`` (a kind whose table entry allows
             ``several``) may cover more than one.
@@ -39,7 +48,7 @@ class Action:
     """
 
     stage: int
-    kind: Kind
+    kind: ActionKind
     microbatches: tuple[int, ...]
 
     def __post_init__(self) -> None:
@@ -61,10 +70,11 @@ class Action:
             )
 
     @classmethod
-    def make(cls, stage: int, kind: Kind | str, microbatches: int | Iterable[int]) -> Action:
-        """Build an action from loose arguments (an int or any iterable of ints)."""
+    def make(cls, stage: int, kind: ActionKind | str, microbatches: int | Iterable[int]) -> Action:
+        """Build an action from loose arguments (a kind or a built-in kind's code, an int
+        or any iterable of ints)."""
         mbs = (microbatches,) if isinstance(microbatches, int) else tuple(sorted(microbatches))
-        return cls(stage, Kind(kind), mbs)
+        return cls(stage, kind if isinstance(kind, DeclaredKind) else Kind(kind), mbs)
 
     @property
     def microbatch(self) -> int:
@@ -95,20 +105,31 @@ class Action:
         return f"Action({self})"
 
     @classmethod
-    def parse(cls, text: str) -> Action:
+    def parse(cls, text: str, kinds: Iterable[DeclaredKind] = ()) -> Action:
         """Parse the canonical text form, the inverse of ``str(action)``.
 
+        Args:
+            text: the action's text (``1F0``, ``2W0-3``).
+            kinds: declared kinds (:func:`twobp.schedule.declare_kind`) the
+                text may use besides the built-in ones.
+
         Raises:
-            ValueError: if the text is not an action.
+            ValueError: if the text is not an action, or two of ``kinds`` share a code.
         """
-        match = re.match(rf"^(\d+)({'|'.join(KINDS)})([0-9+\-]+)$", text.strip())
+        declared: dict[str, DeclaredKind] = {}
+        for each in kinds:
+            if declared.setdefault(each.value, each) != each:
+                raise ValueError(f"two declared kinds have the code {each.value!r}; keep one")
+        codes = [*KINDS, *declared]
+        match = re.match(rf"^(\d+)({'|'.join(codes)})([0-9+\-]+)$", text.strip())
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected [stage][kind][micro-batches], "
-                f"e.g. '1F0', '0I3', '2W0-3'; kinds are {', '.join(KINDS)}"
+                f"e.g. '1F0', '0I3', '2W0-3'; kinds are {', '.join(codes)}"
             )
-        stage, kind, mbs = match.groups()
-        return cls(int(stage), Kind(kind), parse_microbatches(mbs))
+        stage, code, mbs = match.groups()
+        kind: ActionKind = Kind(code) if code in KINDS else declared[code]
+        return cls(int(stage), kind, parse_microbatches(mbs))
 
 
 def format_microbatches(microbatches: tuple[int, ...]) -> str:

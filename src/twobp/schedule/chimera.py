@@ -29,9 +29,10 @@ from __future__ import annotations
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import Key, produces, requires
 from twobp.schedule.generators import one_f_one_b
+from twobp.schedule.kinds import ActionKind
 from twobp.schedule.schedule import Schedule, StageGraph
 
-_TIME = {Kind.FORWARD: 1.0, Kind.FULL_BACKWARD: 2.0}
+_TIME: dict[ActionKind, float] = {Kind.FORWARD: 1.0, Kind.FULL_BACKWARD: 2.0}
 
 
 def chimera_placement(n_ranks: int) -> tuple[int, ...]:

@@ -74,14 +74,18 @@ it covers every micro-batch of the stage, so it starts once the stage's last
 once while the all-reduce proceeds.
 
 ``BI`` is the gradient with respect to a stage's input. A new kind is one
-entry: :func:`register_kind` adds it, after which actions of that kind parse,
-validate, simulate (its time and its memory) and draw; the runtime needs a
-handler for it too. This module imports no torch.
+entry: :func:`declare_kind` checks it and returns a :class:`DeclaredKind`
+that carries it, so actions of that kind validate, simulate (their time and
+their memory) and draw, and parse where the kind is passed to
+:meth:`~twobp.schedule.Action.parse`; the runtime needs a handler for it too.
+Declaring changes nothing shared: neither :class:`Kind` nor :data:`KINDS`,
+which hold the built-in kinds. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -116,7 +120,7 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        """True for F, B, I, W, R (and declared kinds that are no transfer); False for transfers."""
+        """True for F, B, I, W, R; False for transfers."""
         return kind_spec(self).is_compute
 
     @property
@@ -337,18 +341,56 @@ _TABLE: dict[str, KindSpec] = {
 }
 
 KINDS: Mapping[str, KindSpec] = MappingProxyType(_TABLE)
-"""Every kind by its code, built-in and registered, in table order."""
+"""Every built-in kind by its code, in table order."""
 
-_BUILT_IN = frozenset(_TABLE)
 _CODE = re.compile(r"[A-Z][A-Z_]*")
 
 
-def kind_spec(kind: Kind | str) -> KindSpec:
-    """The table entry of ``kind`` (a :class:`Kind` or its code).
+@dataclass(frozen=True)
+class DeclaredKind:
+    """A kind of action beyond the built-in :class:`Kind`, carrying its own table entry.
+
+    Made by :func:`declare_kind`. It answers what an action's kind is asked
+    (:attr:`value`, :attr:`role`, :attr:`is_compute`, its text), and
+    :func:`kind_spec` reads its entry from it, so nothing else needs to know it.
+
+    Args:
+        spec: its entry, checked by :func:`declare_kind`.
+    """
+
+    spec: KindSpec
+
+    @property
+    def value(self) -> str:
+        """The kind's text in an action (``X`` in ``1X0``)."""
+        return self.spec.code
+
+    @property
+    def is_compute(self) -> bool:
+        """True: a declared kind is never a transfer between ranks."""
+        return self.spec.is_compute
+
+    @property
+    def role(self) -> Role:
+        """What the kind is to its rank (from its entry)."""
+        return self.spec.role
+
+    def __str__(self) -> str:
+        return self.spec.code
+
+
+ActionKind = Kind | DeclaredKind
+"""What an action does: a built-in :class:`Kind` or a :class:`DeclaredKind`."""
+
+
+def kind_spec(kind: ActionKind | str) -> KindSpec:
+    """The table entry of ``kind`` (a :class:`Kind`, its code, or a :class:`DeclaredKind`).
 
     Raises:
-        ValueError: if no kind has that code.
+        ValueError: if no built-in kind has that code.
     """
+    if isinstance(kind, DeclaredKind):
+        return kind.spec
     code = kind.value if isinstance(kind, Kind) else kind
     spec = _TABLE.get(code)
     if spec is None:
@@ -356,7 +398,7 @@ def kind_spec(kind: Kind | str) -> KindSpec:
     return spec
 
 
-def pool_change(kind: Kind | str, pool: str) -> int:
+def pool_change(kind: ActionKind | str, pool: str) -> int:
     """How one action of ``kind`` changes what ``pool`` holds, per micro-batch it covers.
 
     Start and end together: ``F`` takes activations (+1), ``I`` and ``B``
@@ -369,7 +411,7 @@ def pool_change(kind: Kind | str, pool: str) -> int:
     return sum(e.change for e in kind_spec(kind).memory if e.pool == pool)
 
 
-def held_change(kind: Kind | str) -> int:
+def held_change(kind: ActionKind | str) -> int:
     """How one action of ``kind`` changes the micro-batches its rank holds, per micro-batch.
 
     A micro-batch is held while some pool holds memory of it: from its ``F``
@@ -383,34 +425,39 @@ def held_change(kind: Kind | str) -> int:
 
 
 def held_pools() -> tuple[str, ...]:
-    """The pools that hold memory between actions: one kind takes them, another gives them back.
+    """The pools that hold memory between actions: one built-in kind takes them, another
+    gives them back.
 
-    With the built-in kinds, the activations and the stored derivatives;
-    what an action holds only while it runs (a rebuilt stash) is not among them.
+    The activations and the stored derivatives; what an action holds only
+    while it runs (a rebuilt stash) is not among them.
     """
     return tuple(p for p in MEMORY_POOLS if any(pool_change(k, p) for k in _TABLE))
 
 
-def register_kind(spec: KindSpec) -> Kind:
-    """Add a kind to the table; from then on ``Kind(spec.code)`` is that kind.
+def declare_kind(spec: KindSpec) -> DeclaredKind:
+    """A new kind of action, checked: compute or background work that the table lacks.
 
     Validation, the walker, the simulators (its time and its memory), the
-    cost model and the pictures read the table, so the new kind needs
-    nothing else there. The runtime does not run it without a handler.
+    cost model and the pictures read its entry from the kind itself, so the
+    new kind needs nothing else there; :meth:`twobp.schedule.Action.parse`
+    reads its text where it is passed the kind. The runtime does not run it
+    without a handler. Nothing shared changes: :class:`Kind` and
+    :data:`KINDS` keep the built-in kinds.
 
     Args:
         spec: the new kind's entry.
 
     Returns:
-        The kind, a member of :class:`Kind` for every purpose but iteration
-        over ``Kind`` (which lists the built-in kinds).
+        The kind, to build actions with (``Action(stage, kind, microbatches)``).
 
     Raises:
-        ValueError: if the code is taken or malformed, ``cost`` is not one
-            of :data:`COST_FIELDS`, the ``role`` and ``link`` disagree (a
-            send or receive has a link, nothing else has one), or a memory
-            entry names another pool than :data:`MEMORY_POOLS`, a change
-            other than ``+1``/``-1`` or a cap other than :data:`COUNT_CAPS`.
+        ValueError: if the code is a built-in kind's or malformed, ``cost`` is
+            not one of :data:`COST_FIELDS`, the ``role`` and ``link`` disagree
+            (a send or receive has a link, nothing else has one), the kind is
+            a send or receive (the transfers between ranks are the built-in
+            ones), or a memory entry names another pool than
+            :data:`MEMORY_POOLS`, a change other than ``+1``/``-1`` or a cap
+            other than :data:`COUNT_CAPS`.
     """
     if spec.code in _TABLE:
         raise ValueError(f"action kind {spec.code!r} exists already")
@@ -423,6 +470,12 @@ def register_kind(spec: KindSpec) -> Kind:
             f"kind {spec.code} has role {spec.role.value} and link {spec.link}: a send or "
             "receive needs the offset of the stage at its other end, no other role has one"
         )
+    if not spec.is_compute:
+        transfers = ", ".join(code for code, s in _TABLE.items() if not s.is_compute)
+        raise ValueError(
+            f"kind {spec.code} has role {spec.role.value}: a declared kind is compute or "
+            f"background work; the transfers between ranks are the built-in {transfers}"
+        )
     for entry in spec.memory:
         if entry.pool not in MEMORY_POOLS:
             raise ValueError(f"memory of kind {spec.code}: pool must be one of {MEMORY_POOLS}")
@@ -430,23 +483,22 @@ def register_kind(spec: KindSpec) -> Kind:
             raise ValueError(f"memory of kind {spec.code}: change must be +1 or -1")
         if entry.cap is not None and entry.cap not in COUNT_CAPS:
             raise ValueError(f"memory of kind {spec.code}: cap must be one of {COUNT_CAPS}")
-    # Enum has no public way to add a member; this is how Flag makes its
-    # pseudo-members: an instance looked up by value like any member.
-    member = str.__new__(Kind, spec.code)
-    member._name_ = spec.code
-    member._value_ = spec.code
-    Kind._value2member_map_[spec.code] = member
-    _TABLE[spec.code] = spec
-    return member
+    return DeclaredKind(spec)
 
 
-def unregister_kind(kind: Kind) -> None:
-    """Remove a kind that :func:`register_kind` added.
+def register_kind(spec: KindSpec) -> DeclaredKind:
+    """:func:`declare_kind`, under the name it had when it added to :class:`Kind`.
+
+    It adds nothing any more: ``Kind(spec.code)`` and ``Action.parse`` without
+    the kind do not know it.
 
     Raises:
-        ValueError: for a built-in kind.
+        ValueError: as :func:`declare_kind`.
     """
-    if kind.value in _BUILT_IN:
-        raise ValueError(f"kind {kind.value} is built in and cannot be removed")
-    _TABLE.pop(kind.value, None)
-    Kind._value2member_map_.pop(kind.value, None)
+    warnings.warn(
+        "register_kind no longer adds to Kind or KINDS: call declare_kind(spec) and build "
+        "actions with the kind it returns (Action.parse(text, kinds=[kind]) for text)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return declare_kind(spec)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.kinds import kind_spec
+from twobp.schedule.kinds import ActionKind, kind_spec
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import needed_by, produced_by
 
@@ -229,7 +229,7 @@ def add_reductions(schedule: Schedule, stages: Iterable[int] | None = None) -> S
     return schedule.with_actions(actions)
 
 
-def makes_weight_gradients(kind: Kind) -> bool:
+def makes_weight_gradients(kind: ActionKind) -> bool:
     """True if actions of ``kind`` make weight gradients (the tag ``W``: ``W`` and ``B``),
     by the kind table."""
     return "W" in kind_spec(kind).makes

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import describe, index_producers, is_lowered, requires
 from twobp.schedule.errors import DeadlockError, ScheduleError, format_grid
-from twobp.schedule.kinds import KINDS, kind_spec
+from twobp.schedule.kinds import KINDS, ActionKind, kind_spec
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.walk import Grid, walk
 
@@ -86,7 +86,7 @@ def _one_step(_action: Action) -> float:
 
 
 def _check_coverage(schedule: Schedule) -> None:
-    seen: dict[tuple[int, Kind, int], list[tuple[int, int]]] = defaultdict(list)
+    seen: dict[tuple[int, ActionKind, int], list[tuple[int, int]]] = defaultdict(list)
     for rank, acts in schedule.actions.items():
         for i, a in enumerate(acts):
             for m in a.microbatches:
@@ -152,7 +152,7 @@ def _check_coverage(schedule: Schedule) -> None:
 
 
 def _reduction_problems(
-    schedule: Schedule, seen: Mapping[tuple[int, Kind, int], list[tuple[int, int]]]
+    schedule: Schedule, seen: Mapping[tuple[int, ActionKind, int], list[tuple[int, int]]]
 ) -> list[str]:
     """A stage's gradient reduction, where listed, covers its micro-batches once."""
     problems: list[str] = []
@@ -172,7 +172,7 @@ def _reduction_problems(
 
 
 def _communication_problems(
-    schedule: Schedule, seen: Mapping[tuple[int, Kind, int], list[tuple[int, int]]]
+    schedule: Schedule, seen: Mapping[tuple[int, ActionKind, int], list[tuple[int, int]]]
 ) -> list[str]:
     placement, n_stages = schedule.placement, schedule.n_stages
 

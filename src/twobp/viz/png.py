@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from twobp.schedule.action import format_microbatches
-from twobp.schedule.kinds import KINDS, Kind, kind_spec
+from twobp.schedule.kinds import KINDS, ActionKind, Kind, kind_spec
 from twobp.timeline import Span, bubble_ratio, kind_label, makespan
 from twobp.viz.labels import compute_spans, drawn_spans, several_stages_per_rank
 
@@ -30,9 +30,17 @@ _TEXT_BACKGROUND = {"facecolor": "white", "alpha": 0.8, "pad": 1.0, "edgecolor":
 _CHAR_PX = 7.0
 
 
-def kind_colour(kind: Kind) -> str:
+def kind_colour(kind: ActionKind) -> str:
     """The colour of ``kind``'s boxes: its table entry's, or a neutral grey."""
     return kind_spec(kind).colour or _NEUTRAL_COLOUR
+
+
+def legend_kinds(spans: Sequence[Span]) -> list[ActionKind]:
+    """The kinds of ``spans``, as the legend lists them: the built-in kinds in table
+    order, then declared ones (:func:`twobp.schedule.declare_kind`) as they first appear."""
+    drawn = {s.action.kind for s in spans}
+    kinds: list[ActionKind] = [Kind(code) for code in KINDS if Kind(code) in drawn]
+    return kinds + list(dict.fromkeys(s.action.kind for s in spans if s.action.kind not in kinds))
 
 
 def default_size(n_ranks: int) -> tuple[int, int]:
@@ -130,8 +138,7 @@ def render_png(
     axes.set_title(
         f"{title + ': ' if title else ''}bubble ratio {ratio:.1%}, makespan {total:.4g} {time_unit}"
     )
-    drawn = {s.action.kind for s in work}
-    kinds = [Kind(code) for code in KINDS if Kind(code) in drawn]
+    kinds = legend_kinds(work)
     legend_px = 0
     handles = [
         Patch(facecolor=kind_colour(k), edgecolor="black", label=kind_label(k)) for k in kinds

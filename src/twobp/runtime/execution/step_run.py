@@ -28,7 +28,7 @@ from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.kinds import Role
+from twobp.schedule.kinds import ActionKind, Role
 from twobp.schedule.schedule import StageGraph
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
 from twobp.timeline import Span
@@ -159,7 +159,7 @@ class StepRun:
         # A local table: one kept on the instance would be a reference cycle
         # (instance -> bound method -> instance) that keeps the step's channel,
         # and with it the process group, alive until the garbage collector runs.
-        handlers: dict[Kind, Callable[[Action], None]] = {
+        handlers: dict[ActionKind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.FULL_BACKWARD: self._backward,
             Kind.BACKWARD_INPUT: self._backward,
@@ -184,7 +184,14 @@ class StepRun:
             started = time.perf_counter()
             receiving = self._clock.mark() if action.kind.role is Role.RECEIVE else None
             try:
-                handlers[action.kind](action)
+                handler = handlers.get(action.kind)
+                if handler is None:
+                    raise ValueError(
+                        f"no handler runs {action.kind} actions: the runtime runs the built-in "
+                        f"kinds ({', '.join(map(str, handlers))}); take {action} out of the "
+                        "schedule"
+                    )
+                handler(action)
             except Exception as exc:
                 if hasattr(exc, "add_note"):
                     exc.add_note(
