@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from repo_scripts import load_script
@@ -395,3 +396,21 @@ def test_the_end_of_a_step_names_the_first_nonfinite_microbatch_and_its_rank():
     text = str(nonfinite_error(1, 7, math.nan, end.first_bad, end.bad_rank))
     # The step as the progress line counts it (1-based), and its index.
     assert "step 8 (step_count 7) is nan (computed on rank 0, a last stage; micro-batch 2" in text
+
+
+@pytest.mark.parametrize("two_bp", [False, True])
+def test_an_input_that_requires_grad_gets_its_gradient_and_no_warning(two_bp):
+    import warnings
+
+    torch.manual_seed(3)
+    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(3)]
+    x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    plain = x.detach().clone().requires_grad_()
+    F.mse_loss(nn.Sequential(*blocks)(plain), y).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Pipeline(blocks, F.mse_loss, "gpipe", 4, two_bp=two_bp, device="cpu") as pipe:
+            pipe.step(x, y)
+    assert not [w for w in caught if "not a leaf" in str(w.message)], caught
+    torch.testing.assert_close(x.grad, plain.grad, rtol=0, atol=1e-12)

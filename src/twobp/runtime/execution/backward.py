@@ -114,7 +114,9 @@ class AutogradGradients:
     ) -> Grads:
         if outputs:
             torch.autograd.backward(list(outputs), list(grad_outputs))
-        return tuple(x.grad for x in inputs)
+        # A first stage may run on views of an input that requires grad: their gradient
+        # reaches that input through autograd, and a view keeps none to return.
+        return tuple(x.grad if x.is_leaf else None for x in inputs)
 
     def backward_input(
         self,

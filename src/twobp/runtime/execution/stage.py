@@ -63,6 +63,9 @@ class _Kept:
     """The outputs that require grad, until I; none when I recomputes them."""
     grad_outputs: tuple[Tensor, ...] = ()
     """Their gradients, from I until W (derivative checkpointing)."""
+    sources: tuple[Tensor, ...] = ()
+    """The views of a batch that requires grad which ``inputs`` stand for as leaves (a
+    first stage's); empty when the inputs are the stage's own leaves."""
 
     @property
     def grad_inputs(self) -> tuple[Tensor, ...]:
@@ -182,6 +185,12 @@ class Stage:
         """
         inputs = tuple(inputs)
         training = torch.is_grad_enabled()
+        sources: tuple[Tensor, ...] = ()
+        if training and any(x.requires_grad and not x.is_leaf for x in inputs):
+            # Views of a batch that requires grad (a first stage's): the stage runs on
+            # leaves of its own, and its backward hands their gradients on to the batch.
+            sources = inputs
+            inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
         rng = None
         if training and (self.recompute is not None or mb in self._rebuilt) and inputs:
             rng = RngState.capture(inputs[0].device)
@@ -210,7 +219,7 @@ class Stage:
         if training:
             tensors = self._keep(
                 mb,
-                _Kept(inputs, is_tuple, target, rng, (), weight=seed),
+                _Kept(inputs, is_tuple, target, rng, (), weight=seed, sources=sources),
                 tensors,
                 targets,
                 (signature, saved, beyond),
@@ -326,6 +335,8 @@ class Stage:
             held = storages(self.gradients.stashed_tensors(mb))
             self.memory.hold(STASH, (self.index, mb), held)
         self.memory.sample()
+        if kept.sources:
+            _hand_on(kept, inputs, grads)
         return tuple(
             torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)
         )
@@ -396,3 +407,16 @@ def check_loss(tensors: Sequence[Tensor], is_pair: bool) -> None:
         "must return a scalar, the mean loss over the micro-batch (use reduction='mean'), "
         "or a pair (sum, count) of scalars for an exact mean over the whole batch"
     )
+
+
+def _hand_on(kept: _Kept, inputs: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """Pass the gradients of a first stage's own leaves on to the views of the batch they
+    stand for, so that the batch's ``.grad`` accumulates them as in plain PyTorch."""
+    source = {id(leaf): view for leaf, view in zip(kept.inputs, kept.sources, strict=True)}
+    pairs = [
+        (source[id(x)], g)
+        for x, g in zip(inputs, grads, strict=True)
+        if g is not None and source[id(x)].requires_grad and source[id(x)] is not x
+    ]
+    if pairs:
+        torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
