@@ -63,6 +63,7 @@ def test_a_cpu_pipeline_retains_freed_memory_unless_told_not_to():
     kept = launch(faults_after_pipeline, 1, True, timeout=120)[0]
     released = launch(faults_after_pipeline, 1, False, timeout=120)[0]
     assert released > PAGES // 2, released
-    # After a pipeline, up to 3 of the 24 blocks are faulted in again now and then (0-3,073
-    # faults over 24 runs); without the setting every round faults them all (> 24,576).
-    assert kept < PAGES // 4, kept
+    # After a pipeline, a few of the 24 blocks are faulted in again now and then (0-6,144
+    # faults seen, the most on a loaded machine); without the setting at least one of the
+    # three rounds faults them all (25,551 or more): the bound lies halfway.
+    assert kept < PAGES // 2, kept
