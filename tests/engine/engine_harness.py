@@ -1,7 +1,7 @@
 """Run micro-batches through a patched module and through plain autograd, and compare.
 
 A *schedule* here is a list of steps of one stage: ``("F", mb)``,
-``("I", mb)``, ``("B", mb)`` or ``("W", mbs[, group_size])`` with ``mbs`` in
+``("I", mb)``, ``("B", mb)`` or ``("W", mbs[, weight_group_size])`` with ``mbs`` in
 any order. The reference runs every micro-batch with plain ``.backward()`` on a
 deep copy of the module made before patching, accumulating gradients.
 """

@@ -114,9 +114,10 @@ def test_restore_stops_deferring():
 
 def test_patching_twice_is_refused():
     module = _mlp()
-    defer_weight_grads(module)
+    first = defer_weight_grads(module)  # held: a store that is gone frees its module
     with pytest.raises(TwoStageBackwardError, match="already deferred"):
         defer_weight_grads(module, label="stage 1")
+    first.restore()
 
 
 def test_a_parameter_of_another_module_in_a_covered_operation_is_refused():
@@ -170,8 +171,8 @@ def test_misuse_raises_with_the_micro_batch_named():
     _input_pass(store, 0, x, y)
     with pytest.raises(TwoStageBackwardError, match="twice"):
         _input_pass(store, 0, x, y)
-    with pytest.raises(ValueError, match="group_size"):
-        store.backward_weight([0], group_size=0)
+    with pytest.raises(ValueError, match="weight_group_size"):
+        store.backward_weight([0], weight_group_size=0)
     with pytest.raises(TwoStageBackwardError, match=r"rank 0 stage 1.*no backward_weight"):
         store.finish_step()
     # The failed finish cleared the step: ids are reusable.
@@ -376,3 +377,14 @@ def test_parameters_of_another_class_keep_it_and_are_captured_by_the_mode():
     assert deferred == ["0.weight", "0.bias", "2.weight", "2.bias"]
     for p, q in zip(module.parameters(), reference.parameters(), strict=True):
         assert (p.grad - q.grad).abs().max() <= TOL
+
+
+def test_the_former_name_of_the_cap_still_works_and_says_the_new_one():
+    module = _mlp()
+    store = defer_weight_grads(module)
+    for mb in range(2):
+        _input_pass(store, mb, *_forward(store, module, mb))
+    with pytest.warns(DeprecationWarning, match="weight_group_size"):
+        store.backward_weight([0, 1], group_size=1)
+    assert store.pending_weight() == ()
+    store.finish_step()

@@ -125,7 +125,7 @@ def test_weight_pass_is_one_concatenated_operation_per_layer(group_size, groups)
             out = module(inputs[mb])
         store.backward_input(mb, [out], [grads[mb]], [])
     with _HeavyOps() as ops:
-        store.backward_weight(range(n), group_size=group_size)
+        store.backward_weight(range(n), weight_group_size=group_size)
     store.finish_step()
 
     rows = samples * n // groups  # samples of one group

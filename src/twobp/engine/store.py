@@ -22,6 +22,7 @@ A typical step of a stage::
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -300,7 +301,12 @@ class WeightGradStore:
     # -- W -------------------------------------------------------------------
 
     def backward_weight(
-        self, mbs: Iterable[int], group_size: int | None = None, rebuild: Rebuild | None = None
+        self,
+        mbs: Iterable[int],
+        weight_group_size: int | None = None,
+        rebuild: Rebuild | None = None,
+        *,
+        group_size: int | None = None,
     ) -> None:
         """W: add the weight gradients of micro-batches ``mbs`` to ``.grad``.
 
@@ -309,26 +315,37 @@ class WeightGradStore:
 
         Args:
             mbs: micro-batches whose I is done and W is not, in any order.
-            group_size: None runs all of ``mbs`` as one group; ``k`` splits
-                ``mbs`` into consecutive groups of ``k``.
+            weight_group_size: None runs all of ``mbs`` as one group; ``k``
+                splits ``mbs`` into consecutive groups of ``k`` (the
+                pipeline's option of the same name).
             rebuild: re-runs the forward of a micro-batch whose I ran with
                 ``keep_stash=False``. Its stash is rebuilt by that forward and
                 an input pass that adds no gradient anywhere, one group at a
                 time, so that only one group's stash is held at once. Without
-                ``group_size`` a group closes once its stashes reach
+                ``weight_group_size`` a group closes once its stashes reach
                 :data:`~twobp.engine.stash.CONCAT_ROWS` rows (where a larger
                 concatenation stops paying).
 
         Raises:
-            ValueError: if ``mbs`` is empty or repeats, or ``group_size < 1``.
+            ValueError: if ``mbs`` is empty or repeats, or ``weight_group_size < 1``.
+
+        ``group_size=`` is the former name of ``weight_group_size`` (deprecated).
             TwoStageBackwardError: if a micro-batch is unknown, its I has not
                 run, its W already ran, a stashed tensor was modified in
                 place since its I, or its stash was dropped and no
                 ``rebuild`` is given. Nothing is computed then.
         """
+        if group_size is not None:
+            warnings.warn(
+                "backward_weight(group_size=...) is now weight_group_size=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            weight_group_size = group_size
+        group_size = weight_group_size
         group = self._phases.check_weight(mbs)
         if group_size is not None and group_size < 1:
-            raise ValueError(f"group_size must be None or >= 1, got {group_size}")
+            raise ValueError(f"weight_group_size must be None or >= 1, got {group_size}")
         ops = self._ops()
         for mb in group:
             if mb in self._dropped and rebuild is None:

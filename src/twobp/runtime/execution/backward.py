@@ -54,7 +54,10 @@ class StageGradients(Protocol):
         ...
 
     def backward_weight(
-        self, mbs: Sequence[int], group_size: int | None = None, rebuild: Rebuild | None = None
+        self,
+        mbs: Sequence[int],
+        weight_group_size: int | None = None,
+        rebuild: Rebuild | None = None,
     ) -> None:
         """W: accumulate the weight gradients of ``mbs`` into ``.grad``."""
         ...
@@ -135,7 +138,10 @@ class AutogradGradients:
         )
 
     def backward_weight(
-        self, mbs: Sequence[int], group_size: int | None = None, rebuild: Rebuild | None = None
+        self,
+        mbs: Sequence[int],
+        weight_group_size: int | None = None,
+        rebuild: Rebuild | None = None,
     ) -> None:
         for mb in mbs:
             if mb not in self._pending:

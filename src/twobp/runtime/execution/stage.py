@@ -358,9 +358,8 @@ class Stage:
         ``weight_group_size`` micro-batches at once (None: all); ``rebuild`` (a ``WR``,
         or every ``W`` under ``"derivatives"``) first rebuilds the stashes an ``IR`` dropped."""
         again = rebuild or recomputes_derivatives(self.recompute)
-        # The gradient stores (twobp.engine's and AutogradGradients) name this cap group_size.
         self.gradients.backward_weight(
-            mbs, group_size=weight_group_size, rebuild=self._rebuild if again else None
+            mbs, weight_group_size=weight_group_size, rebuild=self._rebuild if again else None
         )
         for mb in mbs:
             self._pending.pop(mb, None)
