@@ -132,3 +132,31 @@ def test_damaged_later_checkpoints_do_not_hold_a_resume_back(first_run, tmp_path
     check_config(_cfg(out, resume=str(out / "checkpoints" / STEPS[1])))
     check_config(_cfg(out, resume="auto"))  # passes over step 3 to step 2, with a warning
     assert "warning:" in capsys.readouterr().err
+
+
+def test_the_main_job_runs_again_into_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    # `make run` twice: the default --out gives each run its own folder under runs/, and
+    # runs/latest leads to the newest; the first run's checkpoint stays.
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = [*OPTIONS, "--steps", "1", "--ranks", "1"]
+    assert main(["train", *args]) == 0
+    first = (tmp_path / "runs" / "latest").resolve()
+    assert main(["train", *args]) == 0
+    second = (tmp_path / "runs" / "latest").resolve()
+    assert first != second and first.parent == second.parent == tmp_path / "runs"
+    assert (first / "checkpoints" / "step-00000001").is_dir()
+    assert (second / "checkpoints" / "step-00000001").is_dir()
+    assert f"report in runs/{second.name}/report.md" in capsys.readouterr().out
+
+
+def test_a_folder_left_at_runs_latest_keeps_its_old_meaning(tmp_path, monkeypatch):
+    from twobp.train.out_folder import with_run_folder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    cfg = TrainConfig()
+    assert with_run_folder(cfg) is cfg
+    assert with_run_folder(TrainConfig(out="elsewhere")).out == "elsewhere"
+    assert with_run_folder(TrainConfig(resume="auto")).out == "runs/latest"

@@ -84,12 +84,14 @@ it)."""
 def _run(args: argparse.Namespace) -> int:
     from twobp.runtime import LaunchError, PipelineError
     from twobp.train.failures import failure_summary
+    from twobp.train.out_folder import with_run_folder
     from twobp.train.preflight import OptionError
     from twobp.train.run import run_training
     from twobp.train.skipped import every_step_skipped
     from twobp.train.stopping import TrainingInterrupted
 
     cfg, from_file = train_config(args)
+    cfg = with_run_folder(cfg)
     # What the command prints also goes to OUT/train.log, and goes on there if stdout and
     # stderr are gone (a closed pipe, a terminal that hung up).
     console = Console(Path(cfg.out))

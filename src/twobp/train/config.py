@@ -142,7 +142,11 @@ class TrainConfig:
     )
     seed: int = doc("random seed for weights and data", 0)
     data: str | None = doc("text file for the byte-level LM (default: Python's own sources)", None)
-    out: str = doc("output folder for the report, curves and timelines", "runs/latest")
+    out: str = doc(
+        "output folder for the report, curves, timelines and checkpoints; left at runs/latest, "
+        "a new run gets a folder of its own, runs/<date>-<time>, and runs/latest leads to it",
+        "runs/latest",
+    )
     threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
     log_every: int = doc(
         "steps between records of OUT/metrics.jsonl and OUT/tensorboard (and the last step's), "

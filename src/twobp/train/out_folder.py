@@ -23,9 +23,13 @@ delete was written by this run or by the run it continues.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import os
 import shutil
 from pathlib import Path
 
+from twobp.runtime.base.group import LAUNCHER_VARIABLES
 from twobp.runtime.errors import CheckpointError
 from twobp.runtime.state.checkpoint import integrity
 from twobp.runtime.state.checkpoint.files import complete_checkpoints, step_of
@@ -112,3 +116,39 @@ def _steps_text(checkpoints: list[Path]) -> str:
     if len(steps) == 1:
         return f"step {steps[0]}"
     return f"{len(checkpoints)} checkpoints, steps {steps[0]} to {steps[-1]}"
+
+
+DEFAULT_OUT = "runs/latest"
+"""``--out``'s default: a link to the newest run's own folder under ``runs/``."""
+
+
+def with_run_folder(cfg: TrainConfig, now: datetime.datetime | None = None) -> TrainConfig:
+    """``cfg`` with a folder of its own for a fresh run left at the default ``--out``.
+
+    The default ``runs/latest`` becomes a link to ``runs/<date>-<time>``, made now, so
+    that running the main job again never meets an earlier run's checkpoints and never
+    deletes them. Unchanged: another ``--out``; a run that resumes (``runs/latest``
+    leads to the run it continues); a ``runs/latest`` that is a folder of its own (an
+    older layout: it is left as it was); and a rank of ``torchrun``, whose ranks must
+    agree on one folder (give ``--out``).
+    """
+    latest = Path(DEFAULT_OUT)
+    if (
+        cfg.out != DEFAULT_OUT
+        or cfg.resume is not None
+        or any(v in os.environ for v in LAUNCHER_VARIABLES)
+        or (latest.exists() and not latest.is_symlink())
+    ):
+        return cfg
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    folder, n = latest.parent / stamp, 1
+    while folder.exists() or folder.is_symlink():
+        n += 1
+        folder = latest.parent / f"{stamp}-{n}"
+    folder.mkdir(parents=True)
+    # Replaced at once: the link never leads nowhere.
+    fresh = latest.parent / f".latest-{os.getpid()}"
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(folder.name)
+    os.replace(fresh, latest)
+    return dataclasses.replace(cfg, out=str(folder))
