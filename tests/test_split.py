@@ -132,3 +132,11 @@ def test_the_timeline_shows_the_waits_on_peers_and_for_the_tied_weights_reductio
         last_compute = max(end for r, _, _, end in compute if r == rank)
         assert reductions[0][0] >= last_compute - 1e-9
         assert all(end >= start for _, start, end in mine)
+
+
+def test_a_hugging_face_model_is_pointed_to_the_integration():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(SplitError, match=r"twobp\.integrations\.transformers\.blocks\(model\)"):
+        twobp.split(model)

@@ -103,6 +103,13 @@ def trace(model: nn.Module, inside: Collection[str]) -> fx.Graph:
         name = type(model.get_submodule(where) if where else model).__name__
         label = f"{where} ({name})" if where else name
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if type(model).__module__.startswith("transformers."):
+            raise SplitError(
+                f"twobp.split cannot cut {type(model).__name__}, a Hugging Face transformers "
+                f"model: torch.fx cannot trace its forward ({type(error).__name__}: {detail}); "
+                "use twobp.integrations.transformers.blocks(model) and loss_function(model), "
+                "which cut the families they know by their layers"
+            ) from error
         raise SplitError(
             f"twobp.split cannot cut {type(model).__name__}: the forward of {label} cannot be "
             f"traced by torch.fx ({type(error).__name__}: {detail}). Usually that is control "
