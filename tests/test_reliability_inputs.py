@@ -57,7 +57,11 @@ SAME_ON_EVERY_RANK = [
     ("fewer rows than micro-batches", "PipelineConfigError", "batch size 3, fewer rows than the 4"),
     ("inputs missing", "PipelineConfigError", "rank 0 holds stage 0 and needs the inputs"),
     ("targets missing", "PipelineConfigError", "holds the last stage (1) and needs the targets"),
-    ("batch sizes differ", "PipelineConfigError", "batch on rank 0 holds 8 samples but"),
+    (
+        "batch sizes differ",
+        "PipelineConfigError",
+        "the inputs on rank 0 hold 8 samples but the targets on rank 1 hold 12",
+    ),
     ("inputs not tensors", "PipelineConfigError", "must be a tensor or a tuple of tensors"),
     ("different calls", "PipelineConfigError", "rank 0 called step() but rank 1 called eval"),
     ("nan raise", "NonFiniteLossError", "micro-batch 2 was the first"),
@@ -166,6 +170,9 @@ def test_check_same_call_names_what_differs():
     with pytest.raises(PipelineConfigError, match=r"rank 0 holds 8 samples.*rank 2 holds 4"):
         calls = [CallInfo(True, 0, 8), CallInfo(True, 0, 0), CallInfo(True, 0, 4)]
         check_same_call(calls)
+    # Inputs on one rank, targets on another: the message says which is which.
+    with pytest.raises(PipelineConfigError, match=r"inputs on rank 0 hold 8 .* targets on rank 1"):
+        check_same_call([CallInfo(True, 0, 8), CallInfo(True, 0, 12)], [((0,), (1,))])
     # A rank holding no batch says 0, and is not compared.
     check_same_call([CallInfo(False, 0, 8), CallInfo(False, 0, 0)])
 

@@ -247,7 +247,7 @@ def _own_batches(
             mb_targets = split_batch(to_device(given.targets, device), n_microbatches, "targets")
             n_targets = batch_size(given.targets, "targets")
             if rank in firsts:
-                check_sizes(rank, size, rank, n_targets)
+                check_sizes(f"the inputs on rank {rank}", size, "its targets", n_targets)
             size = n_targets if rank not in firsts else size
     except PipelineConfigError as exc:
         return mb_inputs, mb_targets, size, slot, signature, exc
@@ -302,19 +302,39 @@ def check_same_call(
                 f"{call.step_count}; every rank must call step() the same number of times "
                 "(a rank skipped or repeated one)"
             )
-    groups = [range(len(calls))] if copies is None else [[*first, *last] for first, last in copies]
-    for group in groups:
-        holders = [r for r in dict.fromkeys(group) if calls[r].size]
+    everyone = tuple(range(len(calls)))
+    groups = [(everyone, everyone)] if copies is None else copies
+    for first, last in groups:
+        holders = [r for r in dict.fromkeys([*first, *last]) if calls[r].size]
         for rank in holders[1:]:
-            check_sizes(holders[0], calls[holders[0]].size, rank, calls[rank].size)
+            check_sizes(
+                _batch_of(holders[0], first, last),
+                calls[holders[0]].size,
+                _batch_of(rank, first, last),
+                calls[rank].size,
+            )
 
 
-def check_sizes(input_rank: int, n_inputs: int, target_rank: int, n_targets: int) -> None:
-    """Raise if the inputs and the targets hold different numbers of samples."""
-    if n_inputs != n_targets:
+def check_sizes(first: str, n_first: int, second: str, n_second: int) -> None:
+    """Raise if two batches of one step (``first`` and ``second``, named as "the inputs on
+    rank 0") hold different numbers of samples."""
+    if n_first != n_second:
         raise PipelineConfigError(
-            f"the batch on rank {input_rank} holds {n_inputs} samples but the one on rank "
-            f"{target_rank} holds {n_targets}; pass the same batch on every rank of a pipeline "
-            "(with data_parallel, each copy the same part of the global batch on each of its "
-            "ranks)"
+            f"{first} {_hold(first)} {n_first} samples but {second} {_hold(second)} "
+            f"{n_second}; the inputs and the targets of a step are one batch: pass them with "
+            "the same number of samples (with data_parallel, each copy the same part of the "
+            "global batch on each of its ranks)"
         )
+
+
+def _hold(what: str) -> str:
+    return "holds" if what.startswith("the batch") else "hold"
+
+
+def _batch_of(rank: int, first: Sequence[int], last: Sequence[int]) -> str:
+    """What a rank of one copy holds of a step's batch, named with the rank."""
+    if rank in first and rank not in last:
+        return f"the inputs on rank {rank}"
+    if rank in last and rank not in first:
+        return f"the targets on rank {rank}"
+    return f"the batch on rank {rank}"
