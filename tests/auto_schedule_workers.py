@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import threading
-import time
 from typing import Any
 
 import torch
@@ -92,26 +90,30 @@ def link_figures(peers: tuple[int, int], nbytes: int) -> tuple[float, float]:
     return link_speed(world, peers, torch.device("cpu"), nbytes)
 
 
-def allreduce_figures(
-    nbytes: int, check_bytes: int, attempts: int
-) -> list[tuple[float, float, float]]:
-    """For each of ``attempts``: the all-reduce bandwidth this rank learns for ``nbytes``,
-    the time it predicts for an all-reduce of ``check_bytes``, and the median measured
-    time of that all-reduce."""
+BANDWIDTH = 3e8
+"""Bytes per second of the modelled ring all-reduce (see :func:`allreduce_figures`)."""
+LATENCY = 2e-5
+
+
+def _modelled(world: Any, tensor: torch.Tensor) -> float:
+    """A real all-reduce of ``tensor``, timed by the ring model at :data:`BANDWIDTH`."""
+    dist.all_reduce(tensor, group=world.group)
+    nbytes = tensor.numel() * tensor.element_size()
+    return allreduce_time(nbytes, world.size, BANDWIDTH, LATENCY)
+
+
+def allreduce_figures(nbytes: int, check_bytes: int) -> dict[str, Any]:
+    """The all-reduce bandwidth this rank learns for ``nbytes``, measured, and timed by
+    the ring model (a clock that cannot be late); with the time the modelled bandwidth
+    predicts for ``check_bytes`` and the model's own time for it."""
     world = join_world(torch.device("cpu"), 60.0)
-    tensor = torch.ones(check_bytes // 4)
-    figures = []
-    for _ in range(attempts):
-        bandwidth = allreduce_speed(world, torch.device("cpu"), nbytes)
-        times = []
-        for _ in range(7):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            times.append(time.perf_counter() - start)
-        predicted = allreduce_time(check_bytes, world.size, bandwidth, 0.0)
-        figures.append((bandwidth, predicted, statistics.median(times)))
-    return figures
+    modelled = allreduce_speed(world, torch.device("cpu"), nbytes, timed=_modelled)
+    return {
+        "measured": allreduce_speed(world, torch.device("cpu"), nbytes),
+        "modelled": modelled,
+        "predicted": allreduce_time(check_bytes, world.size, modelled, 0.0),
+        "model": allreduce_time(check_bytes, world.size, BANDWIDTH, 0.0),
+    }
 
 
 def _auto_pipeline(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
@@ -220,7 +220,12 @@ def link_speed(
     return small, bandwidth
 
 
-def allreduce_speed(world: Membership, device: torch.device, nbytes: int) -> float:
+def allreduce_speed(
+    world: Membership,
+    device: torch.device,
+    nbytes: int,
+    timed: Callable[[Membership, torch.Tensor], float] | None = None,
+) -> float:
     """Bytes per second each rank of a ring all-reduce over ``world`` moves. Collective.
 
     Every rank all-reduces a small tensor and one of ``nbytes``,
@@ -234,14 +239,17 @@ def allreduce_speed(world: Membership, device: torch.device, nbytes: int) -> flo
         world: the group whose ranks reduce together.
         device: where the tensors live.
         nbytes: the size of the large all-reduce (a stage's gradients).
+        timed: the seconds an all-reduce of a tensor takes over ``world``, the
+            same on every rank (collective); None: its median, measured.
 
     Returns:
         Bytes per second (``inf`` without a group of two ranks, or if not measurable).
     """
     if world.group is None or world.size < 2:
         return math.inf
-    small = _allreduce_time(world, torch.zeros(2, device=device))
-    large = _allreduce_time(world, torch.zeros(max(2, nbytes // 4), device=device))
+    timed = _allreduce_time if timed is None else timed
+    small = timed(world, torch.zeros(2, device=device))
+    large = timed(world, torch.zeros(max(2, nbytes // 4), device=device))
     steps = 2 * (world.size - 1)
     extra = large - small
     if extra <= 0 or nbytes <= 8:
