@@ -34,12 +34,11 @@ from twobp.runtime.options import (
     PipelineOptions,
 )
 from twobp.runtime.options import check_microbatches as check_microbatches
-from twobp.runtime.setup.auto.cost_measurement import Measured
+from twobp.runtime.setup.auto.cost_measurement import Measured, measure
 from twobp.runtime.setup.auto.plan import (
     AutoPlan,
     OptimizerMemory,
     plan_auto,
-    profiled,
     profiling_input,
     read_memory_limit,
 )
@@ -163,7 +162,7 @@ def plan_pipeline(
     measured = None
     if rebuild is not None and rebuild[1] is None:
         # One profile for both choices: the stages 2BP pays on and the stashes to rebuild.
-        measured = profiled(
+        measured = measure(
             blocks,
             world,
             device,

@@ -18,8 +18,8 @@ from torch import nn
 
 from twobp.runtime.base.group import Membership
 from twobp.runtime.execution.microbatch import Batch
-from twobp.runtime.setup.auto.cost_measurement import Measured
-from twobp.runtime.setup.auto.plan import measured_costs, profiled
+from twobp.runtime.setup.auto.cost_measurement import Measured, measure
+from twobp.runtime.setup.auto.plan import measured_costs
 from twobp.runtime.setup.decide import decided_on_rank_0
 from twobp.schedule import Schedule
 from twobp.sim.candidate import fit_costs
@@ -66,7 +66,7 @@ def choose_two_bp(
         PipelineConfigError: on every rank, if profiling or simulating failed on rank 0.
     """
     if measured is None:
-        measured = profiled(
+        measured = measure(
             blocks, world, device, example_input, schedule.n_microbatches, pipeline_ranks
         )
 

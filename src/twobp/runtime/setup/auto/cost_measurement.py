@@ -73,7 +73,7 @@ def measure(
 
     With ``machine`` (the measurement of another micro-batch size), only the
     blocks are profiled again: the contention, the link and the all-reduce
-    are taken from it.
+    are taken from it. The random state is left as found.
     """
     homes = [device_of(b) for b in blocks]
     moved = [b.to(device) for b in blocks]
@@ -81,30 +81,32 @@ def measure(
     figures: list[BlockCost] = []
     tables: list[dict[int, float]] = []
     problem = ""
-    try:
-        if world.rank == 0:
-            try:
-                figures, tables = _profile_rounds(moved, example, n_microbatches)
-            except Exception as exc:  # the other ranks must hear of it, not wait
-                problem = f"profiling the blocks on rank 0 failed: {type(exc).__name__}: {exc}"
-        # The others must learn that rank 0 failed before they wait for it below.
-        shared: list[Any] = [problem, max((c.output_bytes for c in figures), default=0)]
-        if world.group is not None:
-            dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
-        problem = str(shared[0])
-        if problem:
-            return figures, tables, 1.0, (0.0, math.inf, 0.0), math.inf, problem
-        if machine is not None:
-            return figures, tables, machine[2], machine[3], machine[4], problem
-        contention = _contention(moved, example, world)
-        link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
-        reduce_bandwidth = math.inf
-        if world.size > len(pipeline_ranks):
-            stage = stage_gradient_bytes(moved, len(pipeline_ranks))
-            reduce_bandwidth = allreduce_speed(world, device, stage)
-    finally:
-        for block, home in zip(blocks, homes, strict=True):
-            block.to(home)
+    # The profile runs the blocks (dropout draws): the random state is left as found.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            if world.rank == 0:
+                try:
+                    figures, tables = _profile_rounds(moved, example, n_microbatches)
+                except Exception as exc:  # the other ranks must hear of it, not wait
+                    problem = f"profiling the blocks on rank 0 failed: {type(exc).__name__}: {exc}"
+            # The others must learn that rank 0 failed before they wait for it below.
+            shared: list[Any] = [problem, max((c.output_bytes for c in figures), default=0)]
+            if world.group is not None:
+                dist.broadcast_object_list(shared, src=world.global_rank(0), group=world.group)
+            problem = str(shared[0])
+            if problem:
+                return figures, tables, 1.0, (0.0, math.inf, 0.0), math.inf, problem
+            if machine is not None:
+                return figures, tables, machine[2], machine[3], machine[4], problem
+            contention = _contention(moved, example, world)
+            link = _link(world, pipeline_ranks[:2], device, int(shared[1]))
+            reduce_bandwidth = math.inf
+            if world.size > len(pipeline_ranks):
+                stage = stage_gradient_bytes(moved, len(pipeline_ranks))
+                reduce_bandwidth = allreduce_speed(world, device, stage)
+        finally:
+            for block, home in zip(blocks, homes, strict=True):
+                block.to(home)
     return figures, tables, contention, link, reduce_bandwidth, problem
 
 

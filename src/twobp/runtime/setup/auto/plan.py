@@ -371,24 +371,6 @@ def measured_costs(measured: Measured, sizes_for: SizesFor) -> CostsFor:
     )
 
 
-def profiled(
-    blocks: Sequence[nn.Module],
-    world: Membership,
-    device: torch.device,
-    example_input: Batch,
-    n_microbatches: int,
-    pipeline_ranks: Sequence[int],
-    machine: Measured | None = None,
-) -> Measured:
-    """Rank 0's profile of the blocks on ``example_input``, the contention and the link
-    (:func:`twobp.runtime.setup.auto.cost_measurement.measure`; ``machine``'s if given),
-    leaving the random state as found (the blocks' dropout draws). Collective."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return measure(
-            blocks, world, device, example_input, n_microbatches, list(pipeline_ranks), machine
-        )
-
-
 def _space(
     m: int,
     chosen_count: bool,
@@ -419,7 +401,7 @@ def _measured(
     machine: Measured | None = None
     for m in counts:
         example = examples[m] if examples is not None else profiling_input(example_input)
-        measured[m] = profiled(blocks, world, device, example, m, ranks, machine)
+        measured[m] = measure(blocks, world, device, example, m, ranks, machine)
         machine = machine or measured[m]
     return measured
 
