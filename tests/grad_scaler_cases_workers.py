@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grad_scaler_workers import scaled_steps
 from runtime_models import build_blocks as build_model_blocks
 from runtime_models import loss_fn as model_loss_fn
 from runtime_models import make_batch as make_model_batch
@@ -192,26 +193,15 @@ def schedule_case(schedule: str, options: dict[str, Any]) -> dict[str, Any]:
     )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=CASE_LR)
     part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
-    losses, scales, skipped, norms = [], [], [], []
-    for step in range(CASE_STEPS):
+
+    def own(step: int) -> tuple[Any, Tensor]:
         (ids, keep), targets = case_batch(step, PART * pipe.dp_size)
-        losses.append(pipe.step((ids[part], keep[part]), targets[part]))
-        scaler.unscale_(optimizer)
-        norms.append(float(pipe.clip_grad_norm_(1e9)))
-        scaler.step(optimizer)
-        skipped.append(scaler.last_step_skipped)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        pipe.zero_grad()
-    state = _state(pipe)
+        return (ids[part], keep[part]), targets[part]
+
+    out: dict[str, Any] = scaled_steps(pipe, scaler, optimizer, map(own, range(CASE_STEPS)))
+    out["state"] = _state(pipe)
     pipe.close()
-    return {
-        "losses": losses,
-        "scales": scales,
-        "skipped": skipped,
-        "norms": norms,
-        "state": state,
-    }
+    return out
 
 
 def session(cases: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -106,6 +107,27 @@ def overflow(steps: int) -> dict[str, Any]:
     }
 
 
+def scaled_steps(
+    pipe: Pipeline,
+    scaler: GradScaler,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[tuple[Any, Any]],
+) -> dict[str, list[Any]]:
+    """A step of ``pipe`` on each of ``batches`` under ``scaler``, as torch's recipe goes
+    (unscale, the global norm, step, update): the losses, scales, skips and norms."""
+    out: dict[str, list[Any]] = {"losses": [], "scales": [], "skipped": [], "norms": []}
+    for inputs, targets in batches:
+        out["losses"].append(pipe.step(inputs, targets))
+        scaler.unscale_(optimizer)
+        out["norms"].append(float(pipe.clip_grad_norm_(1e9)))
+        scaler.step(optimizer)
+        out["skipped"].append(scaler.last_step_skipped)
+        scaler.update()
+        out["scales"].append(scaler.get_scale())
+        pipe.zero_grad()
+    return out
+
+
 def parity(
     steps: int, lr: float, scaler_args: dict[str, Any], sharded: bool = False
 ) -> dict[str, Any]:
@@ -122,16 +144,8 @@ def parity(
         if sharded
         else torch.optim.SGD(pipe.parameters(), lr=lr)
     )
-    losses, scales, norms, skipped = [], [], [], []
-    for step in range(steps):
-        losses.append(pipe.step(*_own(pipe, step)))
-        scaler.unscale_(optimizer)
-        norms.append(float(pipe.clip_grad_norm_(1e9)))
-        scaler.step(optimizer)
-        skipped.append(scaler.last_step_skipped)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        pipe.zero_grad()
+    out = scaled_steps(pipe, scaler, optimizer, (_own(pipe, step) for step in range(steps)))
+    losses, scales, norms, skipped = out["losses"], out["scales"], out["norms"], out["skipped"]
     state = {n: t.clone() for n, t in pipe.state_dict().items()}
     x, y = _own(pipe, steps)
     nonfinite = ""
