@@ -3,7 +3,7 @@
 The pipeline first settles what it would run without ``recompute="auto"``
 (the schedule, its 2BP stages, its partition); then rank 0 costs it, on the
 blocks measured as ``two_bp=None`` measures them
-(:func:`twobp.runtime.setup.two_bp_choice.profile`) or on ``costs=``, counts
+(:func:`twobp.runtime.setup.auto.cost_measurement.measure`) or on ``costs=``, counts
 the optimizer state, and keeps it whole if its predicted peak fits
 ``memory_limit``, else rebuilds the fewest stashes that fit or, where
 ``two_bp=None`` chose the split stages, splits fewer if that fits and is

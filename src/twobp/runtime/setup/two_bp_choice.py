@@ -57,7 +57,8 @@ def choose_two_bp(
         reduce: the schedule's stages reduce their gradients (``R``).
         data_parallel: copies of the pipeline.
         measured: the blocks, the contention and the link, measured on
-            ``example_input`` already (:func:`profile`); None: measured here.
+            ``example_input`` already (:func:`~twobp.runtime.setup.auto.cost_measurement.measure`);
+            None: measured here.
 
     Returns:
         Rank 0's choice.
