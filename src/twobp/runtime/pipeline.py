@@ -54,6 +54,7 @@ from twobp.runtime.options import (
     CostsArgument,
     PipelineOptions,
 )
+from twobp.runtime.setup import pipeline_plan
 from twobp.runtime.setup.auto.plan import AutoPlan
 from twobp.runtime.setup.build_rank import build_rank, contender_trials
 from twobp.runtime.setup.compiled_stages import compile_options
@@ -61,7 +62,6 @@ from twobp.runtime.setup.data_parallel import data_parallel_grid
 from twobp.runtime.setup.first_step import Given, Pending, detached, plans_at_first_step
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
-from twobp.runtime.setup.pipeline_plan import plan_pipeline
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
@@ -237,11 +237,12 @@ class Pipeline:
                 f"rank {self.rank}: this pipeline was closed; build a new Pipeline to go on"
             )
         given, members = pending.given, pending.members
-        plan = plan_pipeline(
+        plan = pipeline_plan.plan(
             pending.blocks,
+            given.options,
             members,
             self.device,
-            given.options,
+            sample,
             example_input=given.example_input,
             pipeline_ranks=pending.grid[0],
             trials=contender_trials(
@@ -255,7 +256,6 @@ class Pipeline:
             ),
             data_parallel=len(pending.grid),
             tied=tied_across_blocks(pending.blocks),
-            sample=sample,
         )
         self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
         self._parts = build_rank(

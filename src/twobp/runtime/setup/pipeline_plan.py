@@ -100,18 +100,18 @@ class PipelinePlan:
     rebuilds: RebuildChoice | None = None
 
 
-def plan_pipeline(
+def plan(
     blocks: Sequence[nn.Module],
+    options: PipelineOptions,
     world: Membership,
     device: torch.device,
-    options: PipelineOptions,
+    sample: Batch | None = None,
     *,
     example_input: Batch | None = None,
     pipeline_ranks: Sequence[int] | None = None,
     trials: Trials | None = None,
     data_parallel: int = 1,
     tied: bool = False,
-    sample: Batch | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -182,7 +182,7 @@ def plan_pipeline(
 
 @dataclass
 class _Planning:
-    """What :func:`plan_pipeline` plans with; the example input, partition and count
+    """What :func:`plan` plans with; the example input, partition and count
     are what ``schedule="auto"`` chose, once it has."""
 
     blocks: Sequence[nn.Module]
