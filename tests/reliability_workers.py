@@ -94,6 +94,7 @@ def _construction_cases(rank: int, timeout: float) -> dict[str, Callable[[], Any
         "unknown nonfinite": lambda: mlp(timeout, nonfinite="ignore"),
         "bad partition on one rank": lambda: mlp(timeout, partition=[5, 6] if rank else None),
         "options differ": lambda: mlp(timeout, partition=[3, 7] if rank else None),
+        "transfer options differ": lambda: mlp(timeout, order_only_matching=bool(rank)),
         "blocks differ": lambda: mlp(timeout, blocks=wider_block_4()),
         "block count differs": lambda: mlp(timeout, blocks=one_more_block()),
     }

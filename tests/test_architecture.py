@@ -176,3 +176,42 @@ def test_no_function_of_the_runtime_runs_over_80_lines(path):
 
 def test_the_facade_stays_thin():
     assert len((RUNTIME / "pipeline.py").read_text().splitlines()) < 600
+
+
+def _importers(name: str) -> set[str]:
+    """The modules of src/twobp that import ``name`` (a module, or ``module.attribute``)."""
+    module, _, attribute = name.rpartition(".")
+    found = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            direct = isinstance(node, ast.Import) and any(a.name == name for a in node.names)
+            from_module = isinstance(node, ast.ImportFrom) and node.module == name
+            from_attribute = (
+                isinstance(node, ast.ImportFrom)
+                and node.module == module
+                and any(a.name == attribute for a in node.names)
+            )
+            if direct or from_module or from_attribute:
+                found.add(str(path.relative_to(SRC)))
+    return found
+
+
+def test_one_module_defines_the_search():
+    # Every choice among simulated options (schedule="auto", twobp plan, the stages
+    # two_bp=None splits, what recompute="auto" rebuilds) goes through twobp.sim.search:
+    # only it simulates an option, and the simulator itself is imported only where one
+    # given schedule is timed (a candidate, its rebuilds, its steady state, the CLI).
+    points = {"twobp.sim.candidate.simulate_candidate", "twobp.sim.candidate.simulate_prepared"}
+    for point in points:
+        assert _importers(point) <= {"sim/search.py"}, point
+    simulator = _importers("twobp.sim.simulate") | _importers("twobp.sim.simulate.simulate")
+    assert simulator <= {
+        "sim/__init__.py",
+        "sim/candidate.py",
+        "sim/rebuild.py",
+        "sim/steady.py",
+        "cli/simulate.py",
+    }, simulator
+    views = {"sim/planner.py", "sim/split_choice.py", "sim/rebuild_choice.py"}
+    for view in views:
+        assert view in _importers("twobp.sim.search"), view

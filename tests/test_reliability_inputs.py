@@ -52,6 +52,11 @@ SAME_ON_EVERY_RANK = [
     ("unknown nonfinite", "PipelineConfigError", "nonfinite='ignore'"),
     ("bad partition on one rank", "PipelineConfigError", "partition [5, 6] covers 11 blocks"),
     ("options differ", "ModelMismatchError", "blocks per stage [5, 5] on rank 0, [3, 7] on rank 1"),
+    (
+        "transfer options differ",
+        "ModelMismatchError",
+        "order_only_matching False on rank 0, True on rank 1",
+    ),
     ("blocks differ", "ModelMismatchError", "block 4 differs between rank 0"),
     ("block count differs", "ModelMismatchError", "model of 10 blocks and rank 1 one of 11"),
     ("fewer rows than micro-batches", "PipelineConfigError", "batch size 3, fewer rows than the 4"),

@@ -58,3 +58,15 @@ def test_for_split_runs_the_fused_stages_forward_without_the_engine():
     assert costs.for_split([1]).forward == (1.0, 2.0, 0.5)
     assert costs.for_split([0, 1, 2]) is costs
     assert CostModel.uniform(2, f=2.0).forward_full == (2.0, 2.0)
+
+
+def test_the_line_says_why_a_slower_prediction_was_chosen():
+    schedule = source_schedule("1f1b", n_ranks=2, n_microbatches=8)
+    costs = _costs(2, price=0.0)
+    fewer = choose_split(schedule, costs, margin=1.0)
+    assert fewer.step > min(fewer.fused_step, fewer.split_step)
+    assert "faster predicted, within the 100% margin a split must beat" in fewer.summary()
+    # The fastest chosen: nothing to explain.
+    best = choose_split(schedule, costs, margin=0.0)
+    assert best.step == min(best.fused_step, best.split_step)
+    assert "margin" not in best.summary()

@@ -55,6 +55,8 @@ class Candidate:
             search chose that too (``n_microbatches="auto"``); None otherwise.
         rebuilds: how many stashes its schedule rebuilds instead of keeping
             (``recompute="auto"``: its ``IR`` and ``WR`` actions).
+        split: per stage of the model, True where its backward is split
+            (None: every stage alike, as ``policy`` says).
     """
 
     schedule: str
@@ -70,6 +72,7 @@ class Candidate:
     uncontended_makespan: float = math.nan
     n_microbatches: int | None = None
     rebuilds: int = 0
+    split: tuple[bool, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,9 @@ def describe(c: Candidate) -> str:
     if c.policy != NO_TWO_BP:
         cap = "" if c.microbatches_per_w is None else f", W groups <= {c.microbatches_per_w}"
         label += f" with 2BP ({c.policy}{cap})"
+        if c.split is not None and not all(c.split):
+            on = [str(s) for s, b in enumerate(c.split) if b]
+            label += f" on stages {', '.join(on)}" if on else " on no stage"
     if c.recompute != NO_RECOMPUTE:
         label += f", recompute={c.recompute!r}"
         if c.recompute == RECOMPUTE_AUTO:
@@ -129,6 +135,16 @@ def fit_costs(costs_for: CostsFor, schedule: Schedule) -> CostModel:
     return costs_for(schedule.pipeline_stages).tile(schedule.n_pipelines)
 
 
+def _fitted(costs: CostModel | CostsFor, schedule: Schedule) -> CostModel:
+    """``costs`` fitted to ``schedule`` (:func:`fit_costs`); a cost model with a stage
+    for each stage of every pipeline is fitted already."""
+    if isinstance(costs, CostModel):
+        if schedule.n_pipelines > 1 and costs.n_stages == schedule.n_stages:
+            return costs
+        return fit_costs(costs.for_stages, schedule)
+    return fit_costs(costs, schedule)
+
+
 def timed_costs(schedule: Schedule, fitted: CostModel, data_parallel: int = 1) -> CostModel:
     """The costs a prepared schedule is simulated under: ``fitted`` (:func:`fit_costs`)
     with its reductions timed over ``data_parallel`` copies, and its fused stages'
@@ -149,6 +165,9 @@ def build_schedule(
     data_parallel: int = 1,
     tied: bool = False,
     rebuild_within: float | None = None,
+    split: tuple[bool, ...] | None = None,
+    source: Schedule | None = None,
+    reduce: bool | None = None,
 ) -> tuple[Schedule, CostModel]:
     """The schedule a pipeline would run, through the preparation pass, and its costs.
 
@@ -178,6 +197,15 @@ def build_schedule(
         rebuild_within: a memory limit per rank that the stashes over it are
             rebuilt to fit (:func:`twobp.sim.rebuild.fewest_rebuilds`,
             ``recompute="auto"``); None: every stash is kept.
+        split: per stage of the model, True where its backward is split
+            (``two_bp`` as a list); None: every stage under a policy, as
+            generated with ``off``. Needs a policy.
+        source: the sourced schedule to prepare instead of generating
+            ``name``, as a pipeline given it prepares it: a split schedule
+            keeps its own ``W`` placement. ``costs`` may then be fitted to
+            its stages already (a stage per stage of every pipeline).
+        reduce: whether the stages reduce their gradients (``R``); None:
+            :func:`twobp.schedule.prepare.reduces` says.
 
     Returns:
         The prepared schedule (with its reductions) and its fitted cost model.
@@ -191,10 +219,14 @@ def build_schedule(
             f"unknown 2BP policy {policy!r}; use {NO_TWO_BP!r} or one of "
             f"{', '.join(TWO_BP_POLICIES)}"
         )
-    schedule = source_schedule(
-        name, n_ranks=n_ranks, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
-    )
-    fitted = fit_costs(costs.for_stages if isinstance(costs, CostModel) else costs, schedule)
+    if split is not None and policy == NO_TWO_BP:
+        raise ValueError(f"stages split {list(split)} need a 2BP policy, not {NO_TWO_BP!r}")
+    schedule = source
+    if schedule is None:
+        schedule = source_schedule(
+            name, n_ranks=n_ranks, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
+        )
+    fitted = _fitted(costs, schedule)
     held = None
     if policy == "fill" and memory_limit is not None:
         held = fill_limit(schedule, fitted, memory_limit)
@@ -203,14 +235,21 @@ def build_schedule(
     placed = policy != NO_TWO_BP
     prepared = finish_schedule(
         schedule,
-        two_bp=placed or is_split(schedule),
+        two_bp=split if split is not None else placed or is_split(schedule),
         policy=policy if placed else "paper",
         costs=fitted,
         held=held,
         microbatches_per_w=microbatches_per_w if placed else None,
-        reduce=reduces(schedule, data_parallel, tied),
-        place_split=placed,
+        reduce=reduces(schedule, data_parallel, tied) if reduce is None else reduce,
+        place_split=placed and source is None,
     )
+    return _rebuilt(prepared, fitted, data_parallel, rebuild_within)
+
+
+def _rebuilt(
+    prepared: Schedule, fitted: CostModel, data_parallel: int, rebuild_within: float | None
+) -> tuple[Schedule, CostModel]:
+    """``prepared`` with its costs timed, and its stashes over ``rebuild_within`` rebuilt."""
     timed = timed_costs(prepared, fitted, data_parallel)
     if rebuild_within is not None:
         prepared = fewest_rebuilds(prepared, timed, rebuild_within)
@@ -230,6 +269,9 @@ def simulate_candidate(
     data_parallel: int = 1,
     tied: bool = False,
     rebuild_within: float | None = None,
+    split: tuple[bool, ...] | None = None,
+    source: Schedule | None = None,
+    reduce: bool | None = None,
 ) -> tuple[Candidate, Schedule | None]:
     """Build one combination (:func:`build_schedule`) and simulate it.
 
@@ -240,8 +282,8 @@ def simulate_candidate(
 
     Args:
         name, policy, n_ranks, n_microbatches, costs, stages_per_rank,
-            microbatches_per_w, memory_limit, data_parallel, tied, rebuild_within: as for
-            :func:`build_schedule`.
+            microbatches_per_w, memory_limit, data_parallel, tied, rebuild_within,
+            split, source, reduce: as for :func:`build_schedule`.
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run; with the
@@ -249,7 +291,11 @@ def simulate_candidate(
         schedule a pipeline with these options runs.
     """
     base = Candidate(
-        name, policy, stages_per_rank=stages_per_rank, microbatches_per_w=microbatches_per_w
+        name,
+        policy,
+        stages_per_rank=stages_per_rank,
+        microbatches_per_w=microbatches_per_w,
+        split=split,
     )
     try:
         schedule, fitted = build_schedule(
@@ -264,12 +310,46 @@ def simulate_candidate(
             data_parallel=data_parallel,
             tied=tied,
             rebuild_within=rebuild_within,
+            split=split,
+            source=source,
+            reduce=reduce,
         )
-        result = simulate(schedule, fitted)
-        alone = result if fitted.contention == 1 else simulate(schedule, uncontended(fitted))
+        candidate = _simulated(base, schedule, fitted)
     except (ValueError, DeadlockError) as exc:
         return replace(base, error=str(exc).splitlines()[0]), None
-    candidate = replace(
+    return candidate, schedule
+
+
+def simulate_prepared(
+    schedule: Schedule,
+    costs: CostModel | CostsFor,
+    *,
+    data_parallel: int = 1,
+    rebuild_within: float | None = None,
+) -> tuple[Candidate, Schedule]:
+    """Simulate a schedule prepared already (a pipeline's own), as :func:`simulate_candidate`
+    simulates one it builds: fitted, its reductions timed, its stashes over
+    ``rebuild_within`` rebuilt.
+
+    Returns:
+        The candidate (named by the schedule) and the schedule simulated.
+
+    Raises:
+        ValueError: if the costs do not fit it, or
+            :class:`twobp.sim.rebuild.RebuildError` if no rebuild fits ``rebuild_within``.
+        DeadlockError: if it cannot run.
+    """
+    prepared, timed = _rebuilt(schedule, _fitted(costs, schedule), data_parallel, rebuild_within)
+    policy = "prepared" if is_split(prepared) else NO_TWO_BP
+    return _simulated(Candidate(prepared.name, policy), prepared, timed), prepared
+
+
+def _simulated(base: Candidate, schedule: Schedule, fitted: CostModel) -> Candidate:
+    """``base`` with the simulated step of ``schedule`` under ``fitted`` (and without
+    contention, where ``fitted`` has some)."""
+    result = simulate(schedule, fitted)
+    alone = result if fitted.contention == 1 else simulate(schedule, uncontended(fitted))
+    return replace(
         base,
         makespan=result.makespan,
         bubble_ratio=result.bubble_ratio,
@@ -278,4 +358,3 @@ def simulate_candidate(
         uncontended_makespan=alone.makespan,
         rebuilds=rebuild_count(schedule),
     )
-    return candidate, schedule

@@ -10,8 +10,11 @@ the fewest that fit, on that same schedule
 (:func:`twobp.sim.rebuild.fewest_rebuilds`). Where the default's 2BP stages
 were the pipeline's own choice (``two_bp=None``), the same schedule with
 fewer of them split holds fewer stashes: each that fits as it is is a
-contender too, and the fastest predicted runs. :class:`RebuildChoice` keeps
-the predictions.
+contender too, and the fastest predicted runs: the recompute dimension of
+the one search (:mod:`twobp.sim.search`) on the pipeline's own schedule, each
+contender simulated as it simulates options (:func:`twobp.sim.search.simulate_prepared`)
+and ranked as it ranks them (:func:`twobp.sim.search.rank`). :class:`RebuildChoice`
+keeps the predictions.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from twobp.schedule.schedule import Schedule
-from twobp.sim.candidate import fit_costs, timed_costs
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
-from twobp.sim.rebuild import RebuildError, fewest_rebuilds, rebuild_count
-from twobp.sim.simulate import simulate
+from twobp.sim.rebuild import RebuildError, rebuild_count
+from twobp.sim.search import Candidate, fits, rank, simulate_prepared
 
 __all__ = ["RebuildChoice", "rebuild_to_fit"]
 
@@ -116,30 +118,35 @@ def rebuild_to_fit(
         ValueError: if the costs do not fit a schedule.
     """
 
-    def predict(schedule: Schedule) -> tuple[float, float, CostModel]:
-        fitted = fit_costs(costs.for_stages if isinstance(costs, CostModel) else costs, schedule)
-        timed = timed_costs(schedule, fitted, data_parallel)
-        result = simulate(schedule, timed)
-        return result.makespan, max(result.peak_memory), timed
+    def predict(schedule: Schedule) -> Candidate:
+        return simulate_prepared(schedule, costs, data_parallel=data_parallel)[0]
 
-    step, peak, timed = predict(default)
-    if peak <= memory_limit:
+    kept = predict(default)
+    step, peak = kept.makespan, kept.peak_memory
+    if fits(kept, memory_limit):
         return RebuildChoice(default, default, memory_limit, peak, step, peak, step)
-    # (step, peak, schedule, position in fewer_split) of each contender that fits.
-    fitting: list[tuple[float, float, Schedule, int | None]] = []
-    for position, other in enumerate(fewer_split):
-        other_step, other_peak, _ = predict(other)
-        if other_peak <= memory_limit:
-            fitting.append((other_step, other_peak, other, position))
+    # Each contender: its prediction, its schedule, its position in fewer_split.
+    found: list[tuple[Candidate, Schedule, int | None]] = [
+        (predict(other), other, position) for position, other in enumerate(fewer_split)
+    ]
     try:
-        rebuilt = fewest_rebuilds(default, timed, memory_limit)
+        rebuilt, schedule = simulate_prepared(
+            default, costs, data_parallel=data_parallel, rebuild_within=memory_limit
+        )
     except RebuildError:
-        if not fitting:
+        if not any(fits(c, memory_limit) for c, _, _ in found):
             raise
     else:
-        result = simulate(rebuilt, timed)
-        fitting.append((result.makespan, max(result.peak_memory), rebuilt, None))
-    chosen_step, chosen_peak, chosen, alternative = min(fitting, key=lambda c: (c[0], c[1]))
+        found.append((rebuilt, schedule, None))
+    best = rank([c for c, _, _ in found], memory_limit)[0]
+    chosen, alternative = next((s, p) for c, s, p in found if c is best)
     return RebuildChoice(
-        chosen, default, memory_limit, peak, step, chosen_peak, chosen_step, alternative
+        chosen,
+        default,
+        memory_limit,
+        peak,
+        step,
+        best.peak_memory,
+        best.makespan,
+        alternative,
     )

@@ -1,22 +1,31 @@
-"""Search every schedule, 2BP policy, W group size and stage count for the fastest step.
+"""The one search: every schedule, 2BP policy and stage, W cap, recompute mode, by its step.
 
-:func:`options` lists the combinations that exist for ``p`` ranks: every
-named schedule (with each number of stages per rank it takes, up to
-:data:`MAX_STAGES_PER_RANK`), without 2BP (``off``) and with each policy,
-and for ``paper`` and ``fill`` each cap on the micro-batches one ``W`` covers
-(:data:`MICROBATCHES_PER_W_TRIED` and no cap). :func:`search` simulates them under a
-cost model per stage count (with its contention), bounds ``fill`` by a
-memory limit and orders the results; :func:`choose` takes the fastest that
-fits, or says how much memory the least hungry one needs. This is what
-``schedule="auto"`` of a pipeline runs on its measured costs. This module
-imports no torch.
+An :class:`Option` is one point of the option space every choice of twobp
+searches: schedule, stages per rank, 2BP policy, the stages it splits, the
+cap on the micro-batches one ``W`` covers, the recompute mode and the
+engine's concatenation cap. :func:`options` lists the combinations that exist
+for ``p`` ranks (every named schedule with each number of stages per rank it
+takes, up to :data:`MAX_STAGES_PER_RANK`, without 2BP (``off``) and with each
+policy, and for ``paper`` and ``fill`` each cap of
+:data:`MICROBATCHES_PER_W_TRIED` and no cap); :func:`splits` the sets of split
+stages. :func:`search` simulates options under a cost model per stage count
+(with its contention), bounds ``fill`` by a memory limit and orders the
+results (:func:`rank`); :func:`choose` takes the fastest that fits, or says
+how much memory the least hungry one needs.
+
+Its views: ``schedule="auto"`` and ``twobp plan`` (:mod:`twobp.sim.planner`)
+search schedules and policies; ``two_bp=None`` searches the split stages of
+its schedule (:mod:`twobp.sim.split_choice`); ``recompute="auto"`` the
+recompute dimension of its schedule (:mod:`twobp.sim.rebuild_choice`).
+This module imports no torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import product
 
 from twobp.schedule import SCHEDULES, Schedule
 from twobp.sim.candidate import (
@@ -25,6 +34,7 @@ from twobp.sim.candidate import (
     Candidate,
     describe,
     simulate_candidate,
+    simulate_prepared,
     uncontended,
 )
 from twobp.sim.cost_io import format_amount
@@ -37,6 +47,7 @@ __all__ = [
     "MAX_STAGES_PER_RANK",
     "MICROBATCHES_PER_W_TRIED",
     "NEAR_TIE",
+    "Candidate",
     "NothingFitsError",
     "Option",
     "auto_options",
@@ -48,6 +59,8 @@ __all__ = [
     "rank",
     "search",
     "simulate_option",
+    "simulate_prepared",
+    "splits",
     "uncontended",
 ]
 
@@ -87,6 +100,8 @@ class Option:
             stashes over the memory limit rebuilt, chosen per stage and
             micro-batch (:func:`twobp.sim.rebuild.fewest_rebuilds`).
         weight_group_size: the engine's concatenation cap (None: no cap).
+        split: per stage of the model, True where its backward is split
+            (``two_bp`` as a list, with a policy); None: every stage alike.
     """
 
     schedule: str
@@ -95,6 +110,7 @@ class Option:
     microbatches_per_w: int | None = None
     recompute: str = NO_RECOMPUTE
     weight_group_size: int | None = None
+    split: tuple[bool, ...] | None = None
 
 
 class NothingFitsError(ValueError):
@@ -137,6 +153,12 @@ def options(
                         for cap in caps if policy in GROUPED_POLICIES else [None]:
                             out.append(Option(name, policy, v, cap, recompute, concat))
     return out
+
+
+def splits(n_stages: int) -> Iterator[tuple[bool, ...]]:
+    """Every set of split stages of a model of ``n_stages`` stages (``2**n_stages``),
+    fewest split first within each count of stages."""
+    return iter(sorted(product((False, True), repeat=n_stages), key=sum))
 
 
 def microbatch_counts(batch_size: int, n_ranks: int) -> list[int]:
@@ -214,6 +236,9 @@ def simulate_option(
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    *,
+    source: Schedule | None = None,
+    reduce: bool | None = None,
 ) -> tuple[Candidate, Schedule | None]:
     """Build and simulate one option (:func:`twobp.sim.candidate.simulate_candidate`).
 
@@ -236,6 +261,10 @@ def simulate_option(
         data_parallel: copies of the pipeline; with more than one, each
             stage's gradients are all-reduced over them (the ``R`` action).
         tied: some weight is used by several blocks (its stages reduce it).
+        source: the sourced schedule the option prepares, instead of the one
+            its name generates (a pipeline's own; ``costs`` may be fitted to it).
+        reduce: whether its stages reduce their gradients (None: as
+            ``data_parallel`` and ``tied`` say).
 
     Returns:
         The candidate (with ``error`` if it cannot be built or run) and its
@@ -266,6 +295,9 @@ def simulate_option(
         data_parallel=data_parallel,
         tied=tied,
         rebuild_within=memory_limit if rebuilding else None,
+        split=option.split,
+        source=source,
+        reduce=reduce,
     )
     return (
         replace(candidate, recompute=option.recompute, weight_group_size=option.weight_group_size),
@@ -309,11 +341,15 @@ def search(
     memory_limit: float | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    *,
+    source: Schedule | None = None,
+    reduce: bool | None = None,
 ) -> list[Candidate]:
     """Simulate every option; those that fit first, fastest first.
 
     With ``data_parallel`` copies, every option reduces its stages' gradients
-    over them, and with ``tied`` weights their stages reduce them (:func:`simulate_option`).
+    over them, and with ``tied`` weights their stages reduce them; ``source``
+    and ``reduce`` as for :func:`simulate_option`.
 
     Returns:
         The candidates in the order of :func:`rank`.
@@ -321,7 +357,15 @@ def search(
 
     def run(option: Option) -> Candidate:
         return simulate_option(
-            option, n_ranks, n_microbatches, costs_for, memory_limit, data_parallel, tied
+            option,
+            n_ranks,
+            n_microbatches,
+            costs_for,
+            memory_limit,
+            data_parallel,
+            tied,
+            source=source,
+            reduce=reduce,
         )[0]
 
     rebuilding = [o for o in choices if o.recompute == RECOMPUTE_AUTO and memory_limit is not None]

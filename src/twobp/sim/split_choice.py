@@ -8,8 +8,9 @@ a fused ``B`` (a profile measures both: ``forward`` against
 On small layers the price can exceed the idle time, and the split step is
 slower than the fused one.
 
-:func:`choose_split` simulates the schedule with every set of split stages
-(each stage of the model split or fused; every replica of a stage alike),
+:func:`choose_split` searches the split stages of the schedule (the ``split``
+dimension of :class:`twobp.sim.search.Option`: each stage of the model split
+or fused, every replica of a stage alike) with :func:`twobp.sim.search.search`
 under one cost model, and keeps the fastest. Where several are within
 ``margin`` of the fastest (10%) it keeps the one that splits the fewest
 stages: a fused stage holds nothing from ``I`` until ``W``, and a prediction
@@ -20,14 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import product
 
 from twobp.schedule import Schedule
-from twobp.schedule.lowering import split_stages
-from twobp.schedule.prepare import finish_schedule
 from twobp.sim.costs import CostModel
-from twobp.sim.reduction import reduction_costs
-from twobp.sim.simulate import simulate
+from twobp.sim.search import Option, search, splits
 
 SPLIT_MARGIN = 0.10
 """How much faster (a share of the step) splitting more stages must be predicted to be.
@@ -50,15 +47,18 @@ class SplitChoice:
         step: the predicted step time of the choice (the cost model's unit).
         fused_step: predicted with every stage fused (no 2BP).
         split_step: predicted with every stage split.
+        margin: how much faster a split must be predicted to be chosen (:data:`SPLIT_MARGIN`).
     """
 
     split: tuple[bool, ...]
     step: float
     fused_step: float
     split_step: float
+    margin: float = SPLIT_MARGIN
 
     def summary(self) -> str:
-        """One line: which stages split, and the three predicted steps."""
+        """One line: which stages split, the three predicted steps, and why, where the
+        choice is not the fastest prediction."""
         stages = [s for s, b in enumerate(self.split) if b]
         which = (
             "every stage"
@@ -67,11 +67,19 @@ class SplitChoice:
             if not stages
             else "stage" + ("s " if len(stages) > 1 else " ") + ", ".join(map(str, stages))
         )
-        return (
+        line = (
             f"2BP on {which}: predicted step {self.step * 1e3:.4g} ms, against "
             f"{self.fused_step * 1e3:.4g} ms with no stage split and "
             f"{self.split_step * 1e3:.4g} ms with every stage split"
         )
+        fastest = min(self.fused_step, self.split_step)
+        if fastest < self.step and self.step > 0:
+            line += (
+                f" ({(1 - fastest / self.step) * 100:.1f}% faster predicted, within the "
+                f"{self.margin:.0%} margin a split must beat: a prediction inside the "
+                "profile's noise does not pay for the stashes a split holds)"
+            )
+        return line
 
 
 def choose_split(
@@ -106,31 +114,40 @@ def choose_split(
     n = schedule.pipeline_stages
     steps: dict[tuple[bool, ...], float] = {}
 
+    def simulated(choices: Sequence[tuple[bool, ...]]) -> None:
+        options = [
+            Option(schedule.name, policy, None, microbatches_per_w, split=s) for s in choices
+        ]
+        found = search(
+            options,
+            schedule.n_ranks,
+            schedule.n_microbatches,
+            costs,
+            data_parallel=data_parallel,
+            source=schedule,
+            reduce=reduce,
+        )
+        for candidate in found:
+            if not candidate.ok:
+                raise ValueError(candidate.error)
+            assert candidate.split is not None
+            steps[candidate.split] = candidate.makespan
+
     def step(split: tuple[bool, ...]) -> float:
         if split not in steps:
-            prepared = finish_schedule(
-                schedule,
-                two_bp=split,
-                policy=policy,
-                costs=costs,
-                microbatches_per_w=microbatches_per_w,
-                reduce=reduce,
-            )
-            fitted = reduction_costs(prepared, costs, data_parallel)
-            steps[split] = simulate(prepared, fitted.for_split(split_stages(prepared))).makespan
+            simulated([split])
         return steps[split]
 
     fused, every = (False,) * n, (True,) * n
     if n <= EXHAUSTIVE_STAGES:
-        for split in product((False, True), repeat=n):
-            step(split)
+        simulated(list(splits(n)))
     else:
         for start in (fused, every):
             _improve(start, step)
     best = min(steps.values())
     within = [s for s, t in steps.items() if t <= best * (1 + margin)]
     chosen = min(within, key=lambda s: (sum(s), steps[s]))
-    return SplitChoice(chosen, steps[chosen], step(fused), step(every))
+    return SplitChoice(chosen, steps[chosen], step(fused), step(every), margin)
 
 
 def _improve(start: tuple[bool, ...], step: Callable[[tuple[bool, ...]], float]) -> None:

@@ -338,7 +338,7 @@ def _resolved(
         problem = exc
     agreed = {}
     if resolved is not None:
-        agreed = _options(resolved, counts, planning.partition, options.nonfinite)
+        agreed = _options(resolved, counts, planning.partition, options)
     agreed["2BP by a profile"] = str(
         auto is None
         and options.two_bp is None
@@ -555,11 +555,24 @@ def cost_model(costs: CostsArgument) -> Costs:
         ) from exc
 
 
+AGREED_OPTIONS = (
+    "two_bp_policy",
+    "recompute",
+    "autocast",
+    "data_parallel",
+    "order_only_matching",
+    "reduce_after_transfers",
+)
+"""The options, besides the schedule they prepare, that change what a rank sends or
+when it joins a collective: a rank with another value would wait for a message or a
+reduction its neighbours never start."""
+
+
 def _options(
     schedule: Schedule,
     counts: Sequence[int] | None,
     partition: Sequence[int] | str | None,
-    nonfinite: str,
+    options: PipelineOptions,
 ) -> dict[str, str]:
     """What must be the same on every rank, by name, short enough to show in an error."""
     return {
@@ -568,5 +581,6 @@ def _options(
         + (f" in {schedule.n_pipelines} pipelines" if schedule.n_pipelines > 1 else ""),
         "micro-batches": str(schedule.n_microbatches),
         "blocks per stage": str(list(counts) if counts is not None else partition),
-        "nonfinite": nonfinite,
+        "nonfinite": options.nonfinite,
+        **{name: repr(getattr(options, name)) for name in AGREED_OPTIONS},
     }
