@@ -414,3 +414,29 @@ def test_an_input_that_requires_grad_gets_its_gradient_and_no_warning(two_bp):
             pipe.step(x, y)
     assert not [w for w in caught if "not a leaf" in str(w.message)], caught
     torch.testing.assert_close(x.grad, plain.grad, rtol=0, atol=1e-12)
+
+
+def test_a_v_without_an_example_input_says_it_runs_the_uniform_partition():
+    import warnings
+
+    from twobp.runtime.setup.pipeline_plan import UnbalancedPartitionWarning
+
+    def built(schedule, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = Pipeline(
+                _heavy_tailed_blocks(), loss_fn("mlp"), schedule=schedule,
+                n_microbatches=N_MB, device="cpu", **options,
+            )  # fmt: skip
+        unbalanced = [w for w in caught if issubclass(w.category, UnbalancedPartitionWarning)]
+        return pipe.partition_by, [str(w.message) for w in unbalanced]
+
+    by, said = built("zb-v")
+    assert by.startswith("uniform: no example input")
+    assert len(said) == 1 and "pass example_input=" in said[0], said
+    by, said = built("zb-v", example_input=make_batch("mlp", 0, 2)[0])
+    assert by.startswith("balanced on the example input") and not said
+    by, said = built("zb-v", partition=[4, 6])
+    assert by == "given" and not said
+    by, said = built("1f1b")
+    assert by == "uniform" and not said

@@ -151,6 +151,9 @@ class Pipeline:
     """With ``recompute="auto"`` on a schedule by name: whether the schedule fit
     ``memory_limit`` as it is or how many stashes are rebuilt, with the predicted
     peaks and steps (:class:`twobp.sim.rebuild_choice.RebuildChoice`); None otherwise."""
+    partition_by: str | None = None
+    """How the blocks were cut into stages, in words (given, balanced on the example
+    input, uniform, or ``schedule="auto"``'s choice); None until planned."""
 
     def __init__(
         self,
@@ -258,6 +261,7 @@ class Pipeline:
             tied=tied_across_blocks(pending.blocks),
         )
         self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
+        self.partition_by = plan.partition_by
         self._parts = build_rank(
             plan,
             pending.blocks,

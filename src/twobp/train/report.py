@@ -284,6 +284,10 @@ def _compile_lines(choice: dict[int, str]) -> list[str]:
     return [f"- compiled blocks, kept per stage where its first {steps} steps ran faster: {ways}"]
 
 
+def _why(partition_by: str | None) -> str:
+    return "" if not partition_by or partition_by == "given" else f" ({partition_by})"
+
+
 def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
     """What ran: schedule, auto's choice and why, copies, recompute, precision, scaler (pure)."""
     if not ran:
@@ -292,7 +296,8 @@ def _ran_lines(ran: dict[str, Any], precision: str) -> list[str]:
     cap = "" if ran["weight_group_size"] is None else f", W groups <= {ran['weight_group_size']}"
     lines = [
         f"- schedule: {ran['schedule']} {two_bp}{cap}, {ran['stages_per_rank']} stage(s) per "
-        f"rank, partition {ran['partition']}; {ran['data_parallel']} data-parallel "
+        f"rank, partition {ran['partition']}{_why(ran.get('partition_by'))}; "
+        f"{ran['data_parallel']} data-parallel "
         f"cop{'y' if ran['data_parallel'] == 1 else 'ies'}; recompute: {ran['recompute']}",
     ]
     if ran.get("two_bp_choice"):

@@ -38,6 +38,7 @@ def what_ran(pipe: Pipeline, cfg: TrainConfig, precision: str) -> dict[str, Any]
         "policy": policy if split else None,
         "stages_per_rank": schedule.pipeline_stages // max(1, schedule.n_ranks),
         "partition": [len(r) for r in pipe.stage_blocks],
+        "partition_by": pipe.partition_by,
         "weight_group_size": (
             plan.choice.weight_group_size if plan is not None else cfg.weight_group_size
         ),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
@@ -91,6 +92,8 @@ class PipelinePlan:
         rebuilds: with ``recompute="auto"`` on a schedule by name, whether
             the schedule fit ``memory_limit`` as it was or which stashes are
             rebuilt, and the predictions (None otherwise).
+        partition_by: how the blocks were cut into stages, in words
+            (:func:`partition_reason`).
     """
 
     schedule: Schedule
@@ -98,6 +101,7 @@ class PipelinePlan:
     auto: AutoPlan | None = None
     two_bp: SplitChoice | None = None
     rebuilds: RebuildChoice | None = None
+    partition_by: str = "given"
 
 
 def plan(
@@ -177,7 +181,8 @@ def plan(
     if rebuild is not None:
         rebuilds, choice = _rebuilt(planning, resolved, counts, rebuild, measured, choice)
         resolved = rebuilds.schedule
-    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds)
+    by = partition_reason(options.partition, planning.partition, auto, resolved)
+    return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds, by)
 
 
 @dataclass
@@ -328,6 +333,8 @@ def _resolved(
         # What the search simulated is what runs: nothing prepares it again.
         two_bp = True if options.two_bp is None else options.two_bp
         resolved = auto.schedule if auto is not None else planning.prepared(two_bp)
+        if planning.world.rank == 0:
+            warn_unbalanced_v(resolved, planning.partition, example_input)
         planning.partition = default_partition(resolved, planning.partition, example_input)
         counts = stage_counts(len(planning.blocks), resolved.pipeline_stages, planning.partition)
         if counts is None:
@@ -442,6 +449,42 @@ def _profiling_input(example_input: Batch | None, sample: Batch | None, count: i
 def _named(schedule: object) -> bool:
     """True for a schedule given by name (not a ``Schedule`` or a CSV file)."""
     return isinstance(schedule, str) and schedule in SCHEDULES
+
+
+def partition_reason(
+    given: Sequence[int] | str | None,
+    used: Sequence[int] | str | None,
+    auto: AutoPlan | None,
+    schedule: Schedule,
+) -> str:
+    """Why the blocks were cut as they were, in a few words for the report."""
+    if auto is not None:
+        return f"chosen by schedule={schedule.name.split(':')[0]!r}'s search"
+    if given is not None:
+        return "given" if not isinstance(given, str) else f"partition={given!r}"
+    if used == "balanced":
+        return "balanced on the example input (a V puts the model's ends on one rank)"
+    if schedule.is_v_shaped:
+        return "uniform: no example input to balance the V's stages on"
+    return "uniform"
+
+
+def warn_unbalanced_v(schedule: Schedule, partition: object, example_input: object) -> None:
+    """Warn once that a V-shaped schedule runs the uniform partition for want of an
+    example input (its ends, often its lightest blocks, share rank 0)."""
+    if schedule.is_v_shaped and partition is None and example_input is None:
+        warnings.warn(
+            f"{schedule.name.split(':')[0]} puts the model's first and last stages on rank 0; "
+            "without example_input= its stages are cut uniformly, which leaves that rank "
+            "idle when the ends are light (an embedding, a head): pass example_input=<one "
+            "micro-batch of model inputs> to balance them, or a partition",
+            UnbalancedPartitionWarning,
+            stacklevel=2,
+        )
+
+
+class UnbalancedPartitionWarning(UserWarning):
+    """A V-shaped schedule runs the uniform partition (no example input to balance on)."""
 
 
 def default_partition(
