@@ -171,3 +171,30 @@ def test_quick_bench_measures_auto_against_the_fixed_schedules_on_one_copy(tmp_p
     (target,) = [t for t in results["targets"] if t["target"] == "best fixed twobp / auto"]
     assert target["value"] == group["auto"]["speedup"]["median"]
     assert f"`twobp auto` ran {auto['chose']}" in (out / "report.md").read_text()
+
+
+def test_torch_runs_at_every_count_auto_m_chooses_among(tmp_path):
+    from twobp.sim.search import microbatch_counts
+    from twobp_bench.config import QUICK_REGIME
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--schedules", "auto-m", "--torch-schedules", "1F1B",
+            "--no-references", "--no-simulate", "--microbatches", "4", "--rounds", "1",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    ran = {v["label"]: v for v in group["variants"] if v["skipped"] is None}
+    others = [k for k in microbatch_counts(QUICK_REGIME.microbatch_size * 4, 2) if k != 4]
+    assert others
+    assert set(ran) == {"twobp auto-m", "torch 1F1B", *(f"torch 1F1B m={k}" for k in others)}
+    assert ran["torch 1F1B"]["cut_into"] == 4
+    for k in others:
+        assert ran[f"torch 1F1B m={k}"]["cut_into"] == k
+    for label, v in ran.items():
+        # The same batch, cut otherwise: the same gradients as the reference's.
+        assert v["grad_rel_error"] < 1e-4, label
+    fastest = min((v for v in ran.values() if v["framework"] == "torch"),
+                  key=lambda v: v["step_s"]["median"])  # fmt: skip
+    assert group["best"]["torch"] == fastest["label"]
+    assert "also ran on the same batch cut into the other counts" in (out / "report.md").read_text()

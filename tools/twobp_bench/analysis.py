@@ -249,6 +249,7 @@ def _variant(
         "stage_ranks": list(lead.stage_ranks),
         "chose": lead.chose,
         "skipped": lead.skipped,
+        "cut_into": lead.cut_into,
     }
     if lead.skipped is not None or not lead.step_seconds:
         return entry

@@ -101,6 +101,7 @@ class VariantRecord:
             (:func:`twobp.sim.search.describe`; None for the other variants).
         update_seconds: per timed round, this rank's time in the optimizer
             update its step includes (DeepSpeed only: ``train_batch`` ends with one).
+        cut_into: the micro-batches a torch schedule cut the batch into (torch only).
     """
 
     variant: matrix.Variant
@@ -125,6 +126,7 @@ class VariantRecord:
     outside_seconds: list[float] = field(default_factory=list)
     chose: str | None = None
     update_seconds: list[float] = field(default_factory=list)
+    cut_into: int | None = None
 
 
 @dataclass
@@ -232,7 +234,9 @@ def _run_group(
     runners: list[tuple[VariantRecord, StepRunner]] = []
     # With --share-model, this twobp's variants take turns on one copy.
     shared = copy.deepcopy(spec.blocks) if plan.share_model else None
-    for variant in _variants(plan, regime):
+    variants = _variants(plan, regime)
+    variants += matrix.counts_beside_auto(variants, regime.microbatch_size * m, plan.n_ranks, m)
+    for variant in variants:
         stage_ranks = matrix.placement(variant, plan.n_ranks)
         partition: tuple[int, ...] = ()  # auto chooses its own, once built
         if not matrix.is_auto(variant):
@@ -259,6 +263,8 @@ def _run_group(
         records.append(record)
         if record.skipped is None and runner is not None:
             record.parameter_bytes = parameter_bytes(runner)
+            if isinstance(runner, TorchRunner):
+                record.cut_into = runner.n_microbatches
             # A baseline's schedule is of the baseline's classes, which the
             # process that gathers the records cannot import.
             if isinstance(runner, TwobpRunner) and variant.framework == matrix.TWOBP:
@@ -386,7 +392,7 @@ def _build(
             variant,
             blocks,
             spec.loss_fn,
-            m,
+            variant.microbatches or m,
             partition,
             inputs,
             targets,

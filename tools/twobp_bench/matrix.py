@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 from twobp.partition import uniform
 from twobp.schedule import SCHEDULES, Schedule, generate
+from twobp.sim.search import microbatch_counts
 
 TWOBP = "twobp"
 BASELINE = "baseline"
@@ -113,6 +114,9 @@ class Variant:
         two_bp: whether the backward is split into I and W.
         policy: the 2BP policy of a fused twobp schedule run with 2BP (else None).
         recompute: the twobp recompute mode of every stage (None: none).
+        microbatches: the micro-batches it cuts the group's batch into, where
+            not the group's own count (None): torch's schedules at the counts
+            ``auto-m`` chooses among (:func:`counts_beside_auto`).
     """
 
     framework: str
@@ -120,15 +124,19 @@ class Variant:
     two_bp: bool = False
     policy: str | None = None
     recompute: str | None = None
+    microbatches: int | None = None
 
     @property
     def label(self) -> str:
-        """A short unique name: ``twobp 1f1b+2bp``, ``torch 1F1B``, ``reference whole-batch``."""
+        """A short unique name: ``twobp 1f1b+2bp``, ``torch 1F1B``, ``torch 1F1B m=4``,
+        ``reference whole-batch``."""
         suffix = ""
         if self.policy is not None:
             suffix = "+2bp" if self.policy == "paper" else f"+2bp:{self.policy}"
         if self.recompute is not None:
             suffix += f"+rc:{self.recompute}"
+        if self.microbatches is not None:
+            suffix += f" m={self.microbatches}"
         return f"{self.framework} {self.schedule}{suffix}"
 
     @property
@@ -218,6 +226,23 @@ def build_variants(
         if name in references
     )
     return out
+
+
+def counts_beside_auto(
+    variants: Sequence[Variant], batch_size: int, n_ranks: int, m: int
+) -> list[Variant]:
+    """Torch's variants again at each other micro-batch count ``auto-m`` chooses among
+    for this batch (:func:`twobp.sim.search.microbatch_counts`), where ``auto-m`` runs:
+    its best count is then compared with torch's best count, not with torch at ``m``."""
+    if not any(v.framework == TWOBP and v.schedule == AUTO_MICROBATCHES for v in variants):
+        return []
+    counts = [k for k in microbatch_counts(batch_size, n_ranks) if k != m]
+    return [
+        replace(v, microbatches=k)
+        for v in variants
+        if v.framework == TORCH and v.microbatches is None
+        for k in counts
+    ]
 
 
 def is_auto(variant: Variant) -> bool:

@@ -262,6 +262,22 @@ def _versus_torch(regimes: Sequence[Mapping[str, Any]]) -> list[str]:
         "",
         *_table(head, best_rows),
     ]
+    beside = sorted(
+        {
+            label.rsplit(" m=", 1)[1]
+            for _, group, variants in _groups(regimes)
+            for label in variants
+            if label.startswith("torch ") and " m=" in label
+        },
+        key=int,
+    )
+    if beside:
+        lines += [
+            "`auto-m` chooses how many micro-batches the batch is cut into, so torch's schedules "
+            f"also ran on the same batch cut into the other counts it chooses among (m = "
+            f"{', '.join(beside)}; labelled `m=K`): the best torch is the fastest of every count.",
+            "",
+        ]
     if updates:
         lines += [
             "A DeepSpeed step (`PipelineEngine.train_batch`) ends with its optimizer step, which "

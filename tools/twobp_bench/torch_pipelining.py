@@ -127,6 +127,8 @@ class TorchRunner:
         device: torch.device,
     ) -> None:
         info = TORCH_SCHEDULES[variant.schedule]
+        self.n_microbatches = n_microbatches
+        """The micro-batches the schedule cuts the batch into."""
         stage_ranks = placement(variant, n_ranks)
         n_stages = len(stage_ranks)
         if len(partition) != n_stages:
