@@ -85,11 +85,13 @@ def _mask_function(name: str) -> Callable[..., Any]:
 
 
 def _without_cache(function: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a mask builder of ``transformers.masking_utils`` with no cache, in any version."""
+    """Call a mask builder of ``transformers.masking_utils`` with no cache, in any version:
+    ``cache`` where it takes one (``past_key_values``, its deprecated name, is not passed
+    too: that warns), else ``past_key_values``."""
     parameters = inspect.signature(function).parameters
-    for name in ("cache", "past_key_values"):
-        if name in parameters:
-            kwargs[name] = None
+    name = "cache" if "cache" in parameters else "past_key_values"
+    if name in parameters:
+        kwargs[name] = None
     return function(**kwargs)
 
 
