@@ -181,6 +181,9 @@ def test_ranks_stop_after_the_same_step_when_one_rank_is_signalled(tmp_path, mon
     # Rank 1 asked before step 2 (the third); both ranks saved after it, together.
     assert _steps_in(out) == ["step-00000003"]
     assert json.loads((out / "metrics.json").read_text())["steps_run"] == 3
+    # The step it stopped at has its record, though no record was due there.
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-1] == 3
     printed = capsys.readouterr().out
     assert f"interrupted after step 3 of 10, saved in {out}/checkpoints/step-00000003" in printed
     _continues(printed.splitlines()[-1].removeprefix("continue with: "), out, 3)

@@ -149,8 +149,9 @@ class TrainConfig:
     )
     threads: int | None = doc("torch threads per rank (default: cores / local ranks)", None)
     log_every: int = doc(
-        "steps between records of OUT/metrics.jsonl and OUT/tensorboard (and the last step's), "
-        "and between progress lines when stderr is not a terminal",
+        "steps between records of OUT/metrics.jsonl and OUT/tensorboard (and the last "
+        "step's, or the one a stop ends on), and between progress lines when stderr is not "
+        "a terminal",
         10,
     )
     timeout: float = doc(option_help("timeout"), 300.0)

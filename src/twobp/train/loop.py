@@ -333,8 +333,8 @@ def _train_steps(
 ) -> None:
     """Run the steps from ``history.step`` to the run's last, saving as ``cfg`` says.
 
-    After every step the ranks agree whether one of them was asked to stop;
-    if so, they all save the step reached and end. Rank 0 tells of skipped
+    After every step's backward the ranks agree whether one of them was asked to
+    stop; if so, they finish that step, log it, save it and end. Rank 0 tells of skipped
     steps as they happen (see :mod:`twobp.train.skipped`).
     """
     logged = len(result.step_seconds)  # steps of this run before the last record
@@ -347,10 +347,12 @@ def _train_steps(
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = own_part(pipe, task.batch_at(step, "train"))
-        log_due = (step + 1) % cfg.log_every == 0 or step + 1 == end
         grad_norm: float | None = None
         start = time.perf_counter()
         loss = float(pipe.step(inputs, targets))
+        # Agreed before the step is logged: the step a stop ends on gets its record.
+        stopping = agree_to_stop(pipe.topology.members, pipe.device, cfg.timeout, stop.requested)
+        log_due = (step + 1) % cfg.log_every == 0 or step + 1 == end or stopping
         scaler = pipe.grad_scaler
         skip_note: str | None = None
         if pipe.last_step_skipped:
@@ -397,7 +399,6 @@ def _train_steps(
             progress.update(step + 1, loss, samples, tokens)
             if skip_note is not None:
                 progress.note(skip_note)
-        stopping = agree_to_stop(pipe.topology.members, pipe.device, cfg.timeout, stop.requested)
         if log_due and not stopping and history.step < end:
             # After the last step, train_rank evaluates once its timeline is taken.
             result.eval_losses.append((history.step, held_out_loss(pipe, task)))
