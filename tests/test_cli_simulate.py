@@ -107,8 +107,49 @@ def test_plan_recommends_two_bp_when_memory_allows(capsys):
     # 1F1B 21 -> 15 with the paper placement: 1.40x.
     assert last == (
         "Recommended: 1f1b with 2BP (paper): the shortest simulated step (15, 1.40x the "
-        "throughput of 1f1b without 2BP) whose peak memory per rank (4) (no memory limit given)."
+        "throughput of 1f1b without 2BP) with a peak memory per rank of 4 micro-batch "
+        "activations (no memory limit given)."
     )
+
+
+def test_plan_gives_every_figure_its_unit(capsys):
+    argv = ["plan", "--stages", "8", "--microbatches", "16", "--memory-limit", "12"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(
+        "8 ranks, 16 micro-batches, memory limit 12 micro-batch activations per rank; times in "
+        "the unit of --costs' F, memory in micro-batch activations"
+    )
+    assert "peak memory (activations)" in lines[1]
+    assert lines[-2].startswith("Recommended: dualpipe: ")
+    assert lines[-2].endswith(
+        "whose peak memory per rank, 9 micro-batch activations, fits the limit of 12 micro-batch "
+        "activations."
+    )
+    # schedule='auto' runs one pipeline: where it runs another schedule, it says why.
+    assert lines[-1].startswith("schedule='auto' on these costs would run zb-v (")
+    assert lines[-1].endswith(
+        "not dualpipe, which runs two pipelines over the same ranks: schedule='auto' tries one "
+        "pipeline per schedule (pass the name to run it)"
+    )
+    # With sizes in bytes, memory is in bytes.
+    argv += ["--costs", "F=1,I=1,W=1,act=1GiB"]
+    argv[argv.index("12")] = "40GiB"
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "memory limit 40 GiB per rank" in lines[0] and "memory in bytes" in lines[0]
+    assert lines[-2].endswith("fits the limit of 40 GiB.")
+
+
+def test_plan_refuses_a_byte_limit_for_costs_without_sizes(capsys):
+    argv = ["plan", "--stages", "8", "--microbatches", "16", "--memory-limit", "40GiB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--memory-limit 40GiB is a size in bytes, but these costs count memory in micro-batch"
+        in err
+    )
+    assert "act=" in err and "--costs-file" in err and "Traceback" not in err
 
 
 def test_plan_gives_fill_the_memory_limit(capsys):
@@ -228,5 +269,6 @@ def test_plan_with_a_sharded_optimizer_holds_a_share_of_its_state(capsys):
     sharded = capsys.readouterr().out
     assert "optimizer sharded over them" in sharded
     # The optimizer state, 16 a stage unsharded, is 16 / 8 = 2 a rank once sharded.
-    assert "peak memory per rank (24)" in plain.replace("\n", " ")
-    assert "peak memory per rank (10)" in sharded.replace("\n", " ")
+    assert "peak memory per rank of 24 " in plain.replace("\n", " ")
+    assert "peak memory per rank of 10 " in sharded.replace("\n", " ")
+    assert "memory in bytes" in plain

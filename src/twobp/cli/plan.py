@@ -87,15 +87,77 @@ class PlanConfig:
     markdown: bool = doc("print the table as markdown", False)
 
 
+MEMORY_KEYS = ("act", "grad", "param", "opt")
+"""The keys of ``--costs`` that give memory sizes; without any, memory is counted in
+micro-batch activations."""
+
+
+@dataclass(frozen=True)
+class Units:
+    """What the figures of a plan are counted in.
+
+    Args:
+        sized: memory in bytes: ``--costs`` gives sizes (``act=``, ``grad=``,
+            ``param=``, ``opt=``) or a profile does; else memory is counted in
+            micro-batch activations (one per micro-batch held).
+        seconds: times in seconds (a profile); else in the unit of ``--costs``' ``F``.
+    """
+
+    sized: bool
+    seconds: bool
+
+    @staticmethod
+    def of(config: PlanConfig) -> Units:
+        keys = {part.split("=", 1)[0].strip().lower() for part in config.costs.split(",")}
+        profiled = bool(config.costs_file)
+        return Units(profiled or bool(keys & set(MEMORY_KEYS)), profiled)
+
+    def amount(self, value: float) -> str:
+        """A memory figure with its unit."""
+        if self.sized:
+            return format_amount(value)
+        return f"{value:.4g} micro-batch activation{'' if value == 1 else 's'}"
+
+    def legend(self) -> str:
+        """One line: the unit of every figure."""
+        time = "seconds" if self.seconds else "the unit of --costs' F"
+        memory = (
+            "bytes"
+            if self.sized
+            else "micro-batch activations (give act=<bytes> in --costs to count bytes)"
+        )
+        return f"times in {time}, memory in {memory}"
+
+
+def check_limit_unit(text: str | None, units: Units) -> None:
+    """Refuse a memory limit in bytes for costs that count memory in micro-batches.
+
+    Raises:
+        UsageError: naming the limit and what costs to give.
+    """
+    if text is None or units.sized or not any(ch.isalpha() for ch in text):
+        return
+    raise UsageError(
+        f"--memory-limit {text} is a size in bytes, but these costs count memory in "
+        "micro-batch activations (no act=, grad= or param= in --costs): give the sizes, "
+        "e.g. --costs F=1,I=1,W=1,act=1.1GiB,param=2GiB, or a profile with --costs-file "
+        "(twobp profile), or a limit in micro-batches such as --memory-limit 6"
+    )
+
+
 def format_table(
-    candidates: Sequence[Candidate], memory_limit: float | None, markdown: bool = False
+    candidates: Sequence[Candidate],
+    memory_limit: float | None,
+    markdown: bool = False,
+    units: Units | None = None,
 ) -> str:
     """The ranking as an aligned text table, or as markdown."""
     ran = [c for c in candidates if c.ok]
     best = min((c.makespan for c in ran), default=math.nan)
     # The recompute columns only where a candidate recomputes or caps its W groups.
     extra = any(c.recompute != NO_RECOMPUTE or c.weight_group_size for c in candidates)
-    header = ["#", "schedule", "2BP", "makespan", "throughput", "bubble", "peak memory"]
+    memory = "peak memory" if units is None or units.sized else "peak memory (activations)"
+    header = ["#", "schedule", "2BP", "makespan", "throughput", "bubble", memory]
     header += ["recompute", "W group", ""] if extra else [""]
     rows = []
     for i, c in enumerate(candidates, 1):
@@ -158,6 +220,8 @@ def run(config: PlanConfig) -> int:
         raise UsageError(f"--memory-limit {config.memory_limit}: {exc}") from exc
     if limit is not None and not limit > 0:
         raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
+    units = Units.of(config)
+    check_limit_unit(config.memory_limit, units)
     costs = cost_model(config.costs, config.costs_file, config.stages)
     if config.shard_optimizer:
         costs = replace(costs, shard_optimizer=True)
@@ -174,31 +238,39 @@ def run(config: PlanConfig) -> int:
         weight_group_sizes=[None, *config.weight_group_sizes],
     )
     limit_text = (
-        "no memory limit" if limit is None else f"memory limit {format_amount(limit)} per rank"
+        "no memory limit" if limit is None else f"memory limit {units.amount(limit)} per rank"
     )
     copies = f" x {config.data_parallel} copies" if config.data_parallel > 1 else ""
     if config.shard_optimizer:
         copies += ", optimizer sharded over them"
     print(
         f"{config.stages} ranks{copies}, {config.microbatches} micro-batches, {limit_text}; "
-        "throughput relative to the fastest"
+        f"{units.legend()}; throughput relative to the fastest"
     )
-    print(format_table(candidates, limit, markdown=config.markdown))
+    print(format_table(candidates, limit, markdown=config.markdown, units=units))
     print()
-    print(recommend(candidates, limit))
-    print(auto_choice(config, costs, limit))
+    print(recommend(candidates, limit, units.amount))
+    print(auto_choice(config, costs, limit, units, candidates))
     return 0
 
 
-def auto_choice(config: PlanConfig, costs: CostModel, limit: float | None) -> str:
+def auto_choice(
+    config: PlanConfig,
+    costs: CostModel,
+    limit: float | None,
+    units: Units | None = None,
+    table: Sequence[Candidate] = (),
+) -> str:
     """What ``Pipeline(schedule="auto", costs=<these costs>)`` would run, in one sentence.
 
     The same options (:func:`twobp.sim.search.auto_options`: one pipeline per
     schedule, every stage count, 2BP policy and W cap; no recompute, or with
     ``--recompute auto`` among the modes compared and a limit, what
     ``recompute="auto"`` rebuilds), the same ranking and the same chooser as
-    the pipeline's, on this cost model.
+    the pipeline's, on this cost model. Where it differs from the table's
+    recommendation (``table``), the sentence says why.
     """
+    amount = format_amount if units is None else units.amount
     rebuilding = RECOMPUTE_AUTO in config.recompute and limit is not None
     name = "schedule='auto'" + (", recompute='auto'," if rebuilding else "")
     choices = auto_options(
@@ -215,9 +287,34 @@ def auto_choice(config: PlanConfig, costs: CostModel, limit: float | None) -> st
         best = choose(ranking, limit)
     except NothingFitsError as exc:
         return f"{name} on these costs: {exc}"
-    return (
+    said = (
         f"{name} on these costs would run {describe(best)} "
-        f"(simulated step {best.makespan:.4g}, peak memory {format_amount(best.peak_memory)})"
+        f"(simulated step {best.makespan:.4g}, peak memory {amount(best.peak_memory)})"
+    )
+    return said + _why_auto_differs(best, table, limit)
+
+
+def _why_auto_differs(best: Candidate, table: Sequence[Candidate], limit: float | None) -> str:
+    """Why ``schedule="auto"``'s choice is not the table's recommendation ("" where it is)."""
+    try:
+        recommended = choose(table, limit)
+    except NothingFitsError:
+        return ""
+    if describe(recommended) == describe(best):
+        return ""
+    if SCHEDULES[recommended.schedule].pipelines > 1:
+        return (
+            f"; not {recommended.schedule}, which runs two pipelines over the same ranks: "
+            "schedule='auto' tries one pipeline per schedule (pass the name to run it)"
+        )
+    if best.makespan < recommended.makespan:
+        return (
+            "; faster than the table's pick: it also tries every stage count and cap on "
+            "the micro-batches of a W, which the table keeps at one"
+        )
+    return (
+        f"; the table's pick, {describe(recommended)}, is among its options but ties with "
+        "it within 2%, broken by the step without contention"
     )
 
 

@@ -17,7 +17,7 @@ how many micro-batches each rank may hold between their ``F`` and their ``W``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from twobp.schedule import SCHEDULES
 from twobp.sim.candidate import (
@@ -126,12 +126,17 @@ def evaluate(
     return rank(done, memory_limit)
 
 
-def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> str:
+def recommend(
+    candidates: Sequence[Candidate],
+    memory_limit: float | None,
+    amount: Callable[[float], str] = format_amount,
+) -> str:
     """One sentence naming the candidate to use and why.
 
     The choice of :func:`twobp.sim.search.choose` (the fastest that fits
     ``memory_limit``, near ties broken by the step without contention); if
     none fits, its sentence naming the one that needs the least memory.
+    ``amount`` writes a memory figure with its unit (bytes by default).
     """
     ran = [c for c in candidates if c.ok]
     if not ran:
@@ -157,12 +162,13 @@ def recommend(candidates: Sequence[Candidate], memory_limit: float | None) -> st
         if baseline is not None and best.policy != NO_TWO_BP and best.makespan > 0
         else ""
     )
-    limit = (
-        f"fits the limit of {format_amount(memory_limit)}"
+    peak = amount(best.peak_memory)
+    fit = (
+        f"whose peak memory per rank, {peak}, fits the limit of {amount(memory_limit)}"
         if memory_limit is not None
-        else "(no memory limit given)"
+        else f"with a peak memory per rank of {peak} (no memory limit given)"
     )
     return (
         f"Recommended: {describe(best)}: the shortest simulated step ({best.makespan:.4g}{gain}) "
-        f"whose peak memory per rank ({format_amount(best.peak_memory)}) {limit}."
+        f"{fit}."
     )
