@@ -135,3 +135,39 @@ def test_a_bar_on_a_terminal():
     text = stream.getvalue()
     assert "\r" in text and "20/20" in text and "step/s" in text
     assert "loss  1.2500" in text and "2048 tokens/s" in text
+
+
+class _Clock:
+    """Seconds that a test sets: the first step compiles for 50 s, the others take 0.1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _compiled_steps(progress: Progress, clock: _Clock, total: int) -> None:
+    for step in range(1, total + 1):
+        clock.now += 50.0 if step == 1 else 0.1
+        progress.update(step, 2.0, 32.0, None)
+
+
+def test_the_rate_and_eta_leave_out_the_warm_up_steps():
+    """`--compile`'s first step takes 50 s and the next 0.1 s each: the ETA is that of the
+    steps left at 10 steps/s, not of a mean step of 0.6 s; `?` until the warm-up is over."""
+    stream, clock = io.StringIO(), _Clock()
+    progress = Progress(100, every=10, stream=stream, warmup=2, clock=clock)
+    _compiled_steps(progress, clock, 100)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("? steps/s, eta ?")  # step 1: still compiling, as far as it knows
+    assert lines[1].startswith("step  10/100") and lines[1].endswith("10.00 steps/s, eta 00:09")
+    assert lines[-1].endswith("10.00 steps/s, eta 00:00")
+
+
+def test_a_bar_s_eta_leaves_out_the_warm_up_steps():
+    stream, clock = _Terminal(), _Clock()
+    progress = Progress(100, every=10, stream=stream, warmup=2, clock=clock)
+    _compiled_steps(progress, clock, 10)
+    # The steps after the warm-up, whatever tqdm's own clock timed (the bar as it redraws).
+    assert "10/100 [" in str(progress._bar) and "<00:09, 10.00step/s" in str(progress._bar)

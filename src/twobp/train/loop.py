@@ -244,6 +244,10 @@ def _train_rank(
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
     result.overflow_steps = history.overflow_steps
     progress, metrics = _reporters(pipe.rank, cfg, progress_stream, history.step)
+    if progress is not None and cfg.compile:
+        # torch.compile builds each stage's graphs in the first step: a minute, silent.
+        for s in range(pipe.schedule.n_stages):
+            progress.note(f"compiling stage {s} ...")
     try:
         _train_steps(pipe, optimizer, task, cfg, history, result, on_step, progress, metrics, stop)
     finally:
@@ -308,7 +312,9 @@ def _reporters(
     """Rank 0's progress display and metrics files (None on other ranks)."""
     if rank != 0:
         return None, None
-    progress = Progress(cfg.steps, cfg.log_every, stream, initial=initial, out=Path(cfg.out))
+    progress = Progress(
+        cfg.steps, cfg.log_every, stream, initial=initial, out=Path(cfg.out), warmup=WARMUP_STEPS
+    )
     metrics = MetricsLog(Path(cfg.out), resumed_from=initial)
     if metrics.tensorboard_missing:
         print(
