@@ -68,6 +68,9 @@ _PREDICTED: dict[type[nn.Module], str] = {
     nn.BatchNorm1d: "F.batch_norm",
     nn.BatchNorm2d: "F.batch_norm",
     nn.BatchNorm3d: "F.batch_norm",
+    nn.RNN: "torch.rnn_tanh",
+    nn.GRU: "torch.gru",
+    nn.LSTM: "torch.lstm",
 }
 """Module types whose ``forward`` calls a covered operation with their parameters."""
 

@@ -26,6 +26,12 @@ from twobp.engine.ops.norm import (
     capture_rms_norm_affine,
     rms_norm_affine,
 )
+from twobp.engine.ops.recurrent import (
+    capture_gru,
+    capture_lstm,
+    capture_rnn_relu,
+    capture_rnn_tanh,
+)
 
 HANDLERS: dict[Callable[..., Any], Handler] = {
     F.linear: capture_linear,
@@ -47,6 +53,10 @@ HANDLERS: dict[Callable[..., Any], Handler] = {
     rms_norm_affine: capture_rms_norm_affine,
     F.group_norm: capture_group_norm,
     F.batch_norm: capture_batch_norm,
+    torch.gru: capture_gru,
+    torch.lstm: capture_lstm,
+    torch.rnn_tanh: capture_rnn_tanh,
+    torch.rnn_relu: capture_rnn_relu,
 }
 """Every covered torch function and the handler that splits its calls."""
 
