@@ -11,6 +11,7 @@ options are checked in one process.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -195,7 +196,12 @@ def test_a_forward_that_changes_buffers_is_named(mode, results):
     named = [message for kind, message in errors if kind == "NonRepeatableForwardError"]
     assert named, errors
     assert f"recompute={mode!r}" in named[0]
-    assert "block " in named[0] and "running_mean" in named[0]
+    # Blocks of their own (no model names): the first by its block's path, the others counted.
+    assert re.search(
+        r"block \d+\.1 \(BatchNorm2d\) changed its running_mean, running_var, "
+        r"num_batches_tracked, and \d+ other modules theirs: ",
+        named[0],
+    ), named[0]
     assert all(kind in ("NonRepeatableForwardError", "PeerStepFailedError") for kind, _ in errors)
 
 
@@ -302,3 +308,49 @@ def test_auto_needs_a_memory_limit_and_a_schedule_it_builds():
             memory_limit=1e9,
             device="cpu",
         )
+
+
+class _TorchvisionLikeResNet(torch.nn.Module):
+    """twobp's ResNet blocks as torchvision lays them out: stem, layers, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from twobp.models.resnet import ResNetConfig, resnet_blocks
+
+        blocks = resnet_blocks(ResNetConfig(layers=(2, 2), width=4, image_size=16, num_classes=3))
+        self.stem, self.head = blocks[0], blocks[-1]
+        self.layer1 = torch.nn.Sequential(*blocks[1:3])
+        self.layer2 = torch.nn.Sequential(*blocks[3:5])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer2(self.layer1(self.stem(x))))
+
+
+@needs_no_process_group
+def test_batchnorm_under_recompute_is_refused_in_one_line_by_the_model_s_names():
+    """Each Bottleneck holds three BatchNorms: the error names the first by the name the
+    model gives it (not the wrapper block's, ``2.layer2.0.bn1``) and counts the others."""
+    import twobp
+
+    blocks = twobp.split(_TorchvisionLikeResNet(), at=["layer2"])
+    pipe = Pipeline(
+        blocks,
+        torch.nn.functional.cross_entropy,
+        "1f1b",
+        2,
+        recompute="activations",
+        device="cpu",
+        timeout=30.0,
+    )
+    try:
+        with pytest.raises(NonRepeatableForwardError) as caught:
+            pipe.step(torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,)))
+    finally:
+        pipe.close()
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert "recompute='activations' ran the forward again and stem.bn (BatchNorm2d) " in message
+    assert "changed its running_mean, running_var, num_batches_tracked, " in message
+    # One rank runs both blocks; each layer's bottlenecks hold three BatchNorms, and the
+    # first bottleneck's shortcut one more: 2 * 7 others.
+    assert "and 14 other modules theirs: the forward is not repeatable" in message

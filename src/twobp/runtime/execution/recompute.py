@@ -11,7 +11,7 @@ is not repeatable: a buffer changed (or replaced) by the second run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +68,16 @@ class BufferCheck:
 
     Args:
         module: the stage module (children named by global block index).
+        model_name: an entry's name in the model the blocks were cut from
+            (``3.layers.0.bn.running_mean`` -> ``layers.0.bn.running_mean``),
+            None where it has none; None: the block names are the names.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(
+        self, module: nn.Module, model_name: Callable[[str], str | None] | None = None
+    ) -> None:
         self._module = module
+        self._model_name = model_name
         self._before = {name: (id(b), b._version) for name, b in module.named_buffers()}
         self._values = {name: b.clone() for name, b in module.named_buffers()}
 
@@ -95,16 +101,28 @@ class BufferCheck:
         changed += [n for n in self._before if n not in buffers]
         if not changed:
             return
-        block = changed[0].split(".", 1)[0]
-        names = ", ".join(n for n in changed if n.split(".", 1)[0] == block)
-        kind = type(getattr(self._module, block, self._module)).__name__
+        # One line however many modules changed: the first by name, the others counted.
+        owners: dict[str, list[str]] = {}
+        for name in changed:
+            owners.setdefault(name.rpartition(".")[0], []).append(name)
+        first, names = next(iter(owners.items()))
+        kind = type(self._module.get_submodule(first)).__name__
+        leaves = ", ".join(n.rpartition(".")[2] for n in names)
+        others = len(owners) - 1
+        also = f", and {others} other module{'s' if others > 1 else ''} theirs" if others else ""
         raise NonRepeatableForwardError(
-            f"{where}: recompute={mode!r} ran the forward again and block {block} ({kind}) "
-            f"changed its buffers ({names}): its forward is not repeatable, so the "
-            f"recomputed gradients would be wrong (BatchNorm in training mode updates its "
-            f"running statistics on every forward). Run this stage without recomputation "
-            f"(recompute=[..., None, ...], one mode per stage) or put the block in eval mode"
+            f"{where}: recompute={mode!r} ran the forward again and {self._shown(names[0])} "
+            f"({kind}) changed its {leaves}{also}: the forward is not repeatable, so the "
+            "recomputed gradients would be wrong (BatchNorm in training mode updates its "
+            "running statistics on every forward). Run this stage without recomputation "
+            "(recompute=[..., None, ...], one mode per stage) or put those modules in eval mode"
         )
+
+    def _shown(self, buffer: str) -> str:
+        """The module holding ``buffer``, named as the model names it, else ``block N``'s."""
+        named = self._model_name(buffer) if self._model_name is not None else None
+        owner = (named or buffer).rpartition(".")[0]
+        return owner if named is not None else f"block {owner}"
 
 
 def _same(before: Tensor, after: Tensor) -> bool:

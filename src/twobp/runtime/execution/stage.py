@@ -95,6 +95,8 @@ class Stage:
         label: names the stage in errors (``"rank 1 stage 3"``); None: ``"stage 3"``.
         rebuilt: the micro-batches whose stash the schedule rebuilds (their
             ``IR`` and ``WR``): their forward keeps its random states.
+        model_name: an entry's name (``3.bn.running_mean``) in the model the blocks
+            were cut from, for errors (see :class:`~twobp.runtime.execution.recompute.BufferCheck`).
     """
 
     def __init__(
@@ -111,8 +113,11 @@ class Stage:
         memory: MemoryMeter | None = None,
         label: str | None = None,
         rebuilt: Collection[int] = (),
+        model_name: Callable[[str], str | None] | None = None,
     ) -> None:
         self.index = index
+        self.model_name = model_name
+        """An entry's name in the model the blocks were cut from (errors name it so)."""
         self._rebuilt = frozenset(rebuilt)
         self.module = module
         # Its parameters, walked once: read at every forward (as the engine's store
@@ -268,7 +273,7 @@ class Stage:
 
     def _forward_again(self, mb: int, kept: _Kept, saved: dict[Any, int]) -> tuple[Tensor, ...]:
         """The forward of ``mb`` run again from its inputs and random states: its outputs."""
-        check = BufferCheck(self.module)
+        check = BufferCheck(self.module, self.model_name)
         rng = kept.rng.replay() if kept.rng is not None else contextlib.nullcontext()
         with rng, self._cast(), self.memory.saved(saved):
             output = self._run(kept.inputs, kept.is_tuple, kept.target)

@@ -96,6 +96,8 @@ def build_rank(
     module, stages = _stages(
         plan, topology.pp_rank, module, loss_fn, options, recompute, memory, compile, members
     )
+    for stage in stages.values():  # its errors name modules as the model does
+        stage.model_name = None if names is None else names.name
     modules = {s: stage.module for s, stage in stages.items()}
     reducer = make_reducer(members, topology, schedule, modules, shared, options.timeout)
     _check_reductions_placed(reducer, schedule, topology.pp_rank, members.rank)
