@@ -1,13 +1,20 @@
 """Reference models of the 2BP paper, as ordered lists of pipeline blocks.
 
-Four families, each a function returning its blocks and a ``build_*`` function
+Five families, each a function returning its blocks and a ``build_*`` function
 returning a :class:`ModelSpec` (blocks, block kinds, example data, loss):
-LLaMA-like decoder, BERT-like encoder, Mamba-like state-space model and
-bottleneck ResNet. :func:`build_model` builds any of them from a named size.
+LLaMA-like decoder, BERT-like encoder, Mamba-like state-space model,
+bottleneck ResNet and DeepSpeech-2-like speech recogniser. :func:`build_model`
+builds any of them from a named size.
 """
 
 from twobp.models.bert import BertConfig, bert_blocks, build_bert, mask_tokens, mlm_loss
 from twobp.models.common import build_blocks, lm_loss
+from twobp.models.deepspeech import (
+    DeepSpeechConfig,
+    build_deepspeech,
+    ctc_loss,
+    deepspeech_blocks,
+)
 from twobp.models.llama import LlamaConfig, build_llama, llama_blocks
 from twobp.models.mamba import MambaConfig, build_mamba, mamba_blocks, selective_scan
 from twobp.models.presets import PAPER_SIZES, PRESETS, build_model
@@ -19,6 +26,7 @@ __all__ = [
     "PRESETS",
     "BertConfig",
     "BlockKind",
+    "DeepSpeechConfig",
     "LlamaConfig",
     "MambaConfig",
     "ModelSpec",
@@ -26,11 +34,14 @@ __all__ = [
     "bert_blocks",
     "build_bert",
     "build_blocks",
+    "build_deepspeech",
     "build_llama",
     "build_mamba",
     "build_model",
     "build_resnet",
     "classification_loss",
+    "ctc_loss",
+    "deepspeech_blocks",
     "llama_blocks",
     "lm_loss",
     "mamba_blocks",

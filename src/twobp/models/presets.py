@@ -1,4 +1,4 @@
-"""Named sizes of the four reference families, and ``build_model`` to build one.
+"""Named sizes of the reference families, and ``build_model`` to build one.
 
 ``tiny`` and ``small`` train on a CPU in seconds to minutes; the paper's sizes
 (``llama/7b``, ``bert/large``, ``mamba/1.4b``, ``resnet/152``) are meant for
@@ -16,6 +16,7 @@ import torch
 
 from twobp.models.bert import BertConfig, build_bert
 from twobp.models.common import Device
+from twobp.models.deepspeech import DeepSpeechConfig, build_deepspeech
 from twobp.models.llama import LlamaConfig, build_llama
 from twobp.models.mamba import MambaConfig, build_mamba
 from twobp.models.resnet import ResNetConfig, build_resnet
@@ -59,6 +60,18 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "152": ResNetConfig((3, 8, 36, 3)),
             }
         ),
+        "deepspeech": MappingProxyType(
+            {
+                "tiny": DeepSpeechConfig(
+                    16, n_features=16, channels=4, dim=32, n_layers=2, frames=48, label_len=6
+                ),
+                "small": DeepSpeechConfig(
+                    29, n_features=64, channels=16, dim=256, n_layers=4, frames=128, label_len=16
+                ),
+                # DeepSpeech 2's English model: 7 bidirectional recurrent layers of 1760.
+                "large": DeepSpeechConfig(),
+            }
+        ),
     }
 )
 """``PRESETS[family][size]`` is the config dataclass of that size."""
@@ -66,10 +79,16 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 PAPER_SIZES: Mapping[str, str] = MappingProxyType(
     {"llama": "7b", "bert": "large", "mamba": "1.4b", "resnet": "152"}
 )
-"""The size of each family that the 2BP paper measures."""
+"""The size of each family that the 2BP paper measures (it measures no speech model)."""
 
 _BUILDERS: Mapping[str, Callable[..., ModelSpec]] = MappingProxyType(
-    {"llama": build_llama, "bert": build_bert, "mamba": build_mamba, "resnet": build_resnet}
+    {
+        "llama": build_llama,
+        "bert": build_bert,
+        "mamba": build_mamba,
+        "resnet": build_resnet,
+        "deepspeech": build_deepspeech,
+    }
 )
 
 
@@ -85,7 +104,7 @@ def build_model(
     """Build a reference model from a preset, optionally changing some of its fields.
 
     Args:
-        family: ``"llama"``, ``"bert"``, ``"mamba"`` or ``"resnet"``.
+        family: ``"llama"``, ``"bert"``, ``"mamba"``, ``"resnet"`` or ``"deepspeech"``.
         size: a preset of that family (see :data:`PRESETS`); ``"paper"`` is the
             size the 2BP paper measures.
         device: where to build the parameters (``"meta"`` allocates nothing).
@@ -103,6 +122,10 @@ def build_model(
     if family not in PRESETS:
         raise ValueError(f"unknown model family {family!r}; choose from {', '.join(PRESETS)}")
     if size == "paper":
+        if family not in PAPER_SIZES:
+            raise ValueError(
+                f"the 2BP paper measures no {family}; choose from {', '.join(PRESETS[family])}"
+            )
         size = PAPER_SIZES[family]
     sizes = PRESETS[family]
     if size not in sizes:

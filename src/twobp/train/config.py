@@ -18,7 +18,7 @@ from twobp.runtime.options import option_help
 from twobp.schedule import TWO_BP_POLICIES
 from twobp.sim.recompute import RECOMPUTE_AUTO, RECOMPUTE_MODES
 
-MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet")
+MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet", "deepspeech")
 
 
 @dataclass
@@ -27,7 +27,8 @@ class TrainConfig:
 
     model: str = doc(
         "model family: llama and mamba (next byte of real text), bert (masked bytes of real "
-        "text), resnet (synthetic images); the text is Python's own sources or --data",
+        "text), resnet (synthetic images), deepspeech (synthetic utterances, CTC); the text is "
+        "Python's own sources or --data",
         "llama",
         choices=MODEL_FAMILIES,
     )

@@ -67,7 +67,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
     if cfg.schedule != AUTO:
         schedule = _schedule(cfg, ranks // cfg.data_parallel)
         _check_partition(cfg, n_blocks, schedule)
-    if cfg.data is not None and cfg.model != "resnet":
+    if cfg.data is not None and cfg.model not in ("resnet", "deepspeech"):
         try:
             check_text_file(cfg.data, cfg.seq_len)
         except (OSError, ValueError) as exc:

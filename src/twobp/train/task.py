@@ -3,8 +3,9 @@
 Language models (llama, mamba: next byte; bert: masked bytes), and the
 Hugging Face models of ``--hf-config`` (the same tasks), read real text:
 Python's own sources or ``--data FILE``. ResNet has no offline image set, so it
-learns labelled synthetic images (see :class:`twobp.train.data.SyntheticData`);
-the report says so.
+learns labelled synthetic images (see :class:`twobp.train.data.SyntheticData`),
+and the DeepSpeech-like model synthetic utterances
+(:func:`twobp.models.deepspeech.synthetic_utterances`); the report says so.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ DTYPES = {
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 """The ``--dtype`` values that ``--autocast`` takes."""
 
+SYNTHETIC_FAMILIES = ("resnet", "deepspeech")
+"""The families that learn synthetic data (no text, no --data, no --seq-len)."""
+
 BatchAt = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``batch_at(step, split) -> (inputs, targets)`` for the whole batch of one step."""
 
@@ -52,7 +56,7 @@ class Task:
 
 def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
     """The fields of the model preset that ``cfg`` changes (the byte-level text's)."""
-    if cfg.model == "resnet":
+    if cfg.model in SYNTHETIC_FAMILIES:
         return {}
     overrides: dict[str, Any] = {"seq_len": cfg.seq_len}
     if cfg.model in ("llama", "mamba"):
@@ -149,6 +153,8 @@ def build_task(cfg: TrainConfig) -> Task:
             return x.to(dtype), y
 
         return Task(spec, image_batch, images.source, None)
+    if cfg.model == "deepspeech":
+        return _speech_task(cfg, dtype)
 
     raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
     spec = build_model(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **model_overrides(cfg))
@@ -172,6 +178,20 @@ def build_task(cfg: TrainConfig) -> Task:
         return mask_tokens(ids, n_masked, bert.mask_token_id, gen)
 
     return Task(spec, masked_batch, f"{source} (byte-level, masked bytes)", tokens)
+
+
+def _speech_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
+    """The DeepSpeech-like model on synthetic utterances (a fresh batch per step and split)."""
+    spec = build_model("deepspeech", cfg.size, dtype=dtype, seed=cfg.seed)
+
+    def utterance_batch(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return spec.make_batch(cfg.batch_size, cfg.seed * 1_000_003 + 2 * step + (split != "train"))
+
+    source = (
+        "synthetic utterances: a fixed spectral pattern per character, a few frames each, "
+        "in noise (CTC over the characters)"
+    )
+    return Task(spec, utterance_batch, source, None)
 
 
 def _length(cfg: TrainConfig, step: int, split: str) -> int:
