@@ -143,3 +143,21 @@ def test_the_summary_has_one_short_line_per_rank():
         "tracebacks in runs/x/errors.log, each rank's output in runs/x/logs/ "
         "(--verbose prints them here)",
     ]
+
+
+def test_a_launch_error_says_one_line_per_rank_and_keeps_the_tracebacks_in_details():
+    """The message is the summary only (each rank printed its traceback on its own stderr,
+    and `twobp train` writes them to OUT/errors.log); `details` has them all."""
+    raised = 'Traceback (most recent call last):\n  File "/a/run.py", line 3, in f\n'
+    stack = 'Current thread 0x1 (most recent call first):\n  File "/a/loss.py", line 9 in g\n'
+    failures = [
+        RankFailure(1, 1, "ValueError", "bad input", raised + "ValueError: bad input\n"),
+        RankFailure(0, -15, message="terminated", stack=stack),
+    ]
+    error = LaunchError(failures, 2)
+    assert str(error).splitlines() == [
+        "2 of 2 processes failed; the first was rank 1",
+        "  rank 1: ValueError: bad input",
+        '  rank 0: terminated; it was at "/a/loss.py", line 9 in g',
+    ]
+    assert raised in error.details and stack.rstrip() in error.details

@@ -155,6 +155,10 @@ def last_frame(stack: str) -> str:
 class LaunchError(PipelineError):
     """One or more processes of a local launch failed.
 
+    Its message is one line per failed rank, the cause first; each rank printed
+    its traceback on its own stderr when it failed, and :attr:`details` holds
+    them all (``twobp train`` writes them to ``OUT/errors.log``).
+
     Args:
         failures: the ranks that failed, the first to fail first.
         nprocs: how many processes were started.
@@ -167,6 +171,11 @@ class LaunchError(PipelineError):
     ) -> None:
         self.failures = tuple(failures)
         self.nprocs = nprocs
+        self.details = "\n\n".join(
+            f"{f.summary()}\n{(f.traceback or f.stack or '(no traceback)').rstrip()}"
+            for f in self.failures
+        )
+        """Every failed rank's summary with its traceback (or, terminated, its stack)."""
         if message is not None:
             super().__init__(message)
             return
@@ -178,11 +187,6 @@ class LaunchError(PipelineError):
             else:
                 lines[0] += f"; the first was rank {cause.rank}"
         lines += ["  " + f.summary() for f in self.failures]
-        first = self.failures[0] if self.failures else None
-        if first is not None and first.traceback:
-            lines += [f"traceback of rank {first.rank}:", first.traceback.rstrip()]
-        elif first is not None and first.stack:
-            lines += [f"stack of rank {first.rank} when it was terminated:", first.stack.rstrip()]
         super().__init__("\n".join(lines))
 
 
