@@ -289,6 +289,14 @@ def _has(model: nn.Module, *paths: str) -> bool:
     return all(_get(model, p) is not None for p in paths)
 
 
+def _is_speech(model: nn.Module) -> bool:
+    """Whether ``model`` is a speech model with a CTC head (``Wav2Vec2ForCTC``,
+    ``HubertForCTC``): :mod:`twobp.integrations.wav2vec2` cuts them and gives their loss."""
+    from twobp.integrations.wav2vec2 import speech_family
+
+    return speech_family(model) is not None
+
+
 def family(model: nn.Module) -> str:
     """Which covered layout ``model`` has: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
 
@@ -328,6 +336,10 @@ def blocks(model: nn.Module) -> nn.Sequential:
         ValueError: if the model is laid out otherwise, or its loss adds an
             auxiliary loss that twobp cannot compute.
     """
+    if _is_speech(model):
+        from twobp.integrations import wav2vec2
+
+        return wav2vec2.blocks(model)
     kind = family(model)
     hf: Any = model
     config: Any = hf.config
@@ -477,6 +489,10 @@ def loss_function(model: nn.Module) -> Callable[[Any, Tensor], Tensor]:
             compute; the loss itself, if ``output`` lacks the routers' sums the
             model's loss needs, or carries sums it does not.
     """
+    if _is_speech(model):
+        from twobp.integrations import wav2vec2
+
+        return wav2vec2.loss_function(model)  # type: ignore[return-value]  # (sum, count)
     kind = family(model)
     hf: Any = model
     vocab_size: int = hf.config.vocab_size

@@ -188,10 +188,15 @@ def _model_blocks(cfg: TrainConfig) -> int:
     if cfg.hf_config is not None:
         if not transformers_importable():
             raise OptionError(HF_EXTRA)
+        from twobp.integrations import SPEECH_FAMILIES
         from twobp.integrations.transformers import SIZES, n_blocks
 
         if cfg.size not in SIZES:
             raise OptionError(f"--size {cfg.size}: --hf-config takes {' or '.join(SIZES)}")
+        if cfg.hf_config in SPEECH_FAMILIES:
+            from twobp.integrations.wav2vec2 import SIZES as SPEECH_SIZES
+
+            return int(SPEECH_SIZES[cfg.size]["num_hidden_layers"]) + 2
         return n_blocks(cfg.size)
     try:
         spec = build_model(cfg.model, cfg.size, device="meta", seed=None, **model_overrides(cfg))

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from twobp.integrations import SPEECH_FAMILIES
 from twobp.models import ModelSpec, build_model, mask_tokens
+from twobp.models.deepspeech import DeepSpeechConfig, synthetic_utterances
 from twobp.models.spec import stacked_kinds
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.train.config import TrainConfig, mean_seq_len, step_seq_len
@@ -218,6 +220,8 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
 
     kind = cfg.hf_config
     assert kind is not None
+    if kind in SPEECH_FAMILIES:
+        return _hf_speech_task(cfg, dtype)
     masked = kind == "bert"
     torch.manual_seed(cfg.seed)
     model = hf.build_model(
@@ -250,3 +254,43 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     )
     task = "masked bytes" if masked else "next byte"
     return Task(spec, batch_at, f"{source} (byte-level, {task})", mean_seq_len(cfg))
+
+
+SPEECH_VOCAB = 16
+"""Characters of the synthetic utterances a Hugging Face speech model learns (0: the blank)."""
+
+
+def _hf_speech_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
+    """A ``transformers`` CTC speech model of ``cfg.hf_config`` on synthetic raw audio.
+
+    The audio is :func:`twobp.models.deepspeech.synthetic_utterances` read as a
+    waveform: each character a fixed pattern of one frame's samples, repeated
+    over eight frames, in noise.
+    """
+    from twobp.integrations import wav2vec2
+
+    kind = cfg.hf_config
+    assert kind is not None
+    torch.manual_seed(cfg.seed)
+    model = wav2vec2.build_model(kind, cfg.size, vocab_size=SPEECH_VOCAB).to(dtype)
+    parts = list(wav2vec2.blocks(model))
+    utterances = DeepSpeechConfig(
+        SPEECH_VOCAB, n_features=wav2vec2.samples_per_frame(cfg.size), frames=48, label_len=6
+    )
+
+    def batch_at(step: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        seed = cfg.seed * 1_000_003 + 2 * step + (split != "train")
+        audio, labels = synthetic_utterances(utterances, cfg.batch_size, seed, dtype)
+        return audio.flatten(1), labels
+
+    spec = ModelSpec(
+        family=f"hf-{kind}",
+        size=cfg.size,
+        config=model.config,
+        blocks=parts,
+        block_kinds=stacked_kinds(len(parts) - 2),
+        loss_fn=wav2vec2.loss_function(model),  # type: ignore[arg-type]  # (sum, count)
+        make_batch=lambda batch_size, seed: batch_at(seed, "train"),
+    )
+    source = "synthetic audio: a fixed waveform per character, eight frames each, in noise (CTC)"
+    return Task(spec, batch_at, source, None)
