@@ -471,8 +471,25 @@ def test_the_report_gives_the_measured_all_reduce_bandwidth_once():
     profile = RankProfile(blocks, tuple({1: 0.1} for _ in blocks), 0.0, math.inf, 1, 1.0, 1.5e9)
     for report in reports:
         report.profiles[2] = profile
-    text = render_markdown(_results([analyse_regime(reports, 2)]))
+    results = _results([analyse_regime(reports, 2)])
+    text = render_markdown(results)
     assert text.count("An all-reduce over every rank moved 1.50 GB/s per rank") == 1
+    # The ping-pong's bandwidth was too fast to time (inf): said so, and JSON has no inf.
+    assert "bandwidth not measured" in text and "inf" not in text
+    json.dumps(results, allow_nan=False)
+
+
+def test_a_target_is_shown_as_the_median_of_paired_rounds_with_its_spread(results):
+    """The console summary and the report's targets give the paper table's statistic: the
+    median of the rounds' paired ratios (not a ratio of medians), with its IQR."""
+    from twobp_bench.targets import shown_value
+
+    by_name = {t["target"]: t for t in results["targets"]}
+    # Rounds 2.0/1.0, 2.2/1.0, 2.0/1.1: median 2.0, quartiles 1.91 and 2.10.
+    assert shown_value(by_name["1f1b: 2BP / no 2BP"]) == "2.000 [IQR 1.91-2.10 of 3 rounds]"
+    assert "2.000 [IQR 1.91-2.10 of 3 rounds]" in render_markdown(results)
+    # Figures that are not ratios of rounds are shown alone.
+    assert shown_value(by_name["efficiency vs whole-batch"]) == "0.900"
 
 
 def test_deepspeed_stands_beside_torch_in_the_figures_the_report_and_the_chart(tmp_path):

@@ -69,9 +69,10 @@ def _profile_dict(profile: RankProfile) -> dict[str, Any]:
     return {
         "rounds": profile.rounds,
         "link_latency_s": profile.link_latency,
-        "link_bandwidth_bytes_per_s": profile.link_bandwidth,
+        # None where too fast to measure (inf): results.json stays JSON.
+        "link_bandwidth_bytes_per_s": _finite(profile.link_bandwidth),
         "contention": profile.contention,
-        "reduce_bandwidth_bytes_per_s": profile.reduce_bandwidth,
+        "reduce_bandwidth_bytes_per_s": _finite(profile.reduce_bandwidth),
         "blocks_rank0": [
             {
                 "name": c.name,
@@ -507,3 +508,8 @@ def summary_of(data: Mapping[str, Any] | None) -> Summary | None:
 def finite(x: Any) -> bool:
     """True for a real number that is not NaN or infinite."""
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _finite(value: float | None) -> float | None:
+    """``value``, or None where it is not a finite number."""
+    return value if value is not None and math.isfinite(value) else None

@@ -35,6 +35,7 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from twobp.runtime import LaunchError
     from twobp_bench.run import run_bench
+    from twobp_bench.targets import shown_value
 
     cfg = from_namespace(BenchConfig, args)
     _check(cfg)
@@ -50,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
             continue
         status = {True: "met", False: "MISSED", None: ""}[target["met"]]
         print(
-            f"{target['regime']}: {target['target']} = {target['value']:.3f} {status} "
+            f"{target['regime']}: {target['target']} = {shown_value(target)} {status} "
             f"({target['detail']})"
         )
     for regime in results["regimes"]:

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from twobp_bench.targets import shown_value
+
 MIB = 1024 * 1024
 GRAD_TOLERANCE = 1e-3
 """Largest relative difference of a parameter's gradient (its norm and projections, over
@@ -301,8 +303,7 @@ def _peer(
 def _targets(targets: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = []
     for t in targets:
-        value = t["value"]
-        shown = "n/a" if value is None else f"{value:.3f}"
+        shown = "n/a" if t["value"] is None else shown_value(t)
         sign = ">=" if t["above"] else "<="
         threshold = "-" if t["threshold"] is None else f"{sign} {t['threshold']}"
         met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
@@ -337,7 +338,11 @@ def _regime(regime: Mapping[str, Any], n_ranks: int) -> list[str]:
     profile = next((g["profile"] for g in regime["groups"] if g.get("profile")), None)
     if profile is not None:
         bandwidth = profile["link_bandwidth_bytes_per_s"]
-        shown = "too fast to measure" if bandwidth is None else f"{bandwidth / 1e9:.2f} GB/s"
+        shown = (
+            "bandwidth not measured (a large message took no longer than a small one)"
+            if bandwidth is None or not math.isfinite(bandwidth)
+            else f"{bandwidth / 1e9:.2f} GB/s"
+        )
         lines += [
             f"Link rank 0 - rank 1 (ping-pong): {profile['link_latency_s'] * 1e6:.0f} us one way, "
             f"{shown}.",

@@ -42,6 +42,7 @@ Other regimes get the same figures without thresholds. This module imports no to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,7 +98,12 @@ def _target(
     detail: str,
     above: bool,
     bound: float | None = None,
+    spread: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A target's record; ``spread``: the summary (``stats.Summary.as_dict``) of the
+    round-by-round ratios whose median ``value`` is, as the report's tables give it."""
+    if value is not None and not math.isfinite(value):
+        value = None  # a time of 0 (too short to measure): no figure rather than inf
     met = None
     if value is not None and threshold is not None:
         met = value >= threshold if above else value <= threshold
@@ -108,9 +114,23 @@ def _target(
         "threshold": threshold,
         "met": met,
         "above": above,
-        "bound": bound,
+        "bound": bound if bound is None or math.isfinite(bound) else None,
         "detail": detail,
+        "spread": dict(spread) if spread is not None and value is not None else None,
     }
+
+
+def shown_value(target: Mapping[str, Any]) -> str:
+    """A target's figure as the summary and the report give it: the median of the paired
+    rounds' ratios with their interquartile range (``0.927 [IQR 0.80-1.05 of 2 rounds]``)
+    where it is one, ``not measured`` where there is none (pure)."""
+    value = target["value"]
+    if value is None:
+        return "not measured"
+    spread = target.get("spread")
+    if not spread:
+        return f"{value:.3f}"
+    return f"{value:.3f} [IQR {spread['q1']:.2f}-{spread['q3']:.2f} of {spread['n']} rounds]"
 
 
 def _variant(group: Mapping[str, Any], label: str | None) -> Mapping[str, Any]:
@@ -138,6 +158,7 @@ def _over_torch(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
         detail,
         above=True,
         bound=bound,
+        spread=best.get("speedup"),
     )
 
 
@@ -156,6 +177,7 @@ def _over_deepspeed(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
         SPEEDUP_OVER_TORCH.get(regime),
         detail,
         above=True,
+        spread=ratio,
     )
 
 
@@ -188,7 +210,10 @@ def _two_bp_at_p(regime: str, group: Mapping[str, Any], n_ranks: int) -> dict[st
         if without and with_2bp:
             bound = without / with_2bp
             detail += "; bound: the simulator's ratio"
-    return _target(regime, "1f1b: 2BP / no 2BP", value, threshold, detail, above=True, bound=bound)
+    spread = pairs[0]["speedup"] if pairs else None
+    return _target(
+        regime, "1f1b: 2BP / no 2BP", value, threshold, detail, True, bound=bound, spread=spread
+    )
 
 
 def _over_bubble_free(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -239,6 +264,7 @@ def _auto(regime: str, group: Mapping[str, Any]) -> dict[str, Any]:
         AUTO_AGAINST_FIXED if regime in SPEEDUP_OVER_TORCH else None,
         detail,
         above=True,
+        spread=ratio,
     )
 
 
