@@ -186,3 +186,25 @@ def test_two_ranks_equal_one_process_over_three_adamw_steps(schedule, per_rank):
         state.update(r["state"])
     for name, want in want_params.items():
         torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+
+
+def test_twobp_train_hf_config_wav2vec2_runs_end_to_end_with_a_falling_loss(tmp_path):
+    import json
+
+    from twobp.cli.main import main
+
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--hf-config", "wav2vec2", "--steps", "30", "--batch-size", "8",
+            "--microbatches", "2", "--threads", "1", "--timeout", "60", "--no-save",
+            "--two-bp", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_run"] == 30
+    assert metrics["loss_last"] < 0.5 * metrics["loss_first"], metrics["losses"]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# twobp train: hf-wav2vec2-tiny 1f1b 2BP")
+    assert "synthetic audio" in report

@@ -53,19 +53,20 @@ def test_labels_are_padded_with_minus_100_and_ctc_matches_torch_per_utterance():
 
 
 def test_the_synthetic_utterances_can_be_learnt():
+    """Far below the plateau of a model that only learns the labels' statistics (~2.5)."""
     torch.manual_seed(0)
     spec = build_model("deepspeech", "tiny", seed=0)
     model = spec.sequential()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(40):
+    for step in range(120):
         x, y = spec.make_batch(8, step)
         loss = spec.loss_fn(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert sum(losses[-5:]) / 5 < 0.5, losses
 
 
 def test_every_weight_of_every_block_is_deferred():
@@ -158,3 +159,23 @@ def test_two_ranks_equal_one_process_over_three_adamw_steps(schedule, per_rank):
     assert set(state) == set(want_state)
     for name, want in want_state.items():
         torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+
+
+def test_twobp_train_model_deepspeech_runs_end_to_end_with_a_falling_loss(tmp_path):
+    import json
+
+    from twobp.cli.main import main
+
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--model", "deepspeech", "--steps", "30", "--batch-size", "8",
+            "--microbatches", "2", "--threads", "1", "--timeout", "60", "--no-save",
+            "--two-bp", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_run"] == 30
+    assert metrics["loss_last"] < 0.5 * metrics["loss_first"], metrics["losses"]
+    assert "synthetic utterances" in (out / "report.md").read_text()
