@@ -196,6 +196,9 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch, capsys
     assert main(args) == INTERRUPTED
     assert _steps_in(out) == ["step-00000003"]
     assert "stopping after the step in flight" in capsys.readouterr().err
+    # The step SIGTERM stopped at has its metrics.jsonl record (--log-every 10 had none due).
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3]
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
