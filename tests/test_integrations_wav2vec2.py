@@ -77,6 +77,17 @@ def test_blocks_and_loss_equal_the_models_own(kind, stable):
     torch.testing.assert_close(blocks(model)(values[:1]), unpadded, rtol=0, atol=1e-12)
 
 
+def test_each_parameter_is_in_one_block_and_every_trained_one_in_some_block():
+    model = make_model()
+    seen: dict[int, int] = {}
+    for index, block in enumerate(blocks(model)):
+        for p in block.parameters():
+            assert id(p) not in seen, f"a parameter of block {seen.get(id(p))} is in {index} too"
+            seen[id(p)] = index
+    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+    assert missing == [], missing  # SpecAugment is off: no masked_spec_embed to leave out
+
+
 def test_sum_reduction_is_the_models_loss_per_utterance():
     model = make_model(ctc_loss_reduction="sum")
     values, mask, labels = make_batch(1)

@@ -87,33 +87,45 @@ def _first(out: Any) -> Tensor:
 
 
 class FeatureFrontEnd(nn.Module):
-    """The feature encoder, the feature projection and the encoder's positional convolution."""
+    """The feature encoder, the feature projection and the encoder's positional convolution
+    (and its norm, where it comes before the layers)."""
 
-    def __init__(self, base: nn.Module, stable_layer_norm: bool) -> None:
+    def __init__(self, base: nn.Module, config: Any) -> None:
         super().__init__()
-        self.base = base
-        self.stable_layer_norm = stable_layer_norm
+        hf: Any = base
+        self.conv_layers = hf.feature_extractor.conv_layers
+        self.feature_projection = hf.feature_projection
+        self.pos_conv_embed = hf.encoder.pos_conv_embed
+        stable = bool(getattr(config, "do_stable_layer_norm", False))
+        self.layer_norm = None if stable else hf.encoder.layer_norm
+        self.dropout = hf.encoder.dropout
+        self.convolutions = tuple(zip(config.conv_kernel, config.conv_stride, strict=True))
+
+    def frames(self, mask: Tensor, count: int) -> Tensor:
+        """The frames' mask of a mask over the samples, as the model computes it."""
+        lengths = mask.sum(-1)
+        for kernel, stride in self.convolutions:
+            lengths = torch.div(lengths - kernel, stride, rounding_mode="floor") + 1
+        positions = torch.arange(count, device=mask.device)
+        return (positions < lengths[:, None]).to(mask.dtype)
 
     def forward(self, x: Hidden) -> Hidden:
         values, mask = _split(x)
-        base: Any = self.base
-        # The encoder's conv layers as its forward runs them, without its
+        # The feature encoder's conv layers as its forward runs them, without its
         # ``requires_grad = True`` on the input, which fails on an input that needs a gradient.
         features = values[:, None]
-        for conv in base.feature_extractor.conv_layers:
+        for conv in self.conv_layers:
             features = conv(features)
         features = features.transpose(1, 2)
         if mask is not None:
-            frames = base._get_feature_vector_attention_mask(features.shape[1], mask)
-            mask = frames.to(mask.dtype)
-        hidden = _first(base.feature_projection(features))
-        encoder = base.encoder
+            mask = self.frames(mask, features.shape[1])
+        hidden = _first(self.feature_projection(features))
         if mask is not None:  # padded frames start from zero, as in the model
             hidden = hidden * mask.unsqueeze(-1).to(hidden.dtype)
-        hidden = hidden + encoder.pos_conv_embed(hidden)
-        if not self.stable_layer_norm:
-            hidden = encoder.layer_norm(hidden)
-        return _join(encoder.dropout(hidden), mask)
+        hidden = hidden + self.pos_conv_embed(hidden)
+        if self.layer_norm is not None:
+            hidden = self.layer_norm(hidden)
+        return _join(self.dropout(hidden), mask)
 
 
 class EncoderLayer(nn.Module):
@@ -188,7 +200,7 @@ def blocks(model: nn.Module) -> nn.Sequential:
     hf: Any = model
     stable = bool(getattr(hf.config, "do_stable_layer_norm", False))
     encoder = base.encoder
-    parts: list[nn.Module] = [FeatureFrontEnd(base, stable)]
+    parts: list[nn.Module] = [FeatureFrontEnd(base, hf.config)]
     parts += [EncoderLayer(layer, hf.config) for layer in encoder.layers]
     parts.append(CTCHead(model, encoder.layer_norm if stable else None))
     return nn.Sequential(*parts)
