@@ -202,3 +202,16 @@ def test_torch_runs_at_every_count_auto_m_chooses_among(tmp_path):
                   key=lambda v: v["step_s"]["median"])  # fmt: skip
     assert group["best"]["torch"] == fastest["label"]
     assert "also ran on the same batch cut into the other counts" in (out / "report.md").read_text()
+
+
+def test_the_default_torch_schedules_leave_out_dualpipev_where_it_cannot_run(tmp_path):
+    """At m = p = 2 torch's DualPipeV (2p stages) cannot run: the default list leaves it out
+    of the group, rather than a variant that is always skipped; the other defaults run."""
+    out = tmp_path / "bench"
+    argv = ["bench", "--regimes", "quick", "--model", "llama", "--microbatches", "2",
+            "--rounds", "1", "--schedules", "1f1b", "--deepspeed-schedules", "",
+            "--no-references", "--no-simulate", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (group,) = json.loads((out / "results.json").read_text())["regimes"][0]["groups"]
+    torch_labels = [v["label"] for v in group["variants"] if v["framework"] == "torch"]
+    assert "torch 1F1B" in torch_labels and "torch DualPipeV" not in torch_labels

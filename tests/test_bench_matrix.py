@@ -178,6 +178,19 @@ def test_twobp_refusal_says_why():
     assert matrix.twobp_refusal(Variant("torch", "DualPipeV"), 2, 2) is None
 
 
+def test_a_default_torch_schedule_that_cannot_run_at_m_is_left_out():
+    """torch's DualPipeV needs m >= its 2p stages: the default matrix leaves it out at m = p
+    (it runs at 2p and 8), while one the user names is reported skipped, with torch's reason."""
+    dual = Variant("torch", "DualPipeV")
+    assert matrix.torch_cannot_run(dual, 2, 2) and matrix.torch_cannot_run(dual, 4, 4)
+    assert not matrix.torch_cannot_run(dual, 2, 4)
+    assert not matrix.torch_cannot_run(Variant("torch", "ZBVZeroBubble"), 2, 2)
+    assert not matrix.torch_cannot_run(Variant("twobp", "dualpipev"), 2, 2)
+    assert resolve(BenchConfig()).torch_by_default
+    assert resolve(BenchConfig(quick=True)).torch_by_default
+    assert not resolve(BenchConfig(torch_schedules=["DualPipeV"])).torch_by_default
+
+
 def test_summaries_and_paired_speedups():
     s = summarize([3.0, 1.0, 2.0, 4.0, 100.0])
     assert (s.median, s.low, s.high, s.n) == (3.0, 1.0, 100.0, 5)

@@ -287,6 +287,9 @@ class BenchPlan:
     weight_group_size: int | None = None
     share_model: bool = False
     deepspeed_schedules: tuple[str, ...] = ()
+    torch_by_default: bool = False
+    """The torch schedules are the default list: a group leaves out those torch cannot run
+    at its micro-batch count (DualPipeV below 2p), rather than report them skipped."""
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -326,6 +329,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
     Raises:
         ValueError: naming the option to change.
     """
+    torch_by_default = cfg.torch_schedules == DEFAULT_TORCH_SCHEDULES
     if cfg.overhead:
         cfg = dataclasses.replace(
             cfg,
@@ -383,6 +387,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         weight_group_size=cfg.weight_group_size,
         share_model=cfg.share_model,
         deepspeed_schedules=tuple(_chosen_or(cfg.deepspeed_schedules)),
+        torch_by_default=torch_by_default,
     )
 
 

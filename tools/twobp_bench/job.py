@@ -234,7 +234,11 @@ def _run_group(
     runners: list[tuple[VariantRecord, StepRunner]] = []
     # With --share-model, this twobp's variants take turns on one copy.
     shared = copy.deepcopy(spec.blocks) if plan.share_model else None
-    variants = _variants(plan, regime)
+    variants = [
+        v
+        for v in _variants(plan, regime)
+        if not (plan.torch_by_default and matrix.torch_cannot_run(v, plan.n_ranks, m))
+    ]
     variants += matrix.counts_beside_auto(variants, regime.microbatch_size * m, plan.n_ranks, m)
     for variant in variants:
         stage_ranks = matrix.placement(variant, plan.n_ranks)

@@ -298,6 +298,16 @@ def stages_of_rank(stage_ranks: Sequence[int], rank: int) -> list[int]:
     return [s for s, r in enumerate(stage_ranks) if r == rank]
 
 
+def torch_cannot_run(variant: Variant, n_ranks: int, n_microbatches: int) -> bool:
+    """True where torch refuses the variant for its micro-batch count: DualPipeV takes at
+    least as many micro-batches as its ``2p`` stages (pure)."""
+    return (
+        variant.framework == TORCH
+        and variant.schedule == "DualPipeV"
+        and n_microbatches < model_stages(variant, n_ranks)
+    )
+
+
 def twobp_refusal(variant: Variant, n_ranks: int, n_microbatches: int) -> str | None:
     """Why twobp cannot build this schedule for ``p`` ranks and ``m`` micro-batches (or None)."""
     if variant.framework not in PIPELINES_OF_TWOBP or is_auto(variant):
