@@ -171,3 +171,17 @@ def test_a_bar_s_eta_leaves_out_the_warm_up_steps():
     _compiled_steps(progress, clock, 10)
     # The steps after the warm-up, whatever tqdm's own clock timed (the bar as it redraws).
     assert "10/100 [" in str(progress._bar) and "<00:09, 10.00step/s" in str(progress._bar)
+
+
+def test_compile_says_which_stages_it_compiles_before_the_first_step(tmp_path, monkeypatch, capfd):
+    """`--compile`'s first step compiles (tens of seconds): the run says so, stage by stage,
+    on the console and in OUT/train.log. (torch.compile is off here: the lines are the
+    run's, not dynamo's.)"""
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    out = tmp_path / "run"
+    argv = ["train", "--compile", "--steps", "1", "--batch-size", "4", "--microbatches", "2",
+            "--seq-len", "16", "--threads", "1", "--no-save", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert "compiling stage 0 ...\ncompiling stage 1 ...\nstep 1/1 " in err
+    assert "compiling stage 1 ..." in (out / "train.log").read_text()
