@@ -204,3 +204,18 @@ def test_summaries_and_paired_speedups():
         summarize([])
     with pytest.raises(ValueError):
         paired_ratios([1.0], [0.0])
+
+
+def test_torch_beside_auto_m_leaves_out_the_counts_torch_refuses():
+    from twobp_bench.matrix import AUTO_MICROBATCHES, TORCH, TWOBP, Variant, counts_beside_auto
+
+    variants = [
+        Variant(TWOBP, AUTO_MICROBATCHES),
+        Variant(TORCH, "1F1B"),
+        Variant(TORCH, "DualPipeV"),
+    ]
+    added = {v.label for v in counts_beside_auto(variants, 16, 2, 8)}
+    # auto-m chooses among 2, 4, 8 and 16 micro-batches of a 16-sample batch on 2 ranks.
+    assert added == {"torch 1F1B m=2", "torch 1F1B m=4", "torch 1F1B m=16",
+                     "torch DualPipeV m=4", "torch DualPipeV m=16"}  # fmt: skip
+    assert counts_beside_auto(variants[1:], 16, 2, 8) == []

@@ -233,7 +233,8 @@ def counts_beside_auto(
 ) -> list[Variant]:
     """Torch's variants again at each other micro-batch count ``auto-m`` chooses among
     for this batch (:func:`twobp.sim.search.microbatch_counts`), where ``auto-m`` runs:
-    its best count is then compared with torch's best count, not with torch at ``m``."""
+    its best count is then compared with torch's best count, not with torch at ``m``
+    (counts torch refuses, DualPipeV's below ``2p``, left out)."""
     if not any(v.framework == TWOBP and v.schedule == AUTO_MICROBATCHES for v in variants):
         return []
     counts = [k for k in microbatch_counts(batch_size, n_ranks) if k != m]
@@ -242,6 +243,7 @@ def counts_beside_auto(
         for v in variants
         if v.framework == TORCH and v.microbatches is None
         for k in counts
+        if not torch_cannot_run(v, n_ranks, k)
     ]
 
 
