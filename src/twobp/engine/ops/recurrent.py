@@ -12,8 +12,8 @@ steps of all the micro-batches it holds, as cuDNN's separate weight-gradient
 call does (``cudnnRNNBackwardWeights``). The gates follow ATen's cells, so
 the results equal ``nn.GRU``'s (and the others') in float64.
 
-Packed sequences (``pack_padded_sequence``) run as they are, with their
-weight gradients in I, and the store's report says so.
+A packed sequence (``pack_padded_sequence``) runs step by step on the rows
+that are still (or already) active at each step, as ATen does.
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ from twobp.engine.ops.linear import DeferredLinear
 
 Cell = Callable[[Tensor, Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]]
 """One time step: (input gates, hidden gates, cell state, hidden) -> (new hidden, new cell)."""
-
-_PACKED = (
-    "a packed sequence (its weight gradients are computed in backward_input; pass a padded "
-    "batch to defer them)"
-)
 
 
 def _gru_cell(gi: Tensor, gh: Tensor, c: Tensor | None, h: Tensor) -> tuple[Tensor, None]:
@@ -97,8 +92,10 @@ class _Recurrence:
         c: Tensor | None,
         indices: Sequence[int | None],
         reverse: bool,
+        batch_sizes: list[int] | None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """One layer in one direction over ``x`` (time, batch, features).
+        """One layer in one direction over ``x``: (time, batch, features), or a packed
+        sequence's data (its rows, ``batch_sizes[t]`` of them at step ``t``).
 
         ``indices`` are the positions of ``weight_ih``, ``weight_hh``,
         ``bias_ih``, ``bias_hh`` and ``weight_hr`` in the call's list (None: absent).
@@ -106,17 +103,25 @@ class _Recurrence:
         w_ih, w_hh, b_ih, b_hh, w_hr = indices
         assert w_ih is not None and w_hh is not None
         gates = self.linear(x, w_ih, b_ih, "input")
-        steps = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
-        outputs: list[Tensor] = []
-        for t in steps:
-            hidden = self.linear(h, w_hh, b_hh, "hidden")
-            h, c = self.cell(gates[t], hidden, c, h)
+        steps = gates.unbind(0) if batch_sizes is None else torch.split(gates, batch_sizes)
+        order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
+        outputs: list[Tensor] = [gates] * len(steps)
+        for t in order:
+            # A packed sequence's step runs on its first rows; the others keep their
+            # state (forward: their last step's; reverse: the initial one, until they start).
+            rows = steps[t].shape[0]
+            h_now = h[:rows] if rows < h.shape[0] else h
+            c_now = c[:rows] if c is not None and rows < c.shape[0] else c
+            hidden = self.linear(h_now, w_hh, b_hh, "hidden")
+            h_new, c_new = self.cell(steps[t], hidden, c_now, h_now)
             if w_hr is not None:
-                h = self.linear(h, w_hr, None, "projection")
-            outputs.append(h)
-        if reverse:
-            outputs.reverse()
-        return torch.stack(outputs), h, c
+                h_new = self.linear(h_new, w_hr, None, "projection")
+            outputs[t] = h_new
+            h = torch.cat([h_new, h[rows:]]) if rows < h.shape[0] else h_new
+            if c is not None and c_new is not None:
+                c = torch.cat([c_new, c[rows:]]) if rows < c.shape[0] else c_new
+        out = torch.stack(outputs) if batch_sizes is None else torch.cat(outputs)
+        return out, h, c
 
 
 def _layout(
@@ -141,11 +146,12 @@ def _capture_recurrent(
 ) -> Captured:
     if kwargs or len(args) != 9:
         return None
-    if not isinstance(args[3], bool):  # (data, batch_sizes, hx, params, ...)
-        params = args[3]
-        read = any(capture.operand(p) for p in params) if isinstance(params, list) else False
-        return _PACKED if read else None
-    x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    batch_sizes: list[int] | None = None
+    if isinstance(args[3], bool):
+        x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    else:  # a packed sequence: (data, batch_sizes, hx, params, ...)
+        x, sizes, hx, params, has_biases, layers, dropout, train, bidirectional = args
+        batch_sizes, batch_first = sizes.tolist(), False
     operands = [capture.operand(p) for p in params]
     if not any(operands):
         return None
@@ -164,7 +170,7 @@ def _capture_recurrent(
         for d in range(directions):
             k = layer * directions + d
             c = None if c0 is None else c0[k]
-            out, h, c = run.direction(seq, h0[k], c, layout[k], reverse=d == 1)
+            out, h, c = run.direction(seq, h0[k], c, layout[k], d == 1, batch_sizes)
             outs.append(out)
             last_h.append(h)
             if c is not None:
