@@ -115,6 +115,14 @@ def test_speech_models_twobp_does_not_cover_are_refused_by_name():
         loss_function(model)
 
 
+def test_a_model_that_masks_or_drops_layers_in_training_is_warned_about():
+    model = wav2vec2.build_model("wav2vec2")
+    model.config.apply_spec_augment, model.config.mask_time_prob = True, 0.05
+    model.config.layerdrop = 0.1
+    with pytest.warns(UserWarning, match="apply no SpecAugment and LayerDrop"):
+        blocks(model)
+
+
 def test_split_points_to_blocks():
     import twobp
 

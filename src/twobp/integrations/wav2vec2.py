@@ -29,6 +29,7 @@ variant and models with an adapter are refused by name.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -183,6 +184,22 @@ def _base(model: nn.Module) -> tuple[str, Any]:
     return kind, base
 
 
+def _warn_if_random(config: Any, name: str) -> None:
+    """Warn where the model would mask features (SpecAugment) or drop layers in training."""
+    masks = getattr(config, "apply_spec_augment", False) and (
+        getattr(config, "mask_time_prob", 0.0) > 0 or getattr(config, "mask_feature_prob", 0.0) > 0
+    )
+    dropped = getattr(config, "layerdrop", 0.0) > 0
+    if masks or dropped:
+        what = " and ".join(w for w, on in (("SpecAugment", masks), ("LayerDrop", dropped)) if on)
+        warnings.warn(
+            f"the blocks of this {name} apply no {what}, which the model applies in training; "
+            f"set config.apply_spec_augment=False and config.layerdrop=0.0 to train what it "
+            f"computes",
+            stacklevel=3,
+        )
+
+
 def blocks(model: nn.Module) -> nn.Sequential:
     """Cut a ``Wav2Vec2ForCTC`` or ``HubertForCTC`` into pipeline blocks.
 
@@ -198,6 +215,7 @@ def blocks(model: nn.Module) -> nn.Sequential:
     """
     _, base = _base(model)
     hf: Any = model
+    _warn_if_random(hf.config, type(model).__name__)
     stable = bool(getattr(hf.config, "do_stable_layer_norm", False))
     encoder = base.encoder
     parts: list[nn.Module] = [FeatureFrontEnd(base, hf.config)]
