@@ -18,8 +18,9 @@ from torch import Tensor, nn
 
 Step = tuple[Any, ...]
 """One step from a parameter to what an operation reads, hashable:
-``("reshape", new_shape, old_shape)``, ``("transpose", dim0, dim1)`` or
-``("cast", new_dtype, old_dtype)``."""
+``("reshape", new_shape, old_shape)``, ``("transpose", dim0, dim1)``,
+``("cast", new_dtype, old_dtype)`` or ``("select", index, old_shape)`` (one
+expert's slice ``w[e]`` of stacked expert weights ``[experts, out, in]``)."""
 
 
 class Operand:
@@ -64,7 +65,17 @@ class Operand:
         param = self.param
         if not param.requires_grad:
             return
-        for step in reversed(self.steps):
+        steps = self.steps
+        if steps and steps[0][0] == "select":
+            # One expert's slice: added in place into its rows of .grad, not
+            # through a zero-filled tensor of every expert.
+            for step in reversed(steps[1:]):
+                grad = _INVERSE[step[0]](grad, step)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad[steps[0][1]].add_(grad)
+            return
+        for step in reversed(steps):
             grad = _INVERSE[step[0]](grad, step)
         if param.grad is None:
             grad = grad.to(param.dtype)
@@ -85,11 +96,13 @@ _FORWARD: dict[str, Callable[[Tensor, Step], Tensor]] = {
     "reshape": lambda t, s: t.reshape(s[1]),
     "transpose": lambda t, s: t.transpose(s[1], s[2]),
     "cast": lambda t, s: t.to(s[1]),
+    "select": lambda t, s: t[s[1]],
 }
 _INVERSE: dict[str, Callable[[Tensor, Step], Tensor]] = {
     "reshape": lambda t, s: t.reshape(s[2]),
     "transpose": lambda t, s: t.transpose(s[1], s[2]),
     "cast": lambda t, s: t.to(s[2]),
+    "select": lambda t, s: t.new_zeros(s[2]).index_copy_(0, _index(t, s[1]), t.unsqueeze(0)),
 }
 
 
@@ -111,6 +124,24 @@ def _transpose(src: Tensor, out: Tensor, args: tuple[Any, ...]) -> Step | None:
     if len(args) != 3 or not all(isinstance(d, int) for d in args[1:]):
         return None
     return ("transpose", args[1], args[2])
+
+
+def _select(src: Tensor, out: Tensor, args: tuple[Any, ...]) -> Step | None:
+    """``w[e]``: one entry of the first dimension, by an int or a 0-D integer tensor."""
+    if len(args) != 2 or src.dim() < 2:
+        return None
+    index = args[1]
+    if isinstance(index, Tensor):
+        if index.dim() != 0 or index.is_floating_point() or index.dtype == torch.bool:
+            return None
+        index = int(index)
+    if not isinstance(index, int) or isinstance(index, bool):
+        return None
+    return ("select", index % src.shape[0], tuple(src.shape))
+
+
+def _index(t: Tensor, index: int) -> Tensor:
+    return torch.tensor([index], device=t.device)
 
 
 def _cast(src: Tensor, out: Tensor, args: tuple[Any, ...]) -> Step | None:
@@ -139,6 +170,7 @@ VIEW_STEPS: dict[Callable[..., Any], Callable[[Tensor, Tensor, tuple[Any, ...]],
     torch._C.TensorBase.__dict__["mT"].__get__: _transpose_last,
     torch.Tensor.transpose: _transpose,
     torch.transpose: _transpose,
+    torch.Tensor.__getitem__: _select,
     torch.Tensor.to: _cast,
     torch.Tensor.float: _cast,
     torch.Tensor.half: _cast,

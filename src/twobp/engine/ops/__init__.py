@@ -17,6 +17,7 @@ from twobp.engine.capture import Handler
 from twobp.engine.ops.batchnorm import capture_batch_norm
 from twobp.engine.ops.conv import capture_conv1d, capture_conv2d, capture_conv3d
 from twobp.engine.ops.embedding import capture_embedding
+from twobp.engine.ops.experts import capture_grouped_mm
 from twobp.engine.ops.linear import capture_linear
 from twobp.engine.ops.matmul import capture_addmm, capture_bmm, capture_matmul, capture_mm
 from twobp.engine.ops.norm import (
@@ -44,6 +45,11 @@ HANDLERS: dict[Callable[..., Any], Handler] = {
     torch.Tensor.mm: capture_mm,
     torch.bmm: capture_bmm,
     torch.Tensor.bmm: capture_bmm,
+    **{
+        f: capture_grouped_mm
+        for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None))
+        if f is not None
+    },
     F.conv1d: capture_conv1d,
     F.conv2d: capture_conv2d,
     F.conv3d: capture_conv3d,
