@@ -25,7 +25,8 @@ def test_block_kinds_mark_embedding_first_and_head_last(family):
     assert len(spec.block_kinds) == spec.n_blocks == len(spec.blocks)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# moe's blocks pass (hidden, aux) tuples: tests/test_models_moe.py runs them block by block.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "moe"])
 def test_each_block_runs_forward_and_backward_with_matching_shapes(family):
     spec = tiny(family)
     x = spec.example_input(3)

@@ -33,7 +33,7 @@ from twobp_bench.matrix import (
     build_variants,
 )
 
-MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet", "deepspeech")
+MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet", "deepspeech", "moe")
 
 DEFAULT_SCHEDULES = [
     "gpipe",
@@ -135,8 +135,8 @@ class BenchConfig:
     """Everything ``twobp bench`` needs; the defaults are the full LLaMA bench on 2 CPU cores."""
 
     model: list[str] = doc(  # noqa: RUF009 (doc makes a default_factory for lists)
-        "model families (llama, bert, mamba, resnet, deepspeech); llama runs the built-in regimes, "
-        "each other family its --size preset",
+        "model families (llama, bert, mamba, resnet, deepspeech, moe); llama runs the built-in "
+        "regimes, each other family its --size preset",
         ["llama"],
     )
     size: str = doc("model size preset the regimes start from (tiny, small)", "tiny")

@@ -1,9 +1,10 @@
 """Reference models of the 2BP paper, as ordered lists of pipeline blocks.
 
-Five families, each a function returning its blocks and a ``build_*`` function
+Six families, each a function returning its blocks and a ``build_*`` function
 returning a :class:`ModelSpec` (blocks, block kinds, example data, loss):
 LLaMA-like decoder, BERT-like encoder, Mamba-like state-space model,
-bottleneck ResNet and DeepSpeech-2-like speech recogniser. :func:`build_model`
+bottleneck ResNet, DeepSpeech-2-like speech recogniser and a mixture-of-experts
+decoder. :func:`build_model`
 builds any of them from a named size.
 """
 
@@ -17,6 +18,7 @@ from twobp.models.deepspeech import (
 )
 from twobp.models.llama import LlamaConfig, build_llama, llama_blocks
 from twobp.models.mamba import MambaConfig, build_mamba, mamba_blocks, selective_scan
+from twobp.models.moe import MoeConfig, MoeLoss, build_moe, moe_blocks
 from twobp.models.presets import PAPER_SIZES, PRESETS, build_model
 from twobp.models.resnet import ResNetConfig, build_resnet, classification_loss, resnet_blocks
 from twobp.models.spec import BlockKind, ModelSpec
@@ -30,6 +32,8 @@ __all__ = [
     "LlamaConfig",
     "MambaConfig",
     "ModelSpec",
+    "MoeConfig",
+    "MoeLoss",
     "ResNetConfig",
     "bert_blocks",
     "build_bert",
@@ -38,6 +42,7 @@ __all__ = [
     "build_llama",
     "build_mamba",
     "build_model",
+    "build_moe",
     "build_resnet",
     "classification_loss",
     "ctc_loss",
@@ -47,6 +52,7 @@ __all__ = [
     "mamba_blocks",
     "mask_tokens",
     "mlm_loss",
+    "moe_blocks",
     "resnet_blocks",
     "selective_scan",
 ]

@@ -19,6 +19,7 @@ from twobp.models.common import Device
 from twobp.models.deepspeech import DeepSpeechConfig, build_deepspeech
 from twobp.models.llama import LlamaConfig, build_llama
 from twobp.models.mamba import MambaConfig, build_mamba
+from twobp.models.moe import MoeConfig, build_moe
 from twobp.models.resnet import ResNetConfig, build_resnet
 from twobp.models.spec import ModelSpec
 
@@ -60,6 +61,35 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "152": ResNetConfig((3, 8, 36, 3)),
             }
         ),
+        "moe": MappingProxyType(
+            {
+                "tiny": MoeConfig(
+                    256, dim=64, n_layers=4, n_heads=4, ffn_dim=64, n_experts=8, top_k=2, seq_len=32
+                ),
+                "small": MoeConfig(
+                    256,
+                    dim=256,
+                    n_layers=8,
+                    n_heads=8,
+                    ffn_dim=256,
+                    n_experts=8,
+                    top_k=2,
+                    seq_len=128,
+                    shared_ffn_dim=256,
+                ),
+                # Mixtral-8x7B's sizes (its grouped-query attention is full attention here).
+                "8x7b": MoeConfig(
+                    32000,
+                    dim=4096,
+                    n_layers=32,
+                    n_heads=32,
+                    ffn_dim=14336,
+                    n_experts=8,
+                    top_k=2,
+                    seq_len=1024,
+                ),
+            }
+        ),
         "deepspeech": MappingProxyType(
             {
                 "tiny": DeepSpeechConfig(
@@ -88,6 +118,7 @@ _BUILDERS: Mapping[str, Callable[..., ModelSpec]] = MappingProxyType(
         "mamba": build_mamba,
         "resnet": build_resnet,
         "deepspeech": build_deepspeech,
+        "moe": build_moe,
     }
 )
 
@@ -104,7 +135,7 @@ def build_model(
     """Build a reference model from a preset, optionally changing some of its fields.
 
     Args:
-        family: ``"llama"``, ``"bert"``, ``"mamba"``, ``"resnet"`` or ``"deepspeech"``.
+        family: ``"llama"``, ``"bert"``, ``"mamba"``, ``"resnet"``, ``"deepspeech"`` or ``"moe"``.
         size: a preset of that family (see :data:`PRESETS`); ``"paper"`` is the
             size the 2BP paper measures.
         device: where to build the parameters (``"meta"`` allocates nothing).

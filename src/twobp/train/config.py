@@ -18,7 +18,7 @@ from twobp.runtime.options import option_help
 from twobp.schedule import TWO_BP_POLICIES
 from twobp.sim.recompute import RECOMPUTE_AUTO, RECOMPUTE_MODES
 
-MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet", "deepspeech")
+MODEL_FAMILIES = ("llama", "bert", "mamba", "resnet", "deepspeech", "moe")
 
 
 @dataclass
@@ -26,7 +26,7 @@ class TrainConfig:
     """Everything one training run needs, with defaults that run on a fresh 2-core CPU."""
 
     model: str = doc(
-        "model family: llama and mamba (next byte of real text), bert (masked bytes of real "
+        "model family: llama, mamba and moe (next byte of real text), bert (masked bytes of real "
         "text), resnet (synthetic images), deepspeech (synthetic utterances, CTC); the text is "
         "Python's own sources or --data",
         "llama",

@@ -61,7 +61,7 @@ def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.model in SYNTHETIC_FAMILIES:
         return {}
     overrides: dict[str, Any] = {"seq_len": cfg.seq_len}
-    if cfg.model in ("llama", "mamba"):
+    if cfg.model in ("llama", "mamba", "moe"):
         overrides["vocab_size"] = 256
     return overrides
 
