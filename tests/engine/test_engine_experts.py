@@ -9,6 +9,8 @@ every weight deferred.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,10 @@ def test_expert_gradients_equal_autograd_with_an_expert_without_tokens(style: st
         assert routes[name].route is Route.DEFERRED, routes[name]
         assert not routes[name].partly_immediate, routes[name]
     assert deferred_share(store.routes()) == 1.0
+    # The report counts the experts whose W is concatenated over the micro-batches.
+    expected = {"grouped_mm": "grouped_mm per expert x4", "select": "F.linear per expert x4"}
+    if style in expected:
+        assert re.search(rf"\n +down +{expected[style]} in", store.report()), store.report()
 
 
 def test_select_makes_one_op_per_expert_concatenated_over_microbatches() -> None:

@@ -438,8 +438,10 @@ class Capture:
         read = [o for o in operands if o is not None]
         op.name = f"{name} of {', '.join(self.names[id(o.param)] for o in read)}"
         for o in read:
+            # One expert's slice w[e]: the report counts the experts whose W it concatenates.
+            use = f"{name} per expert" if o.steps and o.steps[0][0] == "select" else name
             deferred = self._usage(o.param).deferred
-            deferred[name] = deferred.get(name, 0) + 1
+            deferred[use] = deferred.get(use, 0) + 1
         self._by_identity[key] = op
         self.ops.append(op)
         return op

@@ -113,4 +113,5 @@ def capture_grouped_mm(capture: Capture, args: tuple[Any, ...], kwargs: Kwargs) 
         return "grouped_mm without offsets, or with a bias, scales or an out_dtype"
     if x.dim() != 2 or w.dim() != 3 or offs.numel() != w.shape[0]:
         return "grouped_mm other than 2-D tokens by 3-D experts with one offset per expert"
-    return capture.run(DeferredGroupedMM, "grouped_mm", None, x, param, None, offs)
+    name = f"grouped_mm per expert x{w.shape[0]}"
+    return capture.run(DeferredGroupedMM, name, None, x, param, None, offs)
