@@ -19,7 +19,8 @@ ALLOWED = {
     "partition": {"engine"},
     "engine": set(),
     "models": set(),
-    "integrations": set(),
+    # A Hugging Face export reads a pipeline's checkpoint (integrations/hf_export.py).
+    "integrations": {"runtime"},
     "cut": set(),
     "runtime": {"engine", "partition", "models", "sim", "schedule"},
     "train": {
@@ -32,7 +33,17 @@ ALLOWED = {
         "schedule",
         "config",
     },
-    "cli": {"train", "runtime", "engine", "partition", "models", "sim", "schedule", "config"},
+    "cli": {
+        "train",
+        "runtime",
+        "engine",
+        "partition",
+        "models",
+        "integrations",
+        "sim",
+        "schedule",
+        "config",
+    },
 }
 ANYWHERE = {"viz", "timeline"}
 NO_TORCH = ("twobp.schedule", "twobp.sim", "twobp.viz", "twobp.timeline")

@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
             "torch.distributed.checkpoint format and a JSON manifest. 'info' prints the "
             "manifest and checks every file's size and CRC-32 (exit code 2 if one is "
             "damaged); 'merge' writes the single-process state dict that "
-            "nn.Sequential(*blocks).load_state_dict takes; 'convert' turns a checkpoint of "
+            "nn.Sequential(*blocks).load_state_dict takes; 'export-hf' writes the Hugging Face "
+            "folder of a pipeline of integrations.transformers.blocks(model) that "
+            "from_pretrained reads; 'convert' turns a checkpoint of "
             "twobp's first format (a pickle per rank) into the current one."
         ),
     )
@@ -39,6 +41,20 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     merge.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
     merge.add_argument("output", help="the .pt file to write")
     merge.set_defaults(func=_guarded(_merge))
+    export = actions.add_parser(
+        "export-hf",
+        help="write a Hugging Face save_pretrained folder from a checkpoint of a pipeline of "
+        "twobp.integrations.transformers.blocks(model)",
+    )
+    export.add_argument("path", help="a checkpoint, a folder of checkpoints or a run's --out")
+    export.add_argument("output", help="the folder to write (from_pretrained reads it)")
+    export.add_argument(
+        "--hf-config-file",
+        default=None,
+        help="the model's config.json (or a folder holding one); not needed for a checkpoint "
+        "of twobp train --hf-config, whose manifest says which model it trained",
+    )
+    export.set_defaults(func=_guarded(_export_hf))
     convert = actions.add_parser(
         "convert", help="convert a checkpoint of the first format (rank-*.pt files)"
     )
@@ -124,6 +140,53 @@ def _merge(args: argparse.Namespace) -> int:
     torch.save(state, args.output)
     print(f"wrote {len(state)} tensors to {args.output}")
     return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from twobp.integrations.hf_export import ExportError, save_pretrained
+
+    try:
+        check_writable("output", args.output, folder=True)
+        model = _hf_model(args.path, args.hf_config_file)
+        save_pretrained(model, args.path, args.output)
+    except (ValueError, ExportError) as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"wrote {type(model).__name__} to {args.output} (from_pretrained reads it)")
+    return 0
+
+
+def _hf_model(path: str, config_file: str | None) -> Any:
+    """The model a checkpoint's pipeline was cut from: of ``config_file``, or of the
+    ``twobp train --hf-config`` run its manifest names."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "export-hf needs the transformers extra: pip install 'twobp[transformers]'"
+        ) from None
+    if config_file is not None:
+        config = transformers.AutoConfig.from_pretrained(config_file)
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise ValueError(
+                f"--hf-config-file {config_file} names no model class of transformers "
+                f"(architectures: {names}): write it with the model's save_pretrained, or set "
+                "config.architectures to its class name (e.g. ['GPT2LMHeadModel'])"
+            )
+        return model_class(config)
+    from twobp.runtime.state.checkpoint import read_manifest
+    from twobp.train.config import TrainConfig
+    from twobp.train.task import hf_model
+
+    saved = read_manifest(path).get("meta", {}).get("config") or {}
+    if not saved.get("hf_config"):
+        raise ValueError(
+            f"{path} is not a checkpoint of twobp train --hf-config: pass --hf-config-file "
+            "<the config.json of the model whose blocks the pipeline ran>"
+        )
+    known = {f for f in TrainConfig.__dataclass_fields__}
+    return hf_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
 
 
 def _convert(args: argparse.Namespace) -> int:

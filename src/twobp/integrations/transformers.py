@@ -467,6 +467,16 @@ def build_model(
     return model
 
 
+def state_dict(model: nn.Module, checkpoint: Any) -> dict[str, Tensor]:
+    """The model's own state dict from a checkpoint of a pipeline of ``blocks(model)``: by the
+    model's names, ties kept, so that ``model.load_state_dict(..., strict=True)`` and then
+    ``model.save_pretrained`` give a folder ``from_pretrained`` reads
+    (:func:`twobp.integrations.hf_export.model_state_dict`)."""
+    from twobp.integrations.hf_export import model_state_dict
+
+    return model_state_dict(model, checkpoint)
+
+
 def loss_function(model: nn.Module) -> Callable[[Any, Tensor], Tensor]:
     """``loss(output, labels)``: the loss the model computes itself when given ``labels``.
 

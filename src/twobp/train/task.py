@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from twobp.integrations import SPEECH_FAMILIES
 from twobp.models import ModelSpec, build_model, mask_tokens
@@ -210,6 +211,25 @@ HF_MASK_TOKEN = 256
 """The ``[MASK]`` id of a Hugging Face BERT on bytes (its vocabulary: the 256 bytes and it)."""
 
 
+def hf_model(cfg: TrainConfig) -> nn.Module:
+    """The ``transformers`` model a ``--hf-config`` run trains (its configuration; values
+    as the current random state gives them)."""
+    from twobp.integrations import transformers as hf
+    from twobp.integrations import wav2vec2
+
+    kind = cfg.hf_config
+    assert kind is not None, "not a --hf-config run"
+    if kind in SPEECH_FAMILIES:
+        return wav2vec2.build_model(kind, cfg.size, vocab_size=SPEECH_VOCAB)
+    return hf.build_model(
+        kind,
+        cfg.size,
+        tied=True,
+        vocab_size=HF_MASK_TOKEN + 1 if kind == "bert" else 256,
+        max_positions=cfg.seq_len,
+    )
+
+
 def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     """A ``transformers`` model of ``cfg.hf_config`` (tied as published) on byte-level text.
 
@@ -224,13 +244,7 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
         return _hf_speech_task(cfg, dtype)
     masked = kind == "bert"
     torch.manual_seed(cfg.seed)
-    model = hf.build_model(
-        kind,
-        cfg.size,
-        tied=True,
-        vocab_size=HF_MASK_TOKEN + 1 if masked else 256,
-        max_positions=cfg.seq_len,
-    ).to(dtype)
+    model = hf_model(cfg).to(dtype)
     parts = list(hf.blocks(model))
     raw, source = file_corpus(cfg.data, cfg.seq_len) if cfg.data else stdlib_corpus()
     text = ByteLMData.from_bytes(raw, cfg.seq_len, source)
@@ -272,7 +286,7 @@ def _hf_speech_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
     kind = cfg.hf_config
     assert kind is not None
     torch.manual_seed(cfg.seed)
-    model = wav2vec2.build_model(kind, cfg.size, vocab_size=SPEECH_VOCAB).to(dtype)
+    model = hf_model(cfg).to(dtype)
     parts = list(wav2vec2.blocks(model))
     utterances = DeepSpeechConfig(
         SPEECH_VOCAB, n_features=wav2vec2.samples_per_frame(cfg.size), frames=48, label_len=6
