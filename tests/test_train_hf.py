@@ -68,3 +68,25 @@ def test_a_partition_error_names_the_hugging_face_model_and_its_blocks():
     with pytest.raises(OptionError, match=r"\(2 stages, hf-gpt2-small has 6 blocks\)"):
         check_config(TrainConfig(hf_config="gpt2", size="small", partition="1,1"))
     assert n_blocks("small") == 6
+
+
+def test_a_hugging_face_mixtral_trains_with_its_routers_loss(tmp_path):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train", "--hf-config", "mixtral", "--size", "tiny", "--steps", "12",
+            "--batch-size", "4", "--microbatches", "2", "--seq-len", "16", "--warmup", "1",
+            "--threads", "1", "--timeout", "60", "--no-save", "--two-bp", "--log-every", "4",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_run"] == 12
+    assert metrics["loss_last"] < metrics["loss_first"] - 0.5
+    assert (out / "report.md").read_text().startswith("# twobp train: hf-mixtral-tiny")
+    from twobp.integrations.transformers import build_model
+
+    config = build_model("mixtral", "tiny").config
+    # The loss is the model's with its routers' auxiliary term.
+    assert config.output_router_logits and config.num_local_experts == 4

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from twobp.integrations import TRANSFORMERS_FAMILIES
+from twobp.integrations import MIXTURE_FAMILIES, TRANSFORMERS_FAMILIES
 from twobp.integrations.router_loss import RouterLoss, Sums, router_loss
 
 Hidden = Tensor | tuple[Tensor, ...]
@@ -402,7 +402,8 @@ def build_model(
     Dropout is off, so that a pipeline and the model compute the same.
 
     Args:
-        kind: ``"llama"``, ``"gpt2"``, ``"bert"`` or ``"mamba"``.
+        kind: ``"llama"``, ``"gpt2"``, ``"bert"``, ``"mamba"`` or ``"mixtral"`` (4 experts,
+            top 2, its routers' auxiliary loss on, eager experts).
         size: a key of :data:`SIZES`.
         tied: tie the output layer to the input embedding where the family does
             by default (GPT-2, BERT, Mamba; LLaMA never ties). False gives the
@@ -416,8 +417,9 @@ def build_model(
     """
     import transformers
 
-    if kind not in FAMILIES or size not in SIZES:
-        raise ValueError(f"build_model takes a family of {FAMILIES} and a size of {list(SIZES)}")
+    kinds = (*FAMILIES, *MIXTURE_FAMILIES)
+    if kind not in kinds or size not in SIZES:
+        raise ValueError(f"build_model takes a family of {kinds} and a size of {list(SIZES)}")
     dims = SIZES[size]
     vocab = dims["vocab_size"] if vocab_size is None else vocab_size
     hidden, layers = dims["hidden_size"], dims["num_hidden_layers"]
@@ -425,10 +427,23 @@ def build_model(
         "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "tie_word_embeddings": tied and kind != "llama",
+        "tie_word_embeddings": tied and kind not in ("llama", "mixtral"),
     }
     model: nn.Module
-    if kind == "llama":
+    if kind == "mixtral":
+        mixtral = transformers.MixtralConfig(
+            intermediate_size=dims["intermediate_size"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            experts_implementation="eager",
+            **common,
+        )
+        model = transformers.MixtralForCausalLM(mixtral)
+    elif kind == "llama":
         llama = transformers.LlamaConfig(
             intermediate_size=dims["intermediate_size"],
             num_attention_heads=4,

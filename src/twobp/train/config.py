@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from twobp.config import doc
-from twobp.integrations import SPEECH_FAMILIES, TRANSFORMERS_FAMILIES
+from twobp.integrations import MIXTURE_FAMILIES, SPEECH_FAMILIES, TRANSFORMERS_FAMILIES
 from twobp.runtime.options import option_help
 from twobp.schedule import TWO_BP_POLICIES
 from twobp.sim.recompute import RECOMPUTE_AUTO, RECOMPUTE_MODES
@@ -35,10 +35,11 @@ class TrainConfig:
     hf_config: str | None = doc(
         "train a Hugging Face transformers model of this family instead of --model, built "
         "from the --size tiny|small configuration, its head tied as published (needs the "
-        "transformers extra): llama, gpt2, mamba (next byte), bert (masked bytes), wav2vec2, "
-        "hubert (CTC on synthetic audio)",
+        "transformers extra): llama, gpt2, mamba, mixtral (next byte; mixtral with its "
+        "routers' auxiliary loss), bert (masked bytes), wav2vec2, hubert (CTC on synthetic "
+        "audio)",
         None,
-        choices=(*TRANSFORMERS_FAMILIES, *SPEECH_FAMILIES),
+        choices=(*TRANSFORMERS_FAMILIES, *MIXTURE_FAMILIES, *SPEECH_FAMILIES),
     )
     size: str = doc("model size preset (tiny, small; full sizes need a GPU)", "tiny")
     schedule: str = doc(
