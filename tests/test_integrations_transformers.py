@@ -238,3 +238,13 @@ def test_a_forward_through_the_blocks_warns_of_nothing_twobp_passes(kind):
         parts((ids, mask))
     ours = [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+
+
+def test_an_encoder_decoder_is_refused_with_the_way_to_write_its_blocks():
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8
+    )
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration") as info:
+        blocks(transformers.T5ForConditionalGeneration(config))
+    assert "write its blocks yourself" in str(info.value)
+    assert "\n" not in str(info.value)

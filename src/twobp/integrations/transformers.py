@@ -311,10 +311,18 @@ def family(model: nn.Module) -> str:
         return "bert"
     if _has(model, "backbone.embeddings", "backbone.layers", "backbone.norm_f", "lm_head"):
         return "mamba"
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    hint = (
+        "; an encoder-decoder is two pipelines' worth of blocks that this does not guess: "
+        "write its blocks yourself (docs/user-guide.md, 'Encoder-decoder models')"
+        if encoder_decoder
+        else ""
+    )
     raise ValueError(
         f"twobp.integrations.transformers does not know how to cut a {type(model).__name__}: "
         f"it covers LLaMA-family causal LMs (model.embed_tokens, model.layers, model.norm, "
-        f"lm_head), GPT2LMHeadModel, BertForMaskedLM and MambaForCausalLM"
+        f"lm_head: Llama, Qwen2/3, Mistral, Mixtral, Qwen-MoE...), GPT2LMHeadModel, "
+        f"BertForMaskedLM and MambaForCausalLM, and the CTC speech models{hint}"
     )
 
 
