@@ -158,3 +158,19 @@ def test_twobp_train_model_moe_runs_end_to_end(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_run"] == 8
     assert metrics["loss_last"] < metrics["loss_first"], metrics["losses"]
+    # The report says how many expert weights W concatenated per expert, from the stores.
+    from twobp.models import build_model
+
+    spec = build_model("moe", "tiny")
+    stacked = [n for n, p in spec.blocks[1].named_parameters() if p.dim() == 3]
+    layers = sum(1 for b in spec.blocks if any(p.dim() == 3 for p in b.parameters()))
+    experts = next(p for p in spec.blocks[1].parameters() if p.dim() == 3).shape[0]
+    line = (
+        f"{len(stacked) * layers} stacked expert weights concatenated per expert over the "
+        f"micro-batches ({len(stacked) * layers * experts} expert products)"
+    )
+    assert line in (out / "report.md").read_text()
+    assert (
+        "100.0% of the split stages' weight elements deferred to W"
+        in (out / "report.md").read_text()
+    )

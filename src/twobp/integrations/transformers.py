@@ -447,9 +447,10 @@ def build_model(
             num_local_experts=4,
             num_experts_per_tok=2,
             output_router_logits=True,
-            experts_implementation="eager",
             **common,
         )
+        # Plain products per expert (grouped_mm takes no float64 on the CPU).
+        mixtral.experts_implementation = "eager"
         model = transformers.MixtralForCausalLM(mixtral)
     elif kind == "llama":
         llama = transformers.LlamaConfig(

@@ -24,6 +24,7 @@ from twobp.timeline import Span, bubble_ratio
 from twobp.train import checkpointing
 from twobp.train.config import TrainConfig, parse_partition
 from twobp.train.console import ConsoleStream
+from twobp.train.engine_summary import EngineSummary, rank_summary
 from twobp.train.metrics import MetricsLog, StepMetrics
 from twobp.train.progress import Progress
 from twobp.train.skipped import SkipNotes
@@ -57,6 +58,8 @@ class RankResult:
     """Peak resident memory of this rank's process."""
     peak_stashed_bytes: int = 0
     """Peak bytes the 2BP engine held for deferred weight gradients on this rank."""
+    engine: EngineSummary = field(default_factory=EngineSummary)
+    """What the 2BP engine deferred on this rank's split stages."""
     memory: dict[str, int] = field(default_factory=dict)
     """The largest of each ``Pipeline.memory_stats`` figure over the steps of this run."""
     spans: list[Span] = field(default_factory=list)
@@ -256,6 +259,7 @@ def _train_rank(
             metrics.close()
     if scaler is not None:
         result.loss_scale_state = scaler.state_dict()
+    result.engine = rank_summary(pipe.stages.values())
     spans = pipe.timeline()
     shown = set(spans)
     waits = [s for s in pipe.timeline(waits=True) if s not in shown]

@@ -32,6 +32,7 @@ from twobp.config import to_toml
 from twobp.runtime.setup.compile_trial import TRIALS, WARMUP
 from twobp.timeline import bubble_ratio, makespan
 from twobp.train.config import TrainConfig, run_name
+from twobp.train.engine_summary import report_line
 from twobp.train.loop import WARMUP_STEPS, RankResult
 from twobp.train.what_ran import chosen_options
 from twobp.viz import render_ascii, render_png, write_trace
@@ -80,6 +81,7 @@ def summarize(cfg: TrainConfig, results: Sequence[RankResult]) -> dict[str, Any]
         "eval_loss": lead.eval_loss,
         "eval_losses": [list(pair) for pair in lead.eval_losses],
         "ran": lead.ran,
+        "engine": report_line([r.engine for r in results]),
         "compile_choice": _compile_choice(results),
         "last_step_makespan_s": makespan(lead.spans),
         "bubble_ratio": statistics.median(bubbles) if bubbles else last_bubble,
@@ -202,6 +204,7 @@ def render_markdown(summary: dict[str, Any], lead: RankResult, title: str) -> st
         f"- data: {summary['data']}",
         *_ran_lines(summary.get("ran") or {}, summary["precision"] + _loss_scale_text(summary)),
         *_compile_lines(summary.get("compile_choice") or {}),
+        *([f"- {summary['engine']}"] if summary.get("engine") else []),
         f"- steps: {summary['steps_run']}, median step {summary['seconds_per_step_median']:.4f} s",
         f"- throughput: {throughput(summary)}",
         f"- loss: {summary['loss_first']:.4f} (mean of first {summary['loss_window']} steps) -> "
