@@ -22,6 +22,7 @@ from twobp.models.moe import MoeConfig, MoeLoss, build_moe, moe_blocks
 from twobp.models.presets import PAPER_SIZES, PRESETS, build_model
 from twobp.models.resnet import ResNetConfig, build_resnet, classification_loss, resnet_blocks
 from twobp.models.spec import BlockKind, ModelSpec
+from twobp.models.tensor_parallel import shard_block, tensor_parallel_plan
 
 __all__ = [
     "PAPER_SIZES",
@@ -55,4 +56,6 @@ __all__ = [
     "moe_blocks",
     "resnet_blocks",
     "selective_scan",
+    "shard_block",
+    "tensor_parallel_plan",
 ]

@@ -94,16 +94,16 @@ class CausalSelfAttention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))  # type: ignore[no-any-return]
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))  # type: ignore[no-any-return]
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,62 @@
+"""Functions the tensor-parallel block tests run on every rank of a launched group."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from twobp.models import LlamaConfig, llama_blocks, shard_block, tensor_parallel_plan
+
+CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=1, n_heads=4, ffn_dim=24, seq_len=6)
+
+
+def block_errors() -> dict[str, float]:
+    """Largest difference of a sharded LLaMA block from the whole one: output, every gradient."""
+    torch.manual_seed(1)
+    full = llama_blocks(CONFIG, dtype=torch.float64)[1]
+    x = torch.randn(2, CONFIG.seq_len, CONFIG.dim, dtype=torch.float64)
+    weight = torch.randn(2, CONFIG.seq_len, CONFIG.dim, dtype=torch.float64)
+    plan = tensor_parallel_plan("llama")
+    sharded = shard_block(copy.deepcopy(full), plan)
+    errors = {}
+    for name, block in (("full", full), ("sharded", sharded)):
+        x_in = x.clone().requires_grad_(True)
+        out = block(x_in)
+        (out * weight).sum().backward()
+        errors[name] = out.detach()
+        errors[name + ".input"] = x_in.grad
+    result = {
+        "output": float((errors["full"] - errors["sharded"]).abs().max()),
+        "input": float((errors["full.input"] - errors["sharded.input"]).abs().max()),
+    }
+    size = dist.get_world_size()
+    for (name, part), whole in zip(sharded.named_parameters(), full.parameters(), strict=True):
+        grad = part.grad
+        assert grad is not None
+        if part.shape != whole.shape:
+            dim = 0 if plan[name.rsplit(".", 1)[0]] == "colwise" else 1
+            pieces = [torch.empty_like(grad) for _ in range(size)]
+            dist.all_gather(pieces, grad.contiguous())
+            grad = torch.cat(pieces, dim=dim)
+        assert whole.grad is not None
+        result[name] = float((grad - whole.grad).abs().max())
+    return result
+
+
+def refusal(case: str) -> str:
+    """The one-line error of a bad plan or a shape that does not divide by the group."""
+    odd = LlamaConfig(vocab_size=32, dim=18, n_layers=1, n_heads=3, ffn_dim=24, seq_len=6)
+    config = odd if case == "heads" else CONFIG
+    block = llama_blocks(config, dtype=torch.float64)[1]
+    plan = tensor_parallel_plan("llama")
+    if case == "no module":
+        plan["attn.wqkv"] = "colwise"
+    if case == "width":
+        block.mlp.w2 = torch.nn.Linear(25, CONFIG.dim, bias=False)
+    try:
+        shard_block(block, plan)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

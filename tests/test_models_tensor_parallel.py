@@ -1,0 +1,33 @@
+"""A block split by a tensor-parallel plan equals the whole block on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensor_parallel_workers import block_errors, refusal
+from twobp.models import tensor_parallel_plan
+from twobp.runtime.launch import launch
+
+
+def test_a_sharded_llama_block_gives_the_whole_blocks_output_and_gradients():
+    for errors in launch(block_errors, 2, timeout=120):
+        assert len(errors) == 2 + 9  # output, input gradient, 9 parameters
+        assert max(errors.values()) < 1e-10, errors
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("heads", "attn has 3 heads, which do not divide by 2 ranks"),
+        ("no module", "'attn.wqkv' names no module of the block"),
+        ("width", "mlp.w2 (rowwise) has width 25, which does not divide by 2 ranks"),
+    ],
+)
+def test_bad_plans_and_shapes_are_refused_on_every_rank_naming_the_module(case, words):
+    messages = launch(refusal, 2, case, timeout=120)
+    assert all(words in m and "\n" not in m for m in messages), messages
+
+
+def test_a_model_without_a_plan_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="no plan ships for 'bert'; known: 'llama'"):
+        tensor_parallel_plan("bert")
