@@ -60,3 +60,44 @@ def refusal(case: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def deferred_errors() -> dict[str, float]:
+    """A sharded block under the 2-stage backward: I for 2 micro-batches, then one W.
+
+    Returns the largest gradient difference from autograd on the whole block, the share
+    of parameter elements whose gradient W adds, and whether the sharded weights still
+    had no gradient between I and W.
+    """
+    from twobp.engine import defer_weight_grads
+    from twobp.engine.coverage import deferred_share
+
+    torch.manual_seed(1)
+    full = llama_blocks(CONFIG, dtype=torch.float64)[1]
+    sharded = shard_block(copy.deepcopy(full), tensor_parallel_plan("llama"))
+    xs = [torch.randn(2, CONFIG.seq_len, CONFIG.dim, dtype=torch.float64) for _ in range(2)]
+    weights = [torch.randn_like(x) for x in xs]
+    for x, weight in zip(xs, weights, strict=True):
+        (full(x) * weight).sum().backward()
+    store = defer_weight_grads(sharded)
+    for mb, (x, weight) in enumerate(zip(xs, weights, strict=True)):
+        x_in = x.clone().requires_grad_(True)
+        with store.forward(mb):
+            out = sharded(x_in)
+        store.backward_input(mb, [out], [weight], [x_in])
+    held_back = all(p.grad is None for n, p in sharded.named_parameters() if ".w" in n)
+    store.backward_weight([0, 1])
+    store.finish_step()
+    result = {"share": deferred_share(store.routes()), "held back": float(held_back)}
+    size, worst = dist.get_world_size(), 0.0
+    for (name, part), whole in zip(sharded.named_parameters(), full.parameters(), strict=True):
+        grad = part.grad
+        assert grad is not None and whole.grad is not None, name
+        if part.shape != whole.shape:
+            dim = 0 if part.shape[0] != whole.shape[0] else 1
+            pieces = [torch.empty_like(grad) for _ in range(size)]
+            dist.all_gather(pieces, grad.contiguous())
+            grad = torch.cat(pieces, dim=dim)
+        worst = max(worst, float((grad - whole.grad).abs().max()))
+    result["gradients"] = worst
+    return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensor_parallel_workers import block_errors, refusal
+from tensor_parallel_workers import block_errors, deferred_errors, refusal
 from twobp.models import tensor_parallel_plan
 from twobp.runtime.launch import launch
 
@@ -31,3 +31,10 @@ def test_bad_plans_and_shapes_are_refused_on_every_rank_naming_the_module(case, 
 def test_a_model_without_a_plan_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="no plan ships for 'bert'; known: 'llama'"):
         tensor_parallel_plan("bert")
+
+
+def test_the_2bp_engine_defers_the_local_weight_gradients_of_a_sharded_block():
+    for result in launch(deferred_errors, 2, timeout=120):
+        assert result["held back"] == 1.0  # no sharded weight had a gradient after I
+        assert result["share"] >= 0.99, result
+        assert result["gradients"] < 1e-10, result
