@@ -101,3 +101,31 @@ def deferred_errors() -> dict[str, float]:
         worst = max(worst, float((grad - whole.grad).abs().max()))
     result["gradients"] = worst
     return result
+
+
+def hugging_face_errors() -> float:
+    """Largest difference of a Hugging Face LLaMA layer split by its own plan from the whole."""
+    from twobp.integrations import transformers as hf
+
+    torch.manual_seed(0)
+    model = hf.build_model("llama").to(torch.float64)
+    full = hf.blocks(model)[1]
+    sharded = shard_block(copy.deepcopy(full), hf.tensor_parallel_plan(model))
+    x = torch.randn(2, 6, model.config.hidden_size, dtype=torch.float64)
+    outs, grads = [], []
+    for block in (full, sharded):
+        x_in = x.clone().requires_grad_(True)
+        out = block(x_in)
+        (out * torch.ones_like(out)).sum().backward()
+        outs.append(out.detach())
+        grads.append(x_in.grad)
+    worst = float(max((outs[0] - outs[1]).abs().max(), (grads[0] - grads[1]).abs().max()))
+    for part, whole in zip(sharded.parameters(), full.parameters(), strict=True):
+        assert part.grad is not None and whole.grad is not None
+        grad = part.grad
+        if part.shape != whole.shape:
+            pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(pieces, grad.contiguous())
+            grad = torch.cat(pieces, dim=0 if part.shape[0] != whole.shape[0] else 1)
+        worst = max(worst, float((grad - whole.grad).abs().max()))
+    return worst

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensor_parallel_workers import block_errors, deferred_errors, refusal
+from tensor_parallel_workers import block_errors, deferred_errors, hugging_face_errors, refusal
 from twobp.models import tensor_parallel_plan
 from twobp.runtime.launch import launch
 
@@ -38,3 +38,20 @@ def test_the_2bp_engine_defers_the_local_weight_gradients_of_a_sharded_block():
         assert result["held back"] == 1.0  # no sharded weight had a gradient after I
         assert result["share"] >= 0.99, result
         assert result["gradients"] < 1e-10, result
+
+
+def test_a_hugging_face_llama_layer_split_by_its_own_plan_equals_the_whole_layer():
+    pytest.importorskip("transformers")
+    assert max(launch(hugging_face_errors, 2, timeout=120)) < 1e-10
+
+
+def test_a_hugging_face_plan_entry_outside_the_decoder_linears_is_refused_naming_it():
+    hf = pytest.importorskip("twobp.integrations.transformers")
+    pytest.importorskip("transformers")
+    model = hf.build_model("llama")
+    model.config.base_model_tp_plan = {"embed_tokens": "embedding"}
+    with pytest.raises(ValueError, match="the entry 'embed_tokens': 'embedding' of"):
+        hf.tensor_parallel_plan(model)
+    model.config.base_model_tp_plan = None
+    with pytest.raises(ValueError, match="has no base_model_tp_plan; pass a plan of your own"):
+        hf.tensor_parallel_plan(model)

@@ -573,3 +573,39 @@ def _logits_and_sums(output: Any, routed: bool, name: str) -> tuple[Tensor, Sums
         f"got a {got}: pass it the output of the last of blocks(model), made under the "
         "same configuration (config.output_router_logits)"
     )
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan of a model's decoder blocks, from its ``base_model_tp_plan``.
+
+    The entries under ``layers.*.`` become patterns inside a block of :func:`blocks`
+    (``layers.*.self_attn.q_proj`` -> ``layer.self_attn.q_proj``), for
+    :func:`twobp.models.shard_block`.
+
+    Args:
+        model: a Hugging Face model of a covered family whose configuration has a plan.
+
+    Returns:
+        A mapping from module-name pattern to ``"colwise"`` or ``"rowwise"``.
+
+    Raises:
+        ValueError: if the configuration has no plan, or an entry is outside the decoder
+            layers or of a style other than ``colwise`` / ``rowwise``; it names the entry.
+    """
+    config = getattr(model, "config", None)
+    source = getattr(config, "base_model_tp_plan", None)
+    if not source:
+        raise ValueError(
+            f"tensor_parallel_plan: {type(model).__name__}'s configuration has no "
+            "base_model_tp_plan; pass a plan of your own"
+        )
+    plan = {}
+    for pattern, style in source.items():
+        if not pattern.startswith("layers.*.") or style not in ("colwise", "rowwise"):
+            raise ValueError(
+                f"tensor_parallel_plan: the entry {pattern!r}: {style!r} of "
+                f"{type(model).__name__}'s plan is not supported (only 'colwise' and "
+                "'rowwise' linears inside the decoder layers); pass a plan of your own"
+            )
+        plan["layer." + pattern.removeprefix("layers.*.")] = style
+    return plan
