@@ -85,6 +85,21 @@ class PlanConfig:
         [],
     )
     markdown: bool = doc("print the table as markdown", False)
+    model: str | None = doc(
+        "plan a named model on --gpus devices of kind --gpu from analytic costs "
+        "(twobp.sim.analytic; llama)",
+        None,
+    )
+    size: str = doc("size of --model (llama: 7b, 13b, 70b)", "7b")
+    gpus: int = doc("devices to plan --model on", 8)
+    gpu: str = doc(
+        "device kind (h100, h200, a100-80g, mi300x, cpu) or a JSON of its figures", "h100"
+    )
+    seq_len: int = doc("tokens per sequence for --model", 4096)
+    global_batch: int = doc("sequences per step, all copies together, for --model", 512)
+    dtype: str = doc(
+        "dtype of --model's weights and compute", "bfloat16", choices=("bfloat16", "float32")
+    )
 
 
 MEMORY_KEYS = ("act", "grad", "param", "opt")
@@ -220,6 +235,8 @@ def run(config: PlanConfig) -> int:
         raise UsageError(f"--memory-limit {config.memory_limit}: {exc}") from exc
     if limit is not None and not limit > 0:
         raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
+    if config.model is not None:
+        return run_analytic(config)
     units = Units.of(config)
     check_limit_unit(config.memory_limit, units)
     costs = cost_model(config.costs, config.costs_file, config.stages)
@@ -251,6 +268,51 @@ def run(config: PlanConfig) -> int:
     print()
     print(recommend(candidates, limit, units.amount))
     print(auto_choice(config, costs, limit, units, candidates))
+    return 0
+
+
+def run_analytic(config: PlanConfig, shown: int = 3) -> int:
+    """Plan ``--model`` on ``--gpus`` devices from analytic costs; returns the exit code.
+
+    Raises:
+        UsageError: an unknown model, size or device, or no layout that fits.
+    """
+    from twobp.sim.analytic import decoder_shape, load_hardware, plan_layouts
+
+    check_at_least(gpus=(config.gpus, 1), seq_len=(config.seq_len, 1))
+    check_at_least(global_batch=(config.global_batch, 1))
+    try:
+        shape = decoder_shape(config.model or "", config.size)
+        device = load_hardware(config.gpu)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    layouts = plan_layouts(
+        shape, device, config.gpus, config.global_batch, config.seq_len, config.dtype
+    )
+    print(
+        f"{shape.name} ({shape.params / 1e9:.2f}B parameters) on {config.gpus} x {device.name} "
+        f"({format_amount(device.memory)} each), {config.global_batch} sequences of "
+        f"{config.seq_len} tokens per step, {config.dtype}; analytic costs (efficiency "
+        f"{device.efficiency}), not measured"
+    )
+    if not layouts:
+        raise UsageError(
+            f"no layout of {shape.name} fits {config.gpus} x {device.name}: use more devices, "
+            "a smaller --global-batch or --seq-len"
+        )
+    for i, layout in enumerate(layouts[:shown], 1):
+        c = layout.candidate
+        two_bp = "no 2BP" if c.policy == "off" else f"2BP {c.policy}"
+        breakdown = ", ".join(f"{k} {format_amount(v)}" for k, v in layout.memory.items())
+        print(
+            f"{i}. P={layout.pipeline} D={layout.data} T={layout.tensor}, {c.schedule}, {two_bp}, "
+            f"{layout.microbatches} micro-batches of {layout.microbatch}: "
+            f"step {layout.step:.3g} s, "
+            f"{layout.tokens_per_second:,.0f} tokens/s, MFU {layout.mfu:.1%}, "
+            f"bubble {c.bubble_ratio:.1%}"
+        )
+        print(f"   memory per rank: {breakdown} (of {format_amount(device.memory)})")
+        print(f"   twobp train --model {config.model} {layout.options()}")
     return 0
 
 

@@ -1,0 +1,198 @@
+"""Every layout of a decoder on ``n`` devices, simulated on analytic costs.
+
+A layout is ``P`` pipeline ranks x ``D`` copies x ``T`` tensor-parallel ranks,
+a micro-batch size, and what :func:`twobp.sim.search.search` chooses for it:
+schedule, 2BP policy, stages per rank, ``W`` cap. Each rank's weights are
+subtracted from the device memory, and the search keeps the rest (gradients,
+optimizer state, activations and stashes) under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from twobp.sim.analytic.hardware import Hardware
+from twobp.sim.analytic.shapes import BlockCosts, DecoderShape, block_costs
+from twobp.sim.candidate import Candidate
+from twobp.sim.costs import CostModel, allreduce_time
+from twobp.sim.search import NothingFitsError, choose, options, search
+
+SCHEDULES_TRIED = ("1f1b", "zb-h1", "zb-v", "dualpipev")
+POLICIES_TRIED = ("off", "eager")
+TENSOR_PLANNED = "planned, runs once tensor_parallel/shard_parameters land"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout and its simulated best candidate.
+
+    ``memory`` is the peak per rank broken down, in bytes: weights, gradients,
+    optimizer state and what the schedule holds of activations and stashes.
+    """
+
+    pipeline: int
+    data: int
+    tensor: int
+    microbatch: int
+    microbatches: int
+    shard_optimizer: bool
+    candidate: Candidate
+    step: float
+    tokens_per_second: float
+    mfu: float
+    memory: dict[str, float]
+
+    def options(self) -> str:
+        """The ``twobp train`` options that run it (``T > 1``: planned)."""
+        c = self.candidate
+        parts = [
+            f"--ranks {self.pipeline * self.data}",
+            f"--data-parallel {self.data}" if self.data > 1 else "",
+            f"--schedule {c.schedule}",
+            f"--two-bp --policy {c.policy}" if c.policy != "off" else "--no-two-bp",
+            f"--microbatches {self.microbatches}",
+            f"--batch-size {self.microbatches * self.microbatch * self.data}",
+            f"--stages-per-rank {c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
+            "--shard-optimizer" if self.shard_optimizer else "",
+        ]
+        text = " ".join(p for p in parts if p)
+        if self.tensor > 1:
+            text += f" --tensor-parallel {self.tensor} ({TENSOR_PLANNED})"
+        return text
+
+
+def stage_costs(
+    shape: DecoderShape,
+    device: Hardware,
+    block: BlockCosts,
+    pipeline: int,
+    tensor: int,
+    dtype: str,
+) -> tuple[CostModel, float]:
+    """The cost model of ``pipeline`` equal stages, and each rank's weight bytes."""
+    per_stage = -(-shape.layers // pipeline)
+    seconds = device.seconds
+    # Tensor parallelism all-reduces the hidden states twice per layer in F and twice in I.
+    tp = (
+        2 * allreduce_time(block.send_bytes, tensor, device.intra_bandwidth, 0.0)
+        if tensor > 1
+        else 0.0
+    )
+    f = per_stage * (
+        seconds(block.forward_matmul, "matmul", dtype)
+        + seconds(block.forward_attention, "attention", dtype)
+        + tp
+    )
+    i = per_stage * (
+        seconds(block.input_matmul, "matmul", dtype)
+        + seconds(block.input_attention, "attention", dtype)
+        + tp
+    )
+    w = per_stage * seconds(block.weight_matmul, "matmul", dtype)
+    crosses = pipeline * tensor > device.per_node
+    costs = CostModel.uniform(
+        pipeline,
+        f,
+        i,
+        w,
+        bandwidth=device.inter_bandwidth if crosses else device.intra_bandwidth,
+        send_bytes=block.send_bytes / tensor,
+        send_latency=10e-6,
+        activation_bytes=per_stage * block.activation_bytes,
+        weight_grad_bytes=per_stage * block.stash_bytes,
+        parameter_bytes=per_stage * block.gradient_bytes,
+        optimizer_bytes=per_stage * block.optimizer_bytes,
+        reduce_bandwidth=device.inter_bandwidth,
+    )
+    return costs, per_stage * block.parameter_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_layouts(
+    shape: DecoderShape,
+    device: Hardware,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    dtype: str = "bfloat16",
+    *,
+    tensor_sizes: Sequence[int] = (1, 2, 4, 8),
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
+    max_microbatches: int = 64,
+) -> list[Layout]:
+    """Every layout that fits, fastest first (empty: none fits)."""
+    out = []
+    for tensor in tensor_sizes:
+        if gpus % tensor or tensor > device.per_node or shape.heads % tensor:
+            continue
+        for pipeline in _divisors(gpus // tensor):
+            if pipeline < 2 or pipeline > shape.layers:
+                continue
+            data = gpus // (tensor * pipeline)
+            for mb in microbatch_sizes:
+                if global_batch % (data * mb):
+                    continue
+                m = global_batch // (data * mb)
+                if m < pipeline or m > max_microbatches:
+                    continue
+                block = block_costs(shape, seq_len, mb, dtype, tensor)
+                for shard in (data > 1,):
+                    layout = _best(
+                        shape, device, block, (pipeline, data, tensor, mb, m, seq_len), shard, dtype
+                    )
+                    if layout is not None:
+                        out.append(layout)
+    return sorted(out, key=lambda x: x.step)
+
+
+def _best(
+    shape: DecoderShape,
+    device: Hardware,
+    block: BlockCosts,
+    dims: tuple[int, int, int, int, int, int],
+    shard: bool,
+    dtype: str,
+) -> Layout | None:
+    pipeline, data, tensor, mb, m, seq_len = dims
+    costs, weights = stage_costs(shape, device, block, pipeline, tensor, dtype)
+    if shard:
+        costs = CostModel(**{**costs.__dict__, "shard_optimizer": True})
+    limit = device.memory - weights
+    if limit <= 0:
+        return None
+    choices = options(m, schedules=SCHEDULES_TRIED, policies=POLICIES_TRIED, max_stages_per_rank=1)
+    ranking = search(choices, pipeline, m, costs.for_stages, limit, data)
+    try:
+        best = choose(ranking, limit)
+    except NothingFitsError:
+        return None
+    tokens = m * mb * data * seq_len
+    per_device = shape.active_block_params * shape.layers + shape.vocab * shape.hidden
+    model_flops = 6.0 * per_device * tokens + 12.0 * shape.layers * seq_len * shape.hidden * tokens
+    mfu = model_flops / (best.makespan * pipeline * data * tensor * device.peak(dtype))
+    gradients = (costs.parameter_bytes or (0.0,))[0]
+    optimizer = (costs.optimizer_bytes or (0.0,))[0] / (data if shard else 1)
+    static = gradients + optimizer
+    memory = {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "activations and stashes": max(best.peak_memory - static, 0.0),
+    }
+    return Layout(
+        pipeline,
+        data,
+        tensor,
+        mb,
+        m,
+        shard,
+        best,
+        best.makespan,
+        tokens / best.makespan,
+        mfu,
+        memory,
+    )
