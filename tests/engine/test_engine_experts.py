@@ -104,6 +104,9 @@ def test_expert_gradients_equal_autograd_with_an_expert_without_tokens(style: st
     expected = {"grouped_mm": "grouped_mm per expert x4", "select": "F.linear per expert x4"}
     if style in expected:
         assert re.search(rf"\n +down +{expected[style]} in", store.report()), store.report()
+        # The same count, structured: one product per expert of its 4.
+        assert routes["down"].expert_products == 4, routes["down"]
+        assert routes["router.weight"].expert_products == 0
 
 
 def test_select_makes_one_op_per_expert_concatenated_over_microbatches() -> None:

@@ -15,6 +15,7 @@ operations actually read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -47,6 +48,8 @@ class ParameterRoute:
         reason: a short human explanation.
         partly_immediate: a deferred parameter that an operation left to
             autograd reads too (autograd adds that part during I).
+        expert_products: for a stacked expert weight ``[E, out, in]``, the
+            per-expert products W concatenates over the micro-batches (0 otherwise).
     """
 
     name: str
@@ -54,6 +57,7 @@ class ParameterRoute:
     route: Route
     reason: str
     partly_immediate: bool = False
+    expert_products: int = 0
 
 
 _PREDICTED: dict[type[nn.Module], str] = {
@@ -136,6 +140,20 @@ def predicted_routes(model: nn.Module) -> tuple[ParameterRoute, ...]:
     return tuple(routes)
 
 
+_EXPERTS = re.compile(r" per expert(?: x(\d+))?$")
+
+
+def _expert_products(uses: Mapping[str, int]) -> int:
+    """The per-expert products among deferred uses: each ``w[e]`` op (``F.linear per
+    expert``) is one; a grouped op (``grouped_mm per expert x4``) is one per expert."""
+    total = 0
+    for use, n in uses.items():
+        found = _EXPERTS.search(use)
+        if found is not None:
+            total += n * int(found.group(1) or 1)
+    return total
+
+
 def _counted(uses: Mapping[str, int]) -> str:
     return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in uses.items())
 
@@ -159,7 +177,10 @@ def observed_routes(model: nn.Module, usage: Mapping[int, Usage]) -> tuple[Param
             reason = f"{_counted(seen.deferred)} in {where}"
             if immediate:
                 reason += f"; also {immediate}: autograd adds that part during backward_input"
-            routes.append(ParameterRoute(pname, p, Route.DEFERRED, reason, bool(immediate)))
+            experts = _expert_products(seen.deferred)
+            routes.append(
+                ParameterRoute(pname, p, Route.DEFERRED, reason, bool(immediate), experts)
+            )
         elif immediate:
             routes.append(ParameterRoute(pname, p, Route.IMMEDIATE, f"{immediate}, in {where}"))
         else:

@@ -10,14 +10,11 @@ micro-batch its W covers).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from twobp.engine.coverage import ParameterRoute, Route
-
-_PER_EXPERT = re.compile(r"per expert x(\d+)")
 
 
 @dataclass(frozen=True)
@@ -46,10 +43,9 @@ def summarize(routes: Iterable[ParameterRoute]) -> EngineSummary:
         weights += r.parameter.numel()
         if r.route is Route.DEFERRED and not r.partly_immediate:
             deferred += r.parameter.numel()
-        experts = [int(n) for n in _PER_EXPERT.findall(r.reason)]
-        if experts and r.route is Route.DEFERRED:
+        if r.expert_products and r.route is Route.DEFERRED:
             parameters += 1
-            products += max(experts)
+            products += r.expert_products
     return EngineSummary(weights, deferred, parameters, products)
 
 
