@@ -272,3 +272,23 @@ def test_plan_with_a_sharded_optimizer_holds_a_share_of_its_state(capsys):
     assert "peak memory per rank of 24 " in plain.replace("\n", " ")
     assert "peak memory per rank of 10 " in sharded.replace("\n", " ")
     assert "memory in bytes" in plain
+
+
+def test_the_auto_line_says_when_the_table_s_pick_is_not_among_auto_s_options():
+    from twobp.cli.plan import _why_auto_differs
+    from twobp.sim.candidate import Candidate
+
+    plain = Candidate("1f1b", "paper", makespan=12.0, peak_memory=4.0, stages_per_rank=1)
+    recomputed = Candidate(
+        "1f1b", "paper", makespan=10.0, peak_memory=4.0, stages_per_rank=1,
+        recompute="derivatives",
+    )  # fmt: skip
+    said = _why_auto_differs(plain, [plain], [recomputed, plain], None)
+    assert said == (
+        "; the table's pick, 1f1b with 2BP (paper), recompute='derivatives', is not among the "
+        "options schedule='auto' tries (no recompute mode but 'auto', no weight_group_size)"
+    )
+    # Among auto's options and slower: the near-tie rule chose.
+    close = Candidate("zb-h1", "off", makespan=11.9, peak_memory=4.0, stages_per_rank=1)
+    assert "ties with it within 2%" in _why_auto_differs(plain, [plain, close], [close], None)
+    assert _why_auto_differs(plain, [plain], [plain], None) == ""

@@ -185,7 +185,7 @@ def _hf_model(path: str, config_file: str | None) -> Any:
             f"{path} is not a checkpoint of twobp train --hf-config: pass --hf-config-file "
             "<the config.json of the model whose blocks the pipeline ran>"
         )
-    known = {f for f in TrainConfig.__dataclass_fields__}
+    known = TrainConfig.__dataclass_fields__
     return hf_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
 
 

@@ -353,11 +353,14 @@ def auto_choice(
         f"{name} on these costs would run {describe(best)} "
         f"(simulated step {best.makespan:.4g}, peak memory {amount(best.peak_memory)})"
     )
-    return said + _why_auto_differs(best, table, limit)
+    return said + _why_auto_differs(best, ranking, table, limit)
 
 
-def _why_auto_differs(best: Candidate, table: Sequence[Candidate], limit: float | None) -> str:
-    """Why ``schedule="auto"``'s choice is not the table's recommendation ("" where it is)."""
+def _why_auto_differs(
+    best: Candidate, tried: Sequence[Candidate], table: Sequence[Candidate], limit: float | None
+) -> str:
+    """Why ``schedule="auto"``'s choice (``best``, of the options it ``tried``) is not the
+    table's recommendation ("" where it is)."""
     try:
         recommended = choose(table, limit)
     except NothingFitsError:
@@ -368,6 +371,11 @@ def _why_auto_differs(best: Candidate, table: Sequence[Candidate], limit: float 
         return (
             f"; not {recommended.schedule}, which runs two pipelines over the same ranks: "
             "schedule='auto' tries one pipeline per schedule (pass the name to run it)"
+        )
+    if describe(recommended) not in {describe(c) for c in tried}:
+        return (
+            f"; the table's pick, {describe(recommended)}, is not among the options "
+            "schedule='auto' tries (no recompute mode but 'auto', no weight_group_size)"
         )
     if best.makespan < recommended.makespan:
         return (
