@@ -257,17 +257,29 @@ def _hf_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
         gen = torch.Generator().manual_seed(cfg.seed * 31 + step * 2 + (split != "train"))
         return mask_tokens(ids, _masked(length), HF_MASK_TOKEN, gen)
 
-    spec = ModelSpec(
-        family=f"hf-{kind}",
+    spec = _hf_spec(cfg, model, parts, hf.loss_function(model), batch_at)
+    task = "masked bytes" if masked else "next byte"
+    return Task(spec, batch_at, f"{source} (byte-level, {task})", mean_seq_len(cfg))
+
+
+def _hf_spec(
+    cfg: TrainConfig,
+    model: nn.Module,
+    parts: list[nn.Module],
+    loss_fn: Any,
+    batch_at: Callable[[int, str], tuple[torch.Tensor, torch.Tensor]],
+) -> ModelSpec:
+    """The spec of a ``--hf-config`` model cut into ``parts`` (first and last blocks the
+    ends, the rest its layers), batches of step ``seed`` for the bench's ``make_batch``."""
+    return ModelSpec(
+        family=f"hf-{cfg.hf_config}",
         size=cfg.size,
         config=model.config,
         blocks=parts,
         block_kinds=stacked_kinds(len(parts) - 2),
-        loss_fn=hf.loss_function(model),
+        loss_fn=loss_fn,
         make_batch=lambda batch_size, seed: batch_at(seed, "train"),
     )
-    task = "masked bytes" if masked else "next byte"
-    return Task(spec, batch_at, f"{source} (byte-level, {task})", mean_seq_len(cfg))
 
 
 SPEECH_VOCAB = 16
@@ -297,14 +309,6 @@ def _hf_speech_task(cfg: TrainConfig, dtype: torch.dtype) -> Task:
         audio, labels = synthetic_utterances(utterances, cfg.batch_size, seed, dtype)
         return audio.flatten(1), labels
 
-    spec = ModelSpec(
-        family=f"hf-{kind}",
-        size=cfg.size,
-        config=model.config,
-        blocks=parts,
-        block_kinds=stacked_kinds(len(parts) - 2),
-        loss_fn=wav2vec2.loss_function(model),  # type: ignore[arg-type]  # (sum, count)
-        make_batch=lambda batch_size, seed: batch_at(seed, "train"),
-    )
+    spec = _hf_spec(cfg, model, parts, wav2vec2.loss_function(model), batch_at)
     source = "synthetic audio: a fixed waveform per character, eight frames each, in noise (CTC)"
     return Task(spec, batch_at, source, None)
