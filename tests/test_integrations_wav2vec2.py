@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from rank_parity import assert_equal_to_one_process
 from twobp.runtime import Pipeline, launch
 
 transformers = pytest.importorskip("transformers")
@@ -188,23 +189,8 @@ def _reference() -> tuple[list[float], list[dict[str, Tensor]], dict[str, Tensor
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_ranks_equal_one_process_over_three_adamw_steps(schedule, per_rank):
-    want_losses, want_grads, want_params = _reference()
     results = [r[schedule] for r in per_rank]
-    for rank, r in enumerate(results):
-        for got, want in zip(r["losses"], want_losses, strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, got, want)
-    for step in range(STEPS):
-        grads: dict[str, Tensor] = {}
-        for r in results:
-            grads.update(r["grads"][step])
-        assert set(grads) == set(want_grads[step])
-        for name, want in want_grads[step].items():
-            torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=name)
-    state: dict[str, Tensor] = {}
-    for r in results:
-        state.update(r["state"])
-    for name, want in want_params.items():
-        torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+    assert_equal_to_one_process(results, _reference(), TOL)
 
 
 def test_twobp_train_hf_config_wav2vec2_runs_end_to_end_with_a_falling_loss(tmp_path):

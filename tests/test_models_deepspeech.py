@@ -3,13 +3,13 @@ and a 2-rank pipeline (1f1b with 2BP, zb-v) equal to the model in one process in
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from rank_parity import assert_equal_to_one_process
 from twobp.engine import defer_weight_grads
 from twobp.engine.coverage import deferred_share
 from twobp.models import build_model, ctc_loss
@@ -140,25 +140,9 @@ def _reference() -> tuple[list[float], list[dict[str, Tensor]], dict[str, Tensor
 
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 def test_two_ranks_equal_one_process_over_three_adamw_steps(schedule, per_rank):
-    want_losses, want_grads, want_state = _reference()
     results = [r[schedule] for r in per_rank]
     assert "2bp" in results[0]["schedule"] or schedule == "zb-v", results[0]["schedule"]
-    for rank, r in enumerate(results):
-        for got, want in zip(r["losses"], want_losses, strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, got, want)
-    for step in range(STEPS):
-        grads: dict[str, Tensor] = {}
-        for r in results:
-            grads.update(r["grads"][step])
-        assert set(grads) == set(want_grads[step])
-        for name, want in want_grads[step].items():
-            torch.testing.assert_close(grads[name], want, rtol=0, atol=TOL, msg=name)
-    state: dict[str, Tensor] = {}
-    for r in results:
-        state.update(r["state"])
-    assert set(state) == set(want_state)
-    for name, want in want_state.items():
-        torch.testing.assert_close(state[name], want, rtol=0, atol=TOL, msg=name)
+    assert_equal_to_one_process(results, _reference(), TOL, every_state_entry=True)
 
 
 def test_twobp_train_model_deepspeech_runs_end_to_end_with_a_falling_loss(tmp_path):

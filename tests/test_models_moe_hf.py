@@ -7,13 +7,13 @@ the first layer."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from rank_parity import assert_equal_to_one_process
 from twobp.runtime import Pipeline, launch
 
 transformers = pytest.importorskip("transformers")
@@ -96,19 +96,12 @@ def test_some_micro_batch_routes_no_token_to_an_expert():
 
 @pytest.mark.parametrize("schedule", [f"{s}-{b}" for s, b in SCHEDULES])
 def test_two_ranks_equal_one_process_over_three_adamw_steps(schedule, per_rank):
-    want_losses, want_grads, want_params = _reference()
     results = [r[schedule] for r in per_rank]
-    for rank, r in enumerate(results):
-        for got, want in zip(r["losses"], want_losses, strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, got, want)
-    for step in range(STEPS):
-        grads: dict[str, Tensor] = {}
-        for r in results:
-            grads.update(r["grads"][step])
-        assert_grads_close(grads, want_grads[step])
-    params: dict[str, Tensor] = {}
-    for r in results:
-        params.update(r["params"])
-    assert set(params) == set(want_params)
-    for name, want in want_params.items():
-        torch.testing.assert_close(params[name], want, rtol=0, atol=TOL, msg=name)
+    assert_equal_to_one_process(
+        results,
+        _reference(),
+        TOL,
+        state_key="params",
+        every_state_entry=True,
+        grads_close=assert_grads_close,
+    )
