@@ -437,30 +437,24 @@ def build_model(
         "num_hidden_layers": layers,
         "tie_word_embeddings": tied and kind not in ("llama", "mixtral"),
     }
+    # The LLaMA family's decoder (Mixtral's experts each of this width).
+    decoder: dict[str, Any] = {
+        "intermediate_size": dims["intermediate_size"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+        **common,
+    }
     model: nn.Module
     if kind == "mixtral":
         mixtral = transformers.MixtralConfig(
-            intermediate_size=dims["intermediate_size"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=True,
-            **common,
+            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, **decoder
         )
         # Plain products per expert (grouped_mm takes no float64 on the CPU).
         mixtral.experts_implementation = "eager"
         model = transformers.MixtralForCausalLM(mixtral)
     elif kind == "llama":
-        llama = transformers.LlamaConfig(
-            intermediate_size=dims["intermediate_size"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-            **common,
-        )
-        model = transformers.LlamaForCausalLM(llama)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
     elif kind == "gpt2":
         gpt2 = transformers.GPT2Config(
             vocab_size=vocab,
