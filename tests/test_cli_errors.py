@@ -161,3 +161,22 @@ def test_a_launch_error_says_one_line_per_rank_and_keeps_the_tracebacks_in_detai
         '  rank 0: terminated; it was at "/a/loss.py", line 9 in g',
     ]
     assert raised in error.details and stack.rstrip() in error.details
+
+
+def test_a_reader_that_leaves_the_pipe_gets_no_traceback():
+    # `twobp plan | head -1`: the reader is gone before the command writes.
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "twobp.cli.main", "plan", "--stages", "2"],
+            stdout=write, stderr=subprocess.PIPE, text=True, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
