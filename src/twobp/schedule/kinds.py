@@ -391,9 +391,10 @@ def kind_spec(kind: ActionKind | str) -> KindSpec:
     """
     if isinstance(kind, DeclaredKind):
         return kind.spec
-    code = kind.value if isinstance(kind, Kind) else kind
-    spec = _TABLE.get(code)
+    # A Kind is a str enum: it finds its own code's entry (the walks ask millions of times).
+    spec = _TABLE.get(kind)
     if spec is None:
+        code = kind.value if isinstance(kind, Kind) else kind
         raise ValueError(f"unknown action kind {code!r}; kinds are {', '.join(_TABLE)}")
     return spec
 

@@ -30,6 +30,7 @@ what a deadlock's grid shows. This module imports no torch.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -155,6 +156,15 @@ class Walker:
             when = max(when, self._arrival(key, made[0], action.stage))
         return when
 
+    def missing_input(self, rank: int) -> Key | None:
+        """An input of the next action of ``rank`` not made yet (None: all are, or none is next)."""
+        listed = self._lists[rank]
+        position = self._position[rank]
+        if position == len(listed):
+            return None
+        made = self._made
+        return next((key for key in listed[position][2] if key not in made), None)
+
     def earliest_start(self, rank: int) -> float:
         """A lower bound of :meth:`ready_at`, also for inputs not made yet: their
         producer's rank runs its list from now on without waiting."""
@@ -179,16 +189,34 @@ class Walker:
         self._position[rank] += 1
         return action
 
-    def finish(self, rank: int, action: Action, start: float, end: float) -> None:
-        """Record that ``rank`` ran ``action`` from ``start`` to ``end``."""
-        steps = [self._made[k][1] for k in self._requires(action) if k in self._made]
+    def next_needs(self, rank: int) -> tuple[Key, ...]:
+        """The inputs of the next action of ``rank`` (as :func:`requires` gives them)."""
+        return self._lists[rank][self._position[rank]][2]
+
+    def finish(
+        self,
+        rank: int,
+        action: Action,
+        start: float,
+        end: float,
+        needs: tuple[Key, ...] | None = None,
+    ) -> tuple[Key, ...]:
+        """Record that ``rank`` ran ``action`` from ``start`` to ``end``; returns what it made.
+
+        ``needs``: the action's inputs where the caller has them (:meth:`next_needs`).
+        """
+        if needs is None:
+            needs = self._requires(action)
+        steps = [self._made[k][1] for k in needs if k in self._made]
         last = self._runs[rank][-1].step if self._runs[rank] else -1
         step = max([last, *steps]) + 1
         self._runs[rank].append(Run(action, start, end, step))
         # A background action (a gradient reduction) leaves its rank free at once.
         self._free[rank] = start if kind_spec(action.kind).background else end
-        for key in produces(action):
+        made = produces(action)
+        for key in made:
             self._made[key] = (end, step)
+        return made
 
     def deadlock(self) -> DeadlockError:
         """The error for a walk that cannot go on, with every stuck rank and the grid."""
@@ -297,6 +325,9 @@ def walk(
 
 def _walk_fixed(walker: Walker, duration: Callable[[Action], float], fill: Fill | None) -> None:
     """Start, one at a time, the action that can start earliest."""
+    if fill is None:
+        _walk_listed(walker, duration)
+        return
     while True:
         best: tuple[float, int, Action, bool] | None = None  # start, rank, action, listed
         for rank in walker.ranks:
@@ -321,6 +352,42 @@ def _walk_fixed(walker: Walker, duration: Callable[[Action], float], fill: Fill 
         if listed:
             walker.take(rank)
         walker.finish(rank, action, start, start + duration(action))
+
+
+def _walk_listed(walker: Walker, duration: Callable[[Action], float]) -> None:
+    """:func:`_walk_fixed` without a fill, in time linear in the actions.
+
+    A rank whose next action has every input is on a heap by its start, which
+    changes only when the rank runs that action (results are made once). A rank
+    that misses an input waits under that input's key, and is asked again when
+    it is made. So each pick is the earliest (start, rank), as a scan of every
+    rank would find, without asking every rank each time.
+    """
+    ready: list[tuple[float, int]] = []
+    waiting: dict[Key, list[int]] = {}
+
+    def ask(rank: int) -> None:
+        if walker.next_action(rank) is None:
+            return
+        missing = walker.missing_input(rank)
+        if missing is not None:
+            waiting.setdefault(missing, []).append(rank)
+            return
+        when = walker.ready_at(rank)
+        assert when is not None
+        heapq.heappush(ready, (max(walker.free_at(rank), when), rank))
+
+    for rank in walker.ranks:
+        ask(rank)
+    while ready:
+        start, rank = heapq.heappop(ready)
+        needs = walker.next_needs(rank)
+        action = walker.take(rank)
+        made = walker.finish(rank, action, start, start + duration(action), needs)
+        ask(rank)
+        for key in made:
+            for other in waiting.pop(key, ()):
+                ask(other)
 
 
 @dataclass

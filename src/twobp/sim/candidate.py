@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, is_split
 from twobp.schedule.lowering import split_stages
@@ -221,6 +222,20 @@ def build_schedule(
         )
     if split is not None and policy == NO_TWO_BP:
         raise ValueError(f"stages split {list(split)} need a 2BP policy, not {NO_TWO_BP!r}")
+    if source is None and split is None and policy in COST_FREE_POLICIES:
+        sourced, prepared = _prepared_without_costs(
+            name,
+            n_ranks,
+            n_microbatches,
+            stages_per_rank,
+            policy,
+            microbatches_per_w,
+            # Whether the copies reduce is all the schedule takes from their number.
+            min(data_parallel, 2),
+            tied,
+            reduce,
+        )
+        return _rebuilt(prepared, _fitted(costs, sourced), data_parallel, rebuild_within)
     schedule = source
     if schedule is None:
         schedule = source_schedule(
@@ -244,6 +259,45 @@ def build_schedule(
         place_split=placed and source is None,
     )
     return _rebuilt(prepared, fitted, data_parallel, rebuild_within)
+
+
+COST_FREE_POLICIES = (NO_TWO_BP, "eager")
+"""The policies whose schedule does not depend on the costs: ``off`` runs it as
+generated, ``eager`` puts each ``W`` right after its ``I``."""
+
+
+@lru_cache(maxsize=512)
+def _prepared_without_costs(
+    name: str,
+    n_ranks: int,
+    n_microbatches: int,
+    stages_per_rank: int | None,
+    policy: str,
+    microbatches_per_w: int | None,
+    data_parallel: int,
+    tied: bool,
+    reduce: bool | None,
+) -> tuple[Schedule, Schedule]:
+    """The sourced and the prepared schedule of a policy of :data:`COST_FREE_POLICIES`.
+
+    Kept between calls: a search builds the same schedule for every cost model
+    it compares (the analytic planner's layouts share their ``p`` and ``m``).
+    Schedules are frozen, so callers share them safely.
+    """
+    schedule = source_schedule(
+        name, n_ranks=n_ranks, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
+    )
+    placed = policy != NO_TWO_BP
+    prepared = finish_schedule(
+        schedule,
+        two_bp=placed or is_split(schedule),
+        policy=policy if placed else "paper",
+        costs=None,
+        microbatches_per_w=microbatches_per_w if placed else None,
+        reduce=reduces(schedule, data_parallel, tied) if reduce is None else reduce,
+        place_split=placed,
+    )
+    return schedule, prepared
 
 
 def _rebuilt(

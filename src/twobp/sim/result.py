@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 from twobp.schedule._timing import make_timing
 from twobp.schedule.action import Kind
+from twobp.schedule.kinds import Role
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import peak_memory
 from twobp.sim.reduction import reduction_ends
-from twobp.timeline import Span, bubble_ratio, busy_time, makespan
+from twobp.timeline import Span, makespan
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,16 @@ def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> Si
     """
     ranks = sorted(schedule.actions)
     waited = gather_wait(schedule, costs, spans)
-    total = makespan(spans) + waited
-    busy = tuple(busy_time(spans, r) for r in ranks)
-    ratios = tuple(bubble_ratio(spans, r) if spans else 0.0 for r in ranks)
+    span = makespan(spans)
+    total = span + waited
+    # One pass over the spans (busy_time per rank would read them all once per rank).
+    per_rank = dict.fromkeys(ranks, 0.0)
+    for s in spans:
+        if s.action.kind.role is Role.COMPUTE:
+            per_rank[s.rank] = per_rank.get(s.rank, 0.0) + s.duration
+    busy = tuple(per_rank[r] for r in ranks)
+    # As bubble_ratio(spans, r): the rank's idle fraction of the spans' makespan.
+    ratios = tuple((span - b) / span if span > 0 else 0.0 for b in busy)
     return SimResult(
         name=schedule.name,
         spans=tuple(sorted(spans, key=lambda s: (s.rank, s.start))),
