@@ -1,5 +1,7 @@
 """`twobp profile` measures real blocks and writes a profile the simulator reads."""
 
+import pytest
+
 from twobp.cli.main import main
 from twobp.sim import load_costs
 
@@ -22,3 +24,29 @@ def test_profile_refuses_an_impossible_memory_limit(tmp_path, capsys):
     argv = ["profile", "--repeats", "1", "--memory-limit", "10", "--out", str(tmp_path / "p.json")]
     assert main(argv) == 2
     assert "twobp profile:" in capsys.readouterr().err
+
+
+def test_profile_refuses_a_model_that_does_not_fit_before_building_it(
+    tmp_path, capsys, monkeypatch
+):
+    # A 23 GB machine: LLaMA-7B's weights and gradients alone need 54 GB in float32.
+    monkeypatch.setattr("twobp.cli.profile.available_memory", lambda: 23e9)
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "llama", "--size", "7b", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == ""
+    assert "53.9 GB" in lines[0] and "23.0 GB available" in lines[0]
+    assert "twobp plan --model llama --size 7b" in lines[0]
+    assert not out.exists()
+
+
+def test_what_profiling_needs_against_what_there_is():
+    from twobp.cli.errors import UsageError
+    from twobp.cli.profile import check_fits
+
+    check_fits("llama-tiny", 10**6, 4, 1e9)
+    check_fits("llama-7b", 7 * 10**9, 4, None)  # unknown: try
+    check_fits("llama-7b", 10**9, 2, 4e9)  # 4 GB needed, 4 GB there
+    with pytest.raises(UsageError, match=r"4\.0 GB .* 3\.9 GB available.*twobp plan --costs"):
+        check_fits("resnet-152", 10**9, 2, 3.9e9)

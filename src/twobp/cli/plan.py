@@ -15,15 +15,18 @@ the same cost model (:func:`auto_choice`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from twobp.cli.errors import UsageError, check_at_least
 from twobp.cli.simulate import COSTS_HELP, cost_model
 from twobp.config import add_arguments, doc, from_namespace
 from twobp.schedule import SCHEDULES
+from twobp.sim.analytic.shapes import SHAPE_FIELDS, DecoderShape
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
@@ -91,6 +94,19 @@ class PlanConfig:
         None,
     )
     size: str = doc("size of --model (llama: 7b, 13b, 70b)", "7b")
+    hf_config: str | None = doc(
+        "plan the decoder of this Hugging Face config.json (LLaMA, Mistral, Qwen2, Mixtral "
+        "keys) instead of --model; --layers ... override its sizes",
+        None,
+    )
+    layers: int | None = doc("decoder layers (a custom decoder, or an override)", None)
+    hidden: int | None = doc("decoder width", None)
+    heads: int | None = doc("attention heads", None)
+    ffn: int | None = doc("width of the MLP (of each expert)", None)
+    vocab: int | None = doc("vocabulary size", None)
+    kv_heads: int | None = doc("key-value heads (grouped-query attention); default: --heads", None)
+    experts: int | None = doc("routed experts per layer (0: dense)", None)
+    top_k: int | None = doc("experts per token (with --experts)", None)
     gpus: int = doc("devices to plan --model on", 8)
     gpu: str = doc(
         "device kind (h100, h200, a100-80g, mi300x, cpu) or a JSON of its figures", "h100"
@@ -235,7 +251,7 @@ def run(config: PlanConfig) -> int:
         raise UsageError(f"--memory-limit {config.memory_limit}: {exc}") from exc
     if limit is not None and not limit > 0:
         raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
-    if config.model is not None:
+    if is_analytic(config):
         return run_analytic(config)
     units = Units.of(config)
     check_limit_unit(config.memory_limit, units)
@@ -271,18 +287,55 @@ def run(config: PlanConfig) -> int:
     return 0
 
 
+def is_analytic(config: PlanConfig) -> bool:
+    """Whether the plan is of a model's shapes (``--model``, ``--hf-config``, ``--layers`` ...)."""
+    given = any(getattr(config, k) is not None for k in SHAPE_FIELDS)
+    return config.model is not None or config.hf_config is not None or given
+
+
+def analytic_shape(config: PlanConfig) -> DecoderShape:
+    """The decoder ``config`` names: a preset, a ``config.json`` or its sizes, with the
+    sizes given on the command line taking the place of its own.
+
+    Raises:
+        ValueError: naming what is missing or wrong.
+    """
+    from twobp.sim.analytic.shapes import custom_shape, decoder_shape, hf_shape
+
+    sizes = {k: getattr(config, k) for k in SHAPE_FIELDS if getattr(config, k) is not None}
+    if config.model is not None and config.hf_config is not None:
+        raise ValueError("--model and --hf-config both name a model: give one")
+    if config.hf_config is not None:
+        path = Path(config.hf_config)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--hf-config {path}: not a readable JSON file ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"--hf-config {path}: a config.json is an object, not {data!r:.40}")
+        shape = hf_shape(data, str(data.get("_name_or_path") or path.parent.name or path.stem))
+    elif config.model is not None:
+        shape = decoder_shape(config.model, config.size)
+    else:
+        return custom_shape("custom decoder", **sizes)
+    if not sizes:
+        return shape
+    own = {k: getattr(shape, k) for k in SHAPE_FIELDS}
+    return custom_shape(f"{shape.name} (changed)", **{**own, **sizes})
+
+
 def run_analytic(config: PlanConfig, shown: int = 3) -> int:
-    """Plan ``--model`` on ``--gpus`` devices from analytic costs; returns the exit code.
+    """Plan a model's shapes on ``--gpus`` devices from analytic costs; returns the exit code.
 
     Raises:
         UsageError: an unknown model, size or device, or no layout that fits.
     """
-    from twobp.sim.analytic import decoder_shape, load_hardware, plan_layouts
+    from twobp.sim.analytic import load_hardware, plan_layouts
 
     check_at_least(gpus=(config.gpus, 1), seq_len=(config.seq_len, 1))
     check_at_least(global_batch=(config.global_batch, 1))
     try:
-        shape = decoder_shape(config.model or "", config.size)
+        shape = analytic_shape(config)
         device = load_hardware(config.gpu)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -302,7 +355,9 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
         )
     for i, layout in enumerate(layouts[:shown], 1):
         c = layout.candidate
-        two_bp = "no 2BP" if c.policy == "off" else f"2BP {c.policy}"
+        two_bp = {"off": "no 2BP", "own": "2BP (its own W placement)"}.get(
+            layout.two_bp(), f"2BP {c.policy}"
+        )
         breakdown = ", ".join(f"{k} {format_amount(v)}" for k, v in layout.memory.items())
         print(
             f"{i}. P={layout.pipeline} D={layout.data} T={layout.tensor}, {c.schedule}, {two_bp}, "
@@ -312,7 +367,14 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
             f"bubble {c.bubble_ratio:.1%}"
         )
         print(f"   memory per rank: {breakdown} (of {format_amount(device.memory)})")
-        print(f"   twobp train --model {config.model} {layout.options()}")
+        if (
+            config.model is not None
+            and config.hf_config is None
+            and shape.name.startswith(config.model)
+            and "(changed)" not in shape.name
+        ):
+            print(f"   twobp train --model {config.model} --size {config.size} {layout.options()}")
+        print(f"   {layout.pipeline_options()}")
     return 0
 
 

@@ -33,6 +33,50 @@ class ProfileConfig:
     out: str = doc("where to write the cost profile JSON", "profile.json")
 
 
+PROFILE_BYTES_PER_PARAMETER = 2
+"""What profiling holds per parameter, in parameter-sized tensors: the weights and
+the gradients every block's backward leaves on them (activations come on top)."""
+
+
+def available_memory() -> float | None:
+    """Bytes this machine can still give (Linux ``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(name: str, parameters: int, dtype_bytes: int, available: float | None) -> None:
+    """Refuse, before building it, a model whose profile cannot fit this machine.
+
+    Raises:
+        UsageError: naming the bytes it would need, those there are, and the
+            analytic plan that needs no model built.
+    """
+    needed = float(parameters * dtype_bytes * PROFILE_BYTES_PER_PARAMETER)
+    if available is None or needed <= available:
+        return
+    family, _, size = name.partition("-")
+    from twobp.sim.analytic.shapes import PRESETS
+
+    instead = (
+        f"plan it from its shapes instead: twobp plan --model {family} --size {size} "
+        "--gpus N --gpu KIND"
+        if size in PRESETS.get(family, {})
+        else "plan it from costs instead: twobp plan --costs F=...,I=...,W=...,act=...,param=..."
+    )
+    raise UsageError(
+        f"--model {family} --size {size}: profiling needs at least "
+        f"{needed / 1e9:.1f} GB ({parameters / 1e9:.2f}B parameters, weights and gradients) "
+        f"and this machine has {available / 1e9:.1f} GB available; profile it on a device "
+        f"that holds it, or {instead}"
+    )
+
+
 def register(subparsers: Any) -> None:
     """Add the ``profile`` sub-command."""
     parser = subparsers.add_parser(
@@ -71,10 +115,16 @@ def _run(args: argparse.Namespace) -> int:
         check_writable("--out", cfg.out, folder=False)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    dtype = DTYPES[cfg.dtype]
     try:
-        spec = build_model(cfg.model, cfg.size, dtype=DTYPES[cfg.dtype])
+        # Shapes first, on the meta device (nothing allocated): the model may not fit.
+        shapes = build_model(cfg.model, cfg.size, dtype=dtype, device="meta")
     except ValueError as exc:
         raise UsageError(f"--size {cfg.size}: {exc}") from exc
+    parameters = sum(p.numel() for block in shapes.blocks for p in block.parameters())
+    element = torch.empty((), dtype=dtype).element_size()
+    check_fits(f"{cfg.model}-{cfg.size}", parameters, element, available_memory())
+    spec = build_model(cfg.model, cfg.size, dtype=dtype)
     if cfg.stages > spec.n_blocks:
         raise UsageError(
             f"--stages {cfg.stages}: {cfg.model}-{cfg.size} has {spec.n_blocks} blocks, and "

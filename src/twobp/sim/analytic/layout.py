@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from twobp.schedule import SCHEDULES
 from twobp.sim.analytic.hardware import Hardware
 from twobp.sim.analytic.shapes import BlockCosts, DecoderShape, block_costs
 from twobp.sim.candidate import Candidate
@@ -43,14 +44,24 @@ class Layout:
     mfu: float
     memory: dict[str, float]
 
+    def two_bp(self) -> str:
+        """``off`` (fused backwards), ``own`` (a schedule split by its own design, as
+        generated: ``zb-*``, ``dualpipev``) or the 2BP policy that places ``W``."""
+        c = self.candidate
+        if c.policy != "off":
+            return c.policy
+        return "own" if SCHEDULES[c.schedule].natively_split else "off"
+
     def options(self) -> str:
         """The ``twobp train`` options that run it (``T > 1``: planned)."""
         c = self.candidate
         parts = [
-            f"--ranks {self.pipeline * self.data}",
+            f"--ranks {self.pipeline * self.data * self.tensor}",
             f"--data-parallel {self.data}" if self.data > 1 else "",
             f"--schedule {c.schedule}",
-            f"--two-bp --policy {c.policy}" if c.policy != "off" else "--no-two-bp",
+            {"own": "--two-bp", "off": "--no-two-bp"}.get(
+                self.two_bp(), f"--two-bp --policy {c.policy}"
+            ),
             f"--microbatches {self.microbatches}",
             f"--batch-size {self.microbatches * self.microbatch * self.data}",
             f"--stages-per-rank {c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
@@ -59,6 +70,26 @@ class Layout:
         text = " ".join(p for p in parts if p)
         if self.tensor > 1:
             text += f" --tensor-parallel {self.tensor} ({TENSOR_PLANNED})"
+        return text
+
+    def pipeline_options(self) -> str:
+        """The :class:`twobp.Pipeline` keywords that run it (``T > 1``: planned)."""
+        c = self.candidate
+        parts = [
+            f"schedule={c.schedule!r}",
+            f"n_microbatches={self.microbatches}",
+            {"own": "two_bp=True", "off": "two_bp=False"}.get(
+                self.two_bp(), f"two_bp=True, two_bp_policy={c.policy!r}"
+            ),
+            f"stages_per_rank={c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
+            f"data_parallel={self.data}" if self.data > 1 else "",
+            f"tensor_parallel={self.tensor}" if self.tensor > 1 else "",
+        ]
+        text = f"Pipeline(blocks, loss_fn, {', '.join(p for p in parts if p)})"
+        if self.shard_optimizer:
+            text += ", then pipe.shard_optimizer(...)"
+        if self.tensor > 1:
+            text += f" ({TENSOR_PLANNED})"
         return text
 
 

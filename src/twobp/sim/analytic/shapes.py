@@ -18,7 +18,9 @@ is shared. These are estimates of the usual autograd layout, not measurements.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -94,6 +96,66 @@ def decoder_shape(model: str, size: str) -> DecoderShape:
         known = ", ".join(f"{m} {'/'.join(s)}" for m, s in PRESETS.items())
         raise ValueError(f"no analytic shapes for {model} {size}; known: {known}")
     return family[size]
+
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "ffn", "vocab", "kv_heads", "experts", "top_k")
+"""The fields of :class:`DecoderShape` a user may give (``--layers`` ...)."""
+REQUIRED_FIELDS = SHAPE_FIELDS[:5]
+HF_KEYS: dict[str, str] = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "ffn": "intermediate_size",
+    "vocab": "vocab_size",
+    "kv_heads": "num_key_value_heads",
+    "experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+}
+"""Where a Hugging Face ``config.json`` of a LLaMA-like decoder (LLaMA, Mistral,
+Qwen2, Mixtral) keeps each field."""
+
+
+def custom_shape(name: str, **fields: int | None) -> DecoderShape:
+    """A decoder of the given sizes (``None``: the field's default).
+
+    Raises:
+        ValueError: a required size missing, a size below 1, or heads that do
+            not divide the width (or key-value heads the heads).
+    """
+    given = {k: v for k, v in fields.items() if v is not None}
+    unknown = sorted(set(given) - set(SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown decoder sizes {unknown}; known: {', '.join(SHAPE_FIELDS)}")
+    missing = [k for k in REQUIRED_FIELDS if k not in given]
+    if missing:
+        flags = " ".join(f"--{k.replace('_', '-')}" for k in missing)
+        raise ValueError(f"a custom decoder needs {flags} too (or --model, or --hf-config)")
+    low = [f"{k}={v}" for k, v in given.items() if v < (0 if k == "experts" else 1)]
+    if low:
+        raise ValueError(f"decoder sizes must be at least 1 (experts: 0): {', '.join(low)}")
+    shape = DecoderShape(name=name, **given)  # type: ignore[arg-type]
+    if shape.hidden % shape.heads:
+        raise ValueError(f"{shape.heads} heads do not divide the width {shape.hidden}")
+    if shape.kv_heads is not None and shape.heads % shape.kv_heads:
+        raise ValueError(f"{shape.kv_heads} key-value heads do not divide {shape.heads} heads")
+    if shape.experts and shape.top_k > shape.experts:
+        raise ValueError(f"top_k {shape.top_k} is more than the {shape.experts} experts")
+    return shape
+
+
+def hf_shape(config: Mapping[str, Any], name: str) -> DecoderShape:
+    """The shape of a Hugging Face decoder from its ``config.json``.
+
+    Raises:
+        ValueError: naming the keys a LLaMA-like configuration has and this one lacks.
+    """
+    missing = [HF_KEYS[k] for k in REQUIRED_FIELDS if HF_KEYS[k] not in config]
+    if missing:
+        raise ValueError(
+            f"{name} is not a LLaMA-like decoder configuration: no {', '.join(missing)}"
+        )
+    fields = {k: config.get(hf) for k, hf in HF_KEYS.items()}
+    return custom_shape(name, **{k: int(v) for k, v in fields.items() if v is not None})
 
 
 @dataclass(frozen=True)
