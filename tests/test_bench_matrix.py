@@ -2,9 +2,10 @@
 
 import pytest
 
+from twobp.config import parse_overrides
 from twobp.partition import stage_ranges
 from twobp_bench import matrix
-from twobp_bench.config import BenchConfig, default_microbatch_counts, parse_overrides, resolve
+from twobp_bench.config import BenchConfig, default_microbatch_counts, resolve
 from twobp_bench.matrix import Variant
 from twobp_bench.stats import paired_ratios, speedup, summarize
 

@@ -50,3 +50,28 @@ def test_what_profiling_needs_against_what_there_is():
     check_fits("llama-7b", 10**9, 2, 4e9)  # 4 GB needed, 4 GB there
     with pytest.raises(UsageError, match=r"4\.0 GB .* 3\.9 GB available.*twobp plan --costs"):
         check_fits("resnet-152", 10**9, 2, 3.9e9)
+
+
+def test_profile_fits_this_machine_for_the_plan(tmp_path, capsys):
+    from twobp.sim.analytic import load_hardware
+
+    device = tmp_path / "cpu.json"
+    argv = ["profile", "--repeats", "1", "--set", "n_layers=2,seq_len=16"]
+    argv += ["--out", str(tmp_path / "p.json"), "--hardware-out", str(device)]
+    assert main(argv) == 0
+    assert f"wrote {device}: weight matrices at" in capsys.readouterr().out
+    fitted = load_hardware(str(device))
+    assert fitted.peak_fp32 > 0 and fitted.efficiency["matmul"] == 1.0
+    assert "2 layers of llama-tiny (dim 64, 4 x 16 tokens)" in fitted.source
+    plan = ["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--ffn", "176"]
+    plan += ["--vocab", "256", "--gpus", "2", "--gpu", str(device), "--seq-len", "16"]
+    assert main([*plan, "--global-batch", "16"]) == 0
+    assert "on 2 x cpu" in capsys.readouterr().out
+
+
+def test_profile_refuses_to_fit_a_device_to_a_model_without_decoder_layers(tmp_path, capsys):
+    argv = ["profile", "--model", "resnet", "--hardware-out", str(tmp_path / "d.json")]
+    assert main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+    assert "--hardware-out: fitted to LLaMA decoder layers" in capsys.readouterr().err
+    assert main(["profile", "--set", "dim", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--set: expected name=value, got 'dim'" in capsys.readouterr().err

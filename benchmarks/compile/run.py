@@ -362,8 +362,10 @@ def _print(regime: str, clock: str, plain_run: dict[str, Any], piped_run: dict[s
         f"  twobp compile speed-up over twobp eager {two:.3f}x = {_share(two, gain)} of "
         f"plain's gain"
     )
-    print(f"  compile=True's choice per stage: {piped_run['compile choice']}, from its trial's "
-          f"compute per step (ms): {piped_run.get('compile trial ms')}")
+    print(
+        f"  compile=True's choice per stage: {piped_run['compile choice']}, from its trial's "
+        f"compute per step (ms): {piped_run.get('compile trial ms')}"
+    )
     print(
         f"  round by round (median [quartiles]): plain {_quartiles(plain_speedups['plain'])}, "
         f"twobp {_quartiles(piped_speedups['twobp'])}, torch 1F1B "

@@ -282,3 +282,29 @@ def check_writable(option: str, path: str | os.PathLike[str], *, folder: bool) -
         raise ValueError(
             f"{option} {path}: cannot write in {home} ({exc.strerror or exc}); give another path"
         ) from None
+
+
+def parse_overrides(text: str, option: str = "--overrides") -> dict[str, Any]:
+    """Parse ``'a=1,b=2.5,c=x'`` into ``{"a": 1, "b": 2.5, "c": "x"}`` (config fields to change).
+
+    Raises:
+        ValueError: on a part without ``=``, naming ``option``.
+    """
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{option}: expected name=value, got {part!r}")
+        out[key.strip()] = _number(value.strip())
+    return out
+
+
+def _number(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from twobp.config import doc
+from twobp.config import doc, parse_overrides
 from twobp_bench.matrix import (
     AUTO,
     AUTO_MICROBATCHES,
@@ -290,32 +290,6 @@ class BenchPlan:
     torch_by_default: bool = False
     """The torch schedules are the default list: a group leaves out those torch cannot run
     at its micro-batch count (DualPipeV below 2p), rather than report them skipped."""
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """Parse ``'a=1,b=2.5,c=x'`` into ``{"a": 1, "b": 2.5, "c": "x"}``.
-
-    Raises:
-        ValueError: on a part without ``=``.
-    """
-    out: dict[str, Any] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--overrides: expected name=value, got {part!r}")
-        out[key.strip()] = _number(value.strip())
-    return out
-
-
-def _number(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def default_microbatch_counts(n_ranks: int) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twobp.cli.errors import UsageError, check_at_least
-from twobp.config import add_arguments, check_writable, doc, from_namespace
+from twobp.config import add_arguments, check_writable, doc, from_namespace, parse_overrides
 
 
 @dataclass
@@ -31,6 +31,15 @@ class ProfileConfig:
     dtype: str = doc("dtype of the model", "float32", choices=("float32", "float64", "bfloat16"))
     threads: int = doc("torch threads while profiling", 1)
     out: str = doc("where to write the cost profile JSON", "profile.json")
+    set: str | None = doc(
+        "config fields of the --size preset to change, e.g. 'dim=256,n_layers=4,seq_len=64'",
+        None,
+    )
+    hardware_out: str | None = doc(
+        "llama only: also write this machine as a device JSON for `twobp plan --gpu FILE`, "
+        "its rates fitted to the decoder layers just measured (at this micro-batch's shapes)",
+        None,
+    )
 
 
 PROFILE_BYTES_PER_PARAMETER = 2
@@ -111,20 +120,29 @@ def _run(args: argparse.Namespace) -> int:
     )
     if cfg.memory_limit is not None and not cfg.memory_limit > 0:
         raise UsageError(f"--memory-limit must be > 0 bytes, got {cfg.memory_limit}")
+    if cfg.hardware_out is not None and cfg.model != "llama":
+        raise UsageError(
+            f"--hardware-out: fitted to LLaMA decoder layers; --model {cfg.model} has none"
+        )
+    if cfg.hardware_out is not None and cfg.dtype == "float64":
+        raise UsageError("--hardware-out: a device's rates are bfloat16 or float32, not float64")
     try:
         check_writable("--out", cfg.out, folder=False)
+        if cfg.hardware_out is not None:
+            check_writable("--hardware-out", cfg.hardware_out, folder=False)
+        changes = parse_overrides(cfg.set or "", "--set")
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     dtype = DTYPES[cfg.dtype]
     try:
         # Shapes first, on the meta device (nothing allocated): the model may not fit.
-        shapes = build_model(cfg.model, cfg.size, dtype=dtype, device="meta")
-    except ValueError as exc:
-        raise UsageError(f"--size {cfg.size}: {exc}") from exc
+        shapes = build_model(cfg.model, cfg.size, dtype=dtype, device="meta", **changes)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--size {cfg.size} --set {cfg.set}: {exc}") from exc
     parameters = sum(p.numel() for block in shapes.blocks for p in block.parameters())
     element = torch.empty((), dtype=dtype).element_size()
     check_fits(f"{cfg.model}-{cfg.size}", parameters, element, available_memory())
-    spec = build_model(cfg.model, cfg.size, dtype=dtype)
+    spec = build_model(cfg.model, cfg.size, dtype=dtype, **changes)
     if cfg.stages > spec.n_blocks:
         raise UsageError(
             f"--stages {cfg.stages}: {cfg.model}-{cfg.size} has {spec.n_blocks} blocks, and "
@@ -163,4 +181,49 @@ def _run(args: argparse.Namespace) -> int:
     )
     save_costs(model, cfg.out)
     print(f"wrote {cfg.out}: use it with `twobp simulate --costs-file {cfg.out}` or `twobp plan`")
+    if cfg.hardware_out is not None:
+        write_device(cfg, spec, costs)
     return 0
+
+
+def write_device(cfg: ProfileConfig, spec: Any, costs: Any) -> None:
+    """Fit this machine's rates to the profiled decoder layers and write its device JSON."""
+    from twobp.models.spec import BlockKind
+    from twobp.sim.analytic import HARDWARE
+    from twobp.sim.analytic.calibrate import fit_hardware
+    from twobp.sim.analytic.hardware import save_hardware
+    from twobp.sim.analytic.shapes import DecoderShape, block_costs
+
+    config = spec.config
+    shape = DecoderShape(
+        f"{cfg.model}-{cfg.size}",
+        config.n_layers,
+        config.dim,
+        config.n_heads,
+        config.ffn_dim,
+        config.vocab_size,
+    )
+    block = block_costs(shape, config.seq_len, cfg.microbatch_size, cfg.dtype)
+    layers = [
+        (c.forward, c.backward_input, c.backward_weight)
+        for c, kind in zip(costs, spec.block_kinds, strict=True)
+        if kind is BlockKind.BODY
+    ]
+    device = fit_hardware(
+        HARDWARE["cpu"],
+        block,
+        layers,
+        name="cpu",
+        source=(
+            f"fitted by twobp profile to {len(layers)} layers of {shape.name} "
+            f"(dim {config.dim}, {cfg.microbatch_size} x {config.seq_len} tokens), "
+            f"{cfg.threads} thread(s), {cfg.dtype}"
+        ),
+    )
+    save_hardware(device, cfg.hardware_out or "")
+    efficiency = device.efficiency["attention"]
+    print(
+        f"wrote {cfg.hardware_out}: weight matrices at {device.peak_fp32 / 1e9:.3g} GFLOP/s, "
+        f"attention and the rest at {efficiency:.3g} of that; use it with "
+        f"`twobp plan --gpu {cfg.hardware_out}`"
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
@@ -97,3 +97,8 @@ def load_hardware(name: str) -> Hardware:
     if not all(math.isfinite(x) and x > 0 for x in (device.peak_bf16, device.memory)):
         raise ValueError(f"--gpu {name}: peak_bf16 and memory must be positive")
     return device
+
+
+def save_hardware(device: Hardware, path: str | Path) -> None:
+    """Write ``device`` as the JSON :func:`load_hardware` (``--gpu FILE``) reads."""
+    Path(path).write_text(json.dumps(asdict(device), indent=2) + "\n")
