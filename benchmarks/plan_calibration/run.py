@@ -2,8 +2,9 @@
 
 For each regime of ``twobp bench`` (``large``: dim 256, 4 x 64 tokens per
 micro-batch; ``small``: dim 512, 2 x 16), ``twobp profile --hardware-out``
-fits the ``cpu`` device to the regime's decoder layers at its micro-batch;
-then ``twobp bench`` runs the twobp variants on 2 ranks x 1 thread, and the
+fits the ``cpu`` device to the regime's decoder layers at its micro-batch
+(and to a short 2-rank pipeline of them: the contention); then ``twobp bench
+--share-model`` runs the twobp variants on 2 ranks x 1 thread, and the
 analytic model (``twobp.sim.analytic``: the layers' FLOPs at the fitted
 rates, two layers per stage, the simulator's schedule) predicts each
 variant's step. Prints measured and predicted medians and their ratio.
@@ -22,7 +23,7 @@ from typing import Any
 
 from twobp.sim.analytic import load_hardware
 from twobp.sim.analytic.layout import stage_costs
-from twobp.sim.analytic.shapes import DecoderShape, block_costs
+from twobp.sim.analytic.shapes import DecoderShape, block_costs, head_costs
 from twobp.sim.candidate import simulate_candidate
 from twobp_bench.config import REGIMES
 
@@ -73,8 +74,10 @@ def predict(regime: str, device_file: Path, variant: dict[str, Any], m: int) -> 
         int(config["vocab_size"]),
     )
     device = load_hardware(str(device_file))
-    block = block_costs(shape, int(config["seq_len"]), spec.microbatch_size, "float32")
-    costs, _ = stage_costs(shape, device, block, RANKS, 1, "float32")
+    seq_len, microbatch = int(config["seq_len"]), spec.microbatch_size
+    block = block_costs(shape, seq_len, microbatch, "float32")
+    head = head_costs(shape, seq_len, microbatch, "float32")
+    costs, _ = stage_costs(shape, device, block, RANKS, 1, "float32", head)
     policy = variant["policy"] if variant["two_bp"] else "off"
     candidate, _ = simulate_candidate(variant["schedule"], policy or "off", RANKS, m, costs)
     return candidate.makespan
@@ -87,11 +90,25 @@ def main() -> int:
     parser.add_argument("--schedules", default="1f1b,zb-h1,interleaved-1f1b")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default="runs/calibration")
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="predict again the run already in --out (its device JSONs and bench results)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     regimes = args.regimes.split(",")
-    devices = {r: calibrate(r, out) for r in regimes}
+    if args.predict_only:
+        devices = {r: out / f"cpu-{r}.json" for r in regimes}
+    else:
+        devices = {r: calibrate(r, out) for r in regimes}
+        _bench(args, out)
+    _compare(out, devices)
+    return 0
+
+
+def _bench(args: argparse.Namespace, out: Path) -> None:
     _twobp(
         "bench",
         "--regimes",
@@ -108,11 +125,17 @@ def main() -> int:
         "",
         "--no-references",
         "--no-simulate",
+        # One copy of the model, as a training run holds: no variant's weights push
+        # another's out of the caches.
+        "--share-model",
         "--rounds",
         str(args.rounds),
         "--out",
         str(out / "bench"),
     )
+
+
+def _compare(out: Path, devices: dict[str, Path]) -> None:
     results = json.loads((out / "bench" / "results.json").read_text())
     print()
     print("| regime | m | variant | measured ms | predicted ms | predicted / measured |")
@@ -133,7 +156,6 @@ def main() -> int:
                     f"{predicted * 1e3:.1f} | {ratio:.2f} |"
                 )
     print(f"\nlargest error: {worst:.1%}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The profile is the simulator's cost JSON (:mod:`twobp.sim.cost_io`), which
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from twobp.cli.errors import UsageError, check_at_least
@@ -138,7 +139,8 @@ def _run(args: argparse.Namespace) -> int:
         # Shapes first, on the meta device (nothing allocated): the model may not fit.
         shapes = build_model(cfg.model, cfg.size, dtype=dtype, device="meta", **changes)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--size {cfg.size} --set {cfg.set}: {exc}") from exc
+        given = f"--size {cfg.size}" + (f" --set {cfg.set}" if cfg.set else "")
+        raise UsageError(f"{given}: {exc}") from exc
     parameters = sum(p.numel() for block in shapes.blocks for p in block.parameters())
     element = torch.empty((), dtype=dtype).element_size()
     check_fits(f"{cfg.model}-{cfg.size}", parameters, element, available_memory())
@@ -182,12 +184,21 @@ def _run(args: argparse.Namespace) -> int:
     save_costs(model, cfg.out)
     print(f"wrote {cfg.out}: use it with `twobp simulate --costs-file {cfg.out}` or `twobp plan`")
     if cfg.hardware_out is not None:
-        write_device(cfg, spec, costs)
+        write_device(cfg, spec, costs, model, plan.sizes, changes)
     return 0
 
 
-def write_device(cfg: ProfileConfig, spec: Any, costs: Any) -> None:
-    """Fit this machine's rates to the profiled decoder layers and write its device JSON."""
+def write_device(
+    cfg: ProfileConfig,
+    spec: Any,
+    costs: Any,
+    model: Any,
+    sizes: Sequence[int],
+    changes: Mapping[str, Any],
+) -> None:
+    """Fit this machine's rates to the profiled decoder layers and write its device JSON,
+    with the slowdown a pipeline of ``sizes`` (one stage per local rank) runs at."""
+    spec_dtype = next(spec.blocks[0].parameters()).dtype
     from twobp.models.spec import BlockKind
     from twobp.sim.analytic import HARDWARE
     from twobp.sim.analytic.calibrate import fit_hardware
@@ -209,8 +220,28 @@ def write_device(cfg: ProfileConfig, spec: Any, costs: Any) -> None:
         for c, kind in zip(costs, spec.block_kinds, strict=True)
         if kind is BlockKind.BODY
     ]
+    contention = 1.0
+    if cfg.stages > 1 and next(spec.blocks[0].parameters()).device.type == "cpu":
+        from twobp.partition.in_pipeline import pipeline_slowdown
+
+        profiled = [
+            f + i + w
+            for f, i, w in zip(
+                model.forward, model.backward_input, model.backward_weight, strict=True
+            )
+        ]
+        contention = pipeline_slowdown(
+            cfg.model,
+            cfg.size,
+            changes,
+            spec_dtype,
+            cfg.microbatch_size,
+            sizes,
+            profiled,
+            threads=cfg.threads,
+        )
     device = fit_hardware(
-        HARDWARE["cpu"],
+        replace(HARDWARE["cpu"], contention=contention),
         block,
         layers,
         name="cpu",
@@ -224,6 +255,6 @@ def write_device(cfg: ProfileConfig, spec: Any, costs: Any) -> None:
     efficiency = device.efficiency["attention"]
     print(
         f"wrote {cfg.hardware_out}: weight matrices at {device.peak_fp32 / 1e9:.3g} GFLOP/s, "
-        f"attention and the rest at {efficiency:.3g} of that; use it with "
-        f"`twobp plan --gpu {cfg.hardware_out}`"
+        f"attention and the rest at {efficiency:.3g} of that, {contention:.3g}x slower in a "
+        f"{cfg.stages}-rank pipeline; use it with `twobp plan --gpu {cfg.hardware_out}`"
     )

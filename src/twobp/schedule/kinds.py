@@ -84,6 +84,7 @@ which hold the built-in kinds. This module imports no torch.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Mapping
@@ -121,7 +122,7 @@ class Kind(str, Enum):
     @property
     def is_compute(self) -> bool:
         """True for F, B, I, W, R; False for transfers."""
-        return kind_spec(self).is_compute
+        return _compute_kind(self)
 
     @property
     def role(self) -> Role:
@@ -381,6 +382,12 @@ class DeclaredKind:
 
 ActionKind = Kind | DeclaredKind
 """What an action does: a built-in :class:`Kind` or a :class:`DeclaredKind`."""
+
+
+@functools.cache
+def _compute_kind(kind: Kind) -> bool:
+    """:attr:`Kind.is_compute`, kept: a built-in kind's entry never changes."""
+    return kind_spec(kind).is_compute
 
 
 def kind_spec(kind: ActionKind | str) -> KindSpec:

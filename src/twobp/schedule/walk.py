@@ -114,7 +114,7 @@ class Walker:
         # Per rank, what it walks: (index in its list, action, what it requires).
         self._lists = {
             r: [
-                (i, a, requires(a, schedule.graph, lowered))
+                (i, a, requires(a, schedule.graph, lowered), produces(a))
                 for i, a in enumerate(schedule.actions[r])
                 if lowered or a.kind.is_compute
             ]
@@ -147,7 +147,7 @@ class Walker:
         position = self._position[rank]
         if position == len(listed):
             return None
-        _, action, needs = listed[position]
+        _, action, needs, _ = listed[position]
         when = 0.0
         for key in needs:
             made = self._made.get(key)
@@ -168,7 +168,7 @@ class Walker:
     def earliest_start(self, rank: int) -> float:
         """A lower bound of :meth:`ready_at`, also for inputs not made yet: their
         producer's rank runs its list from now on without waiting."""
-        _, action, needs = self._lists[rank][self._position[rank]]
+        _, action, needs, _ = self._lists[rank][self._position[rank]]
         prefix = self._prefix_durations()
         when = 0.0
         for key in needs:
@@ -189,9 +189,11 @@ class Walker:
         self._position[rank] += 1
         return action
 
-    def next_needs(self, rank: int) -> tuple[Key, ...]:
-        """The inputs of the next action of ``rank`` (as :func:`requires` gives them)."""
-        return self._lists[rank][self._position[rank]][2]
+    def next_needs(self, rank: int) -> tuple[tuple[Key, ...], tuple[Key, ...]]:
+        """The inputs and the results of the next action of ``rank`` (as :func:`requires`
+        and :func:`produces` give them)."""
+        _, _, needs, made = self._lists[rank][self._position[rank]]
+        return needs, made
 
     def finish(
         self,
@@ -199,21 +201,20 @@ class Walker:
         action: Action,
         start: float,
         end: float,
-        needs: tuple[Key, ...] | None = None,
+        known: tuple[tuple[Key, ...], tuple[Key, ...]] | None = None,
     ) -> tuple[Key, ...]:
         """Record that ``rank`` ran ``action`` from ``start`` to ``end``; returns what it made.
 
-        ``needs``: the action's inputs where the caller has them (:meth:`next_needs`).
+        ``known``: the action's inputs and results where the caller has them
+        (:meth:`next_needs`).
         """
-        if needs is None:
-            needs = self._requires(action)
+        needs, made = known if known is not None else (self._requires(action), produces(action))
         steps = [self._made[k][1] for k in needs if k in self._made]
         last = self._runs[rank][-1].step if self._runs[rank] else -1
         step = max([last, *steps]) + 1
         self._runs[rank].append(Run(action, start, end, step))
         # A background action (a gradient reduction) leaves its rank free at once.
         self._free[rank] = start if kind_spec(action.kind).background else end
-        made = produces(action)
         for key in made:
             self._made[key] = (end, step)
         return made
@@ -381,9 +382,9 @@ def _walk_listed(walker: Walker, duration: Callable[[Action], float]) -> None:
         ask(rank)
     while ready:
         start, rank = heapq.heappop(ready)
-        needs = walker.next_needs(rank)
+        known = walker.next_needs(rank)
         action = walker.take(rank)
-        made = walker.finish(rank, action, start, start + duration(action), needs)
+        made = walker.finish(rank, action, start, start + duration(action), known)
         ask(rank)
         for key in made:
             for other in waiting.pop(key, ()):

@@ -28,6 +28,9 @@ class Hardware:
         per_node: devices per node.
         efficiency: fraction of the peak per operation family (``matmul``, ``attention``).
         source: where the figures come from.
+        contention: how many times slower a device computes while its neighbours
+            compute too (``CostModel.contention``): CPU ranks sharing caches and
+            memory bandwidth; 1 for devices of their own.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Hardware:
         default_factory=lambda: {"matmul": 0.55, "attention": 0.35}
     )
     source: str = ""
+    contention: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``."""

@@ -10,11 +10,17 @@ optimizer state, activations and stashes) under it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twobp.schedule import SCHEDULES
 from twobp.sim.analytic.hardware import Hardware
-from twobp.sim.analytic.shapes import BlockCosts, DecoderShape, block_costs
+from twobp.sim.analytic.shapes import (
+    DTYPE_BYTES,
+    BlockCosts,
+    DecoderShape,
+    block_costs,
+    head_costs,
+)
 from twobp.sim.candidate import Candidate
 from twobp.sim.costs import CostModel, allreduce_time
 from twobp.sim.search import NothingFitsError, choose, options, search
@@ -100,8 +106,11 @@ def stage_costs(
     pipeline: int,
     tensor: int,
     dtype: str,
+    head: BlockCosts | None = None,
 ) -> tuple[CostModel, float]:
-    """The cost model of ``pipeline`` equal stages, and each rank's weight bytes."""
+    """The cost model of ``pipeline`` stages of equal layers, and the most weight
+    bytes a rank holds. With ``head`` (:func:`head_costs`), the first stage holds
+    the embedding too (its lookup costs no time) and the last the head."""
     per_stage = -(-shape.layers // pipeline)
     seconds = device.seconds
     # Tensor parallelism all-reduces the hidden states twice per layer in F and twice in I.
@@ -135,8 +144,45 @@ def stage_costs(
         parameter_bytes=per_stage * block.gradient_bytes,
         optimizer_bytes=per_stage * block.optimizer_bytes,
         reduce_bandwidth=device.inter_bandwidth,
+        contention=device.contention,
     )
-    return costs, per_stage * block.parameter_bytes
+    if head is None:
+        return costs, per_stage * block.parameter_bytes
+    size = DTYPE_BYTES[dtype]
+    embedding = shape.vocab * shape.hidden / tensor * size
+    embedding_state = embedding * head.optimizer_bytes / head.parameter_bytes
+    first = {"parameter": embedding, "optimizer": embedding_state}
+    end = {
+        "forward": seconds(head.forward_matmul, "matmul", dtype),
+        "backward_input": seconds(head.input_matmul, "matmul", dtype),
+        "backward_weight": seconds(head.weight_matmul, "matmul", dtype),
+        "activation": head.activation_bytes,
+        "weight_grad": head.stash_bytes,
+        "parameter": head.gradient_bytes,
+        "optimizer": head.optimizer_bytes,
+    }
+
+    def ends(values: Sequence[float] | None, key: str) -> tuple[float, ...]:
+        out = list(values or (0.0,) * pipeline)
+        out[0] += first.get(key, 0.0)
+        out[-1] += end.get(key, 0.0)
+        return tuple(out)
+
+    costs = replace(
+        costs,
+        forward=ends(costs.forward, "forward"),
+        backward_input=ends(costs.backward_input, "backward_input"),
+        backward_weight=ends(costs.backward_weight, "backward_weight"),
+        backward_full=None,
+        activation_bytes=ends(costs.activation_bytes, "activation"),
+        weight_grad_bytes=ends(costs.weight_grad_bytes, "weight_grad"),
+        parameter_bytes=ends(costs.parameter_bytes, "parameter"),
+        optimizer_bytes=ends(costs.optimizer_bytes, "optimizer"),
+    )
+    weights = [per_stage * block.parameter_bytes] * pipeline
+    weights[0] += embedding
+    weights[-1] += head.parameter_bytes
+    return costs, max(weights)
 
 
 def _divisors(n: int) -> list[int]:
@@ -189,7 +235,8 @@ def _best(
     dtype: str,
 ) -> Layout | None:
     pipeline, data, tensor, mb, m, seq_len = dims
-    costs, weights = stage_costs(shape, device, block, pipeline, tensor, dtype)
+    head = head_costs(shape, seq_len, mb, dtype, tensor)
+    costs, weights = stage_costs(shape, device, block, pipeline, tensor, dtype, head)
     if shard:
         costs = CostModel(**{**costs.__dict__, "shard_optimizer": True})
     limit = device.memory - weights
@@ -205,8 +252,8 @@ def _best(
     per_device = shape.active_block_params * shape.layers + shape.vocab * shape.hidden
     model_flops = 6.0 * per_device * tokens + 12.0 * shape.layers * seq_len * shape.hidden * tokens
     mfu = model_flops / (best.makespan * pipeline * data * tensor * device.peak(dtype))
-    gradients = (costs.parameter_bytes or (0.0,))[0]
-    optimizer = (costs.optimizer_bytes or (0.0,))[0] / (data if shard else 1)
+    gradients = max(costs.parameter_bytes or (0.0,))
+    optimizer = max(costs.optimizer_bytes or (0.0,)) / (data if shard else 1)
     static = gradients + optimizer
     memory = {
         "weights": weights,

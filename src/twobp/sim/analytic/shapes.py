@@ -229,6 +229,36 @@ def block_costs(
     )
 
 
+def head_costs(
+    shape: DecoderShape, seq_len: int, microbatch: int, dtype: str = "bfloat16", tensor: int = 1
+) -> BlockCosts:
+    """The output head's costs (final norm and an untied ``vocab x hidden`` projection,
+    vocabulary-parallel over ``tensor`` ranks) for one micro-batch.
+
+    Its matrix costs ``2 V h`` per token in each of ``F``, ``I`` and ``W``; it
+    holds its input and the logits from ``F`` to ``I`` and their gradient to ``W``.
+    """
+    size = DTYPE_BYTES[dtype]
+    tokens = seq_len * microbatch
+    h, vocab = shape.hidden, shape.vocab
+    matmul = 2.0 * vocab * h * tokens / tensor
+    params = (vocab * h + h) / tensor
+    optimizer = 8 if size == 4 else 12
+    return BlockCosts(
+        forward_matmul=matmul,
+        forward_attention=0.0,
+        input_matmul=matmul,
+        input_attention=0.0,
+        weight_matmul=matmul,
+        activation_bytes=(h + vocab / tensor) * tokens * size,
+        stash_bytes=(h + vocab / tensor) * tokens * size,
+        send_bytes=0.0,
+        parameter_bytes=params * size,
+        gradient_bytes=params * size,
+        optimizer_bytes=params * optimizer,
+    )
+
+
 def step_flops(shape: DecoderShape, tokens: int, seq_len: int) -> float:
     """FLOPs of one training step over ``tokens`` tokens (layers and head)."""
     per_layer = block_costs(shape, seq_len, 1)
