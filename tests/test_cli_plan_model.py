@@ -155,3 +155,17 @@ def test_a_config_that_is_not_a_llama_like_decoder(tmp_path, capsys):
     code, _, err = _plan(["plan", "--hf-config", str(path), "--gpus", "8"], capsys)
     assert code == 2
     assert "not a LLaMA-like decoder configuration: no num_hidden_layers, hidden_size" in err
+
+
+def test_recomputation_where_nothing_fits_without_it(capsys):
+    # LLaMA-13B, 8192 tokens a sequence, on 4 x 80 GB: every layout holds too much
+    # without rebuilding activations.
+    argv = ["plan", "--model", "llama", "--size", "13b", "--gpus", "4", "--gpu", "a100-80g"]
+    code, out, _ = _plan([*argv, "--seq-len", "8192", "--global-batch", "16"], capsys)
+    assert code == 0
+    first = next(line for line in out.splitlines() if LAYOUT.match(line))
+    assert "recompute 'activations'" in first or "recompute 'all'" in first
+    assert "--recompute " in out and "recompute='" in out
+    # The same plan with 2048 tokens fits without.
+    code, out, _ = _plan([*argv, "--seq-len", "2048", "--global-batch", "16"], capsys)
+    assert code == 0 and "recompute" not in out

@@ -358,6 +358,8 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
         two_bp = {"off": "no 2BP", "own": "2BP (its own W placement)"}.get(
             layout.two_bp(), f"2BP {c.policy}"
         )
+        if c.recompute != "off":
+            two_bp += f", recompute {c.recompute!r}"
         breakdown = ", ".join(f"{k} {format_amount(v)}" for k, v in layout.memory.items())
         print(
             f"{i}. P={layout.pipeline} D={layout.data} T={layout.tensor}, {c.schedule}, {two_bp}, "

@@ -23,10 +23,13 @@ from twobp.sim.analytic.shapes import (
 )
 from twobp.sim.candidate import Candidate
 from twobp.sim.costs import CostModel, allreduce_time
+from twobp.sim.recompute import NO_RECOMPUTE
 from twobp.sim.search import NothingFitsError, choose, options, search
 
 SCHEDULES_TRIED = ("1f1b", "zb-h1", "zb-v", "dualpipev")
 POLICIES_TRIED = ("off", "eager")
+RECOMPUTE_TRIED = ("activations", "all")
+"""The recompute modes tried where a layout fits no other way."""
 TENSOR_PLANNED = "planned, runs once tensor_parallel/shard_parameters land"
 
 
@@ -72,6 +75,7 @@ class Layout:
             f"--batch-size {self.microbatches * self.microbatch * self.data}",
             f"--stages-per-rank {c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
             "--shard-optimizer" if self.shard_optimizer else "",
+            f"--recompute {c.recompute}" if c.recompute != NO_RECOMPUTE else "",
         ]
         text = " ".join(p for p in parts if p)
         if self.tensor > 1:
@@ -90,6 +94,7 @@ class Layout:
             f"stages_per_rank={c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
             f"data_parallel={self.data}" if self.data > 1 else "",
             f"tensor_parallel={self.tensor}" if self.tensor > 1 else "",
+            f"recompute={c.recompute!r}" if c.recompute != NO_RECOMPUTE else "",
         ]
         text = f"Pipeline(blocks, loss_fn, {', '.join(p for p in parts if p)})"
         if self.shard_optimizer:
@@ -201,7 +206,29 @@ def plan_layouts(
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     max_microbatches: int = 64,
 ) -> list[Layout]:
-    """Every layout that fits, fastest first (empty: none fits)."""
+    """Every layout that fits, fastest first (empty: none fits). Recomputation costs
+    time: its modes (:data:`RECOMPUTE_TRIED`) are tried only where no layout fits
+    without."""
+    for recomputes in ((NO_RECOMPUTE,), RECOMPUTE_TRIED):
+        dims = (gpus, global_batch, seq_len, dtype)
+        out = _layouts(
+            shape, device, dims, tensor_sizes, microbatch_sizes, max_microbatches, recomputes
+        )
+        if out:
+            break
+    return out
+
+
+def _layouts(
+    shape: DecoderShape,
+    device: Hardware,
+    dims: tuple[int, int, int, str],
+    tensor_sizes: Sequence[int],
+    microbatch_sizes: Sequence[int],
+    max_microbatches: int,
+    recomputes: Sequence[str],
+) -> list[Layout]:
+    gpus, global_batch, seq_len, dtype = dims
     out = []
     for tensor in tensor_sizes:
         if gpus % tensor or tensor > device.per_node or shape.heads % tensor:
@@ -219,7 +246,13 @@ def plan_layouts(
                 block = block_costs(shape, seq_len, mb, dtype, tensor)
                 for shard in (data > 1,):
                     layout = _best(
-                        shape, device, block, (pipeline, data, tensor, mb, m, seq_len), shard, dtype
+                        shape,
+                        device,
+                        block,
+                        (pipeline, data, tensor, mb, m, seq_len),
+                        shard,
+                        dtype,
+                        recomputes,
                     )
                     if layout is not None:
                         out.append(layout)
@@ -233,6 +266,7 @@ def _best(
     dims: tuple[int, int, int, int, int, int],
     shard: bool,
     dtype: str,
+    recomputes: Sequence[str],
 ) -> Layout | None:
     pipeline, data, tensor, mb, m, seq_len = dims
     head = head_costs(shape, seq_len, mb, dtype, tensor)
@@ -242,7 +276,13 @@ def _best(
     limit = device.memory - weights
     if limit <= 0:
         return None
-    choices = options(m, schedules=SCHEDULES_TRIED, policies=POLICIES_TRIED, max_stages_per_rank=1)
+    choices = options(
+        m,
+        schedules=SCHEDULES_TRIED,
+        policies=POLICIES_TRIED,
+        max_stages_per_rank=1,
+        recomputes=recomputes,
+    )
     ranking = search(choices, pipeline, m, costs.for_stages, limit, data)
     try:
         best = choose(ranking, limit)
