@@ -180,6 +180,26 @@ class PipelineOptions:
             details="docs/user-guide.md#replicated-stages-data-parallel-chimera-tied-weights",
         ),
     )
+    tensor_parallel: int | None = field(
+        default=None,
+        metadata=_help(
+            "ranks T each block is split over (Megatron-style: column- and row-parallel "
+            "linears) by tensor_parallel_plan, on D x P x T ranks laid out dp x pp x tp, tensor "
+            "parallel innermost; None: 1",
+            cli="--tensor-parallel",
+            details="docs/user-guide.md#tensor-parallelism-in-a-pipeline",
+        ),
+    )
+    tensor_parallel_plan: Any = field(
+        default=None,
+        metadata=_help(
+            "with tensor_parallel: module-name pattern (fnmatch, e.g. 'attn.wq', 'mlp.*') -> "
+            "'colwise' or 'rowwise', applied to each block whose modules it names, or a "
+            "callable (block_index, block) -> such a mapping (twobp.models."
+            "tensor_parallel_plan(name), twobp.integrations.transformers.tensor_parallel_plan)",
+            details="docs/user-guide.md#tensor-parallelism-in-a-pipeline",
+        ),
+    )
     recompute: str | Sequence[str | None] | None = field(
         default=None,
         metadata=_help(
@@ -294,6 +314,16 @@ class PipelineOptions:
             PipelineConfigError: naming the option and what to give instead.
         """
         check_recompute(self.recompute, self.memory_limit)
+        if self.tensor_parallel is not None and self.tensor_parallel != 1:
+            from twobp.runtime.setup.tensor_parallel import check_world, refuse_planning_apart
+
+            check_world(self.tensor_parallel, self.tensor_parallel)
+            if self.tensor_parallel_plan is None:
+                raise PipelineConfigError(
+                    f"tensor_parallel={self.tensor_parallel} needs tensor_parallel_plan: which "
+                    "linears to split, e.g. twobp.models.tensor_parallel_plan('llama')"
+                )
+            refuse_planning_apart(self)
         check_two_bp(self.two_bp, self.schedule)
         check_microbatches(self.schedule, self.n_microbatches, self.costs)
         schedule = self.schedule

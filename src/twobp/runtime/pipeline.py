@@ -65,6 +65,11 @@ from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
+from twobp.runtime.setup.tensor_parallel import (
+    refuse_checkpoint,
+    shard_blocks,
+    tensor_parallel_layout,
+)
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames, model_names_of
@@ -177,6 +182,8 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         data_parallel: int | None = None,
         mesh: Any = None,
+        tensor_parallel: int | None = None,
+        tensor_parallel_plan: Any = None,
         recompute: str | Sequence[str | None] | None = None,
         memory_limit: float | str | None = None,
         optimizer_state_bytes: float = 0.0,
@@ -201,6 +208,18 @@ class Pipeline:
         self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
         members = join_world(requested or default_device(), self.timeout, group)
+        self._tensor = tensor_parallel_layout(members, self.options, mesh, example_input)
+        world = members
+        if self._tensor is not None:
+            # This rank's pipeline: the ranks of its shard; the rest of the pipeline is as
+            # without tensor parallelism.
+            members = join_world(
+                requested or default_device(), self.timeout, self._tensor.pipeline_group
+            )
+        self.tp_rank = 0 if self._tensor is None else self._tensor.rank
+        """This process's rank in its tensor-parallel group (0 without tensor parallelism)."""
+        self.tp_size = 1 if self._tensor is None else self._tensor.size
+        """How many ranks each block is split over."""
         self.device = rank_device(requested, members)
         """The device this rank computes on."""
         self.rank = members.rank
@@ -215,7 +234,8 @@ class Pipeline:
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:
-            grad_scaler.bind(self, members, self.device, self.timeout)
+            # Overflow agreed over every rank: the shards of a step are skipped together.
+            grad_scaler.bind(self, world, self.device, self.timeout)
         # Known before planning, so that each copy can pass its own part of the first batch.
         self.dp_rank = next(d for d, row in enumerate(grid) if members.rank in row)
         """Which copy of the pipeline this process belongs to (0 without data parallel)."""
@@ -262,6 +282,8 @@ class Pipeline:
         )
         self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
         self.partition_by = plan.partition_by
+        if self._tensor is not None:
+            shard_blocks(pending.blocks, given.options.tensor_parallel_plan, self._tensor)
         self._parts = build_rank(
             plan,
             pending.blocks,
@@ -277,6 +299,7 @@ class Pipeline:
         # The pipeline keeps neither the blocks it does not run, nor the process group or
         # mesh (destroying the group ends it, see close()), nor the example micro-batch.
         self._pending = None
+        self._parts.state.tensor_parallel = self._tensor
         return self._parts
 
     def plan_on(self, inputs: Batch | None) -> None:
@@ -417,10 +440,12 @@ class Pipeline:
 
     @_same_doc(PipelineState.state_dict)
     def state_dict(self) -> dict[str, Any]:
+        refuse_checkpoint(self._tensor)
         return self.state.state_dict()
 
     @_same_doc(PipelineState.load_state_dict)
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        refuse_checkpoint(self._tensor)
         return self.state.load_state_dict(state_dict, strict)
 
     @_same_doc(PipelineState.save)
@@ -435,6 +460,7 @@ class Pipeline:
         keep: int = 1,
         async_save: bool = False,
     ) -> Path:
+        refuse_checkpoint(self._tensor)
         return self.state.save(
             path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
@@ -447,6 +473,7 @@ class Pipeline:
     def load(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
+        refuse_checkpoint(self._tensor)
         return self.state.load(path, optimizer)
 
     def train(self, mode: bool = True) -> Pipeline:

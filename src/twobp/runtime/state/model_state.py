@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.errors import PipelineClosedError
+from twobp.runtime.errors import PipelineClosedError, PipelineConfigError
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.runtime.state.grad_scaler import GradScaler
@@ -90,6 +90,8 @@ class PipelineState:
         self.closed = False
         """True once the pipeline is closed: checkpoints and norms are refused."""
         self.sharded: ShardedParameters | None = None
+        self.tensor_parallel: Any = None
+        """The pipeline's :class:`twobp.runtime.setup.tensor_parallel.TensorParallel`, or None."""
         """The shards of the pipeline's sharded optimizer (``Pipeline.shard_optimizer``)."""
 
     def sharded_for(self, optimizer: torch.optim.Optimizer | None) -> ShardedParameters | None:
@@ -333,14 +335,27 @@ class PipelineState:
             The global norm of all gradients before clipping (a 0-dim tensor).
         """
         self.check_open()
+        counted = [p for name, p in self.named_parameters() if self._writes(name)]
+        world = self.topology.members
+        tp = self.tensor_parallel
+        if tp is not None:
+            from twobp.runtime.setup.tensor_parallel import counted_once
+
+            if self.sharded is not None:
+                raise PipelineConfigError(
+                    "clip_grad_norm_ of a tensor-parallel pipeline with a sharded optimizer "
+                    "is not supported: clip without shard_optimizer"
+                )
+            # Over every pipeline: each shard once, a replicated parameter once.
+            counted, world = counted_once(counted, tp, self.module), tp.world
         return clip_grad_norm_(
             self.parameters(),
             max_norm,
             norm_type,
-            self.topology.members,
+            world,
             self.device,
             self.timeout,
-            counted=[p for name, p in self.named_parameters() if self._writes(name)],
+            counted=counted,
             shards=self.sharded.gradients() if self.sharded is not None else (),
         )
 

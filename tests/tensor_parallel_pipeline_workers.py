@@ -1,0 +1,140 @@
+"""Functions the tensor-parallel pipeline tests run on every rank of a launched group."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twobp.models import build_model, tensor_parallel_plan
+from twobp.runtime import GradScaler, Pipeline
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.setup.tensor_parallel import split_dims
+
+LLAMA = {"dim": 16, "n_heads": 4, "ffn_dim": 24, "n_layers": 4, "seq_len": 6, "vocab_size": 32}
+STEPS = 3
+
+
+def _whole(pipe: Pipeline, param: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
+    """``param`` (a gradient or a parameter of this rank) joined over the tensor-parallel group."""
+    dim = split_dims(pipe.module).get(id(like))
+    if dim is None:
+        return param
+    group = pipe._tensor.group  # type: ignore[union-attr]
+    pieces = [torch.empty_like(param) for _ in range(pipe.tp_size)]
+    dist.all_gather(pieces, param.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dict[str, Any]]:
+    """Per case (schedule, two_bp, data_parallel): the largest difference from one process
+    on the whole model, in float64: the loss of every step, every gradient of the first
+    step and every parameter after ``STEPS`` AdamW steps (shards joined), and the norm."""
+    out = []
+    for schedule, two_bp, data_parallel in cases:
+        spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+        whole = nn.Sequential(*copy.deepcopy(spec.blocks))
+        pipe = Pipeline(
+            spec.blocks,
+            spec.loss_fn,
+            schedule,
+            n_microbatches=4,
+            two_bp=two_bp,
+            data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel,
+            tensor_parallel_plan=tensor_parallel_plan("llama"),
+        )
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+        names = dict(whole.named_parameters())
+        errors = {"loss": 0.0, "gradients": 0.0, "parameters": 0.0, "norm": 0.0}
+        for step in range(STEPS):
+            inputs, targets = spec.make_batch(8 * data_parallel, step)
+            mine = slice(8 * pipe.dp_rank, 8 * (pipe.dp_rank + 1))
+            pipe.zero_grad()
+            loss = pipe.step(inputs[mine], targets[mine])
+            reference.zero_grad()
+            expected = spec.loss_fn(whole(inputs), targets)
+            expected.backward()
+            errors["loss"] = max(errors["loss"], abs(loss - float(expected.detach())))
+            if step == 0:
+                for name, param in pipe.named_parameters():
+                    assert param.grad is not None, name
+                    grad = _whole(pipe, param.grad, param)
+                    ref = names[name].grad
+                    assert ref is not None
+                    errors["gradients"] = max(errors["gradients"], float((grad - ref).abs().max()))
+            norm = pipe.clip_grad_norm_(1e9)
+            expected_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e9)
+            errors["norm"] = max(errors["norm"], abs(float(norm) - float(expected_norm)))
+            optimizer.step()
+            reference.step()
+        for name, param in pipe.named_parameters():
+            joined = _whole(pipe, param.detach(), param)
+            errors["parameters"] = max(
+                errors["parameters"], float((joined - names[name].detach()).abs().max())
+            )
+        errors["tp_rank"] = pipe.tp_rank
+        errors["tp_size"] = pipe.tp_size
+        errors["sharded"] = len(split_dims(pipe.module))
+        pipe.close()
+        out.append(errors)
+    return out
+
+
+def overflow_agreed() -> list[bool]:
+    """A GradScaler step where only tensor-parallel rank 1's shard overflows: skipped on
+    every rank."""
+    spec = build_model("llama", "tiny", dtype=torch.float32, **LLAMA)
+    scaler = GradScaler(init_scale=2.0**10)
+    pipe = Pipeline(
+        spec.blocks,
+        spec.loss_fn,
+        "1f1b",
+        n_microbatches=2,
+        tensor_parallel=2,
+        tensor_parallel_plan=tensor_parallel_plan("llama"),
+        grad_scaler=scaler,
+    )
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    inputs, targets = spec.make_batch(4, 0)
+    pipe.step(inputs, targets)
+    if pipe.tp_rank == 1:
+        dims = split_dims(pipe.module)
+        split = next(p for p in pipe.parameters() if id(p) in dims)
+        assert split.grad is not None
+        split.grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, pipe.parameters(), strict=True))
+    pipe.close()
+    return [unchanged, scaler.get_scale() < 2.0**10]
+
+
+def refusal(case: str) -> str:
+    """The one-line error of a bad tensor-parallel setup, or 'accepted'."""
+    spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+    plan: Any = tensor_parallel_plan("llama")
+    kwargs: dict[str, Any] = {"tensor_parallel": 2, "n_microbatches": 2}
+    if case == "world":
+        kwargs["tensor_parallel"] = 3
+    if case == "no module":
+        plan = {**plan, "attn.wqkv": "colwise"}
+    if case == "heads":
+        spec = build_model("llama", "tiny", dtype=torch.float64, **{**LLAMA, "n_heads": 1})
+    if case == "auto":
+        kwargs["schedule"] = "auto"
+    try:
+        pipe = Pipeline(
+            spec.blocks, spec.loss_fn, tensor_parallel_plan=plan, **{"schedule": "1f1b", **kwargs}
+        )
+        if case == "checkpoint":
+            pipe.state_dict()
+        pipe.close()
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "accepted"

@@ -1,0 +1,63 @@
+"""Pipelines of tensor-parallel blocks equal one process on the whole model (float64, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensor_parallel_pipeline_workers import overflow_agreed, parity, refusal
+from twobp.runtime.launch import launch
+
+SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+TOLERANCE = 1e-10
+
+
+def _check(results: list[list[dict]], cases: list, tensor_parallel: int) -> None:
+    for rank_results in results:
+        assert len(rank_results) == len(cases)
+        for case, errors in zip(cases, rank_results, strict=True):
+            assert errors["tp_size"] == tensor_parallel
+            for key in ("loss", "gradients", "parameters", "norm"):
+                assert errors[key] < TOLERANCE, (case, key, errors)
+    for i, case in enumerate(cases):
+        # Each of the 4 decoders' 7 linears is split, on every tensor-parallel rank of
+        # every copy (case[2] copies).
+        split = sum(rank_results[i]["sharded"] for rank_results in results)
+        assert split == 7 * 4 * tensor_parallel * case[2], case
+
+
+def test_two_ranks_split_every_block_in_two():
+    cases = [("1f1b", True, 1), ("1f1b", False, 1)]
+    _check(launch(parity, 2, cases, 2, timeout=300), cases, 2)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_pipeline_ranks_of_two_tensor_parallel_ranks(schedule):
+    cases = [(schedule, True, 1), (schedule, False, 1)]
+    results = launch(parity, 4, cases, 2, timeout=300)
+    _check(results, cases, 2)
+    assert [r[0]["tp_rank"] for r in results] == [0, 1, 0, 1]  # tensor parallel innermost
+
+
+def test_data_parallel_copies_of_a_tensor_parallel_pipeline():
+    cases = [("1f1b", True, 2)]
+    _check(launch(parity, 8, cases, 2, timeout=300), cases, 2)
+
+
+def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
+    for unchanged, backed_off in launch(overflow_agreed, 2, timeout=300):
+        assert unchanged and backed_off
+
+
+@pytest.mark.parametrize(
+    ("case", "ranks", "words"),
+    [
+        ("world", 2, "a world of 2 ranks is not data_parallel x pipeline x 3 ranks"),
+        ("no module", 2, "'attn.wqkv' names no module of any block"),
+        ("heads", 2, "has 1 heads, which do not divide by 2 ranks"),
+        ("auto", 2, "schedule='auto' plans from what each tensor-parallel pipeline"),
+        ("checkpoint", 2, "checkpoints of a tensor-parallel pipeline are not supported"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):
+    messages = launch(refusal, ranks, case, timeout=300)
+    assert all(words in m and "\n" not in m for m in messages), messages
