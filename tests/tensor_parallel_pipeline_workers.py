@@ -77,6 +77,10 @@ def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dic
             errors["parameters"] = max(
                 errors["parameters"], float((joined - names[name].detach()).abs().max())
             )
+        # Shards at their local size: parameters, their gradients, buffers.
+        local = sum(2 * p.numel() * p.element_size() for p in pipe.parameters())
+        local += sum(b.numel() * b.element_size() for b in pipe.module.buffers())
+        errors["memory"] = pipe.memory_stats()["parameters"] - local
         errors["tp_rank"] = pipe.tp_rank
         errors["tp_size"] = pipe.tp_size
         errors["sharded"] = len(split_dims(pipe.module))

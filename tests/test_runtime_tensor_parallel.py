@@ -18,6 +18,7 @@ def _check(results: list[list[dict]], cases: list, tensor_parallel: int) -> None
             assert errors["tp_size"] == tensor_parallel
             for key in ("loss", "gradients", "parameters", "norm"):
                 assert errors[key] < TOLERANCE, (case, key, errors)
+            assert errors["memory"] == 0, errors  # memory_stats counts the local shards
     for i, case in enumerate(cases):
         # Each of the 4 decoders' 7 linears is split, on every tensor-parallel rank of
         # every copy (case[2] copies).
