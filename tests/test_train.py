@@ -223,3 +223,21 @@ def test_a_nonfinite_loss_names_the_step_as_the_progress_line_counts():
 
     message = str(nonfinite_error(0, 3, float("nan"), 1, 1))
     assert "the mean loss of step 4 (step_count 3) is nan" in message
+
+
+def test_train_a_tensor_parallel_pipeline_equals_one_process(tmp_path, torch_one_thread, capfd):
+    out = tmp_path / "run"
+    argv = [
+        "train", "--ranks", "4", "--tensor-parallel", "2", "--schedule", "zb-h1",
+        "--steps", "3", "--batch-size", "8", "--microbatches", "4", "--seq-len", "16",
+        "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
+        "--no-save", "--log-every", "1",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    # 2 pipeline ranks x 2 tensor-parallel ranks, clipped by the norm over all four.
+    assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
+    captured = capfd.readouterr()
+    assert (captured.out + captured.err).count("step 3/3") == 1  # one rank reports
+    assert main([*argv[:-3], "--save"]) == 2
+    assert "--tensor-parallel 2 does not take --save" in capfd.readouterr().err

@@ -68,6 +68,12 @@ class TrainConfig:
         "part of --batch-size; each stage's gradients are all-reduced over its copies",
         1,
     )
+    tensor_parallel: int = doc(
+        "ranks T each block is split over (the model's tensor-parallel plan: llama, or a "
+        "Hugging Face model's base_model_tp_plan); the ranks form D x P x T, tensor parallel "
+        "innermost; needs --no-save and a schedule and --microbatches by name and number",
+        1,
+    )
     shard_optimizer: bool = doc(
         "shard AdamW's state over the data-parallel copies (pipe.shard_optimizer, ZeRO-1): "
         "gradients reduce-scattered, each copy steps its shard, parameters all-gathered",

@@ -153,6 +153,20 @@ def train_rank(
         return _train_rank(cfg, on_step, console, stop)
 
 
+def _tensor_parallel_plan(cfg: TrainConfig) -> dict[str, str] | None:
+    """The tensor-parallel plan of the run's model (None without tensor parallelism)."""
+    if cfg.tensor_parallel == 1:
+        return None
+    if cfg.hf_config is not None:
+        from twobp.integrations.transformers import build_model as build_hf
+        from twobp.integrations.transformers import tensor_parallel_plan as hf_plan
+
+        return hf_plan(build_hf(cfg.hf_config, cfg.size))
+    from twobp.models import tensor_parallel_plan
+
+    return tensor_parallel_plan(cfg.model)
+
+
 def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) -> PipelineOptions:
     """The pipeline's options of a run: its config's, and the 2BP stages a resumed run's
     checkpoint chose (``two_bp`` unset), if any."""
@@ -170,6 +184,8 @@ def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) 
         weight_group_size=cfg.weight_group_size,
         autocast=autocast_dtype(cfg),
         data_parallel=cfg.data_parallel,
+        tensor_parallel=cfg.tensor_parallel if cfg.tensor_parallel > 1 else None,
+        tensor_parallel_plan=_tensor_parallel_plan(cfg),
         memory_limit=cfg.memory_limit,
         # AdamW's two float32 moments per parameter, sharded with --shard-optimizer.
         optimizer_state_bytes=8.0,
@@ -194,9 +210,10 @@ def _train_rank(
         options=pipeline_options(cfg, resumed_split),
         # The first micro-batch: what a balanced partition, the default two_bp and auto
         # profile the blocks on.
+        # (None with tensor parallelism: each shard's pipeline would profile apart.)
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if isinstance(cfg.microbatches, int)
+            if isinstance(cfg.microbatches, int) and cfg.tensor_parallel == 1
             else None
         ),
         grad_scaler=scaler,
@@ -206,13 +223,13 @@ def _train_rank(
         # before the stages are reported and a checkpoint is loaded into them.
         first = split_batch(task.batch_at(0, "train")[0], cfg.data_parallel, "inputs")[0]
         pipe.plan_on(first)
-    if pipe.plan is not None and pipe.rank == 0:
+    if pipe.plan is not None and _leads(pipe):
         print(pipe.plan, file=progress_stream or sys.stderr)
-    if pipe.two_bp_choice is not None and pipe.rank == 0:
+    if pipe.two_bp_choice is not None and _leads(pipe):
         print(pipe.two_bp_choice.summary(), file=progress_stream or sys.stderr)
-    if pipe.rebuild_choice is not None and pipe.rank == 0:
+    if pipe.rebuild_choice is not None and _leads(pipe):
         print(pipe.rebuild_choice.summary(), file=progress_stream or sys.stderr)
-    if resumed_split is not None and pipe.rank == 0:
+    if resumed_split is not None and _leads(pipe):
         print(resumed_split_text(resumed_split), file=progress_stream or sys.stderr)
     result = RankResult(
         rank=pipe.rank,
@@ -246,7 +263,7 @@ def _train_rank(
     # The same lists: what the loop appends is in the next checkpoint's history.
     result.losses, result.skipped_steps = history.losses, history.skipped_steps
     result.overflow_steps = history.overflow_steps
-    progress, metrics = _reporters(pipe.rank, cfg, progress_stream, history.step)
+    progress, metrics = _reporters(0 if _leads(pipe) else 1, cfg, progress_stream, history.step)
     if progress is not None and cfg.compile:
         # torch.compile builds each stage's graphs in the first step: a minute, silent.
         for s in range(pipe.schedule.n_stages):
@@ -263,7 +280,7 @@ def _train_rank(
     spans = pipe.timeline()
     shown = set(spans)
     waits = [s for s in pipe.timeline(waits=True) if s not in shown]
-    if pipe.rank == 0:
+    if _leads(pipe):
         result.spans, result.waits = spans, waits
     result.eval_loss = held_out_loss(pipe, task)
     if not result.eval_losses or result.eval_losses[-1][0] != history.step:
@@ -308,6 +325,12 @@ def _precision(pipe: Pipeline) -> str:
     if pipe.autocast is None:
         return parameters
     return f"{str(pipe.autocast).removeprefix('torch.')} autocast, {parameters} parameters"
+
+
+def _leads(pipe: Pipeline) -> bool:
+    """True on the one rank that reports: pipeline rank 0 of the first copy's first shard
+    (with tensor parallelism each shard's pipeline has a rank 0)."""
+    return pipe.rank == 0 and pipe.tp_rank == 0
 
 
 def _reporters(
@@ -451,7 +474,7 @@ def _step_metrics(
     )
     mine = (_peak_rss_bytes(), result.peak_stashed_bytes, device_peak)
     every = all_gather_objects(pipe.topology.members, mine)
-    if pipe.rank == 0 and spans:
+    if _leads(pipe) and spans:
         result.bubbles.append(bubble_ratio(spans))
         ranks = sorted({s.rank for s in spans})
         result.bubbles_per_rank.append({r: bubble_ratio(spans, r) for r in ranks})

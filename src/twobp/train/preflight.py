@@ -63,9 +63,10 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
             f"--data-parallel {cfg.data_parallel}: {ranks} ranks do not form "
             f"{cfg.data_parallel} copies of a pipeline; start data-parallel x pipeline ranks"
         )
-    _check_memory_limit(cfg, ranks // cfg.data_parallel)
+    _check_tensor_parallel(cfg, ranks)
+    _check_memory_limit(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
     if cfg.schedule != AUTO:
-        schedule = _schedule(cfg, ranks // cfg.data_parallel)
+        schedule = _schedule(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
         _check_partition(cfg, n_blocks, schedule)
     if cfg.data is not None and cfg.model not in ("resnet", "deepspeech"):
         try:
@@ -181,6 +182,44 @@ HF_EXTRA = "--hf-config needs the transformers extra (pip install twobp[transfor
 def transformers_importable() -> bool:
     """True if ``transformers`` can be imported here."""
     return importlib.util.find_spec("transformers") is not None
+
+
+def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
+    """Refuse a --tensor-parallel run that could not start.
+
+    Raises:
+        OptionError: naming the option and what to change.
+    """
+    t = cfg.tensor_parallel
+    if t < 1:
+        raise OptionError(f"--tensor-parallel must be at least 1, got {t}")
+    if t == 1:
+        return
+    if ranks % (cfg.data_parallel * t):
+        raise OptionError(
+            f"--tensor-parallel {t}: {ranks} ranks do not form {cfg.data_parallel} "
+            f"data-parallel x pipeline x {t} tensor-parallel ranks; start a multiple of "
+            f"{cfg.data_parallel * t} ranks"
+        )
+    family = cfg.hf_config or cfg.model
+    if family != "llama":
+        raise OptionError(
+            f"--tensor-parallel {t}: a plan ships for llama (--model llama, --hf-config llama), "
+            f"not {family}"
+        )
+    problems = {
+        "--save (checkpoints hold one shard under the whole name): add --no-save": cfg.save,
+        "--schedule auto: name a schedule": cfg.schedule == AUTO,
+        "--microbatches auto: give a number": not isinstance(cfg.microbatches, int),
+        "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced",
+        "--recompute auto: name a mode": cfg.recompute == "auto",
+        "--resume (checkpoints): start afresh": cfg.resume is not None,
+        "--grad-clip with --shard-optimizer: add --grad-clip 0": cfg.shard_optimizer
+        and cfg.grad_clip > 0,
+    }
+    chosen = [text for text, on in problems.items() if on]
+    if chosen:
+        raise OptionError(f"--tensor-parallel {t} does not take {'; '.join(chosen)}")
 
 
 def _model_blocks(cfg: TrainConfig) -> int:
