@@ -52,11 +52,15 @@ def test_llama_7b_on_eight_a100_fits_and_says_how_to_run_it(capsys):
         p, d, t = (int(x) for x in match.groups())
         assert f" --ranks {p * d * t} " in line  # the world: D x P x T
     assert out.count("Pipeline(blocks, loss_fn, schedule=") == 3
-    # The options of a layout without tensor parallelism are twobp train's own.
-    runnable = [line for line in train if "--tensor-parallel" not in line]
-    for line in runnable:
+    # The options are twobp train's own.
+    for line, match in zip(train, layouts, strict=True):
         args = build_parser().parse_args(line.split()[1:])
         assert args.command == "train" and args.size == "7b"
+        assert getattr(args, "tensor_parallel", 1) == int(match.group(3))
+    only = [*LLAMA_7B, "--global-batch", "512", "--seq-len", "4096", "--tensor-parallel", "1"]
+    code, out, _ = _plan(only, capsys)
+    assert code == 0
+    assert {m.group(3) for m in map(LAYOUT.match, out.splitlines()) if m} == {"1"}
 
 
 def test_the_options_printed_run_the_schedule_that_was_simulated():

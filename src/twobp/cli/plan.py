@@ -116,6 +116,11 @@ class PlanConfig:
     dtype: str = doc(
         "dtype of --model's weights and compute", "bfloat16", choices=("bfloat16", "float32")
     )
+    tensor_parallel: list[int] = doc(  # noqa: RUF009
+        "tensor-parallel sizes T a plan of --model searches (each within a node, dividing the "
+        "heads)",
+        [1, 2, 4, 8],
+    )
 
 
 MEMORY_KEYS = ("act", "grad", "param", "opt")
@@ -339,8 +344,16 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
         device = load_hardware(config.gpu)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    for size in config.tensor_parallel:
+        check_at_least(tensor_parallel=(size, 1))
     layouts = plan_layouts(
-        shape, device, config.gpus, config.global_batch, config.seq_len, config.dtype
+        shape,
+        device,
+        config.gpus,
+        config.global_batch,
+        config.seq_len,
+        config.dtype,
+        tensor_sizes=config.tensor_parallel,
     )
     print(
         f"{shape.name} ({shape.params / 1e9:.2f}B parameters) on {config.gpus} x {device.name} "

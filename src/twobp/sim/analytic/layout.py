@@ -30,7 +30,6 @@ SCHEDULES_TRIED = ("1f1b", "zb-h1", "zb-v", "dualpipev")
 POLICIES_TRIED = ("off", "eager")
 RECOMPUTE_TRIED = ("activations", "all")
 """The recompute modes tried where a layout fits no other way."""
-TENSOR_PLANNED = "planned, runs once tensor_parallel/shard_parameters land"
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Layout:
         return "own" if SCHEDULES[c.schedule].natively_split else "off"
 
     def options(self) -> str:
-        """The ``twobp train`` options that run it (``T > 1``: planned)."""
+        """The ``twobp train`` options that run it."""
         c = self.candidate
         parts = [
             f"--ranks {self.pipeline * self.data * self.tensor}",
@@ -77,13 +76,13 @@ class Layout:
             "--shard-optimizer" if self.shard_optimizer else "",
             f"--recompute {c.recompute}" if c.recompute != NO_RECOMPUTE else "",
         ]
-        text = " ".join(p for p in parts if p)
         if self.tensor > 1:
-            text += f" --tensor-parallel {self.tensor} ({TENSOR_PLANNED})"
-        return text
+            # Checkpoints of split blocks are not written yet.
+            parts += [f"--tensor-parallel {self.tensor}", "--no-save"]
+        return " ".join(p for p in parts if p)
 
     def pipeline_options(self) -> str:
-        """The :class:`twobp.Pipeline` keywords that run it (``T > 1``: planned)."""
+        """The :class:`twobp.Pipeline` keywords that run it."""
         c = self.candidate
         parts = [
             f"schedule={c.schedule!r}",
@@ -93,14 +92,12 @@ class Layout:
             ),
             f"stages_per_rank={c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
             f"data_parallel={self.data}" if self.data > 1 else "",
-            f"tensor_parallel={self.tensor}" if self.tensor > 1 else "",
+            f"tensor_parallel={self.tensor}, tensor_parallel_plan=PLAN" if self.tensor > 1 else "",
             f"recompute={c.recompute!r}" if c.recompute != NO_RECOMPUTE else "",
         ]
         text = f"Pipeline(blocks, loss_fn, {', '.join(p for p in parts if p)})"
         if self.shard_optimizer:
             text += ", then pipe.shard_optimizer(...)"
-        if self.tensor > 1:
-            text += f" ({TENSOR_PLANNED})"
         return text
 
 
