@@ -142,3 +142,46 @@ def refusal(case: str) -> str:
     except PipelineConfigError as exc:
         return str(exc)
     return "accepted"
+
+
+def hugging_face(schedule: str) -> dict[str, float]:
+    """A Hugging Face LLaMA (head tied to the embedding, as published) split by its own
+    ``base_model_tp_plan``, against the whole model in one process: the loss and the
+    parameters after ``STEPS`` AdamW steps (float64)."""
+    from twobp.integrations import transformers as hf
+
+    torch.manual_seed(0)
+    model = hf.build_model("llama").to(torch.float64)
+    whole = copy.deepcopy(model)
+    net, loss_fn = hf.blocks(whole), hf.loss_function(whole)
+    pipe = Pipeline(
+        hf.blocks(model),
+        hf.loss_function(model),
+        schedule,
+        n_microbatches=2,
+        tensor_parallel=2,
+        tensor_parallel_plan=hf.tensor_parallel_plan(model),
+    )
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    vocab = model.config.vocab_size
+    errors = {"loss": 0.0, "parameters": 0.0}
+    for step in range(STEPS):
+        ids = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(step))
+        pipe.zero_grad()
+        loss = pipe.step(ids, ids)
+        reference.zero_grad()
+        expected = loss_fn(net(ids), ids)
+        expected.backward()
+        errors["loss"] = max(errors["loss"], abs(loss - float(expected.detach())))
+        optimizer.step()
+        reference.step()
+    names = dict(net.named_parameters())
+    for name, param in pipe.named_parameters():
+        joined = _whole(pipe, param.detach(), param)
+        errors["parameters"] = max(
+            errors["parameters"], float((joined - names[name].detach()).abs().max())
+        )
+    errors["sharded"] = len(split_dims(pipe.module))
+    pipe.close()
+    return errors

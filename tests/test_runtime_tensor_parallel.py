@@ -62,3 +62,14 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
 def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):
     messages = launch(refusal, ranks, case, timeout=300)
     assert all(words in m and "\n" not in m for m in messages), messages
+
+
+@pytest.mark.parametrize(("schedule", "ranks"), [("1f1b", 2), ("zb-h1", 4)])
+def test_a_hugging_face_llama_split_by_its_own_plan(schedule, ranks):
+    pytest.importorskip("transformers")
+    from tensor_parallel_pipeline_workers import hugging_face
+
+    results = launch(hugging_face, ranks, schedule, timeout=300)
+    for errors in results:
+        assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors
+    assert sum(e["sharded"] for e in results) > 0
