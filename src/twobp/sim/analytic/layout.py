@@ -202,14 +202,20 @@ def plan_layouts(
     tensor_sizes: Sequence[int] = (1, 2, 4, 8),
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     max_microbatches: int = 64,
+    schedules: Sequence[str] = SCHEDULES_TRIED,
+    policies: Sequence[str] = POLICIES_TRIED,
 ) -> list[Layout]:
-    """Every layout that fits, fastest first (empty: none fits). Recomputation costs
-    time: its modes (:data:`RECOMPUTE_TRIED`) are tried only where no layout fits
-    without."""
+    """Every layout that fits, fastest first (empty: none fits), each with the best of
+    ``schedules`` x ``policies``. Recomputation costs time: its modes
+    (:data:`RECOMPUTE_TRIED`) are tried only where no layout fits without."""
     for recomputes in ((NO_RECOMPUTE,), RECOMPUTE_TRIED):
         dims = (gpus, global_batch, seq_len, dtype)
         out = _layouts(
-            shape, device, dims, tensor_sizes, microbatch_sizes, max_microbatches, recomputes
+            shape,
+            device,
+            dims,
+            (tensor_sizes, microbatch_sizes, max_microbatches),
+            (tuple(schedules), tuple(policies), recomputes),
         )
         if out:
             break
@@ -220,12 +226,11 @@ def _layouts(
     shape: DecoderShape,
     device: Hardware,
     dims: tuple[int, int, int, str],
-    tensor_sizes: Sequence[int],
-    microbatch_sizes: Sequence[int],
-    max_microbatches: int,
-    recomputes: Sequence[str],
+    sizes: tuple[Sequence[int], Sequence[int], int],
+    tried: tuple[Sequence[str], Sequence[str], Sequence[str]],
 ) -> list[Layout]:
     gpus, global_batch, seq_len, dtype = dims
+    tensor_sizes, microbatch_sizes, max_microbatches = sizes
     out = []
     for tensor in tensor_sizes:
         if gpus % tensor or tensor > device.per_node or shape.heads % tensor:
@@ -249,7 +254,7 @@ def _layouts(
                         (pipeline, data, tensor, mb, m, seq_len),
                         shard,
                         dtype,
-                        recomputes,
+                        tried,
                     )
                     if layout is not None:
                         out.append(layout)
@@ -263,8 +268,9 @@ def _best(
     dims: tuple[int, int, int, int, int, int],
     shard: bool,
     dtype: str,
-    recomputes: Sequence[str],
+    tried: tuple[Sequence[str], Sequence[str], Sequence[str]],
 ) -> Layout | None:
+    schedules, policies, recomputes = tried
     pipeline, data, tensor, mb, m, seq_len = dims
     head = head_costs(shape, seq_len, mb, dtype, tensor)
     costs, weights = stage_costs(shape, device, block, pipeline, tensor, dtype, head)
@@ -275,8 +281,8 @@ def _best(
         return None
     choices = options(
         m,
-        schedules=SCHEDULES_TRIED,
-        policies=POLICIES_TRIED,
+        schedules=schedules,
+        policies=policies,
         max_stages_per_rank=1,
         recomputes=recomputes,
     )
