@@ -132,6 +132,17 @@ def refusal(case: str) -> str:
         spec = build_model("llama", "tiny", dtype=torch.float64, **{**LLAMA, "n_heads": 1})
     if case == "auto":
         kwargs["schedule"] = "auto"
+    if case in ("torch styles", "sequence parallel"):
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+        plan = {pattern: styles[style] for pattern, style in plan.items()}
+        if case == "sequence parallel":
+            plan["attn_norm"] = SequenceParallel()
     try:
         pipe = Pipeline(
             spec.blocks, spec.loss_fn, tensor_parallel_plan=plan, **{"schedule": "1f1b", **kwargs}

@@ -57,6 +57,8 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("heads", 2, "has 1 heads, which do not divide by 2 ranks"),
         ("auto", 2, "schedule='auto' plans from what each tensor-parallel pipeline"),
         ("checkpoint", 2, "checkpoints of a tensor-parallel pipeline are not supported"),
+        ("torch styles", 2, "accepted"),  # ColwiseParallel(), RowwiseParallel()
+        ("sequence parallel", 2, "'attn_norm': SequenceParallel with input layouts"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):

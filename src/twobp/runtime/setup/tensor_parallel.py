@@ -31,8 +31,9 @@ from twobp.runtime.base.group import Membership
 from twobp.runtime.base.process_state import even_out, is_made, shared_group
 from twobp.runtime.errors import PipelineConfigError
 
-Plan = Mapping[str, str] | Callable[[int, nn.Module], Mapping[str, str]]
-"""Module-name pattern -> ``"colwise"``/``"rowwise"``, or ``(block index, block) -> that``."""
+Plan = Mapping[str, Any] | Callable[[int, nn.Module], Mapping[str, Any]]
+"""Module-name pattern -> ``"colwise"``/``"rowwise"`` (or torch's ``ColwiseParallel()`` /
+``RowwiseParallel()``), or ``(block index, block) -> that``."""
 
 SPLIT_STYLE = "_twobp_tensor_parallel_style"
 """The attribute a split linear carries (a module's attributes survive the copies a
@@ -118,13 +119,47 @@ def layout(members: Membership, tensor_parallel: int, timeout: float) -> TensorP
     )
 
 
+def style_name(pattern: str, style: Any) -> str:
+    """``"colwise"`` or ``"rowwise"`` for a style of a plan: the name itself, or torch's
+    ``ColwiseParallel()`` / ``RowwiseParallel()`` with their default layouts.
+
+    Raises:
+        PipelineConfigError: another ``ParallelStyle`` (``SequenceParallel``, other
+            layouts), naming the entry.
+    """
+    if isinstance(style, str):
+        return style
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layouts = (
+        tuple(getattr(style, "input_layouts", ()) or ()),
+        tuple(getattr(style, "output_layouts", ()) or ()),
+    )
+    if type(style) is ColwiseParallel and layouts == ((Replicate(),), (Shard(-1),)):
+        return "colwise"
+    if type(style) is RowwiseParallel and layouts == ((Shard(-1),), (Replicate(),)):
+        return "rowwise"
+    raise PipelineConfigError(
+        f"tensor_parallel_plan: {pattern!r}: {type(style).__name__} with input layouts "
+        f"{layouts[0]} and output layouts {layouts[1]} is not supported; give 'colwise' or "
+        "'rowwise' (ColwiseParallel() or RowwiseParallel() with their defaults); sequence "
+        "parallelism is not there yet"
+    )
+
+
 def block_plan(plan: Plan, index: int, block: nn.Module) -> dict[str, str]:
     """What ``plan`` splits of block ``index``: a callable's answer, or the entries of a
-    mapping that name modules of this block (embeddings and heads have none)."""
+    mapping that name modules of this block (embeddings and heads have none); torch's
+    styles named as :func:`style_name` does."""
     if callable(plan):
-        return dict(plan(index, block))
+        return {p: style_name(p, s) for p, s in plan(index, block).items()}
     names = [n for n, _ in block.named_modules() if n]
-    return {p: s for p, s in plan.items() if any(fnmatch.fnmatchcase(n, p) for n in names)}
+    return {
+        p: style_name(p, s)
+        for p, s in plan.items()
+        if any(fnmatch.fnmatchcase(n, p) for n in names)
+    }
 
 
 def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) -> None:
