@@ -90,9 +90,9 @@ class PipelineState:
         self.closed = False
         """True once the pipeline is closed: checkpoints and norms are refused."""
         self.sharded: ShardedParameters | None = None
+        """The shards of the pipeline's sharded optimizer (``Pipeline.shard_optimizer``)."""
         self.tensor_parallel: Any = None
         """The pipeline's :class:`twobp.runtime.setup.tensor_parallel.TensorParallel`, or None."""
-        """The shards of the pipeline's sharded optimizer (``Pipeline.shard_optimizer``)."""
 
     def sharded_for(self, optimizer: torch.optim.Optimizer | None) -> ShardedParameters | None:
         """The shards ``optimizer`` steps, if it is this pipeline's sharded optimizer."""
