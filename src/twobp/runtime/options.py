@@ -315,9 +315,9 @@ class PipelineOptions:
         """
         check_recompute(self.recompute, self.memory_limit)
         if self.tensor_parallel is not None and self.tensor_parallel != 1:
-            from twobp.runtime.setup.tensor_parallel import check_world, refuse_planning_apart
+            from twobp.runtime.setup.tensor_parallel import check_size, refuse_planning_apart
 
-            check_world(self.tensor_parallel, self.tensor_parallel)
+            check_size(self.tensor_parallel)
             if self.tensor_parallel_plan is None:
                 raise PipelineConfigError(
                     f"tensor_parallel={self.tensor_parallel} needs tensor_parallel_plan: which "

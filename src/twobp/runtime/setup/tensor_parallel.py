@@ -59,17 +59,26 @@ class TensorParallel:
     pipeline_group: dist.ProcessGroup
 
 
-def check_world(size: int, tensor_parallel: int) -> None:
-    """Refuse a world that is not ``D x P x T`` ranks.
+def check_size(tensor_parallel: object) -> None:
+    """Refuse a ``tensor_parallel`` that is not a count of ranks.
 
     Raises:
-        PipelineConfigError: naming the sizes.
+        PipelineConfigError: naming the value.
     """
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise PipelineConfigError(
             f"tensor_parallel={tensor_parallel!r}: give the number of ranks each block is "
             "split over, an int >= 1"
         )
+
+
+def check_world(size: int, tensor_parallel: int) -> None:
+    """Refuse a world that is not ``D x P x T`` ranks.
+
+    Raises:
+        PipelineConfigError: naming the sizes.
+    """
+    check_size(tensor_parallel)
     if size % tensor_parallel:
         raise PipelineConfigError(
             f"tensor_parallel={tensor_parallel}: a world of {size} ranks is not "
