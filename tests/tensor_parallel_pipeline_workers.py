@@ -29,10 +29,13 @@ def _whole(pipe: Pipeline, param: torch.Tensor, like: nn.Parameter) -> torch.Ten
     return torch.cat(pieces, dim=dim)
 
 
-def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dict[str, Any]]:
+def parity(
+    cases: list[tuple[str, bool, int]], tensor_parallel: int, shard_optimizer: bool = False
+) -> list[dict[str, Any]]:
     """Per case (schedule, two_bp, data_parallel): the largest difference from one process
     on the whole model, in float64: the loss of every step, every gradient of the first
-    step and every parameter after ``STEPS`` AdamW steps (shards joined), and the norm."""
+    step and every parameter after ``STEPS`` AdamW steps (shards joined), and the norm
+    (not with ``shard_optimizer``: AdamW's state sharded over the copies, no clipping)."""
     out = []
     for schedule, two_bp, data_parallel in cases:
         spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
@@ -47,7 +50,11 @@ def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dic
             tensor_parallel=tensor_parallel,
             tensor_parallel_plan=tensor_parallel_plan("llama"),
         )
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        optimizer = (
+            pipe.shard_optimizer(torch.optim.AdamW, lr=1e-2)
+            if shard_optimizer
+            else torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        )
         reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
         names = dict(whole.named_parameters())
         errors = {"loss": 0.0, "gradients": 0.0, "parameters": 0.0, "norm": 0.0}
@@ -60,16 +67,17 @@ def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dic
             expected = spec.loss_fn(whole(inputs), targets)
             expected.backward()
             errors["loss"] = max(errors["loss"], abs(loss - float(expected.detach())))
-            if step == 0:
+            if step == 0 and not shard_optimizer:  # a sharded optimizer holds them apart
                 for name, param in pipe.named_parameters():
                     assert param.grad is not None, name
                     grad = _whole(pipe, param.grad, param)
                     ref = names[name].grad
                     assert ref is not None
                     errors["gradients"] = max(errors["gradients"], float((grad - ref).abs().max()))
-            norm = pipe.clip_grad_norm_(1e9)
-            expected_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e9)
-            errors["norm"] = max(errors["norm"], abs(float(norm) - float(expected_norm)))
+            if not shard_optimizer:
+                norm = pipe.clip_grad_norm_(1e9)
+                expected_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e9)
+                errors["norm"] = max(errors["norm"], abs(float(norm) - float(expected_norm)))
             optimizer.step()
             reference.step()
         for name, param in pipe.named_parameters():
@@ -80,7 +88,7 @@ def parity(cases: list[tuple[str, bool, int]], tensor_parallel: int) -> list[dic
         # Shards at their local size: parameters, their gradients, buffers.
         local = sum(2 * p.numel() * p.element_size() for p in pipe.parameters())
         local += sum(b.numel() * b.element_size() for b in pipe.module.buffers())
-        errors["memory"] = pipe.memory_stats()["parameters"] - local
+        errors["memory"] = 0 if shard_optimizer else pipe.memory_stats()["parameters"] - local
         errors["tp_rank"] = pipe.tp_rank
         errors["tp_size"] = pipe.tp_size
         errors["sharded"] = len(split_dims(pipe.module))

@@ -44,6 +44,12 @@ def test_data_parallel_copies_of_a_tensor_parallel_pipeline():
     _check(launch(parity, 8, cases, 2, timeout=300), cases, 2)
 
 
+def test_a_sharded_optimizer_over_the_copies_of_a_tensor_parallel_pipeline():
+    # D 2 x P 1 x T 2: AdamW's state of each shard sharded over its 2 copies (never over tp).
+    cases = [("1f1b", True, 2)]
+    _check(launch(parity, 4, cases, 2, True, timeout=300), cases, 2)
+
+
 def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
     for unchanged, backed_off in launch(overflow_agreed, 2, timeout=300):
         assert unchanged and backed_off
