@@ -11,8 +11,8 @@ from torch import nn
 
 from twobp.models import build_model, tensor_parallel_plan
 from twobp.runtime import GradScaler, Pipeline
+from twobp.runtime.base.tensor_split import split_dims
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.setup.tensor_parallel import split_dims
 
 LLAMA = {"dim": 16, "n_heads": 4, "ffn_dim": 24, "n_layers": 4, "seq_len": 6, "vocab_size": 32}
 STEPS = 3

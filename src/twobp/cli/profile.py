@@ -222,7 +222,7 @@ def write_device(
     ]
     contention = 1.0
     if cfg.stages > 1 and next(spec.blocks[0].parameters()).device.type == "cpu":
-        from twobp.partition.in_pipeline import pipeline_slowdown
+        from twobp.cli.pipeline_rate import pipeline_slowdown
 
         profiled = [
             f + i + w

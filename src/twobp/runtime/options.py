@@ -315,8 +315,6 @@ class PipelineOptions:
         """
         check_recompute(self.recompute, self.memory_limit)
         if self.tensor_parallel is not None and self.tensor_parallel != 1:
-            from twobp.runtime.setup.tensor_parallel import check_size, refuse_planning_apart
-
             check_size(self.tensor_parallel)
             if self.tensor_parallel_plan is None:
                 raise PipelineConfigError(
@@ -468,4 +466,40 @@ def check_microbatches(schedule: object, n_microbatches: object, costs: object) 
             "n_microbatches='auto' compares micro-batches of different sizes, which a given "
             "cost model does not price: drop costs= (the blocks are profiled on the first "
             "step's batch), or give a count"
+        )
+
+
+def check_size(tensor_parallel: object) -> None:
+    """Refuse a ``tensor_parallel`` that is not a count of ranks.
+
+    Raises:
+        PipelineConfigError: naming the value.
+    """
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise PipelineConfigError(
+            f"tensor_parallel={tensor_parallel!r}: give the number of ranks each block is "
+            "split over, an int >= 1"
+        )
+
+
+def refuse_planning_apart(options: PipelineOptions) -> None:
+    """Refuse, with tensor parallelism, what each pipeline would plan from its own
+    measurements (the ``T`` pipelines must run one plan).
+
+    Raises:
+        PipelineConfigError: naming the option and what to give.
+    """
+    apart = {
+        "schedule='auto'": options.schedule == AUTO,
+        "n_microbatches='auto'": options.n_microbatches == AUTO,
+        "partition='balanced'": options.partition == "balanced",
+        "costs='profile'": isinstance(options.costs, str) and options.costs == PROFILE,
+        "recompute='auto'": options.rebuilds,
+    }
+    chosen = [name for name, on in apart.items() if on]
+    if chosen:
+        raise PipelineConfigError(
+            f"tensor_parallel: {', '.join(chosen)} plans from what each tensor-parallel "
+            "pipeline would measure apart; give a schedule by name, n_microbatches as a number "
+            "and a partition (or None)"
         )

@@ -33,7 +33,6 @@ from torch import nn
 
 from twobp.runtime.base.group import (
     default_device,
-    join_world,
     set_threads_per_rank,
 )
 from twobp.runtime.base.process_state import close_at_exit, forget
@@ -65,11 +64,7 @@ from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
-from twobp.runtime.setup.tensor_parallel import (
-    refuse_checkpoint,
-    shard_blocks,
-    tensor_parallel_layout,
-)
+from twobp.runtime.setup.tensor_parallel import join_shard, shard_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames, model_names_of
@@ -207,19 +202,11 @@ class Pipeline:
         check_grad_scaler(grad_scaler, self)
         self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
-        members = join_world(requested or default_device(), self.timeout, group)
-        self._tensor = tensor_parallel_layout(members, self.options, mesh, example_input)
-        world = members
-        if self._tensor is not None:
-            # This rank's pipeline: the ranks of its shard; the rest of the pipeline is as
-            # without tensor parallelism.
-            members = join_world(
-                requested or default_device(), self.timeout, self._tensor.pipeline_group
-            )
-        self.tp_rank = 0 if self._tensor is None else self._tensor.rank
-        """This process's rank in its tensor-parallel group (0 without tensor parallelism)."""
-        self.tp_size = 1 if self._tensor is None else self._tensor.size
-        """How many ranks each block is split over."""
+        world, members, self._tensor = join_shard(
+            requested or default_device(), group, self.options, mesh, example_input
+        )
+        self.tp_rank, self.tp_size = (0, 1) if self._tensor is None else self._tensor.place
+        """This rank's index in its tensor-parallel group, and the group's size (0, 1: none)."""
         self.device = rank_device(requested, members)
         """The device this rank computes on."""
         self.rank = members.rank
@@ -440,12 +427,10 @@ class Pipeline:
 
     @_same_doc(PipelineState.state_dict)
     def state_dict(self) -> dict[str, Any]:
-        refuse_checkpoint(self._tensor)
         return self.state.state_dict()
 
     @_same_doc(PipelineState.load_state_dict)
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        refuse_checkpoint(self._tensor)
         return self.state.load_state_dict(state_dict, strict)
 
     @_same_doc(PipelineState.save)
@@ -460,7 +445,6 @@ class Pipeline:
         keep: int = 1,
         async_save: bool = False,
     ) -> Path:
-        refuse_checkpoint(self._tensor)
         return self.state.save(
             path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
@@ -473,7 +457,6 @@ class Pipeline:
     def load(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
-        refuse_checkpoint(self._tensor)
         return self.state.load(path, optimizer)
 
     def train(self, mode: bool = True) -> Pipeline:

@@ -29,15 +29,13 @@ from torch import nn
 
 from twobp.runtime.base.group import Membership
 from twobp.runtime.base.process_state import even_out, is_made, shared_group
+from twobp.runtime.base.tensor_split import SPLIT_STYLE
 from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.options import check_size
 
 Plan = Mapping[str, Any] | Callable[[int, nn.Module], Mapping[str, Any]]
 """Module-name pattern -> ``"colwise"``/``"rowwise"`` (or torch's ``ColwiseParallel()`` /
 ``RowwiseParallel()``), or ``(block index, block) -> that``."""
-
-SPLIT_STYLE = "_twobp_tensor_parallel_style"
-"""The attribute a split linear carries (a module's attributes survive the copies a
-pipeline makes of its blocks; a parameter's do not): ``"colwise"`` or ``"rowwise"``."""
 
 
 @dataclass(frozen=True)
@@ -58,18 +56,10 @@ class TensorParallel:
     world: Membership
     pipeline_group: dist.ProcessGroup
 
-
-def check_size(tensor_parallel: object) -> None:
-    """Refuse a ``tensor_parallel`` that is not a count of ranks.
-
-    Raises:
-        PipelineConfigError: naming the value.
-    """
-    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise PipelineConfigError(
-            f"tensor_parallel={tensor_parallel!r}: give the number of ranks each block is "
-            "split over, an int >= 1"
-        )
+    @property
+    def place(self) -> tuple[int, int]:
+        """``(rank, size)``."""
+        return self.rank, self.size
 
 
 def check_world(size: int, tensor_parallel: int) -> None:
@@ -204,52 +194,6 @@ def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) ->
                 setattr(module, SPLIT_STYLE, style)
 
 
-def split_dims(model: nn.Module) -> dict[int, int]:
-    """The split parameters of ``model``, by ``id``: the dim their shards are cut along."""
-    dims = {}
-    for module in model.modules():
-        style = getattr(module, SPLIT_STYLE, None)
-        if style is None:
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            dims[id(param)] = 0 if style == "colwise" or name == "bias" else 1
-    return dims
-
-
-def counted_once(
-    params: Sequence[nn.Parameter], tp: TensorParallel, model: nn.Module
-) -> list[nn.Parameter]:
-    """Of ``params`` (of ``model``), those whose gradient this rank counts in a norm over
-    all ranks: its shards, and a replicated parameter on tensor-parallel rank 0 only."""
-    split = split_dims(model)
-    return [p for p in params if id(p) in split or tp.rank == 0]
-
-
-def refuse_planning_apart(options: Any) -> None:
-    """Refuse what each pipeline would plan from its own measurements (the ``T``
-    pipelines must run one plan).
-
-    Raises:
-        PipelineConfigError: naming the option and what to give.
-    """
-    from twobp.runtime.options import PROFILE
-
-    apart = {
-        "schedule='auto'": options.schedule == "auto",
-        "n_microbatches='auto'": options.n_microbatches == "auto",
-        "partition='balanced'": options.partition == "balanced",
-        "costs='profile'": isinstance(options.costs, str) and options.costs == PROFILE,
-        "recompute='auto'": options.rebuilds,
-    }
-    chosen = [name for name, on in apart.items() if on]
-    if chosen:
-        raise PipelineConfigError(
-            f"tensor_parallel: {', '.join(chosen)} plans from what each tensor-parallel "
-            "pipeline would measure apart; give a schedule by name, n_microbatches as a number "
-            "and a partition (or None)"
-        )
-
-
 def tensor_parallel_layout(
     members: Membership, options: Any, mesh: Any, example_input: Any
 ) -> TensorParallel | None:
@@ -276,16 +220,17 @@ def tensor_parallel_layout(
     return layout(members, size, float(options.timeout))
 
 
-def refuse_checkpoint(tp: TensorParallel | None) -> None:
-    """Refuse a checkpoint of split blocks, whose entries hold one shard under the whole
-    parameter's name.
+def join_shard(
+    device: Any, group: Any, options: Any, mesh: Any, example_input: Any
+) -> tuple[Membership, Membership, TensorParallel | None]:
+    """The world this rank joins, the membership of its pipeline (with tensor
+    parallelism: the ranks of its shard; else the world) and its tensor-parallel
+    layout (None without). Collective over the world."""
+    from twobp.runtime.base.group import join_world
 
-    Raises:
-        PipelineConfigError: with tensor parallelism.
-    """
-    if tp is not None:
-        raise PipelineConfigError(
-            "checkpoints of a tensor-parallel pipeline are not supported: each rank holds "
-            "one shard of its split linears under the whole parameter's name; train with "
-            "tensor_parallel=None to save and load"
-        )
+    timeout = float(options.timeout)
+    world = join_world(device, timeout, group)
+    tp = tensor_parallel_layout(world, options, mesh, example_input)
+    if tp is None:
+        return world, world, None
+    return world, join_world(device, timeout, tp.pipeline_group), tp

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from twobp.runtime.base.tensor_split import counted_once, refuse_checkpoint
 from twobp.runtime.base.topology import Topology
 from twobp.runtime.errors import PipelineClosedError, PipelineConfigError
 from twobp.runtime.state import checkpoint
@@ -147,6 +148,7 @@ class PipelineState:
         by ``twobp.split``: named as in the model's ``state_dict()``, each tensor
         once under its first name there (a checkpoint's ``merge`` gives every name).
         """
+        refuse_checkpoint(self.tensor_parallel)
         self.settle_parameters()
         if self._model_names is not None:
             return self._model_names.state_dict(self.module.state_dict())
@@ -174,6 +176,7 @@ class PipelineState:
         Raises:
             RuntimeError: with ``strict``, on missing or unexpected local keys.
         """
+        refuse_checkpoint(self.tensor_parallel)
         self.settle_parameters()
         if self._model_names is not None:
             loaded = self._load_model_names(state_dict, strict)
@@ -268,6 +271,7 @@ class PipelineState:
                 background write, from the call that waits for it).
         """
         self.check_open()
+        refuse_checkpoint(self.tensor_parallel)
         return checkpoint.save(
             self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
@@ -310,6 +314,7 @@ class PipelineState:
                 changed then.
         """
         self.check_open()
+        refuse_checkpoint(self.tensor_parallel)
         return checkpoint.load(self, path, optimizer)
 
     def train(self, mode: bool = True) -> None:
@@ -339,15 +344,13 @@ class PipelineState:
         world = self.topology.members
         tp = self.tensor_parallel
         if tp is not None:
-            from twobp.runtime.setup.tensor_parallel import counted_once
-
             if self.sharded is not None:
                 raise PipelineConfigError(
                     "clip_grad_norm_ of a tensor-parallel pipeline with a sharded optimizer "
                     "is not supported: clip without shard_optimizer"
                 )
             # Over every pipeline: each shard once, a replicated parameter once.
-            counted, world = counted_once(counted, tp, self.module), tp.world
+            counted, world = counted_once(counted, tp.rank, self.module), tp.world
         return clip_grad_norm_(
             self.parameters(),
             max_norm,

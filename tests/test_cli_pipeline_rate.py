@@ -2,7 +2,7 @@
 
 import torch
 
-from twobp.partition.in_pipeline import pipeline_slowdown
+from twobp.cli.pipeline_rate import pipeline_slowdown
 
 
 def test_the_slowdown_is_the_ranks_compute_over_the_profiled_costs():

@@ -1,0 +1,55 @@
+"""Which parameters tensor parallelism split, for the floors that count or save them.
+
+:mod:`twobp.runtime.setup.tensor_parallel` marks each split linear with
+:data:`SPLIT_STYLE` (a module's attributes survive the copies a pipeline makes
+of its blocks; a parameter's do not). A norm over every rank counts each shard
+once and a replicated parameter once; a checkpoint of shards is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from twobp.runtime.errors import PipelineConfigError
+
+SPLIT_STYLE = "_twobp_tensor_parallel_style"
+"""The attribute a split linear carries: ``"colwise"`` or ``"rowwise"``."""
+
+
+def split_dims(model: nn.Module) -> dict[int, int]:
+    """The split parameters of ``model``, by ``id``: the dim their shards are cut along."""
+    dims = {}
+    for module in model.modules():
+        style = getattr(module, SPLIT_STYLE, None)
+        if style is None:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            dims[id(param)] = 0 if style == "colwise" or name == "bias" else 1
+    return dims
+
+
+def counted_once(
+    params: Sequence[nn.Parameter], tp_rank: int, model: nn.Module
+) -> list[nn.Parameter]:
+    """Of ``params`` (of ``model``), those whose gradient this rank counts in a norm over
+    all ranks: its shards, and a replicated parameter on tensor-parallel rank 0 only."""
+    split = split_dims(model)
+    return [p for p in params if id(p) in split or tp_rank == 0]
+
+
+def refuse_checkpoint(tensor_parallel: Any) -> None:
+    """Refuse a checkpoint of split blocks, whose entries hold one shard under the whole
+    parameter's name.
+
+    Raises:
+        PipelineConfigError: with tensor parallelism (``tensor_parallel`` not None).
+    """
+    if tensor_parallel is not None:
+        raise PipelineConfigError(
+            "checkpoints of a tensor-parallel pipeline are not supported: each rank holds "
+            "one shard of its split linears under the whole parameter's name; train with "
+            "tensor_parallel=None to save and load"
+        )
