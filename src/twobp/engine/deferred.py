@@ -35,6 +35,16 @@ def in_input_dtype(grad: Tensor, dtype: torch.dtype | None) -> Tensor:
     return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
 
 
+def held_or_shape(param: Tensor) -> Tensor:
+    """``param``; or, where it holds no elements now (a weight sharded over copies and freed
+    before its stage's weight pass, ``shard_parameters=True``), a tensor of its shape and
+    dtype that holds one zero, for the weight passes whose kernels take the weight but whose
+    weight gradient does not depend on its values (norms, convolutions)."""
+    if param.numel() and param.untyped_storage().nbytes() == 0:
+        return param.new_zeros(()).expand(param.shape)
+    return param
+
+
 class DeferredOp(ABC):
     """One use of stage parameters by one kind of operation: how it runs F, I and W.
 

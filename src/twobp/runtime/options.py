@@ -180,6 +180,17 @@ class PipelineOptions:
             details="docs/user-guide.md#replicated-stages-data-parallel-chimera-tied-weights",
         ),
     )
+    shard_parameters: bool = field(
+        default=False,
+        metadata=_help(
+            "shard each stage's parameters, gradients and optimizer state over its data-parallel "
+            "copies (ZeRO-3): a stage's weights are gathered before its first F of a step and "
+            "freed after its last I, before its W; each stage's gradient is reduce-scattered at "
+            "its R; build the optimizer with pipe.shard_optimizer",
+            cli="--shard-parameters",
+            details="docs/user-guide.md#parameters-sharded-over-the-copies-zero-3",
+        ),
+    )
     tensor_parallel: int | None = field(
         default=None,
         metadata=_help(

@@ -64,6 +64,7 @@ from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
+from twobp.runtime.setup.sharded_parameters import refuse_full_parameters
 from twobp.runtime.setup.tensor_parallel import join_shard, shard_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
@@ -177,6 +178,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         data_parallel: int | None = None,
         mesh: Any = None,
+        shard_parameters: bool = False,
         tensor_parallel: int | None = None,
         tensor_parallel_plan: Any = None,
         recompute: str | Sequence[str | None] | None = None,
@@ -409,6 +411,7 @@ class Pipeline:
 
     @_same_doc(PipelineState.parameters)
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        refuse_full_parameters(self.options, self.rank)
         if self._pending is not None:  # every block's until the first step plans
             return self._pending.model.parameters(recurse)
         return self.state.parameters(recurse)

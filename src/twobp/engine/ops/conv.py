@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp, in_input_dtype
+from twobp.engine.deferred import DeferredOp, held_or_shape, in_input_dtype
 from twobp.engine.operand import cast
 from twobp.engine.precision import wide
 from twobp.engine.stash import SharedRows, cat_rows, group_by_shape
@@ -73,7 +73,7 @@ class DeferredConv(DeferredOp):
             x = cat_rows([s[0] for s in group], group[0][0].shape[1:])
             dy = cat_rows([s[1] for s in group], group[0][1].shape[1:])
             # The weight gradient reads only the weight's shape, in the stashes' dtype.
-            w = weight.read(weight.param, x.dtype)
+            w = weight.read(held_or_shape(weight.param), x.dtype)
             _, grad_weight, grad_bias = self._backward(dy, x, w, bias_sizes, mask)
             if mask[1]:
                 weight.add_grad(grad_weight)

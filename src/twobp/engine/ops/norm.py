@@ -31,7 +31,7 @@ from torch import Tensor
 
 from twobp.engine.autocast import AutocastRule
 from twobp.engine.capture import Capture, Captured, Kwargs, bind
-from twobp.engine.deferred import DeferredOp, in_input_dtype
+from twobp.engine.deferred import DeferredOp, held_or_shape, in_input_dtype
 from twobp.engine.operand import Operand, cast
 from twobp.engine.ops.batchnorm import check_values_per_channel
 from twobp.engine.stash import SharedRows
@@ -55,7 +55,8 @@ def _affine_as_in_forward(operand: Operand | None, x: Tensor) -> Tensor | None:
     """
     if operand is None:
         return None
-    return operand.read(operand.param, torch.float32 if x.dtype == torch.float32 else None)
+    param = held_or_shape(operand.param)
+    return operand.read(param, torch.float32 if x.dtype == torch.float32 else None)
 
 
 class DeferredLayerNorm(DeferredOp):
@@ -103,7 +104,9 @@ class DeferredLayerNorm(DeferredOp):
         shape = self._shape
         # Where F read the parameters as they are, they are what _affine_as_in_forward
         # would return: passed without its calls.
-        params: list[Tensor | None] = [None if o is None else o.param for o in self.operands]
+        params: list[Tensor | None] = [
+            None if o is None else held_or_shape(o.param) for o in self.operands
+        ]
         dtypes = {p.dtype for p in params if p is not None}
         as_they_are = dtypes.pop() if self.plain and len(dtypes) == 1 else None
         # Reductions over rows: one call per stash, concatenating would only copy.

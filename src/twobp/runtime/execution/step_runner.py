@@ -20,6 +20,7 @@ from twobp.runtime.communication.links import Links
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PeerError
 from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.residency import Residency
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_end import Failure, StepEnd, end_step, lost_peer
 from twobp.runtime.execution.step_run import (
@@ -104,6 +105,8 @@ class StepRunner:
         """The most bytes the 2BP engine kept for W at once in the last step."""
         self.wait_parameters: Callable[[int], None] | None = None
         """Called with a stage before each of its forwards (a sharded optimizer's gathers)."""
+        self.residency: Residency | None = None
+        """The sharded weights gathered and freed within each step (``shard_parameters=True``)."""
 
     def abandon_reductions(self) -> None:
         """Forget the reductions of a step that will not be completed (the pipeline closes)."""
@@ -144,9 +147,12 @@ class StepRunner:
             reducer=self._reducer,
             reductions_after_transfers=self._reductions_after_transfers,
             wait_parameters=self.wait_parameters,
+            release_parameters=None if self.residency is None else self.residency.release,
             weights=batches.weights,
         )
         try:
+            if self.residency is not None:
+                self.residency.gather_for_step()
             result = run.run(schedule.actions[self.pp_rank])
         except Exception as exc:
             self.failure = Failure(exc, run.current, time.time())
@@ -160,6 +166,8 @@ class StepRunner:
                 if self._reducer is not None:
                     self._reducer.drain()
                     self._reducer.finish(keep=False)
+                if self.residency is not None:
+                    self.residency.release_all()
             except PeerError as lost:
                 self._abandon(channel)
                 raise lost from exc
@@ -174,6 +182,8 @@ class StepRunner:
             if reductions:
                 end = clock.seconds(clock.mark())
                 result.waits.append(Span(self.rank, reductions[-1], clock.seconds(waiting), end))
+        if self.residency is not None:
+            self.residency.release_all()
         self.spans = result.spans
         self.waits = result.waits
         self.times = result.times

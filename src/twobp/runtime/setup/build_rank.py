@@ -39,9 +39,11 @@ from twobp.runtime.setup.data_parallel import make_reducer
 from twobp.runtime.setup.pipeline_plan import PipelinePlan, Trials
 from twobp.runtime.setup.rank_parts import RankParts
 from twobp.runtime.setup.replicas import SharedParameter, local_aliases, shared_parameters
+from twobp.runtime.setup.sharded_parameters import check_shardable, shard_parameters
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.model_state import PipelineState
+from twobp.runtime.state.optimizer_and_rng import parameter_names
 from twobp.runtime.state.settlement import Settlement
 from twobp.schedule.action import Kind
 from twobp.schedule.lowering import add_communication, split_stages
@@ -104,6 +106,20 @@ def build_rank(
     state = _model_state(plan, module, members, topology, device, options, aliases, shared, names)
     state.grad_scaler = grad_scaler
     runner = _runner(members, topology, schedule, stages, reducer, options, grid, device)
+    if options.shard_parameters:
+        check_shardable(options, schedule, topology.dp_size, shared, members.rank)
+        sharded = shard_parameters(
+            reducer,
+            schedule,
+            topology.pp_rank,
+            modules,
+            parameter_names(state.named_parameters()),
+            members.rank,
+            options.timeout,
+        )
+        state.sharded = sharded
+        runner.wait_parameters = sharded.wait
+        runner.residency = sharded
     trial = None
     if compile is not None and compile.get("stages", "measured") == "measured":
         trial = CompileTrial(modules, f"rank {members.rank} ")

@@ -22,7 +22,7 @@ from twobp.runtime.communication import collective
 from twobp.runtime.communication.layout_cache import LayoutCache
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.execution.memory import MemoryMeter, memory_stats
+from twobp.runtime.execution.memory import MemoryMeter, memory_stats, storages
 from twobp.runtime.execution.microbatch import concat_microbatches, unflatten
 from twobp.runtime.execution.stage import Stage
 from twobp.runtime.execution.step_runner import StepRunner
@@ -368,9 +368,30 @@ class RankParts:
             held at once between passes and, when gradients are accumulated
             over steps, the earlier steps' gradients held aside. Tensors are
             counted by storage, each once (see :mod:`twobp.runtime.execution.memory`).
+
+            With ``shard_parameters=True``: ``parameters`` counts this rank's
+            shards and their gradients, held between steps (the steady state;
+            the full parameters hold nothing then), and ``gathered_peak`` the
+            most bytes of gathered full parameters held at once in the step,
+            which the CPU's ``peak`` adds.
         """
         earlier = self.settlement.earlier.last_nbytes
-        return memory_stats(self.memory, self.module, optimizer, earlier)
+        stats = memory_stats(self.memory, self.module, optimizer, earlier)
+        sharded = self.state.sharded
+        if sharded is None or sharded.resident:
+            return stats
+        masters = [s.master for s in sharded.shards]
+        held = sum(storages(masters).values())
+        if sharded.steps(optimizer):
+            stats["optimizer"] -= held  # counted there as the optimizer's own parameters
+        else:
+            held += sum(storages(m.grad for m in masters if m.grad is not None).values())
+            stats["peak"] += held
+        stats["parameters"] += held
+        stats["gathered_peak"] = sharded.gathered_peak
+        if self.memory.device.type != "cuda":
+            stats["peak"] += sharded.gathered_peak
+        return stats
 
     def timeline(self, waits: bool) -> list[Span]:
         """The last step's compute spans of every rank, merged. Collective.

@@ -147,8 +147,18 @@ class PipelineState:
         A weight tied across stages appears once, under its first name. Blocks cut
         by ``twobp.split``: named as in the model's ``state_dict()``, each tensor
         once under its first name there (a checkpoint's ``merge`` gives every name).
+
+        With ``shard_parameters=True`` the parameters are gathered for it and
+        copied out: collective over the stages' copies, every rank calls it.
         """
         refuse_checkpoint(self.tensor_parallel)
+        sharded = self.sharded
+        if sharded is not None and not sharded.resident:
+            with sharded.gathered():
+                return {k: v.clone() for k, v in self._state_dict().items()}
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         self.settle_parameters()
         if self._model_names is not None:
             return self._model_names.state_dict(self.module.state_dict())
@@ -175,8 +185,18 @@ class PipelineState:
 
         Raises:
             RuntimeError: with ``strict``, on missing or unexpected local keys.
+
+        With ``shard_parameters=True``: collective over the stages' copies, every
+        rank calls it.
         """
         refuse_checkpoint(self.tensor_parallel)
+        sharded = self.sharded
+        if sharded is not None and not sharded.resident:
+            with sharded.gathered():
+                return self._load_state_dict(state_dict, strict)
+        return self._load_state_dict(state_dict, strict)
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         self.settle_parameters()
         if self._model_names is not None:
             loaded = self._load_model_names(state_dict, strict)
@@ -272,6 +292,7 @@ class PipelineState:
         """
         self.check_open()
         refuse_checkpoint(self.tensor_parallel)
+        self._refuse_checkpoint()
         return checkpoint.save(
             self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
@@ -315,7 +336,16 @@ class PipelineState:
         """
         self.check_open()
         refuse_checkpoint(self.tensor_parallel)
+        self._refuse_checkpoint()
         return checkpoint.load(self, path, optimizer)
+
+    def _refuse_checkpoint(self) -> None:
+        if self.sharded is not None and not self.sharded.resident:
+            raise PipelineConfigError(
+                f"rank {self.rank}: checkpoints of a pipeline with shard_parameters=True are "
+                "not supported yet: save pipe.state_dict() (whole parameters, collective) "
+                "yourself, or train with shard_optimizer alone to use pipe.save"
+            )
 
     def train(self, mode: bool = True) -> None:
         """Set training mode of the local blocks (dropout, batch norm)."""

@@ -31,10 +31,18 @@ them too. Parameters held by one rank only (no replica) are stepped whole.
 A step's reduced shards become the masters' gradients only when the step is
 settled (:meth:`ShardedParameters.commit`); a failed or skipped step leaves
 them as they were, and steps without ``zero_grad`` between them accumulate.
+
+With ``shard_parameters=True`` (ZeRO-3) the shards are made when the pipeline
+is built, every master is a tensor of its own, and the flat buffers hold
+nothing between steps: each step gathers them (:meth:`ShardedParameters.gather_for_step`)
+and frees each stage's after its last read of them
+(:mod:`twobp.runtime.execution.residency`), so that a rank holds its stages'
+full weights only while they are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +77,7 @@ class FlatShard:
         stages: this rank's stages whose forward waits for the whole bucket
             before it starts (those that read one of its parameters outside
             a block that waits for its own).
+        readers: this rank's stages that read one of its parameters.
         pending: the last step's reduced shard, until the step is settled.
     """
 
@@ -78,7 +87,23 @@ class FlatShard:
     flat: Tensor
     master: nn.Parameter
     stages: frozenset[int]
+    readers: frozenset[int] = frozenset()
     pending: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def gathered(self) -> bool:
+        """True while the flat buffer holds its elements (always, unless parameters are sharded)."""
+        return self.flat.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        """Let go of the flat buffer's elements; the parameters, views of it, stay as objects."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        """Give the flat buffer its elements back (their values are what a gather writes)."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded * self.flat.element_size())
 
     @property
     def copies_master(self) -> bool:
@@ -103,6 +128,8 @@ class ShardedParameters:
         timeout: seconds a gather may wait for the other ranks.
         forward_order: this rank's stages in the order of their first ``F``
             in the schedule: the order of the gathers.
+        resident: False under ``shard_parameters=True``: the flat buffers are
+            freed between steps and every master is a tensor of its own.
     """
 
     def __init__(
@@ -114,8 +141,15 @@ class ShardedParameters:
         rank: int,
         timeout: float,
         forward_order: Sequence[int] = (),
+        resident: bool = True,
     ) -> None:
         self.rank = rank
+        self.resident = resident
+        """False under ``shard_parameters=True``: full weights only while a step reads them."""
+        self.gathered_peak = 0
+        """The most bytes of gathered flat buffers held at once in the last step
+        (``shard_parameters=True``)."""
+        self._released: set[int] = set()
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self.gathers = ParameterGathers(rank, timeout)
         readers: dict[int, set[int]] = {}
@@ -127,7 +161,7 @@ class ShardedParameters:
         for stage in order:
             for bucket in by_stage.get(stage, ()):
                 if bucket.parameters:
-                    self.shards.append(_flat_shard(bucket, rank, names, readers))
+                    self.shards.append(_flat_shard(bucket, rank, names, readers, resident))
         first = {stage: i for i, stage in reversed(list(enumerate(forward_order)))}
         self._gather_order = sorted(
             range(len(self.shards)),
@@ -202,10 +236,16 @@ class ShardedParameters:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Gather the updated shards after every ``optimizer.step()``."""
         optimizer.register_step_pre_hook(lambda *_: self.gathers.wait())
-        optimizer.register_step_post_hook(lambda *_: self.start_gathers())
+        if self.resident:
+            optimizer.register_step_post_hook(lambda *_: self.start_gathers())
         self._optimizer = weakref.ref(optimizer)
         # Every bucket's master is one tensor in one group: no group can take a part of it.
         setattr(optimizer, "add_param_group", _refuse_groups(self.rank))  # noqa: B010
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer over these shards, once made (``Pipeline.shard_optimizer``)."""
+        return self._optimizer()
 
     def steps(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """True if ``optimizer`` is the one over these shards."""
@@ -271,12 +311,70 @@ class ShardedParameters:
         if self.gathers.in_flight:
             self.gathers.wait(stage)
 
+    # -- parameters sharded between and within steps (shard_parameters=True) -----------
+
+    @torch.no_grad()
+    def gather_for_step(self) -> None:
+        """Allocate every flat buffer and start gathering the masters into it, in the
+        order the forwards read them; the forwards wait for them (see :meth:`wait`)."""
+        if self.resident:
+            return
+        self.gathers.wait()
+        self._released.clear()
+        self.gathered_peak = 0
+        for index in self._gather_order:
+            shard = self.shards[index]
+            shard.allocate()
+            mine = shard.master.detach().to(shard.flat.dtype)
+            group = shard.bucket.process_group(self.rank)
+            self.gathers.start(shard.flat, mine, group, shard.stages, shard.bucket.key, index)
+        self._count_gathered()
+
+    def release(self, stage: int) -> None:
+        """``stage`` read its weights for the last time in this step: free each bucket
+        that no stage of this rank still reads."""
+        if self.resident:
+            return
+        self._released.add(stage)
+        for index, shard in enumerate(self.shards):
+            if shard.gathered and shard.readers <= self._released:
+                if self.gathers.in_flight:
+                    self.gathers.wait_shards(frozenset({index}))
+                shard.free()
+
+    def release_all(self) -> None:
+        """Free every flat buffer (the step ended or failed; no-op unless sharded)."""
+        if self.resident:
+            return
+        self.gathers.wait()
+        for shard in self.shards:
+            shard.free()
+
+    def _count_gathered(self) -> None:
+        held = sum(s.flat.untyped_storage().nbytes() for s in self.shards)
+        self.gathered_peak = max(self.gathered_peak, held)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole while the context runs (collective with the parameters'
+        other holders under ``shard_parameters=True``; nothing otherwise)."""
+        if self.resident:
+            yield
+            return
+        self.gather_for_step()
+        self.gathers.wait()
+        try:
+            yield
+        finally:
+            self.release_all()
+
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Copy the parameters into the float32 masters (after they were loaded)."""
+        """Copy the parameters into the float32 masters (after they were loaded); under
+        ``shard_parameters=True``, into every master (inside :meth:`gathered`)."""
         self.wait()
         for shard in self.shards:
-            if shard.copies_master:
+            if shard.copies_master or not self.resident:
                 shard.master.copy_(shard.flat[shard.layout.start : shard.layout.stop])
 
     @torch.no_grad()
@@ -343,6 +441,11 @@ def shard_optimizer(
             "supported on a sharded optimizer: use one setting for all, or a plain "
             "optimizer over pipe.parameters() with your groups"
         )
+    if existing is not None and not existing.resident and existing.optimizer is None:
+        # shard_parameters=True: the shards exist since the pipeline was built.
+        optimizer = optimizer_class(existing.optimizer_parameters(), **optimizer_kwargs)
+        existing.attach(optimizer)
+        return optimizer, existing
     if existing is not None:
         raise PipelineConfigError(
             f"rank {rank}: this pipeline already has a sharded optimizer; keep the "
@@ -355,6 +458,30 @@ def shard_optimizer(
             "pipeline holds each parameter on one rank: use "
             "optimizer_class(pipe.parameters(), ...) instead"
         )
+    sharded = make_shards(reducer, schedule, pp_rank, stage_modules, names, rank, timeout)
+    optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
+    sharded.attach(optimizer)
+    return optimizer, sharded
+
+
+def make_shards(
+    reducer: GradientReducer,
+    schedule: Schedule,
+    pp_rank: int,
+    stage_modules: Mapping[int, nn.Module],
+    names: Mapping[int, str],
+    rank: int,
+    timeout: float,
+    resident: bool = True,
+) -> ShardedParameters:
+    """This rank's shards of its replicated parameters, which ``reducer`` reduce-scatters
+    from now on: laid out in the order of this rank's stages' ``R`` in ``schedule`` (then
+    the stages without one), gathered in the order of their first ``F``.
+
+    Args:
+        resident: False for ``shard_parameters=True``: the flat buffers are freed now
+            and each step gathers them (see :class:`ShardedParameters`).
+    """
     actions = schedule.actions[pp_rank]
     order = [a.stage for a in actions if a.kind is Kind.REDUCE]
     order += [s for s in stage_modules if s not in order]
@@ -366,15 +493,18 @@ def shard_optimizer(
         rank,
         timeout,
         [a.stage for a in actions if a.kind is Kind.FORWARD],
+        resident=resident,
     )
-    optimizer = optimizer_class(sharded.optimizer_parameters(), **optimizer_kwargs)
-    sharded.attach(optimizer)
     sharded.route(reducer)
-    return optimizer, sharded
+    return sharded
 
 
 def _flat_shard(
-    bucket: Bucket, rank: int, names: Mapping[int, str], readers: Mapping[int, set[int]]
+    bucket: Bucket,
+    rank: int,
+    names: Mapping[int, str],
+    readers: Mapping[int, set[int]],
+    resident: bool = True,
 ) -> FlatShard:
     """The bucket's parameters moved into one padded flat buffer, and this rank's shard."""
     group = bucket.process_group(rank)
@@ -397,11 +527,20 @@ def _flat_shard(
                 any_grad = True
                 p.grad = None
         own = flat[layout.start : layout.stop]
-        master = nn.Parameter(own.float() if first.dtype in HALF else own)
+        if first.dtype in HALF:
+            own = own.float()
+        elif not resident:
+            own = own.clone()  # the flat buffer is freed between steps
+        master = nn.Parameter(own)
         if any_grad:
             master.grad = grads[layout.start : layout.stop].to(master.dtype).clone()
     stages = frozenset(s for p in params for s in readers.get(id(p), ()))
-    return FlatShard(bucket, layout, tuple(names[id(p)] for p in params), flat, master, stages)
+    shard = FlatShard(
+        bucket, layout, tuple(names[id(p)] for p in params), flat, master, stages, stages
+    )
+    if not resident:
+        shard.free()
+    return shard
 
 
 def _refuse_groups(rank: int) -> Callable[[dict[str, Any]], None]:

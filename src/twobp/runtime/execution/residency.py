@@ -1,0 +1,82 @@
+"""When a stage's gathered weights may be freed within a step (``shard_parameters=True``).
+
+A stage's full weights are read by its forwards (``F``) and by its input
+passes (``I``: ``dX = dY W``, or ``B``, which is ``I`` and ``W`` at once), but
+never by a weight pass alone (``W``: ``dW = dY^T X`` reads what ``I``
+stashed). So under 2BP a stage frees its gathered weights right after its
+last ``I`` of the step, before its ``W`` run: the deferred weight passes of a
+step run on the shard alone. A ``W`` that rebuilds its stash (a ``WR``, or
+every ``W`` under ``recompute="derivatives"`` or ``"all"``) runs the forward
+again and reads the weights: the stage keeps them until that ``W``.
+
+:func:`last_weight_reads` reads this off the rank's actions (pure: no torch);
+:class:`Residency` is what the step runner calls around the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from twobp.schedule.action import Action, Kind
+
+READS_WEIGHTS = frozenset(
+    {
+        Kind.FORWARD,
+        Kind.FULL_BACKWARD,
+        Kind.BACKWARD_INPUT,
+        Kind.BACKWARD_INPUT_REBUILT,
+        Kind.BACKWARD_WEIGHT_REBUILD,
+    }
+)
+"""The kinds whose compute reads the stage's full weights."""
+
+
+def last_weight_reads(
+    actions: Sequence[Action], rebuilds_at_weight: Callable[[int], bool] = lambda _: False
+) -> dict[int, int]:
+    """The index in ``actions`` of each stage's last action that reads its full weights.
+
+    Args:
+        actions: one rank's actions of a step, in order.
+        rebuilds_at_weight: ``rebuilds_at_weight(stage)`` is True if every ``W`` of
+            ``stage`` runs its forward again (``recompute="derivatives"`` or ``"all"``).
+
+    Returns:
+        ``{stage: index}``, for every stage with such an action.
+
+    Example::
+
+        >>> acts = [Action.parse(a) for a in ("0F0", "0I0", "0W0")]
+        >>> last_weight_reads(acts)
+        {0: 1}
+    """
+    last: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        reads = action.kind in READS_WEIGHTS or (
+            action.kind is Kind.BACKWARD_WEIGHT and rebuilds_at_weight(action.stage)
+        )
+        if reads:
+            last[action.stage] = index
+    return last
+
+
+class Residency(Protocol):
+    """What holds a rank's sharded weights, as the step runner drives it."""
+
+    def gather_for_step(self) -> None:
+        """Start gathering every stage's weights, in the order of the stages' first ``F``."""
+        ...
+
+    def wait(self, stage: int | None = None) -> None:
+        """Wait for the gathers ``stage``'s forward needs (None: all)."""
+        ...
+
+    def release(self, stage: int) -> None:
+        """``stage`` has read its weights for the last time in this step: free them
+        (once no other stage of this rank that reads them still will)."""
+        ...
+
+    def release_all(self) -> None:
+        """Free every gathered weight (the step ended, or failed part-way)."""
+        ...

@@ -1,0 +1,135 @@
+"""Functions the sharded-parameter (ZeRO-3) tests run on every rank of a launched group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from twobp.runtime import Pipeline, PipelineConfigError
+
+N_MB = 4
+PART = 8  # samples per data-parallel copy and step
+CLIP = 0.05  # small enough that every step clips
+
+
+def _pipeline(schedule: str, **options: Any) -> Pipeline:
+    return Pipeline(
+        build_blocks("mlp"),
+        loss_fn("mlp"),
+        schedule=schedule,
+        n_microbatches=N_MB,
+        two_bp=True,
+        device="cpu",
+        timeout=60.0,
+        data_parallel=2,
+        shard_parameters=True,
+        **options,
+    )
+
+
+def batch_of(step: int, micro: int, dp_size: int) -> tuple[Any, Any]:
+    """The whole batch of optimizer step ``step``'s ``micro``-th accumulated step."""
+    return make_batch("mlp", 10 * step + micro, PART * dp_size)
+
+
+def _refused(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except PipelineConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def train(schedule: str, accumulate: int) -> dict[str, Any]:
+    """3 clipped AdamW steps of ``accumulate`` pipeline steps each, parameters sharded."""
+    torch.set_num_threads(1)
+    pipe = _pipeline(schedule)
+    refused_plain = _refused(lambda: torch.optim.AdamW(pipe.parameters(), lr=LR))
+    optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+    held_at_w = _watch_weight_passes(pipe)
+    # Between steps the full parameters hold nothing: only this rank's shards.
+    between = [p.untyped_storage().nbytes() for p in pipe.state.parameters()]
+    losses, norms, gathered = [], [], []
+    for step in range(N_STEPS):
+        for micro in range(accumulate):
+            inputs, targets = batch_of(step, micro, pipe.dp_size)
+            part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+            losses.append(pipe.step(inputs[part], targets[part]))
+            gathered.append(any(p.untyped_storage().nbytes() for p in pipe.state.parameters()))
+        norms.append(float(pipe.clip_grad_norm_(CLIP)))
+        optimizer.step()
+        if step == N_STEPS - 1:
+            stats = pipe.memory_stats(optimizer)
+        optimizer.zero_grad()
+    full = sum(p.numel() * p.element_size() for p in pipe.state.parameters())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": pipe.state_dict(),
+        "between": between,
+        "gathered after a step": gathered,
+        "refused plain": refused_plain,
+        "held at W": held_at_w,
+        "stats": stats,
+        # Parameters, gradients and AdamW's two moments, unsharded.
+        "unsharded": 4 * full,
+        "stage bytes": full,
+    }
+
+
+def _watch_weight_passes(pipe: Pipeline) -> list[tuple[int, int, bool]]:
+    """For each W as it runs: ``(step, stage, whether its stage's full weights were held)``."""
+    seen: list[tuple[int, int, bool]] = []
+    for index, stage in pipe.stages.items():
+        run = stage.weight
+        params = list(stage.module.parameters())
+
+        def watched(
+            *args: Any, run: Any = run, params: Any = params, index: int = index, **kwargs: Any
+        ) -> None:
+            held = any(p.untyped_storage().nbytes() for p in params)
+            seen.append((pipe.step_count, index, held))
+            run(*args, **kwargs)
+
+        stage.weight = watched  # type: ignore[method-assign]
+    return seen
+
+
+def train_many(cases: list[tuple[str, int]]) -> dict[str, Any]:
+    """:func:`train` of every case, keyed by its text."""
+    return {repr(c): train(*c) for c in cases}
+
+
+def refusals() -> dict[str, str]:
+    """What ``shard_parameters=True`` refuses, with the messages."""
+    torch.set_num_threads(1)
+    out = {}
+    out["one copy"] = _refused(
+        lambda: Pipeline(
+            build_blocks("mlp"),
+            loss_fn("mlp"),
+            n_microbatches=N_MB,
+            device="cpu",
+            timeout=60.0,
+            shard_parameters=True,
+        )
+    )
+    blocks = build_blocks("tied")
+    out["tied"] = _refused(
+        lambda: Pipeline(
+            blocks,
+            loss_fn("tied"),
+            n_microbatches=N_MB,
+            device="cpu",
+            timeout=60.0,
+            data_parallel=2,
+            shard_parameters=True,
+        )
+    )
+    pipe = _pipeline("1f1b")
+    out["save"] = _refused(lambda: pipe.save("unused"))
+    pipe.close()
+    return out
