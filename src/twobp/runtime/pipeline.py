@@ -140,6 +140,7 @@ class Pipeline:
         twobp.schedule.ScheduleError: if the schedule is incomplete or deadlocks.
     """
 
+    _closed_unplanned = False  # closed before it planned (see close())
     plan: AutoPlan | None = None
     """What ``schedule="auto"`` (or ``costs="profile"``) chose: its candidate, the
     ranking, the predicted step time (``print`` shows it); None otherwise, and until
@@ -199,7 +200,6 @@ class Pipeline:
         ``options``, with every keyword given that is not its default taken instead."""
         self.options.check()
         self._parts: RankParts | None = None
-        self._closed_unplanned = False
         self._compile = compile_options(self.options.compile)
         check_grad_scaler(grad_scaler, self)
         self.timeout = float(self.options.timeout)
@@ -294,17 +294,16 @@ class Pipeline:
     def plan_on(self, inputs: Batch | None) -> None:
         """Plan now on this batch of inputs, as the first step does. Collective.
 
-        A pipeline that plans on its first step's batch (``schedule="auto"``
-        without ``example_input``, or ``n_microbatches="auto"``) does it here
-        instead: to :meth:`load` a checkpoint into the planned stages, say.
-        Nothing happens once planned.
+        A pipeline that plans on its first step's batch (``schedule="auto"`` without
+        ``example_input``, or ``n_microbatches="auto"``) does it here instead: to :meth:`load`
+        a checkpoint into the planned stages, say. Nothing happens once planned.
 
         Args:
             inputs: the batch of model inputs (only rank 0's counts; others may pass None).
 
         Raises:
-            PipelineConfigError: on every rank, if rank 0 has no inputs or they do
-                not split; and what planning raises.
+            PipelineConfigError: on every rank, if rank 0 has no inputs or they do not split;
+                and what planning raises.
         """
         pending = self._pending
         if self._parts is not None or pending is None:
@@ -490,15 +489,13 @@ class Pipeline:
     def close(self) -> None:
         """End this pipeline: drop what it holds of communication and of unfinished steps.
 
-        Every step completes its own transfers, so between steps nothing is in
-        flight; after a step that failed part-way, the transfers it posted are
-        abandoned here, and the weight-gradient work it left is dropped. The
-        parameters and their gradients stay as they are, and the blocks are
-        released: another pipeline may be built on them. Later calls of
-        ``step``, ``eval_step``, ``timeline``, ``save``, ``load`` and
-        ``clip_grad_norm_`` raise :class:`PipelineClosedError`. Idempotent;
-        the runtime closes every pipeline still open when the interpreter exits.
-        Not collective.
+        Every step completes its own transfers, so between steps nothing is in flight;
+        after a step that failed part-way, the transfers it posted are abandoned here, and
+        the weight-gradient work it left is dropped. The parameters and their gradients
+        stay as they are, and the blocks are released: another pipeline may be built on
+        them. Later calls of ``step``, ``eval_step``, ``timeline``, ``save``, ``load`` and
+        ``clip_grad_norm_`` raise :class:`PipelineClosedError`. Idempotent; the runtime
+        closes every pipeline still open when the interpreter exits. Not collective.
         """
         if self._parts is None:
             if self._pending is not None or self._closed_unplanned:

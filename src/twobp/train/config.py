@@ -79,6 +79,12 @@ class TrainConfig:
         "gradients reduce-scattered, each copy steps its shard, parameters all-gathered",
         False,
     )
+    shard_parameters: bool = doc(
+        "shard each stage's parameters, gradients and AdamW's state over the data-parallel "
+        "copies (ZeRO-3): weights gathered for F and I only, freed before W; needs "
+        "--data-parallel 2 or more and --no-save",
+        False,
+    )
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
     )

@@ -184,12 +184,13 @@ def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) 
         weight_group_size=cfg.weight_group_size,
         autocast=autocast_dtype(cfg),
         data_parallel=cfg.data_parallel,
+        shard_parameters=cfg.shard_parameters,
         tensor_parallel=cfg.tensor_parallel if cfg.tensor_parallel > 1 else None,
         tensor_parallel_plan=_tensor_parallel_plan(cfg),
         memory_limit=cfg.memory_limit,
         # AdamW's two float32 moments per parameter, sharded with --shard-optimizer.
         optimizer_state_bytes=8.0,
-        optimizer_sharded=cfg.shard_optimizer,
+        optimizer_sharded=cfg.shard_optimizer or cfg.shard_parameters,
         auto_trials=cfg.auto_trials,
         compile=cfg.compile,
     )
@@ -238,12 +239,12 @@ def _train_rank(
         schedule_text=str(pipe.schedule),
         data_source=task.data_source,
         tokens_per_sample=task.tokens_per_sample,
-        n_parameters=sum(p.numel() for p in pipe.parameters()),
+        n_parameters=sum(p.numel() for p in pipe.state.parameters()),
         precision=_precision(pipe),
         stages=_stages(pipe),
     )
     result.ran = what_ran(pipe, cfg, result.precision)
-    if cfg.shard_optimizer:
+    if cfg.shard_optimizer or cfg.shard_parameters:
         optimizer = pipe.shard_optimizer(
             torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -320,7 +321,7 @@ def _add_step_times(total: dict[str, float], pipe: Pipeline) -> None:
 
 def _precision(pipe: Pipeline) -> str:
     """The dtypes the pipeline runs in, as the report says them."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in pipe.parameters()})
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in pipe.state.parameters()})
     parameters = ", ".join(dtypes) or "no parameters"
     if pipe.autocast is None:
         return parameters

@@ -64,6 +64,7 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
             f"{cfg.data_parallel} copies of a pipeline; start data-parallel x pipeline ranks"
         )
     _check_tensor_parallel(cfg, ranks)
+    _check_shard_parameters(cfg)
     _check_memory_limit(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
     if cfg.schedule != AUTO:
         schedule = _schedule(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
@@ -79,6 +80,23 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
         check_out_folder(cfg)
     except ValueError as exc:
         raise OptionError(str(exc)) from None
+
+
+def _check_shard_parameters(cfg: TrainConfig) -> None:
+    """Refuse what ``--shard-parameters`` cannot run yet."""
+    if not cfg.shard_parameters:
+        return
+    problems = {
+        "--data-parallel 1: give 2 or more copies to shard over": cfg.data_parallel < 2,
+        "--save (checkpoints of sharded parameters are not supported yet): add --no-save": (
+            cfg.save
+        ),
+        "--resume: start afresh": cfg.resume is not None,
+        "--tensor-parallel: use one of them": cfg.tensor_parallel > 1,
+    }
+    chosen = [text for text, on in problems.items() if on]
+    if chosen:
+        raise OptionError(f"--shard-parameters does not take {'; '.join(chosen)}")
 
 
 def _check_numbers(cfg: TrainConfig) -> None:

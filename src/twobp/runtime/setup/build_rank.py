@@ -106,23 +106,9 @@ def build_rank(
     state = _model_state(plan, module, members, topology, device, options, aliases, shared, names)
     state.grad_scaler = grad_scaler
     runner = _runner(members, topology, schedule, stages, reducer, options, grid, device)
-    if options.shard_parameters:
-        check_shardable(options, schedule, topology.dp_size, shared, members.rank)
-        sharded = shard_parameters(
-            reducer,
-            schedule,
-            topology.pp_rank,
-            modules,
-            parameter_names(state.named_parameters()),
-            members.rank,
-            options.timeout,
-        )
-        state.sharded = sharded
-        runner.wait_parameters = sharded.wait
-        runner.residency = sharded
-    trial = None
-    if compile is not None and compile.get("stages", "measured") == "measured":
-        trial = CompileTrial(modules, f"rank {members.rank} ")
+    _shard_parameters(options, schedule, shared, reducer, modules, state, runner)
+    measured = compile is not None and compile.get("stages", "measured") == "measured"
+    trial = CompileTrial(modules, f"rank {members.rank} ") if measured else None
     return RankParts(
         schedule=schedule,
         topology=topology,
@@ -147,6 +133,35 @@ def build_rank(
         _comm=plan_communication(schedule, topology.pp_rank),
         _start_buffer=small_buffer(members.size, device),
     )
+
+
+def _shard_parameters(
+    options: PipelineOptions,
+    schedule: Schedule,
+    shared: dict[int, SharedParameter],
+    reducer: GradientReducer | None,
+    modules: dict[int, nn.Module],
+    state: PipelineState,
+    runner: StepRunner,
+) -> None:
+    """With ``shard_parameters=True``: shard this rank's parameters over their copies, and
+    have each step gather and free them (see :mod:`twobp.runtime.setup.sharded_parameters`)."""
+    if not options.shard_parameters:
+        return
+    topology = state.topology
+    check_shardable(options, schedule, topology.dp_size, shared, state.rank)
+    sharded = shard_parameters(
+        reducer,
+        schedule,
+        topology.pp_rank,
+        modules,
+        parameter_names(state.named_parameters()),
+        state.rank,
+        options.timeout,
+    )
+    state.sharded = sharded
+    runner.wait_parameters = sharded.wait
+    runner.residency = sharded
 
 
 def _model_state(
