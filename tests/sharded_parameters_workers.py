@@ -43,10 +43,10 @@ def _refused(call: Callable[[], object]) -> str:
     return ""
 
 
-def train(schedule: str, accumulate: int) -> dict[str, Any]:
+def train(schedule: str, accumulate: int, recompute: str | None = None) -> dict[str, Any]:
     """3 clipped AdamW steps of ``accumulate`` pipeline steps each, parameters sharded."""
     torch.set_num_threads(1)
-    pipe = _pipeline(schedule)
+    pipe = _pipeline(schedule, recompute=recompute)
     refused_plain = _refused(lambda: torch.optim.AdamW(pipe.parameters(), lr=LR))
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     held_at_w = _watch_weight_passes(pipe)
@@ -98,7 +98,7 @@ def _watch_weight_passes(pipe: Pipeline) -> list[tuple[int, int, bool]]:
     return seen
 
 
-def train_many(cases: list[tuple[str, int]]) -> dict[str, Any]:
+def train_many(cases: list[tuple[Any, ...]]) -> dict[str, Any]:
     """:func:`train` of every case, keyed by its text."""
     return {repr(c): train(*c) for c in cases}
 
@@ -132,4 +132,41 @@ def refusals() -> dict[str, str]:
     pipe = _pipeline("1f1b")
     out["save"] = _refused(lambda: pipe.save("unused"))
     pipe.close()
+    return out
+
+
+def scaled_against_unsharded_parameters() -> dict[str, Any]:
+    """float16 autocast under a GradScaler: 3 steps with parameters sharded, and with the
+    optimizer state sharded only (ZeRO-1), from the same blocks and batches."""
+    from grad_scaler_workers import build_blocks as float32_blocks
+    from grad_scaler_workers import make_batch as float32_batch
+    from grad_scaler_workers import scaled_steps
+    from twobp.runtime import GradScaler
+
+    torch.set_num_threads(1)
+    out = {}
+    for sharded in (False, True):
+        scaler = GradScaler(init_scale=2.0**8, growth_interval=1)
+        pipe = Pipeline(
+            float32_blocks(False),
+            torch.nn.functional.mse_loss,
+            schedule="zb-h1",
+            n_microbatches=N_MB,
+            two_bp=True,
+            device="cpu",
+            timeout=60.0,
+            autocast=torch.float16,
+            data_parallel=2,
+            grad_scaler=scaler,
+            shard_parameters=sharded,
+        )
+        optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+        batches = []
+        for step in range(N_STEPS):
+            x, y = float32_batch(step, PART * 2)
+            part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+            batches.append((x[part], y[part]))
+        steps = scaled_steps(pipe, scaler, optimizer, batches)
+        out[f"sharded={sharded}"] = {**steps, "state": pipe.state_dict()}
+        pipe.close()
     return out

@@ -19,15 +19,24 @@ import torch
 from torch import nn
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn
-from sharded_parameters_workers import CLIP, batch_of, refusals, train_many
+from sharded_parameters_workers import (
+    CLIP,
+    batch_of,
+    refusals,
+    scaled_against_unsharded_parameters,
+    train_many,
+)
 from twobp.runtime import launch
 
 TOL = 1e-10
-CASES = [
+CASES: list[tuple[Any, ...]] = [
     (schedule, accumulate)
     for schedule in ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
     for accumulate in (1, 2)
 ]
+# A recomputed forward: in I (activations, weights still gathered), or in every W
+# (derivatives: the stage keeps its weights until its last W).
+CASES += [("zb-h1", 1, "activations"), ("zb-h1", 1, "derivatives")]
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
@@ -52,7 +61,7 @@ def results() -> list[dict[str, Any]]:
     return launch(train_many, 4, CASES, timeout=600)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-accumulate{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_sharded_parameters_match_one_process(results: list[dict[str, Any]], case: Any) -> None:
     reference = _reference(case[1])
     assert any(r[repr(case)]["held at W"] for r in results), "some rank ran a W"
@@ -72,7 +81,8 @@ def test_sharded_parameters_match_one_process(results: list[dict[str, Any]], cas
         # Each stage's last W of a step ran on the shards alone: its weights were freed
         # after its last I (earlier W's may run between I's, the weights still held).
         last = {(step, stage): held for step, stage, held in r["held at W"]}
-        assert not any(last.values()), (case, rank, r["held at W"])
+        rebuilt_at_w = case[2:] == ("derivatives",)
+        assert all(h == rebuilt_at_w for h in last.values()), (case, rank, r["held at W"])
         assert "pipe.shard_optimizer" in r["refused plain"], r["refused plain"]
 
 
@@ -96,3 +106,14 @@ def test_refusals() -> None:
         assert "data_parallel=2 or more" in r["one copy"], r["one copy"]
         assert "tied across stages" in r["tied"], r["tied"]
         assert "not supported yet" in r["save"], r["save"]
+
+
+def test_autocast_and_grad_scaler_step_as_with_whole_parameters() -> None:
+    # float16 autocast under a GradScaler: the same losses, scales, skips, norms and
+    # parameters as with the optimizer state sharded alone.
+    for r in launch(scaled_against_unsharded_parameters, 4, timeout=300):
+        whole, sharded = r["sharded=False"], r["sharded=True"]
+        for key in ("losses", "scales", "skipped", "norms"):
+            assert sharded[key] == whole[key], (key, sharded[key], whole[key])
+        for name, value in whole["state"].items():
+            torch.testing.assert_close(sharded["state"][name], value, rtol=0, atol=0)
