@@ -204,3 +204,57 @@ def hugging_face(schedule: str) -> dict[str, float]:
     errors["sharded"] = len(split_dims(pipe.module))
     pipe.close()
     return errors
+
+
+def checkpoint_across(folder: str) -> dict[str, float]:
+    """On 4 ranks: 2 AdamW steps at P 2 x T 2, saved; loaded at P 4 without tensor
+    parallelism for 2 more steps, saved; loaded at P 2 x T 2 again for 1 more. Returns the
+    largest difference of the losses and final parameters from 5 steps of one process."""
+    spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+    whole = nn.Sequential(*copy.deepcopy(spec.blocks))
+    reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    expected = []
+    for step in range(5):
+        inputs, targets = spec.make_batch(8, step)
+        reference.zero_grad()
+        loss = spec.loss_fn(whole(inputs), targets)
+        loss.backward()
+        reference.step()
+        expected.append(float(loss.detach()))
+    errors = {"loss": 0.0, "parameters": 0.0}
+    plan = tensor_parallel_plan("llama")
+    phases = [(2, 0, 2, None), (1, 2, 4, f"{folder}/a"), (2, 4, 5, f"{folder}/b")]
+    for tensor_parallel, first, last, source in phases:
+        blocks = build_model("llama", "tiny", dtype=torch.float64, **LLAMA).blocks
+        if source is not None:  # other weights than the saved ones: the load must set them
+            for block in blocks:
+                for p in block.parameters():
+                    p.data.normal_()
+        pipe = Pipeline(
+            blocks,
+            spec.loss_fn,
+            "1f1b",
+            n_microbatches=4,
+            tensor_parallel=tensor_parallel,
+            tensor_parallel_plan=plan if tensor_parallel > 1 else None,
+        )
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        if source is not None:
+            pipe.load(source, optimizer)
+        for step in range(first, last):
+            inputs, targets = spec.make_batch(8, step)
+            pipe.zero_grad()
+            loss = pipe.step(inputs, targets)
+            optimizer.step()
+            errors["loss"] = max(errors["loss"], abs(loss - expected[step]))
+        if last < 5:
+            pipe.save(f"{folder}/{'a' if last == 2 else 'b'}", optimizer)
+        else:
+            names = dict(whole.named_parameters())
+            for name, param in pipe.named_parameters():
+                joined = _whole(pipe, param.detach(), param)
+                errors["parameters"] = max(
+                    errors["parameters"], float((joined - names[name].detach()).abs().max())
+                )
+        pipe.close()
+    return errors

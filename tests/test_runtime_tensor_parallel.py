@@ -62,7 +62,7 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("no module", 2, "'attn.wqkv' names no module of any block"),
         ("heads", 2, "has 1 heads, which do not divide by 2 ranks"),
         ("auto", 2, "schedule='auto' plans from what each tensor-parallel pipeline"),
-        ("checkpoint", 2, "checkpoints of a tensor-parallel pipeline are not supported"),
+        ("checkpoint", 2, "state_dict() of a tensor-parallel pipeline is refused"),
         ("torch styles", 2, "accepted"),  # ColwiseParallel(), RowwiseParallel()
         ("sequence parallel", 2, "'attn_norm': SequenceParallel with input layouts"),
     ],
@@ -81,3 +81,10 @@ def test_a_hugging_face_llama_split_by_its_own_plan(schedule, ranks):
     for errors in results:
         assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors
     assert sum(e["sharded"] for e in results) > 0
+
+
+def test_a_checkpoint_saved_split_loads_whole_and_split_again(tmp_path):
+    from tensor_parallel_pipeline_workers import checkpoint_across
+
+    for errors in launch(checkpoint_across, 4, str(tmp_path), timeout=300):
+        assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors

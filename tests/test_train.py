@@ -231,13 +231,15 @@ def test_train_a_tensor_parallel_pipeline_equals_one_process(tmp_path, torch_one
         "train", "--ranks", "4", "--tensor-parallel", "2", "--schedule", "zb-h1",
         "--steps", "3", "--batch-size", "8", "--microbatches", "4", "--seq-len", "16",
         "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
-        "--no-save", "--log-every", "1",
+        "--log-every", "1",
     ]  # fmt: skip
     assert main(argv) == 0
+    assert list((out / "checkpoints").iterdir())  # saved whole, the shards joined
     metrics = json.loads((out / "metrics.json").read_text())
     # 2 pipeline ranks x 2 tensor-parallel ranks, clipped by the norm over all four.
     assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
     captured = capfd.readouterr()
     assert (captured.out + captured.err).count("step 3/3") == 1  # one rank reports
-    assert main([*argv[:-3], "--save"]) == 2
-    assert "--tensor-parallel 2 does not take --save" in capfd.readouterr().err
+    refused = [*argv, "--shard-optimizer", "--grad-clip", "0", "--overwrite"]
+    assert main(refused) == 2
+    assert "does not take --save or --resume with --shard-optimizer" in capfd.readouterr().err

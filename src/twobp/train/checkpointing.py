@@ -267,5 +267,9 @@ def save(
         step=history.step,
         meta=meta,
         keep=cfg.keep_checkpoints,
-        async_save=cfg.async_save and not last and history.step < last_step(cfg),
+        # A tensor-parallel pipeline joins its shards to save: in the foreground.
+        async_save=cfg.async_save
+        and cfg.tensor_parallel == 1
+        and not last
+        and history.step < last_step(cfg),
     )

@@ -71,7 +71,8 @@ class TrainConfig:
     tensor_parallel: int = doc(
         "ranks T each block is split over (the model's tensor-parallel plan: llama, or a "
         "Hugging Face model's base_model_tp_plan); the ranks form D x P x T, tensor parallel "
-        "innermost; needs --no-save and a schedule and --microbatches by name and number",
+        "innermost; needs a schedule by name and --microbatches as a number; checkpoints are "
+        "saved whole, in the foreground",
         1,
     )
     shard_optimizer: bool = doc(

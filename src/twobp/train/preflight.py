@@ -226,14 +226,14 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
             f"not {family}"
         )
     problems = {
-        "--save (checkpoints hold one shard under the whole name): add --no-save": cfg.save,
         "--schedule auto: name a schedule": cfg.schedule == AUTO,
         "--microbatches auto: give a number": not isinstance(cfg.microbatches, int),
         "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced",
         "--recompute auto: name a mode": cfg.recompute == "auto",
-        "--resume (checkpoints): start afresh": cfg.resume is not None,
         "--grad-clip with --shard-optimizer: add --grad-clip 0": cfg.shard_optimizer
         and cfg.grad_clip > 0,
+        "--save or --resume with --shard-optimizer: add --no-save": cfg.shard_optimizer
+        and (cfg.save or cfg.resume is not None),
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:

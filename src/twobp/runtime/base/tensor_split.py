@@ -3,7 +3,8 @@
 :mod:`twobp.runtime.setup.tensor_parallel` marks each split linear with
 :data:`SPLIT_STYLE` (a module's attributes survive the copies a pipeline makes
 of its blocks; a parameter's do not). A norm over every rank counts each shard
-once and a replicated parameter once; a checkpoint of shards is refused.
+once and a replicated parameter once; a state dict of shards is refused (checkpoints
+join them: :mod:`twobp.runtime.state.tensor_checkpoint`).
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ def counted_once(
 
 
 def refuse_checkpoint(tensor_parallel: Any) -> None:
-    """Refuse a checkpoint of split blocks, whose entries hold one shard under the whole
-    parameter's name.
+    """Refuse a state dict of split blocks, whose entries would hold one shard under the
+    whole parameter's name.
 
     Raises:
         PipelineConfigError: with tensor parallelism (``tensor_parallel`` not None).
     """
     if tensor_parallel is not None:
         raise PipelineConfigError(
-            "checkpoints of a tensor-parallel pipeline are not supported: each rank holds "
-            "one shard of its split linears under the whole parameter's name; train with "
-            "tensor_parallel=None to save and load"
+            "state_dict() of a tensor-parallel pipeline is refused: each rank holds one shard "
+            "of its split linears under the whole parameter's name; save() and load() join "
+            "and split them (a checkpoint of the whole model)"
         )

@@ -19,12 +19,15 @@ from torch import Tensor, nn
 
 from twobp.runtime.base.tensor_split import counted_once, refuse_checkpoint
 from twobp.runtime.base.topology import Topology
+from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineClosedError, PipelineConfigError
 from twobp.runtime.state import checkpoint
+from twobp.runtime.state.checkpoint.files import step_folder
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
+from twobp.runtime.state.tensor_checkpoint import joined, whole_then_shards
 from twobp.schedule.schedule import Schedule
 
 
@@ -94,6 +97,8 @@ class PipelineState:
         """The shards of the pipeline's sharded optimizer (``Pipeline.shard_optimizer``)."""
         self.tensor_parallel: Any = None
         """The pipeline's :class:`twobp.runtime.setup.tensor_parallel.TensorParallel`, or None."""
+        self._whole = False
+        """True while split parameters hold whole tensors, for a checkpoint to read or fill."""
 
     def sharded_for(self, optimizer: torch.optim.Optimizer | None) -> ShardedParameters | None:
         """The shards ``optimizer`` steps, if it is this pipeline's sharded optimizer."""
@@ -151,7 +156,8 @@ class PipelineState:
         With ``shard_parameters=True`` the parameters are gathered for it and
         copied out: collective over the stages' copies, every rank calls it.
         """
-        refuse_checkpoint(self.tensor_parallel)
+        if not self._whole:
+            refuse_checkpoint(self.tensor_parallel)
         sharded = self.sharded
         if sharded is not None and not sharded.resident:
             with sharded.gathered():
@@ -189,7 +195,8 @@ class PipelineState:
         With ``shard_parameters=True``: collective over the stages' copies, every
         rank calls it.
         """
-        refuse_checkpoint(self.tensor_parallel)
+        if not self._whole:
+            refuse_checkpoint(self.tensor_parallel)
         sharded = self.sharded
         if sharded is not None and not sharded.resident:
             with sharded.gathered():
@@ -291,11 +298,46 @@ class PipelineState:
                 background write, from the call that waits for it).
         """
         self.check_open()
-        refuse_checkpoint(self.tensor_parallel)
         self._refuse_checkpoint()
+        if self.tensor_parallel is not None:
+            return self._save_joined(path, optimizer, extra, step, meta, keep, async_save)
         return checkpoint.save(
             self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
         )
+
+    def _save_joined(
+        self,
+        path: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None,
+        extra: Any,
+        step: int | None,
+        meta: Mapping[str, Any] | None,
+        keep: int,
+        async_save: bool,
+    ) -> Path:
+        """:meth:`save` of a tensor-parallel pipeline: the shards joined, written by the
+        pipeline of shard 0, as of the whole model. Collective over every rank."""
+        tp = self.tensor_parallel
+        if async_save or self.sharded is not None:
+            raise PipelineConfigError(
+                "a tensor-parallel pipeline saves its checkpoints whole: without "
+                "async_save and without shard_optimizer"
+            )
+        final = Path(path) / step_folder(self.step_count if step is None else step)
+        problem: Exception | None = None
+        with joined(self.module, optimizer, tp):
+            self._whole = True
+            try:
+                if tp.rank == 0:
+                    final = checkpoint.save(
+                        self, path, optimizer, extra, step=step, meta=meta, keep=keep
+                    )
+            except Exception as exc:  # the other shards must hear of it
+                problem = exc
+            finally:
+                self._whole = False
+        agree(tp.world, self.device, self.timeout, problem, "saving a tensor-parallel checkpoint")
+        return final
 
     def wait_for_checkpoint(self) -> Path | None:
         """Wait until a checkpoint written in the background is complete. Collective.
@@ -335,9 +377,26 @@ class PipelineState:
                 changed then.
         """
         self.check_open()
-        refuse_checkpoint(self.tensor_parallel)
         self._refuse_checkpoint()
-        return checkpoint.load(self, path, optimizer)
+        tp = self.tensor_parallel
+        if tp is None:
+            return checkpoint.load(self, path, optimizer)
+        if self.sharded is not None:
+            raise PipelineConfigError(
+                "a tensor-parallel pipeline loads checkpoints without shard_optimizer"
+            )
+        problem: Exception | None = None
+        extra: Any = None
+        with whole_then_shards(self.module, optimizer, tp):
+            self._whole = True
+            try:
+                extra = checkpoint.load(self, path, optimizer)
+            except Exception as exc:  # every shard's pipeline must hear of it
+                problem = exc
+            finally:
+                self._whole = False
+        agree(tp.world, self.device, self.timeout, problem, "loading a tensor-parallel checkpoint")
+        return extra
 
     def _refuse_checkpoint(self) -> None:
         if self.sharded is not None and not self.sharded.resident:

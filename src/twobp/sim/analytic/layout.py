@@ -77,8 +77,7 @@ class Layout:
             f"--recompute {c.recompute}" if c.recompute != NO_RECOMPUTE else "",
         ]
         if self.tensor > 1:
-            # Checkpoints of split blocks are not written yet.
-            parts += [f"--tensor-parallel {self.tensor}", "--no-save"]
+            parts.append(f"--tensor-parallel {self.tensor}")
         return " ".join(p for p in parts if p)
 
     def pipeline_options(self) -> str:
