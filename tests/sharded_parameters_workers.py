@@ -103,7 +103,7 @@ def train_many(cases: list[tuple[Any, ...]]) -> dict[str, Any]:
     return {repr(c): train(*c) for c in cases}
 
 
-def refusals() -> dict[str, str]:
+def refusals() -> dict[str, Any]:
     """What ``shard_parameters=True`` refuses, with the messages."""
     torch.set_num_threads(1)
     out = {}
@@ -133,6 +133,15 @@ def refusals() -> dict[str, str]:
     out["save"] = _refused(lambda: pipe.save("unused"))
     pipe.close()
     return out
+
+
+def auto_schedule() -> float:
+    """The first loss of ``schedule="auto"`` with sharded parameters (its trials run unsharded)."""
+    torch.set_num_threads(1)
+    inputs, targets = batch_of(0, 0, 2)
+    pipe = _pipeline("auto", example_input=inputs[:2])
+    part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+    return pipe.step(inputs[part], targets[part])
 
 
 def scaled_against_unsharded_parameters() -> dict[str, Any]:

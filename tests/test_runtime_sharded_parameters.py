@@ -21,6 +21,7 @@ from torch import nn
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn
 from sharded_parameters_workers import (
     CLIP,
+    auto_schedule,
     batch_of,
     refusals,
     scaled_against_unsharded_parameters,
@@ -117,3 +118,11 @@ def test_autocast_and_grad_scaler_step_as_with_whole_parameters() -> None:
             assert sharded[key] == whole[key], (key, sharded[key], whole[key])
         for name, value in whole["state"].items():
             torch.testing.assert_close(sharded["state"][name], value, rtol=0, atol=0)
+
+
+def test_auto_schedule_trials_leave_the_parameters_to_the_pipeline() -> None:
+    inputs, targets = batch_of(0, 0, 2)
+    with torch.no_grad():
+        want = float(loss_fn("mlp")(nn.Sequential(*build_blocks("mlp"))(inputs), targets))
+    for got in launch(auto_schedule, 4, timeout=300):
+        assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (got, want)

@@ -336,6 +336,8 @@ def contender_trials(
         recompute=None if options.rebuilds else options.recompute,
         nonfinite="skip",
         auto_trials=0,
+        # A trial's shards would make the blocks' parameters views of its own buffers.
+        shard_parameters=False,
     )
 
     def build(contender: Contender) -> RankParts:
