@@ -140,6 +140,8 @@ def refusal(case: str) -> str:
         spec = build_model("llama", "tiny", dtype=torch.float64, **{**LLAMA, "n_heads": 1})
     if case == "auto":
         kwargs["schedule"] = "auto"
+    if case == "sharded parameters":
+        kwargs["shard_parameters"] = True
     if case in ("torch styles", "sequence parallel"):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,

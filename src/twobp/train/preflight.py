@@ -230,6 +230,7 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
         "--microbatches auto: give a number": not isinstance(cfg.microbatches, int),
         "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced",
         "--recompute auto: name a mode": cfg.recompute == "auto",
+        "--shard-parameters (not with tensor parallelism yet)": cfg.shard_parameters,
         "--grad-clip with --shard-optimizer: add --grad-clip 0": cfg.shard_optimizer
         and cfg.grad_clip > 0,
         "--save or --resume with --shard-optimizer: add --no-save": cfg.shard_optimizer
