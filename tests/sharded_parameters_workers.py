@@ -24,9 +24,7 @@ def _pipeline(schedule: str, **options: Any) -> Pipeline:
         two_bp=True,
         device="cpu",
         timeout=60.0,
-        data_parallel=2,
-        shard_parameters=True,
-        **options,
+        **{"data_parallel": 2, "shard_parameters": True, **options},
     )
 
 
@@ -129,9 +127,6 @@ def refusals() -> dict[str, Any]:
             shard_parameters=True,
         )
     )
-    pipe = _pipeline("1f1b")
-    out["save"] = _refused(lambda: pipe.save("unused"))
-    pipe.close()
     return out
 
 
@@ -178,4 +173,51 @@ def scaled_against_unsharded_parameters() -> dict[str, Any]:
         steps = scaled_steps(pipe, scaler, optimizer, batches)
         out[f"sharded={sharded}"] = {**steps, "state": pipe.state_dict()}
         pipe.close()
+    return out
+
+
+def checkpoint_round_trip(folder: str) -> dict[str, Any]:
+    """Save after 2 steps with sharded parameters; step 3 there, and after loading into a
+    sharded pipeline of another schedule and into an unsharded one."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+
+    def one_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, step: int) -> float:
+        inputs, targets = batch_of(step, 0, 2)  # one global batch, whatever the copies
+        size = len(inputs) // pipe.dp_size
+        part = slice(pipe.dp_rank * size, (pipe.dp_rank + 1) * size)
+        loss = pipe.step(inputs[part], targets[part])
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    pipe = _pipeline("zb-h1")
+    optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+    for step in range(2):
+        one_step(pipe, optimizer, step)
+    pipe.save(folder, optimizer)
+    out["saved"] = (one_step(pipe, optimizer, 2), pipe.state_dict())
+    pipe.close()
+    other = _pipeline("1f1b")
+    optimizer = other.shard_optimizer(torch.optim.AdamW, lr=LR)
+    other.load(folder, optimizer)
+    out["sharded"] = (one_step(other, optimizer, 2), other.state_dict())
+    other.close()
+    plain = Pipeline(
+        build_blocks("mlp"),
+        loss_fn("mlp"),
+        n_microbatches=N_MB,
+        device="cpu",
+        timeout=60.0,
+        data_parallel=2,
+    )
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=LR)
+    plain.load(folder, optimizer)
+    plain.save(folder, optimizer)  # and back: an unsharded checkpoint, at step 2 still
+    out["unsharded"] = (one_step(plain, optimizer, 2), plain.state_dict())
+    plain.close()
+    copies = _pipeline("1f1b", data_parallel=4, partition=[10])
+    optimizer = copies.shard_optimizer(torch.optim.AdamW, lr=LR)
+    copies.load(folder, optimizer)
+    out["4 copies"] = (one_step(copies, optimizer, 2), copies.state_dict())
     return out

@@ -43,7 +43,6 @@ MISTAKES = [
     ("train", ["--schedule", "dualpipev", "--microbatches", "2"], "at least 2p = 4 micro-batches"),
     ("train", ["--microbatches", "auto"], "--microbatches auto is chosen by --schedule auto"),
     ("train", ["--shard-parameters"], "--shard-parameters does not take --data-parallel 1"),
-    ("train", ["--ranks", "4", "--data-parallel", "2", "--shard-parameters"], "add --no-save"),
     ("train", ["--microbatches", "some"], "--microbatches must be a count or 'auto'"),
     ("simulate", ["--schedule", "foo"], "argument --schedule: invalid choice: 'foo'"),
     ("simulate", ["--stages", "0"], "--stages must be >= 1"),

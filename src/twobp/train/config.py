@@ -83,7 +83,7 @@ class TrainConfig:
     shard_parameters: bool = doc(
         "shard each stage's parameters, gradients and AdamW's state over the data-parallel "
         "copies (ZeRO-3): weights gathered for F and I only, freed before W; needs "
-        "--data-parallel 2 or more and --no-save",
+        "--data-parallel 2 or more",
         False,
     )
     stages_per_rank: int | None = doc(

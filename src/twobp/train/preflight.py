@@ -88,10 +88,6 @@ def _check_shard_parameters(cfg: TrainConfig) -> None:
         return
     problems = {
         "--data-parallel 1: give 2 or more copies to shard over": cfg.data_parallel < 2,
-        "--save (checkpoints of sharded parameters are not supported yet): add --no-save": (
-            cfg.save
-        ),
-        "--resume: start afresh": cfg.resume is not None,
         "--tensor-parallel: use one of them": cfg.tensor_parallel > 1,
     }
     chosen = [text for text, on in problems.items() if on]

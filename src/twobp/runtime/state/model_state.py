@@ -9,6 +9,7 @@ reads and writes it, not the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -298,12 +299,12 @@ class PipelineState:
                 background write, from the call that waits for it).
         """
         self.check_open()
-        self._refuse_checkpoint()
         if self.tensor_parallel is not None:
             return self._save_joined(path, optimizer, extra, step, meta, keep, async_save)
-        return checkpoint.save(
-            self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
-        )
+        with self._parameters_whole():
+            return checkpoint.save(
+                self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
+            )
 
     def _save_joined(
         self,
@@ -377,10 +378,10 @@ class PipelineState:
                 changed then.
         """
         self.check_open()
-        self._refuse_checkpoint()
         tp = self.tensor_parallel
         if tp is None:
-            return checkpoint.load(self, path, optimizer)
+            with self._parameters_whole():
+                return checkpoint.load(self, path, optimizer)
         if self.sharded is not None:
             raise PipelineConfigError(
                 "a tensor-parallel pipeline loads checkpoints without shard_optimizer"
@@ -398,13 +399,12 @@ class PipelineState:
         agree(tp.world, self.device, self.timeout, problem, "loading a tensor-parallel checkpoint")
         return extra
 
-    def _refuse_checkpoint(self) -> None:
-        if self.sharded is not None and not self.sharded.resident:
-            raise PipelineConfigError(
-                f"rank {self.rank}: checkpoints of a pipeline with shard_parameters=True are "
-                "not supported yet: save pipe.state_dict() (whole parameters, collective) "
-                "yourself, or train with shard_optimizer alone to use pipe.save"
-            )
+    def _parameters_whole(self) -> contextlib.AbstractContextManager[None]:
+        """Every parameter whole inside (``shard_parameters=True``: gathered on every rank of
+        the stages' copies, and freed at the end; collective), for a checkpoint."""
+        if self.sharded is None:
+            return contextlib.nullcontext()
+        return self.sharded.gathered()
 
     def train(self, mode: bool = True) -> None:
         """Set training mode of the local blocks (dropout, batch norm)."""

@@ -150,6 +150,7 @@ class ShardedParameters:
         """The most bytes of gathered flat buffers held at once in the last step
         (``shard_parameters=True``)."""
         self._released: set[int] = set()
+        self._whole = False
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self.gathers = ParameterGathers(rank, timeout)
         readers: dict[int, set[int]] = {}
@@ -358,14 +359,16 @@ class ShardedParameters:
     def gathered(self) -> Iterator[None]:
         """Every parameter whole while the context runs (collective with the parameters'
         other holders under ``shard_parameters=True``; nothing otherwise)."""
-        if self.resident:
-            yield
+        if self.resident or self._whole:
+            yield  # nothing to gather, or gathered by an enclosing call
             return
         self.gather_for_step()
         self.gathers.wait()
+        self._whole = True
         try:
             yield
         finally:
+            self._whole = False
             self.release_all()
 
     @torch.no_grad()
