@@ -20,11 +20,10 @@ def _pipeline(schedule: str, **options: Any) -> Pipeline:
         build_blocks("mlp"),
         loss_fn("mlp"),
         schedule=schedule,
-        n_microbatches=N_MB,
         two_bp=True,
         device="cpu",
         timeout=60.0,
-        **{"data_parallel": 2, "shard_parameters": True, **options},
+        **{"n_microbatches": N_MB, "data_parallel": 2, "shard_parameters": True, **options},
     )
 
 
@@ -127,6 +126,7 @@ def refusals() -> dict[str, Any]:
             shard_parameters=True,
         )
     )
+    out["two pipelines"] = _refused(lambda: _pipeline("dualpipe", n_microbatches=2 * N_MB))
     return out
 
 

@@ -103,10 +103,22 @@ def test_sharded_state_per_rank(results: list[dict[str, Any]], case: Any) -> Non
         )
 
 
+def test_two_copies_of_a_pipeline_of_four_ranks() -> None:
+    case = ("zb-h1", 2)
+    results = [r[repr(case)] for r in launch(train_many, 8, [case], timeout=600)]
+    reference = _reference(case[1])
+    for rank, r in enumerate(results):
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (rank, got, want)
+        for name, value in r["state"].items():
+            torch.testing.assert_close(value, reference["state"][name], rtol=0, atol=TOL)
+
+
 def test_refusals() -> None:
     for r in launch(refusals, 4, timeout=300):
         assert "data_parallel=2 or more" in r["one copy"], r["one copy"]
         assert "tied across stages" in r["tied"], r["tied"]
+        assert "schedule of 2 pipelines" in r["two pipelines"], r["two pipelines"]
 
 
 def test_autocast_and_grad_scaler_step_as_with_whole_parameters() -> None:
