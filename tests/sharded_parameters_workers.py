@@ -45,6 +45,7 @@ def train(schedule: str, accumulate: int, recompute: str | None = None) -> dict[
     torch.set_num_threads(1)
     pipe = _pipeline(schedule, recompute=recompute)
     refused_plain = _refused(lambda: torch.optim.AdamW(pipe.parameters(), lr=LR))
+    refused_named = _refused(lambda: dict(pipe.named_parameters()))
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     held_at_w = _watch_weight_passes(pipe)
     # Between steps the full parameters hold nothing: only this rank's shards.
@@ -69,6 +70,7 @@ def train(schedule: str, accumulate: int, recompute: str | None = None) -> dict[
         "between": between,
         "gathered after a step": gathered,
         "refused plain": refused_plain,
+        "refused named": refused_named,
         "held at W": held_at_w,
         "stats": stats,
         # Parameters, gradients and AdamW's two moments, unsharded.

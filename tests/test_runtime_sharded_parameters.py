@@ -86,6 +86,7 @@ def test_sharded_parameters_match_one_process(results: list[dict[str, Any]], cas
         rebuilt_at_w = case[2:] == ("derivatives",)
         assert all(h == rebuilt_at_w for h in last.values()), (case, rank, r["held at W"])
         assert "pipe.shard_optimizer" in r["refused plain"], r["refused plain"]
+        assert "pipe.shard_optimizer" in r["refused named"], r["refused named"]
 
 
 @pytest.mark.parametrize("case", CASES[:1] + CASES[4:5], ids=str)

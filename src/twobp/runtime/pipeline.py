@@ -417,6 +417,7 @@ class Pipeline:
 
     @_same_doc(PipelineState.named_parameters)
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+        refuse_full_parameters(self.options, self.rank)
         if self._pending is not None:
             return self._pending.named(self._pending.model.named_parameters(), prefix)
         return self.state.named_parameters(prefix)
