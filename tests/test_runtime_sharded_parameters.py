@@ -104,6 +104,20 @@ def test_sharded_state_per_rank(results: list[dict[str, Any]], case: Any) -> Non
         )
 
 
+def test_freeing_before_w_lowers_the_peak_where_weights_and_stashes_meet(
+    results: list[dict[str, Any]],
+) -> None:
+    # Activations, stashes and gathered weights at once, measured as the step ran, against
+    # the same step had each stage kept its weights through its W: never above it, and
+    # below it on interleaved-1f1b's second rank, whose stashes peak while a stage's W run.
+    for case in CASES[:8]:
+        for rank, r in enumerate(results):
+            stats = r[repr(case)]["stats"]
+            assert stats["peak_freed_before_w"] <= stats["peak_freed_after_w"], (case, rank)
+    lower = [r[repr(("interleaved-1f1b", 1))]["stats"] for r in results]
+    assert any(s["peak_freed_before_w"] < s["peak_freed_after_w"] for s in lower), lower
+
+
 def test_two_copies_of_a_pipeline_of_four_ranks() -> None:
     case = ("zb-h1", 2)
     results = [r[repr(case)] for r in launch(train_many, 8, [case], timeout=600)]

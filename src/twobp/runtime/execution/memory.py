@@ -176,6 +176,11 @@ class MemoryMeter:
                 else:
                     refs[k] = count
 
+    @property
+    def held(self) -> int:
+        """Bytes of activations and stashes held now."""
+        return self._bytes[""]
+
     def sample(self, transient: dict[StorageKey, int] | None = None) -> None:
         """Update the peaks with what is held now, plus ``transient`` storages held in passing."""
         extra = 0

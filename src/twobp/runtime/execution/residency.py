@@ -61,6 +61,12 @@ def last_weight_reads(
     return last
 
 
+def last_uses(actions: Sequence[Action]) -> dict[int, int]:
+    """The index in ``actions`` of each stage's last compute action (its last ``W`` or ``B``):
+    where the stage would free its weights if it kept them through its weight passes."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind.is_compute}
+
+
 class Residency(Protocol):
     """What holds a rank's sharded weights, as the step runner drives it."""
 
@@ -77,6 +83,42 @@ class Residency(Protocol):
         (once no other stage of this rank that reads them still will)."""
         ...
 
+    def observe(self, between: int, done: frozenset[int]) -> None:
+        """After a compute action: ``between`` bytes of activations and stashes held now,
+        and the stages past their last compute action of the step."""
+        ...
+
     def release_all(self) -> None:
         """Free every gathered weight (the step ended, or failed part-way)."""
         ...
+
+
+class StepResidency:
+    """One step's calls of a :class:`Residency` as the rank's actions run.
+
+    Args:
+        residency: what holds the rank's sharded weights.
+        actions: the rank's actions of the step, in order.
+        rebuilds_at_weight: as for :func:`last_weight_reads`.
+    """
+
+    def __init__(
+        self,
+        residency: Residency,
+        actions: Sequence[Action],
+        rebuilds_at_weight: Callable[[int], bool],
+    ) -> None:
+        self._residency = residency
+        self._last_reads = last_weight_reads(actions, rebuilds_at_weight)
+        self._last_uses = last_uses(actions)
+        self._done: set[int] = set()
+
+    def after(self, index: int, action: Action, between: int) -> None:
+        """Action ``index`` of the step ran; ``between`` bytes of activations and stashes
+        are held now. Frees its stage's weights after their last read."""
+        if self._last_reads.get(action.stage) == index:
+            self._residency.release(action.stage)
+        if action.kind.is_compute:
+            if self._last_uses.get(action.stage) == index:
+                self._done.add(action.stage)
+            self._residency.observe(between, frozenset(self._done))

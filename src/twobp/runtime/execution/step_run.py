@@ -26,7 +26,7 @@ from twobp.runtime.communication.channel import StepChannel
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.execution.clock import StepClock
 from twobp.runtime.execution.microbatch import Batch, flatten
-from twobp.runtime.execution.residency import last_weight_reads
+from twobp.runtime.execution.residency import Residency, StepResidency
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import ActionKind, Role
@@ -112,8 +112,8 @@ class StepRun:
             :func:`reduction_order` (on NCCL: see :func:`reductions_wait_for_transfers`).
         wait_parameters: called with a stage before each of its forwards: waits
             for the gathers of its updated parameters (a sharded optimizer).
-        release_parameters: called with a stage right after its last action of the
-            step that reads its full weights (``shard_parameters=True``, see
+        residency: frees each stage's sharded weights right after its last action of
+            the step that reads them (``shard_parameters=True``, see
             :mod:`twobp.runtime.execution.residency`).
         weights: the weight of each micro-batch's loss (None: ``1 / n_microbatches``).
     """
@@ -132,7 +132,7 @@ class StepRun:
         reducer: GradientReducer | None = None,
         reductions_after_transfers: bool = False,
         wait_parameters: Callable[[int], None] | None = None,
-        release_parameters: Callable[[int], None] | None = None,
+        residency: Residency | None = None,
         weights: Sequence[float] | None = None,
     ) -> None:
         self._rank = rank
@@ -149,7 +149,7 @@ class StepRun:
         self._defer_reductions = reductions_after_transfers
         self._deferred: list[int] = []
         self._wait_parameters = wait_parameters
-        self._release_parameters = release_parameters
+        self._residency = residency
         self._weights = weights
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self.result = StepResult()
@@ -184,11 +184,10 @@ class StepRun:
                 meter.start_step([s.module for s in self._stages.values()])
         if self._channel is not None:
             self._channel.post_ahead()
-        last_reads: dict[int, int] = {}
-        if self._release_parameters is not None:
-            last_reads = last_weight_reads(
-                actions, lambda s: recomputes_derivatives(self._stages[s].recompute)
-            )
+        residency = None
+        if self._residency is not None:
+            rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
+            residency = StepResidency(self._residency, actions, rebuilds)
         for index, (action, served) in enumerate(
             zip(actions, compute_served(actions), strict=True)
         ):
@@ -214,8 +213,8 @@ class StepRun:
                     )
                 raise
             self._count(action, time.perf_counter() - started)
-            if self._release_parameters is not None and last_reads.get(action.stage) == index:
-                self._release_parameters(action.stage)
+            if residency is not None:
+                residency.after(index, action, self._stages[action.stage].memory.held)
             if receiving is not None:
                 self._waits.append((action, receiving, self._clock.mark()))
         if self._channel is not None:

@@ -147,7 +147,7 @@ class StepRunner:
             reducer=self._reducer,
             reductions_after_transfers=self._reductions_after_transfers,
             wait_parameters=self.wait_parameters,
-            release_parameters=None if self.residency is None else self.residency.release,
+            residency=self.residency,
             weights=batches.weights,
         )
         try:

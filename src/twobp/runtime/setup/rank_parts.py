@@ -373,7 +373,10 @@ class RankParts:
             shards and their gradients, held between steps (the steady state;
             the full parameters hold nothing then), and ``gathered_peak`` the
             most bytes of gathered full parameters held at once in the step,
-            which the CPU's ``peak`` adds.
+            which the CPU's ``peak`` adds; ``peak_freed_before_w``: the most bytes of
+            activations, stashes and gathered weights held at once after a compute action
+            (measured), and ``peak_freed_after_w`` the same had each stage kept its
+            weights through its last ``W`` (the same activations and stashes).
         """
         earlier = self.settlement.earlier.last_nbytes
         stats = memory_stats(self.memory, self.module, optimizer, earlier)
@@ -389,6 +392,8 @@ class RankParts:
             stats["peak"] += held
         stats["parameters"] += held
         stats["gathered_peak"] = sharded.gathered_peak
+        stats["peak_freed_before_w"] = sharded.peak_freed_before_w
+        stats["peak_freed_after_w"] = sharded.peak_freed_after_w
         if self.memory.device.type != "cuda":
             stats["peak"] += sharded.gathered_peak
         return stats

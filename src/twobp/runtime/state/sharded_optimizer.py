@@ -150,6 +150,12 @@ class ShardedParameters:
         """The most bytes of gathered flat buffers held at once in the last step
         (``shard_parameters=True``)."""
         self._released: set[int] = set()
+        self.peak_freed_before_w = 0
+        """The most bytes of activations, stashes and gathered weights held at once after a
+        compute action of the last step, as it ran: weights freed after each stage's last I."""
+        self.peak_freed_after_w = 0
+        """The same, had each stage kept its weights until its last compute action (W): the
+        stashes and activations as measured, the weights counted longer."""
         self._whole = False
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self.gathers = ParameterGathers(rank, timeout)
@@ -323,6 +329,7 @@ class ShardedParameters:
         self.gathers.wait()
         self._released.clear()
         self.gathered_peak = 0
+        self.peak_freed_before_w = self.peak_freed_after_w = 0
         for index in self._gather_order:
             shard = self.shards[index]
             shard.allocate()
@@ -342,6 +349,19 @@ class ShardedParameters:
                 if self.gathers.in_flight:
                     self.gathers.wait_shards(frozenset({index}))
                 shard.free()
+
+    def observe(self, between: int, done: frozenset[int]) -> None:
+        """After a compute action: add the gathered weights held now to ``between`` (bytes of
+        activations and stashes), and those that would be if each stage freed them only past
+        its last compute action (stages ``done``), and keep the peaks of both."""
+        if self.resident:
+            return
+        now = sum(s.flat.untyped_storage().nbytes() for s in self.shards)
+        after_w = sum(
+            s.layout.padded * s.flat.element_size() for s in self.shards if not s.readers <= done
+        )
+        self.peak_freed_before_w = max(self.peak_freed_before_w, between + now)
+        self.peak_freed_after_w = max(self.peak_freed_after_w, between + after_w)
 
     def release_all(self) -> None:
         """Free every flat buffer (the step ended or failed; no-op unless sharded)."""
