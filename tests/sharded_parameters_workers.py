@@ -223,3 +223,41 @@ def checkpoint_round_trip(folder: str) -> dict[str, Any]:
     copies.load(folder, optimizer)
     out["4 copies"] = (one_step(copies, optimizer, 2), copies.state_dict())
     return out
+
+
+def failed_step() -> tuple[str, float, float, bool]:
+    """A step whose loss raises on one rank, then the same batch again: the error (or the
+    peers'), the loss of the step after it and of a fresh pipeline's first step, and whether
+    any full weight is left gathered."""
+    torch.set_num_threads(1)
+    failing = [torch.distributed.get_rank() == 1]
+
+    def loss(output: Any, target: Any) -> Any:
+        if failing[0]:
+            failing[0] = False
+            raise ValueError("a loss that fails once")
+        return loss_fn("mlp")(output, target)
+
+    inputs, targets = batch_of(0, 0, 2)
+    pipe = Pipeline(
+        build_blocks("mlp"),
+        loss,
+        schedule="zb-h1",
+        n_microbatches=N_MB,
+        two_bp=True,
+        device="cpu",
+        timeout=60.0,
+        data_parallel=2,
+        shard_parameters=True,
+    )
+    part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+    try:
+        pipe.step(inputs[part], targets[part])
+        error = ""
+    except Exception as exc:
+        error = type(exc).__name__
+    again = pipe.step(inputs[part], targets[part])
+    held = any(p.untyped_storage().nbytes() for p in pipe.state.parameters())
+    pipe.close()
+    fresh = _pipeline("zb-h1")
+    return error, again, fresh.step(inputs[part], targets[part]), held

@@ -24,6 +24,7 @@ from sharded_parameters_workers import (
     auto_schedule,
     batch_of,
     checkpoint_round_trip,
+    failed_step,
     refusals,
     scaled_against_unsharded_parameters,
     train_many,
@@ -166,3 +167,10 @@ def test_checkpoints_load_sharded_unsharded_and_at_other_layouts(tmp_path) -> No
             assert math.isclose(loss, want_loss, rel_tol=0, abs_tol=TOL), (key, loss, want_loss)
             for name, value in want.items():
                 torch.testing.assert_close(state[name], value, rtol=0, atol=TOL, msg=key)
+
+
+def test_a_failed_step_frees_the_weights_and_the_next_step_runs() -> None:
+    results = launch(failed_step, 4, timeout=300)
+    assert sorted(r[0] for r in results) == ["PeerStepFailedError"] * 3 + ["ValueError"]
+    for error, again, fresh, held in results:
+        assert again == fresh and not held, (error, again, fresh, held)
