@@ -84,6 +84,7 @@ PER_STAGE_FIELDS = (
     "weight_rebuild_bytes",
     "optimizer_bytes",
     "gather",
+    "gathered_bytes",
 )
 """The fields of :class:`CostModel` that hold one value per stage."""
 
@@ -160,6 +161,13 @@ class CostModel:
             the ``k``-th part of the stage's gather has arrived (the runtime
             waits for the buckets of each block before the block runs). ``1``:
             the whole stage is gathered first. Not saved in cost files.
+        gathered_bytes: bytes of a stage's whole weights that a rank holds gathered
+            while it needs them (``shard_parameters=True``: from the start of the
+            stage's first ``F`` to the end of its last ``I`` or ``B``, or of its last
+            ``W`` with ``free_before_w=False``); ``None``: zeros, nothing gathered.
+            Not saved in cost files.
+        free_before_w: free a stage's gathered weights after its last ``I`` (True, as
+            the runtime does: ``W`` needs no weights) or only after its last ``W``.
         forward_full: time of ``F`` of one micro-batch on a stage whose
             backward is fused (``B``), which runs it without the 2BP engine;
             ``forward`` is that of a split stage (``I`` and ``W``). ``None``:
@@ -195,6 +203,8 @@ class CostModel:
     shard_optimizer: bool = False
     gather_pieces: int = 1
     forward_full: PerStage | None = None
+    gathered_bytes: PerStage | None = None
+    free_before_w: bool = True
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -222,6 +232,7 @@ class CostModel:
             ("weight_rebuild_bytes", zeros),
             ("optimizer_bytes", zeros),
             ("gather", zeros),
+            ("gathered_bytes", zeros),
         ):
             value = getattr(self, name)
             set_(self, name, _per_stage(name, default if value is None else value, n))

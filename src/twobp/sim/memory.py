@@ -8,9 +8,10 @@ needs, given back when the ``W`` that covers the micro-batch ends; a ``W``
 that rebuilds its stash holds it while it runs; parameters are held
 throughout. A kind declared in the table holds what its entry says. The
 model reads only spans, so it applies to simulated and measured timelines
-alike. :func:`microbatch_limit` turns a memory limit into the number of
-micro-batches a rank may hold, the unit the 2BP ``fill`` policy bounds. This
-module imports no torch.
+alike. With sharded parameters a stage's whole weights are held gathered from its
+first ``F`` to its last ``I`` (``CostModel.gathered_bytes``). :func:`microbatch_limit`
+turns a memory limit into the number of micro-batches a rank may hold, the unit
+the 2BP ``fill`` policy bounds. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
-from twobp.schedule.action import Action
+from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import (
     ACTIVATIONS,
     MemoryChange,
@@ -76,6 +77,8 @@ def memory_timeline(
         for moment, time in ((Moment.START, span.start), (Moment.END, span.end)):
             if at[moment]:
                 changes[span.rank].append((time, at[moment]))
+    for rank, time, delta in gathered_changes(spans, costs):
+        changes[rank].append((time, delta))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}
     for rank in range(n_ranks):
@@ -89,6 +92,30 @@ def memory_timeline(
             held += delta
             points.append((time, held))
         out[rank] = points
+    return out
+
+
+def gathered_changes(spans: Sequence[Span], costs: CostModel) -> list[tuple[int, float, float]]:
+    """``(rank, time, bytes)`` of each stage's gathered weights (``costs.gathered_bytes``):
+    taken when its first ``F`` starts, given back when its last action that needs them
+    ends (``I`` or ``B``; ``W`` too with ``costs.free_before_w`` False; recomputation's
+    actions, which run ``F`` again, too)."""
+    gathered = costs.gathered_bytes or ()
+    first: dict[int, tuple[float, int]] = {}
+    last: dict[int, float] = {}
+    for span in spans:
+        a = span.action
+        if not a.kind.is_compute or a.stage >= len(gathered) or not gathered[a.stage]:
+            continue
+        if a.kind is Kind.FORWARD and (a.stage not in first or span.start < first[a.stage][0]):
+            first[a.stage] = (span.start, span.rank)
+        weightless = a.kind is Kind.BACKWARD_WEIGHT and costs.free_before_w
+        if not (weightless or kind_spec(a.kind).background):
+            last[a.stage] = max(last.get(a.stage, span.end), span.end)
+    out = []
+    for stage, (start, rank) in first.items():
+        out.append((rank, start, gathered[stage]))
+        out.append((rank, last[stage], -gathered[stage]))
     return out
 
 
