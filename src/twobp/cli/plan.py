@@ -339,6 +339,8 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
 
     check_at_least(gpus=(config.gpus, 1), seq_len=(config.seq_len, 1))
     check_at_least(global_batch=(config.global_batch, 1))
+    # `twobp train` builds a preset as it is (not a config.json, not changed sizes).
+    preset = config.model is not None and all(getattr(config, k) is None for k in SHAPE_FIELDS)
     try:
         shape = analytic_shape(config)
         device = load_hardware(config.gpu)
@@ -382,12 +384,7 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
             f"bubble {c.bubble_ratio:.1%}"
         )
         print(f"   memory per rank: {breakdown} (of {format_amount(device.memory)})")
-        if (
-            config.model is not None
-            and config.hf_config is None
-            and shape.name.startswith(config.model)
-            and "(changed)" not in shape.name
-        ):
+        if preset:
             print(f"   twobp train --model {config.model} --size {config.size} {layout.options()}")
         print(f"   {layout.pipeline_options()}")
     return 0
