@@ -80,6 +80,8 @@ class WeightGradStore:
         self._held: dict[int, int] = {}
         # Micro-batches whose I kept no stash: their W rebuilds it first.
         self._dropped: set[int] = set()
+        # Micro-batches whose W runs in parts now (backward_weight_in_parts).
+        self._in_parts: set[int] = set()
         # True during B: deferred ops add their weight gradients at once.
         self._weights_now = False
         # The order in which micro-batches finished their I in this step.
@@ -346,20 +348,7 @@ class WeightGradStore:
         group = self._phases.check_weight(mbs)
         if group_size is not None and group_size < 1:
             raise ValueError(f"weight_group_size must be None or >= 1, got {group_size}")
-        ops = self._ops()
-        for mb in group:
-            if mb in self._dropped and rebuild is None:
-                raise TwoStageBackwardError(
-                    f"{self._where()}backward_weight W{mb}: the backward_input of micro-batch "
-                    f"{mb} ran with keep_stash=False; pass rebuild= to re-run its forward"
-                )
-            for op_index, entries in self._stash.get(mb, {}).items():
-                if any(e.changed() for e in entries):
-                    raise TwoStageBackwardError(
-                        f"{self._where()}a tensor that {ops[op_index].name} "
-                        f"stashed for the W of micro-batch {mb} was modified in place after "
-                        f"its backward_input; keep inputs and output gradients unchanged until W"
-                    )
+        self._check_stashes(group, rebuild is not None)
         if rebuild is not None and group_size is None:
             self._rebuild_and_weigh(group, rebuild)
             return
@@ -371,6 +360,29 @@ class WeightGradStore:
                     if mb in self._dropped:
                         self._rebuild_stash(mb, rebuild)
             self._weight_pass(chunk)
+
+    def _check_stashes(self, group: Sequence[int], rebuild: bool) -> None:
+        """Refuse a W of ``group`` that cannot run now: a micro-batch whose W runs in
+        parts, whose stash was dropped (without ``rebuild``) or changed in place."""
+        ops = self._ops()
+        for mb in group:
+            if mb in self._in_parts:
+                raise TwoStageBackwardError(
+                    f"{self._where()}backward_weight W{mb}: the W of micro-batch {mb} is "
+                    "running in parts (backward_weight_in_parts); finish that first"
+                )
+            if mb in self._dropped and not rebuild:
+                raise TwoStageBackwardError(
+                    f"{self._where()}backward_weight W{mb}: the backward_input of micro-batch "
+                    f"{mb} ran with keep_stash=False; pass rebuild= to re-run its forward"
+                )
+            for op_index, entries in self._stash.get(mb, {}).items():
+                if any(e.changed() for e in entries):
+                    raise TwoStageBackwardError(
+                        f"{self._where()}a tensor that {ops[op_index].name} "
+                        f"stashed for the W of micro-batch {mb} was modified in place after "
+                        f"its backward_input; keep inputs and output gradients unchanged until W"
+                    )
 
     def _rebuild_and_weigh(self, group: Sequence[int], rebuild: Rebuild) -> None:
         """W of ``group`` without a cap: rebuild stashes until they reach
@@ -397,20 +409,69 @@ class WeightGradStore:
 
     def _weight_pass(self, chunk: Sequence[int]) -> None:
         """W of ``chunk``, whose stashes are all there: one concatenated pass per op."""
-        with torch.no_grad():
-            # Newest stash first: the last I left part of it in cache.
-            newest_first = sorted(chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True)
-            stashes = [self._stash.pop(mb, {}) for mb in newest_first]
-            for mb in chunk:
-                self._held.pop(mb, None)
-            shared = SharedRows()
-            for op in self._ops():
-                tensors = [e.tensors for s in stashes for e in s.pop(op.index, ())]
-                if tensors:
-                    shared.next_layer()
-                    op.accumulate_weight_grads(tensors, shared)
-            for mb in chunk:
-                self._phases.finish_weight(mb)
+        for _ in self._weight_layers(chunk):
+            pass
+
+    def backward_weight_in_parts(
+        self, mbs: Iterable[int], weight_group_size: int | None = None
+    ) -> Iterator[None]:
+        """W of ``mbs`` as :meth:`backward_weight` computes it, one op at a time.
+
+        Each ``next()`` runs the concatenated weight gradient of one deferred
+        op (one layer's linear, say) and pauses before the next, so that a
+        caller can stop between two of them and go on later; the iterator ends
+        right after the last op, the whole W done. The micro-batches are
+        checked at once, as by :meth:`backward_weight`, and refused to any other
+        W until this one is done. Micro-batches whose stash was dropped are
+        refused: run their W with ``rebuild=`` instead.
+
+        Raises:
+            ValueError, TwoStageBackwardError: as :meth:`backward_weight`, at the call.
+        """
+        group = self._phases.check_weight(mbs)
+        if weight_group_size is not None and weight_group_size < 1:
+            raise ValueError(f"weight_group_size must be None or >= 1, got {weight_group_size}")
+        self._check_stashes(group, rebuild=False)
+        self._in_parts.update(group)
+        size = len(group) if weight_group_size is None else weight_group_size
+        chunks = [group[start : start + size] for start in range(0, len(group), size)]
+        return self._parts(chunks)
+
+    def _parts(self, chunks: Sequence[Sequence[int]]) -> Iterator[None]:
+        try:
+            for index, chunk in enumerate(chunks):
+                if index:
+                    yield
+                yield from self._weight_layers(chunk)
+        finally:
+            self._in_parts.difference_update(mb for c in chunks for mb in c)
+
+    def _weight_layers(self, chunk: Sequence[int]) -> Iterator[None]:
+        """W of ``chunk`` (stashes all there), pausing between two ops' concatenated passes.
+
+        The iterator ends right after the last op. Each op's stash is taken from
+        the micro-batches' stashes as it runs, so what is left stays counted by
+        :meth:`stashed_bytes` until the chunk is done."""
+        # Newest stash first: the last I left part of it in cache.
+        newest_first = sorted(chunk, key=lambda m: self._input_rank.get(m, -1), reverse=True)
+        shared = SharedRows()
+        first = True
+        for op in self._ops():
+            if not any(op.index in self._stash.get(mb, {}) for mb in newest_first):
+                continue
+            if not first:
+                yield
+            first = False
+            tensors = [
+                e.tensors for mb in newest_first for e in self._stash.get(mb, {}).pop(op.index, ())
+            ]
+            with torch.no_grad():
+                shared.next_layer()
+                op.accumulate_weight_grads(tensors, shared)
+        for mb in chunk:
+            self._stash.pop(mb, None)
+            self._held.pop(mb, None)
+            self._phases.finish_weight(mb)
 
     def _rebuild_stash(self, mb: int, rebuild: Rebuild) -> None:
         """Re-run the forward and input pass of ``mb`` to fill its stash, adding no gradient.
@@ -482,6 +543,7 @@ class WeightGradStore:
         self._stash.clear()
         self._held.clear()
         self._dropped.clear()
+        self._in_parts.clear()
         self._input_rank.clear()
         self._phases.end_step()
 

@@ -111,7 +111,8 @@ class PipelineOptions:
     two_bp_policy: str = field(
         default="paper",
         metadata=_help(
-            "where W goes: 'paper', 'eager' or 'fill' (see apply_two_bp)", cli="--policy"
+            "where W goes: 'paper', 'eager', 'fill' or 'dynamic' (into the waits that happen "
+            "at run time; see apply_two_bp)", cli="--policy"
         ),
     )
     stages_per_rank: int | None = field(

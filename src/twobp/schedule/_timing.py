@@ -148,6 +148,7 @@ def place_weights(
     cooldown_only: bool,
     memory_limit: int | None,
     microbatches_per_w: int | None = None,
+    forced_only: bool = False,
 ) -> dict[int, list[Action]]:
     """Insert the ``W`` of every ``I`` where its rank would otherwise wait.
 
@@ -168,6 +169,8 @@ def place_weights(
         cooldown_only: place a ``W`` only once its rank has no ``F`` left.
         memory_limit: the most micro-batches a rank may hold, or ``None``.
         microbatches_per_w: the most micro-batches one ``W`` covers, or ``None``.
+        forced_only: place a ``W`` only where ``memory_limit`` forces it, none in
+            waits (the ``dynamic`` policy, whose runtime fills the waits it meets).
 
     Returns:
         The new action list of every rank.
@@ -175,7 +178,9 @@ def place_weights(
     Raises:
         DeadlockError: if the schedule cannot finish.
     """
-    slots = _WeightSlots(schedule, timing.duration, cooldown_only, memory_limit, microbatches_per_w)
+    slots = _WeightSlots(
+        schedule, timing.duration, cooldown_only, memory_limit, microbatches_per_w, forced_only
+    )
     walked = walk(schedule, timing.duration, transfer=timing.transfer, fill=slots.offer)
     out: dict[int, list[Action]] = {}
     for rank, runs in walked.runs.items():
@@ -209,8 +214,10 @@ class _WeightSlots:
         cooldown_only: bool,
         memory_limit: int | None,
         microbatches_per_w: int | None,
+        forced_only: bool = False,
     ) -> None:
         self._duration = duration
+        self._forced_only = forced_only
         self._cooldown_only = cooldown_only
         self._memory_limit = memory_limit
         self._microbatches_per_w = microbatches_per_w
@@ -234,6 +241,8 @@ class _WeightSlots:
             and following.held_change() > 0
             and self._held[rank] >= self._memory_limit
         )
+        if self._forced_only:
+            return stored[0] if forced else None
         group = self._group_in(stored, walker.earliest_start(rank) - walker.free_at(rank))
         return stored[0] if group is None and forced else group
 

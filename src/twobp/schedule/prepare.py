@@ -42,7 +42,7 @@ from twobp.schedule.lowering import (
 )
 from twobp.schedule.registry import SCHEDULES, generate
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.two_bp import TWO_BP_POLICIES, apply_two_bp
+from twobp.schedule.two_bp import DYNAMIC, TWO_BP_POLICIES, apply_two_bp
 from twobp.schedule.validate import validate
 
 DEFAULT_MICROBATCHES = 8
@@ -209,7 +209,8 @@ def finish_schedule(
     Args:
         schedule: a compute-only schedule (:func:`source_schedule`).
         two_bp: split fused backwards (True) or merge split ones (False).
-            A natively split schedule (``zb-*``) keeps its own ``I``/``W``.
+            A natively split schedule (``zb-*``) keeps its own ``I``/``W``
+            (under ``dynamic`` as where each ``W`` runs if no wait ran it before).
             One bool per stage of the model (:func:`split_per_stage`): the
             schedule is split as with True, ``W`` placed, and then the stages
             given False are merged back into ``B`` (every replica of each).
@@ -244,6 +245,9 @@ def finish_schedule(
         finished = apply_two_bp(
             finished, policy, costs=costs, memory_limit=held, microbatches_per_w=microbatches_per_w
         )
+    elif two_bp and policy == DYNAMIC:
+        # Its own W placement stays, as the places W runs at if no wait ran it before.
+        finished = finished.with_actions(finished.actions, f"{finished.name}+2bp:{DYNAMIC}")
     elif not two_bp and is_split(finished):
         try:
             finished = merge_backward(finished)

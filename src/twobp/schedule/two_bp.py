@@ -23,6 +23,13 @@ policy:
     cool-down, and with ``memory_limit`` a stored ``W`` also runs before a
     forward that would otherwise hold more than ``memory_limit`` micro-batches
     (forwards whose ``W`` has not run) on its rank.
+``dynamic``
+    no ``W`` in the listed waits: each rank's runtime runs its stored ``W``
+    (one layer's weight gradients at a time) while it waits on a receive
+    whose data has not arrived, wherever the waits fall in the step that
+    runs (see :mod:`twobp.runtime.execution.dynamic_weights`). The list keeps a
+    ``W`` only where ``memory_limit`` forces one, and the rest at the end as
+    in ``paper``; there each ``W`` runs what the waits left of it.
 
 1F1B with ``p = 4``, ``m = 4``, unit times, ``paper`` policy (``Fk``, ``Ik``,
 ``Wk``: forward, backward-p1, backward-p2 of micro-batch ``k``; ``W*`` the
@@ -72,9 +79,20 @@ TWO_BP_POLICIES: Mapping[str, str] = MappingProxyType(
         "concatenated W per stage",
         "fill": "each W in the earliest idle slot the cost model predicts, within "
         "memory_limit; the rest concatenated at the end",
+        "dynamic": "each W in the waits that happen as the step runs (at run time, one layer "
+        "at a time), within memory_limit; the rest concatenated at the end",
     }
 )
 """The placement policies of :func:`apply_two_bp`, with one line each."""
+
+DYNAMIC = "dynamic"
+"""The policy whose ``W`` the runtime places in the waits it meets."""
+
+
+def places_weights_at_run_time(schedule: Schedule) -> bool:
+    """Whether ``schedule`` was split by the ``dynamic`` policy: its runtime runs stored
+    ``W`` in the waits it meets, ahead of where the list puts them."""
+    return f"+2bp:{DYNAMIC}" in schedule.name
 
 
 def apply_two_bp(
@@ -96,8 +114,8 @@ def apply_two_bp(
             whose ``transfer_time`` and ``send_overhead`` count too, as the
             simulator counts them), a mapping ``{"F": t, "I": t, "W": t}``
             (times, or lists per stage), or ``None`` for unit times. ``eager`` ignores it.
-        memory_limit: for ``fill`` only, the most micro-batches a rank may hold
-            between their ``F`` and their ``W``.
+        memory_limit: for ``fill`` and ``dynamic``, the most micro-batches a rank
+            may hold between their ``F`` and their ``W``.
         microbatches_per_w: for ``paper`` and ``fill``, the most micro-batches one
             ``W`` covers (None: no cap). Where the cost model makes a ``W``
             over several micro-batches cheaper than single ones (a
@@ -122,8 +140,10 @@ def apply_two_bp(
             f"unknown 2BP policy {policy!r}; valid policies: {', '.join(TWO_BP_POLICIES)} "
             "(or None to keep the schedule as it is)"
         )
-    if memory_limit is not None and policy != "fill":
-        raise ValueError(f"memory_limit applies to policy 'fill' only, not {policy!r}")
+    if memory_limit is not None and policy not in ("fill", DYNAMIC):
+        raise ValueError(
+            f"memory_limit applies to policies 'fill' and 'dynamic' only, not {policy!r}"
+        )
     cap = microbatches_per_w
     if cap is not None and cap < 1:
         raise ValueError(f"microbatches_per_w must be at least 1 micro-batch (or None), got {cap}")
@@ -146,6 +166,7 @@ def apply_two_bp(
             cooldown_only=policy == "paper",
             memory_limit=memory_limit,
             microbatches_per_w=microbatches_per_w,
+            forced_only=policy == DYNAMIC,
         )
     group = "" if microbatches_per_w is None or policy == "eager" else f":w{microbatches_per_w}"
     split = schedule.with_actions(actions, f"{schedule.name}+2bp:{policy}{group}")

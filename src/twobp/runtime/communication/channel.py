@@ -255,6 +255,17 @@ class StepChannel:
         self._advance(peer, block=False, until=None)
         return tuple(posted.buffers), posted.is_tuple
 
+    def arrived(self, transfer: Transfer) -> bool:
+        """Whether :meth:`recv` of ``transfer`` would return without waiting: its data is
+        here (or its sender failed, which ``recv`` then says). Never blocks."""
+        key = transfer.key
+        if key not in self._posted and key not in self._sent_nothing:
+            self._advance(self._peers[transfer.src], block=False, until=None)
+        if key in self._sent_nothing:
+            return True
+        posted = self._posted.get(key)
+        return posted is not None and all(w.is_completed() for w in posted.works)
+
     def finish(self) -> None:
         """Complete every send of the step.
 

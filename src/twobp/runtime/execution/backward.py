@@ -62,6 +62,12 @@ class StageGradients(Protocol):
         """W: accumulate the weight gradients of ``mbs`` into ``.grad``."""
         ...
 
+    def backward_weight_in_parts(
+        self, mbs: Sequence[int], weight_group_size: int | None = None
+    ) -> Iterator[None]:
+        """W of ``mbs`` one part (a layer's weight gradients) per ``next()``."""
+        ...
+
     def stashed_tensors(self, mb: int) -> list[Tensor]:
         """The tensors kept for the W of ``mb`` now."""
         ...
@@ -149,6 +155,13 @@ class AutogradGradients:
             outputs, grad_outputs = self._pending.pop(mb)
             if self._params and outputs:
                 torch.autograd.backward(list(outputs), list(grad_outputs), inputs=self._params)
+
+    def backward_weight_in_parts(
+        self, mbs: Sequence[int], weight_group_size: int | None = None
+    ) -> Iterator[None]:
+        # One part: a restricted backward cannot stop between layers.
+        self.backward_weight(mbs, weight_group_size)
+        yield
 
     def stashed_bytes(self) -> dict[int, int]:
         # The retained graphs are not counted: this fallback has no stash of its own.

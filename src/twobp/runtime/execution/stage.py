@@ -18,7 +18,7 @@ their ``IR`` keeps what ``"derivatives"`` keeps, their ``WR`` rebuilds it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -366,6 +366,19 @@ class Stage:
         self.gradients.backward_weight(
             mbs, weight_group_size=weight_group_size, rebuild=self._rebuild if again else None
         )
+        for mb in mbs:
+            self._pending.pop(mb, None)
+            self.memory.release(STASH, (self.index, mb))
+
+    def weight_in_parts(self, mbs: Sequence[int], weight_group_size: int | None) -> Iterator[None]:
+        """W of ``mbs`` as :meth:`weight` runs it, one layer's weight gradients per ``next()``
+        (see :meth:`twobp.engine.WeightGradStore.backward_weight_in_parts`); their stashes
+        are released once it is exhausted. Not for a stage whose W rebuilds stashes."""
+        parts = self.gradients.backward_weight_in_parts(mbs, weight_group_size)
+        return self._released(parts, mbs)
+
+    def _released(self, parts: Iterator[None], mbs: Sequence[int]) -> Iterator[None]:
+        yield from parts
         for mb in mbs:
             self._pending.pop(mb, None)
             self.memory.release(STASH, (self.index, mb))

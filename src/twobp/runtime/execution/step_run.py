@@ -25,6 +25,7 @@ from torch import Tensor
 from twobp.runtime.communication.channel import StepChannel
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.execution.clock import StepClock
+from twobp.runtime.execution.dynamic_weights import EarlyReductions, WaitFiller
 from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.residency import Residency, StepResidency
 from twobp.runtime.execution.stage import Stage
@@ -58,6 +59,12 @@ class StepTimes:
         layout_messages: layout messages sent and read (see
             :mod:`twobp.runtime.communication.layout_cache`): none in a step
             whose input shapes the pipeline has seen before.
+        weights_in_waits: parts of ``W`` (one layer's weight gradients each) run
+            while a receive's data had not arrived (the ``dynamic`` 2BP policy).
+        weight_seconds_in_waits: the compute time of those parts, summed.
+        waited_with_weights_queued: time in receives from other ranks while this
+            rank held ``W`` whose ``I`` had run (any policy): the wait ``W``
+            could have filled.
     """
 
     compute: float = 0.0
@@ -68,6 +75,9 @@ class StepTimes:
     sends: int = 0
     receives: int = 0
     layout_messages: int = 0
+    weights_in_waits: int = 0
+    weight_seconds_in_waits: float = 0.0
+    waited_with_weights_queued: float = 0.0
 
 
 @dataclass
@@ -116,6 +126,8 @@ class StepRun:
             the step that reads them (``shard_parameters=True``, see
             :mod:`twobp.runtime.execution.residency`).
         weights: the weight of each micro-batch's loss (None: ``1 / n_microbatches``).
+        dynamic_weights: run stored ``W`` in the waits for receives (the ``dynamic``
+            2BP policy, :mod:`twobp.runtime.execution.dynamic_weights`).
     """
 
     def __init__(
@@ -134,6 +146,7 @@ class StepRun:
         wait_parameters: Callable[[int], None] | None = None,
         residency: Residency | None = None,
         weights: Sequence[float] | None = None,
+        dynamic_weights: bool = False,
     ) -> None:
         self._rank = rank
         self._graph = graph
@@ -152,6 +165,15 @@ class StepRun:
         self._residency = residency
         self._weights = weights
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
+        self._filler: WaitFiller | None = None
+        if dynamic_weights:
+            eligible = frozenset(
+                s for s, stage in stages.items() if not recomputes_derivatives(stage.recompute)
+            )
+            self._filler = WaitFiller(stages, weight_group_size, eligible)
+        self._early: EarlyReductions | None = None
+        self._position = 0
+        self._queued = 0
         self.result = StepResult()
         self.current: Action | None = None
         """The compute action being run (or served by the transfer being run)."""
@@ -188,14 +210,21 @@ class StepRun:
         if self._residency is not None:
             rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
             residency = StepResidency(self._residency, actions, rebuilds)
+        if self._filler is not None and self._reducer is not None:
+            self._early = EarlyReductions(actions)
         for index, (action, served) in enumerate(
             zip(actions, compute_served(actions), strict=True)
         ):
             self.current = served
+            self._position = index
             if self._channel is not None:
                 self._channel.action = served
+            receiving = None
+            if action.kind.role is Role.RECEIVE:
+                self._fill_wait(action)
+                receiving = self._clock.mark()
+            queued = self._queued > 0
             started = time.perf_counter()
-            receiving = self._clock.mark() if action.kind.role is Role.RECEIVE else None
             try:
                 handler = handlers.get(action.kind)
                 if handler is None:
@@ -213,6 +242,8 @@ class StepRun:
                     )
                 raise
             self._count(action, time.perf_counter() - started)
+            if queued and receiving is not None:
+                self.result.times.waited_with_weights_queued += time.perf_counter() - started
             if residency is not None:
                 residency.after(index, action, self._stages[action.stage].memory.held)
             if receiving is not None:
@@ -290,20 +321,64 @@ class StepRun:
             # First: another stage may be waiting for it.
             self._give(action, grads, False)
         if split:
+            self._queued += len(action.microbatches)
+            if self._filler is not None:
+                self._filler.stored(action)
             # The stash for W only grows at I: its peak follows one.
             held = sum(sum(s.gradients.stashed_bytes().values()) for s in self._stages.values())
             self.result.peak_stashed_bytes = max(self.result.peak_stashed_bytes, held)
 
     def _weight(self, action: Action) -> None:
+        mbs = action.microbatches
+        if self._filler is not None:
+            start = self._clock.mark()
+            mbs, finished = self._filler.take(action)
+            if finished is not None:
+                # The rest of a W that waits part-ran.
+                self._queued -= len(finished.microbatches)
+                self._record(finished, start)
+                self._start_early_reductions()
+        if not mbs:
+            return
+        self._queued -= len(mbs)
         start = self._clock.mark()
         rebuild = action.kind is Kind.BACKWARD_WEIGHT_REBUILD
-        self._stages[action.stage].weight(
-            action.microbatches, self._weight_group_size, rebuild=rebuild
-        )
-        self._record(action, start)
+        self._stages[action.stage].weight(mbs, self._weight_group_size, rebuild=rebuild)
+        ran = action if mbs == action.microbatches else Action.make(action.stage, action.kind, mbs)
+        self._record(ran, start)
+
+    def _fill_wait(self, action: Action) -> None:
+        """Before the receive ``action`` blocks: run stored ``W`` a part at a time until
+        its data has arrived or no ``W`` is left (the ``dynamic`` policy)."""
+        filler, channel = self._filler, self._channel
+        if filler is None or channel is None:
+            return
+        transfer = transfer_of(action, self._graph)
+        times = self.result.times
+        while filler.has_work and not channel.arrived(transfer):
+            start, host = self._clock.mark(), time.perf_counter()
+            weight, finished = filler.run_part()
+            self._record(weight, start)
+            times.weights_in_waits += 1
+            times.weight_seconds_in_waits += time.perf_counter() - host
+            if finished:
+                self._queued -= len(weight.microbatches)
+                self._start_early_reductions()
+
+    def _start_early_reductions(self) -> None:
+        """Start the ``R`` whose stages' ``W`` the waits have all run (in list order)."""
+        if self._early is None or self._filler is None:
+            return
+        for stage in self._early.ready(self._position, self._filler.done):
+            if self._defer_reductions:
+                self._deferred.append(stage)
+            elif self._reducer is not None:
+                self._reducer.start(stage)
 
     def _reduce(self, action: Action) -> None:
         # Started here, in the background; the step waits for it at its end.
+        if self._early is not None and self._position in self._early.started:
+            return  # started once the waits ran its W
         start = self._clock.mark()
         if self._reducer is not None and self._defer_reductions:
             self._deferred.append(action.stage)

@@ -32,6 +32,7 @@ from twobp.runtime.execution.step_run import (
 from twobp.runtime.execution.step_start import StepBatches
 from twobp.schedule.action import Kind
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.two_bp import places_weights_at_run_time
 from twobp.schedule.transfers import CommPlan
 from twobp.timeline import Span
 
@@ -149,6 +150,7 @@ class StepRunner:
             wait_parameters=self.wait_parameters,
             residency=self.residency,
             weights=batches.weights,
+            dynamic_weights=places_weights_at_run_time(schedule),
         )
         try:
             if self.residency is not None:

@@ -1,0 +1,163 @@
+"""Functions the dynamic-W tests run on every rank of a launched group.
+
+Each case trains a pipeline for a few AdamW steps with ``two_bp_policy="dynamic"``
+(or a static policy, to compare with) and returns its losses, first-step
+gradients, final state and what ``Pipeline.step_times`` counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from runtime_workers import needed_batches
+from twobp.runtime import Pipeline
+from twobp.runtime.execution import dynamic_weights
+
+
+@dataclass(frozen=True)
+class DynamicCase:
+    """One pipeline configuration."""
+
+    model: str
+    schedule: str
+    policy: str = "dynamic"
+    data_parallel: int = 1
+    recompute: str | None = None
+    rows: tuple[int, ...] = ()
+    """Batch rows of each step (changing shapes); empty: every step the launch's batch."""
+    n_microbatches: int | None = None
+
+    def __str__(self) -> str:
+        extra = f" dp={self.data_parallel}" if self.data_parallel > 1 else ""
+        extra += f" recompute={self.recompute}" if self.recompute else ""
+        extra += f" rows={'-'.join(map(str, self.rows))}" if self.rows else ""
+        extra += f" m={self.n_microbatches}" if self.n_microbatches else ""
+        return f"{self.model} {self.schedule} {self.policy}{extra}"
+
+
+def rows_of(case: DynamicCase, batch_size: int) -> list[int]:
+    """The batch rows of each of the :data:`N_STEPS` steps."""
+    return list(case.rows) if case.rows else [batch_size] * N_STEPS
+
+
+def train(case: DynamicCase, n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
+    """:data:`N_STEPS` AdamW steps of ``case``: losses, first-step gradients, final state
+    and the step times' counts summed over the steps."""
+    pipe = Pipeline(
+        build_blocks(case.model),
+        loss_fn(case.model),
+        schedule=case.schedule,
+        n_microbatches=case.n_microbatches or n_mb,
+        two_bp=True,
+        two_bp_policy=case.policy,
+        data_parallel=case.data_parallel,
+        recompute=case.recompute,
+        timeout=timeout,
+    )
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, grads, counts = [], {}, {}
+    for step, rows in enumerate(rows_of(case, batch_size)):
+        inputs, targets = make_batch(case.model, step, rows)
+        if case.data_parallel > 1:
+            part = rows // case.data_parallel
+            start = pipe.dp_rank * part
+            inputs, targets = _rows(inputs, start, part), _rows(targets, start, part)
+        losses.append(pipe.step(*needed_batches(pipe, inputs, targets)))
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        for name, value in dataclasses.asdict(pipe.step_times).items():
+            counts[name] = counts.get(name, 0) + value
+        optimizer.step()
+        pipe.zero_grad()
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    schedule = pipe.schedule.name
+    pipe.close()
+    return {
+        "losses": losses,
+        "grads": grads,
+        "state": state,
+        "counts": counts,
+        "schedule": schedule,
+    }
+
+
+def _rows(batch: Any, start: int, count: int) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(t[start : start + count] for t in batch)
+    return batch[start : start + count]
+
+
+def session(cases: list[DynamicCase], n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
+    """:func:`train` for every case; keyed by ``str(case)``."""
+    return {str(c): train(c, n_mb, batch_size, timeout) for c in cases}
+
+
+GATE = "a W ran in a wait"
+"""The store key the rank of stage 1 sets once it ran part of a W while waiting."""
+
+
+class _Gate(torch.autograd.Function):
+    """Identity; the backward of the step's second micro-batch first waits for :data:`GATE`."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        _Gate.calls += 1
+        if _Gate.calls == 2:
+            store = dist.distributed_c10d._get_default_store()
+            store.wait([GATE], datetime.timedelta(seconds=60))
+        return grad
+
+
+class Gated(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(_Gate.apply(x))
+
+
+def gated_wait(policy: str, n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
+    """1F1B on 3 ranks whose last stage holds back the input gradient of micro-batch 1
+    until the rank of stage 1 has run part of a W while waiting for it (``dynamic`` does,
+    in the wait for that gradient or the activation before it): the step completes only
+    if W runs in a wait. Returns the rank's first-step gradients and counts."""
+    original = dynamic_weights.WaitFiller.run_part
+
+    def run_part(self: dynamic_weights.WaitFiller) -> Any:
+        done = original(self)
+        dist.distributed_c10d._get_default_store().set(GATE, "1")
+        return done
+
+    dynamic_weights.WaitFiller.run_part = run_part  # type: ignore[method-assign]
+    blocks = build_blocks("mlp")
+    blocks[-1] = Gated(blocks[-1])
+    pipe = Pipeline(
+        blocks,
+        loss_fn("mlp"),
+        schedule="1f1b",
+        partition=[3, 4, 3],
+        n_microbatches=n_mb,
+        two_bp_policy=policy,
+        timeout=timeout,
+    )
+    inputs, targets = make_batch("mlp", 0, batch_size)
+    loss = pipe.step(*needed_batches(pipe, inputs, targets))
+    grads = {n.replace(".inner.", "."): p.grad.clone() for n, p in pipe.named_parameters()}
+    counts = dataclasses.asdict(pipe.step_times)
+    pipe.close()
+    return {"loss": loss, "grads": grads, "counts": counts}
