@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dynamic_weights_workers import DynamicCase, gated_wait, rows_of, session
-from runtime_models import N_STEPS, build_blocks, loss_fn, make_batch, reference_step
+from runtime_models import N_STEPS, build_blocks, make_batch, reference_step
 from twobp.runtime import launch
 from twobp.runtime.execution.dynamic_weights import EarlyReductions
 from twobp.schedule import Action, Kind, apply_two_bp, generate

@@ -112,7 +112,8 @@ class PipelineOptions:
         default="paper",
         metadata=_help(
             "where W goes: 'paper', 'eager', 'fill' or 'dynamic' (into the waits that happen "
-            "at run time; see apply_two_bp)", cli="--policy"
+            "at run time; see apply_two_bp)",
+            cli="--policy",
         ),
     )
     stages_per_rank: int | None = field(

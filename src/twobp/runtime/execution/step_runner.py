@@ -32,8 +32,8 @@ from twobp.runtime.execution.step_run import (
 from twobp.runtime.execution.step_start import StepBatches
 from twobp.schedule.action import Kind
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.two_bp import places_weights_at_run_time
 from twobp.schedule.transfers import CommPlan
+from twobp.schedule.two_bp import places_weights_at_run_time
 from twobp.timeline import Span
 
 
