@@ -138,13 +138,21 @@ def test_fill_memory_limit_bounds_held_microbatches():
         validate(bounded)
         assert max(peak_held(bounded, r) for r in range(3)) <= limit
     assert peak_held(apply_two_bp(one, "paper"), 0) > 3
+    # dynamic lists a W only where the limit forces one (its runtime fills waits).
+    for limit in (3, 4, 5):
+        assert (
+            max(peak_held(apply_two_bp(one, "dynamic", memory_limit=limit), r) for r in range(3))
+            <= limit
+        )
 
 
 def test_policy_errors():
     s = generate("1f1b", 2, 2)
-    with pytest.raises(ValueError, match="valid policies: eager, paper, fill"):
+    with pytest.raises(ValueError, match="valid policies: eager, paper, fill, dynamic"):
         apply_two_bp(s, "late")
-    with pytest.raises(ValueError, match="memory_limit applies to policy 'fill' only"):
+    with pytest.raises(
+        ValueError, match="memory_limit applies to policies 'fill' and 'dynamic' only"
+    ):
         apply_two_bp(s, "paper", memory_limit=4)
     with pytest.raises(ValueError, match="missing"):
         apply_two_bp(s, "fill", costs={"F": 1.0})

@@ -29,7 +29,7 @@ from twobp.schedule import SCHEDULES
 from twobp.sim.analytic.shapes import SHAPE_FIELDS, DecoderShape
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.costs import CostModel
-from twobp.sim.planner import ALL_POLICIES, Candidate, evaluate, recommend
+from twobp.sim.planner import ALL_POLICIES, SEARCHED_POLICIES, Candidate, evaluate, recommend
 from twobp.sim.recompute import NO_RECOMPUTE, RECOMPUTE_AUTO, RECOMPUTE_MODES
 from twobp.sim.search import NothingFitsError, auto_options, choose, describe, search
 
@@ -59,7 +59,9 @@ class PlanConfig:
     # doc() gives list defaults a default_factory, so no list is shared.
     schedules: list[str] = doc("schedules to compare", [*SCHEDULES], choices=tuple(SCHEDULES))  # noqa: RUF009
     policies: list[str] = doc(  # noqa: RUF009
-        "2BP policies to compare (off: as generated)", [*ALL_POLICIES], choices=ALL_POLICIES
+        "2BP policies to compare (off: as generated; dynamic only when named)",
+        [*SEARCHED_POLICIES],
+        choices=ALL_POLICIES,
     )
     data_parallel: int = doc(
         "copies of the pipeline D (D x stages ranks); each stage's gradients are all-reduced "

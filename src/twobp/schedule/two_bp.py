@@ -64,7 +64,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from types import MappingProxyType
 
-from twobp.schedule._timing import Costs, make_timing, place_weights
+from twobp.schedule._timing import Costs, Timing, make_timing, place_weights
 from twobp.schedule.action import Action, Kind
 from twobp.schedule.dependencies import is_lowered
 from twobp.schedule.kinds import ACTIVATIONS
@@ -93,6 +93,46 @@ def places_weights_at_run_time(schedule: Schedule) -> bool:
     """Whether ``schedule`` was split by the ``dynamic`` policy: its runtime runs stored
     ``W`` in the waits it meets, ahead of where the list puts them."""
     return f"+2bp:{DYNAMIC}" in schedule.name
+
+
+def placed_at_run_time(schedule: Schedule, timing: Timing) -> Schedule:
+    """A ``dynamic`` schedule's ``W`` where its runtime runs them when actions take
+    ``timing``'s times: each stored ``W`` in the first wait it fits in (the ``fill``
+    rule, on the times as they happen rather than as predicted), else where the list
+    holds no more micro-batches than it did (its memory bound), else at the end.
+
+    What the simulator walks for a ``dynamic`` schedule. The runtime does not know
+    how long a wait will be: it runs one layer's ``W`` at a time until the data is
+    there, so it may overrun a wait by one layer's ``W`` where this fits none in.
+    Any other schedule, or one with rebuilt stashes (``IR``, ``WR``), is returned as
+    it is.
+    """
+    kinds = {a.kind for acts in schedule.actions.values() for a in acts}
+    if not places_weights_at_run_time(schedule) or is_lowered(schedule) or kinds - _PLACEABLE:
+        return schedule
+    reduced = {a.stage for acts in schedule.actions.values() for a in acts if a.kind is Kind.REDUCE}
+    listed = without_reductions(schedule)
+    base = listed.with_actions(
+        {
+            r: [a for a in acts if a.kind is not Kind.BACKWARD_WEIGHT]
+            for r, acts in listed.actions.items()
+        }
+    )
+    bound = max(_peak_held(acts) for acts in listed.actions.values())
+    limit = bound if bound < max(_peak_held(acts) for acts in base.actions.values()) else None
+    actions = place_weights(base, timing, cooldown_only=False, memory_limit=limit)
+    placed = listed.with_actions(actions)
+    return add_reductions(placed, reduced) if reduced else placed
+
+
+_PLACEABLE = frozenset(
+    {Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD, Kind.REDUCE}
+)
+
+
+def _peak_held(actions: tuple[Action, ...]) -> int:
+    """The most micro-batches a rank's ``actions`` hold between ``F`` and ``W`` (or ``B``)."""
+    return max(accumulate(a.held_change() for a in actions), default=0)
 
 
 def apply_two_bp(

@@ -19,6 +19,7 @@ from functools import lru_cache
 from twobp.schedule import SCHEDULES, TWO_BP_POLICIES, Schedule, is_split
 from twobp.schedule.lowering import split_stages
 from twobp.schedule.prepare import finish_schedule, reduces, source_schedule
+from twobp.schedule.two_bp import DYNAMIC
 from twobp.sim.costs import CostModel
 from twobp.sim.from_profile import CostsFor
 from twobp.sim.memory import fill_limit
@@ -31,6 +32,10 @@ NO_TWO_BP = "off"
 """The policy name of a schedule run as generated, without the 2BP transform."""
 ALL_POLICIES = (NO_TWO_BP, *TWO_BP_POLICIES)
 """``off`` and every 2BP policy."""
+SEARCHED_POLICIES = tuple(p for p in ALL_POLICIES if p != DYNAMIC)
+"""The policies a search compares unless told otherwise: all but ``dynamic``, whose
+gain over ``fill`` is the run-time spread of the costs (a cost model's ``jitter``),
+which a profile does not measure; name it to compare it."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,7 @@ def build_schedule(
         )
     fitted = _fitted(costs, schedule)
     held = None
-    if policy == "fill" and memory_limit is not None:
+    if policy in ("fill", DYNAMIC) and memory_limit is not None:
         held = fill_limit(schedule, fitted, memory_limit)
     # "off" runs the schedule as generated: fused stays fused, a zb-* keeps its own W;
     # a policy places the W of any schedule, a zb-* included.

@@ -168,6 +168,15 @@ class CostModel:
             Not saved in cost files.
         free_before_w: free a stage's gathered weights after its last ``I`` (True, as
             the runtime does: ``W`` needs no weights) or only after its last ``W``.
+        jitter: the spread of each action's time, as a fraction of it (the
+            coefficient of variation measured over repeated steps): the
+            simulator draws every action's time from a normal distribution of
+            this relative spread around its cost (at least a tenth of it), the
+            same draw for the same action whatever the schedule, so policies
+            compare on one draw. A ``dynamic`` schedule places its ``W`` on the
+            drawn times (as its runtime meets them), a static one keeps its
+            placement. ``0``: exact times. Not saved in cost files.
+        jitter_seed: which draw (an int).
         forward_full: time of ``F`` of one micro-batch on a stage whose
             backward is fused (``B``), which runs it without the 2BP engine;
             ``forward`` is that of a split stage (``I`` and ``W``). ``None``:
@@ -205,6 +214,8 @@ class CostModel:
     forward_full: PerStage | None = None
     gathered_bytes: PerStage | None = None
     free_before_w: bool = True
+    jitter: float = 0.0
+    jitter_seed: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -251,6 +262,11 @@ class CostModel:
             raise ValueError(
                 f"cost model: reduce_bandwidth must be None or > 0 bytes/s, got "
                 f"{self.reduce_bandwidth}"
+            )
+        if not (self.jitter >= 0 and math.isfinite(self.jitter)):
+            raise ValueError(
+                f"cost model: jitter must be a finite fraction >= 0, got {self.jitter}; use "
+                "0 for exact times or the measured spread of an action's time (e.g. 0.1)"
             )
         if not (self.contention >= 1 and math.isfinite(self.contention)):
             raise ValueError(

@@ -23,6 +23,7 @@ from twobp.schedule import SCHEDULES
 from twobp.sim.candidate import (
     ALL_POLICIES,
     NO_TWO_BP,
+    SEARCHED_POLICIES,
     Candidate,
     build_schedule,
     describe,
@@ -35,6 +36,7 @@ from twobp.sim.search import NothingFitsError, Option, choose, rank, simulate_op
 __all__ = [
     "ALL_POLICIES",
     "NO_TWO_BP",
+    "SEARCHED_POLICIES",
     "Candidate",
     "build_schedule",
     "evaluate",

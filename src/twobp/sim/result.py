@@ -8,13 +8,16 @@ the figures mean the same thing whichever ran. This module imports no torch.
 
 from __future__ import annotations
 
+import random
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from twobp.schedule._timing import make_timing
-from twobp.schedule.action import Kind
+from twobp.schedule._timing import Timing, make_timing
+from twobp.schedule.action import Action, Kind
 from twobp.schedule.kinds import Role
 from twobp.schedule.schedule import Schedule
+from twobp.schedule.two_bp import placed_at_run_time
 from twobp.schedule.walk import walk
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import peak_memory
@@ -162,9 +165,25 @@ def simulated(
             f"costs.for_schedule({schedule.n_stages}, {schedule.n_pipelines})"
         )
     timing = make_timing(costs, schedule)
+    if costs.jitter:
+        timing = jittered(timing, costs.jitter, costs.jitter_seed)
+    schedule = placed_at_run_time(schedule, timing)
     walked = walk(schedule, timing.duration, transfer=timing.transfer, slowdown=slowdown)
     spans = [Span(r, x.action, x.start, x.end) for r, runs in walked.runs.items() for x in runs]
     return summarise(schedule, costs, reductions_met(schedule, costs, spans))
+
+
+def jittered(timing: Timing, spread: float, seed: int) -> Timing:
+    """``timing`` with each action's time drawn around it: normal, of relative spread
+    ``spread``, at least a tenth of it; one draw per action and ``seed`` (the same
+    action gets the same time in any schedule and any process)."""
+
+    def duration(action: Action) -> float:
+        key = zlib.crc32(f"{seed}:{action}".encode())
+        factor = 1.0 + spread * random.Random(key).gauss(0.0, 1.0)
+        return timing.duration(action) * max(0.1, factor)
+
+    return Timing(duration, timing.transfer)
 
 
 def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> list[Span]:

@@ -29,8 +29,8 @@ from itertools import product
 
 from twobp.schedule import SCHEDULES, Schedule
 from twobp.sim.candidate import (
-    ALL_POLICIES,
     NO_TWO_BP,
+    SEARCHED_POLICIES,
     Candidate,
     describe,
     simulate_candidate,
@@ -121,7 +121,7 @@ def options(
     n_microbatches: int,
     *,
     schedules: Sequence[str] | None = None,
-    policies: Sequence[str] = ALL_POLICIES,
+    policies: Sequence[str] = SEARCHED_POLICIES,
     max_stages_per_rank: int = MAX_STAGES_PER_RANK,
     recomputes: Sequence[str] = (NO_RECOMPUTE,),
     weight_group_sizes: Sequence[int | None] = (None,),
@@ -220,7 +220,7 @@ def auto_options(
         and (two_bp or not info.natively_split)
         and info.pipelines == 1
     ]
-    tried = policies or (ALL_POLICIES if two_bp else (NO_TWO_BP,))
+    tried = policies or (SEARCHED_POLICIES if two_bp else (NO_TWO_BP,))
     return [
         o
         for o in options(n_microbatches, schedules=names, policies=tried, recomputes=(recompute,))
