@@ -69,8 +69,8 @@ def test_bubble_is_a_median_and_held_out_loss_and_step_times_are_reported(auto_r
     assert set(times) == {"0", "1", "2", "3"}
     assert all(t["compute"] > 0 and t["receives"] > 0 for t in times.values())
     assert (
-        "| rank | compute | dispatch | sending | receiving | sends | receives |"
-        in (out / "report.md").read_text()
+        "| rank | compute | dispatch | sending | receiving | sends | receives | W parts in "
+        "waits | waited with W queued |" in (out / "report.md").read_text()
     )
 
 

@@ -345,15 +345,19 @@ def _step_time_lines(times: dict[int, dict[str, float]]) -> list[str]:
     lines = [
         "",
         "Where a step went (ms per step, the mean over the steps; `Pipeline.step_times`: "
-        "receiving includes waiting on peers):",
+        "receiving includes waiting on peers; W parts in waits: layers' W run while a "
+        "receive's data had not arrived (policy dynamic); waited with W queued: receiving "
+        "while W whose I had run were held):",
         "",
-        "| rank | " + " | ".join(STEP_TIMES) + " | sends | receives |",
-        "|---:|" + "---:|" * (len(STEP_TIMES) + 2),
+        "| rank | " + " | ".join(STEP_TIMES) + " | sends | receives | W parts in waits "
+        "| waited with W queued |",
+        "|---:|" + "---:|" * (len(STEP_TIMES) + 4),
     ]
     for rank, figures in times.items():
         cells = [f"{figures.get(name, 0.0) * 1e3:.2f}" for name in STEP_TIMES]
-        counts = [f"{figures.get(n, 0.0):.0f}" for n in ("sends", "receives")]
-        lines.append(f"| {rank} | {' | '.join(cells + counts)} |")
+        counts = [f"{figures.get(n, 0.0):.0f}" for n in ("sends", "receives", "weights_in_waits")]
+        queued = f"{figures.get('waited_with_weights_queued', 0.0) * 1e3:.2f}"
+        lines.append(f"| {rank} | {' | '.join(cells + counts)} | {queued} |")
     return lines
 
 
