@@ -40,7 +40,8 @@ hanging (see docs/reliability.md).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,34 @@ class _Posted:
     layout: tuple[TensorMeta, ...]
     is_tuple: bool
     src: int
+    watch: _Watch | None = None
+
+
+class _Watch:
+    """Waits for a receive's operations on a thread of its own, so that another thread
+    can ask whether they completed without waiting (gloo's receives complete only
+    in a wait: ``is_completed`` stays False until one)."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._wait = wait
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._wait()
+        except BaseException as exc:  # handed to the thread that takes the receive
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def result(self) -> None:
+        """Wait until the operations completed (each waited with the channel's timeout);
+        raise what the wait raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass
@@ -153,6 +182,9 @@ class StepChannel:
             as many rows share a layout.
         order_only: send every operation with tag 0 (matching by order only, as
             NCCL does).
+        watch_receives: wait for each receive on a thread of its own as soon as it is
+            posted, so that :meth:`arrived` can tell on gloo (the ``dynamic`` 2BP
+            policy); False: receives are waited for where they are taken.
     """
 
     def __init__(
@@ -167,7 +199,9 @@ class StepChannel:
         n_microbatches: int,
         rows: Sequence[int] | None = None,
         order_only: bool = False,
+        watch_receives: bool = False,
     ) -> None:
+        self._watch = watch_receives
         self._plan = plan
         self._topology = topology
         self._members = topology.members
@@ -248,8 +282,11 @@ class StepChannel:
                 self._topology.group_rank(transfer.src),
             )
         posted = self._posted.pop(transfer.key)
-        for work in posted.works:
-            self._wait(work, transfer.src, str(transfer))
+        if posted.watch is not None:
+            posted.watch.result()
+        else:
+            for work in posted.works:
+                self._wait(work, transfer.src, str(transfer))
         for buf, meta in zip(posted.buffers, posted.layout, strict=True):
             buf.requires_grad_(meta.requires_grad and transfer.direction is Direction.ACTIVATION)
         self._advance(peer, block=False, until=None)
@@ -264,7 +301,11 @@ class StepChannel:
         if key in self._sent_nothing:
             return True
         posted = self._posted.get(key)
-        return posted is not None and all(w.is_completed() for w in posted.works)
+        if posted is None:
+            return False
+        if posted.watch is not None:
+            return posted.watch.done.is_set()
+        return all(w.is_completed() for w in posted.works)
 
     def finish(self) -> None:
         """Complete every send of the step.
@@ -322,6 +363,9 @@ class StepChannel:
             block = not moved
         for key in list(self._posted):
             posted = self._posted.pop(key)
+            if posted.watch is not None:
+                posted.watch.result()
+                continue
             for work in posted.works:
                 self._wait(work, posted.src, "a transfer of the failed step")
         self._sent_nothing.clear()
@@ -451,7 +495,10 @@ class StepChannel:
             )
             for i, buf in enumerate(buffers)
         ]
-        self._posted[transfer.key] = _Posted(works, buffers, layout, is_tuple, transfer.src)
+        posted = _Posted(works, buffers, layout, is_tuple, transfer.src)
+        if self._watch:
+            posted.watch = _Watch(lambda: self._wait_all(posted.works, transfer))
+        self._posted[transfer.key] = posted
         return True
 
     def _activation_layout(self, transfer: Transfer, block: bool) -> BoundaryMeta | None:
@@ -549,6 +596,10 @@ class StepChannel:
         return self._members.global_rank(self._topology.group_rank(pipeline_rank))
 
     # -- waiting ------------------------------------------------------------------
+
+    def _wait_all(self, works: Sequence[Any], transfer: Transfer) -> None:
+        for work in works:
+            self._wait(work, transfer.src, str(transfer))
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
         where = f"at {self.action}" if self.action is not None else "at the end of the step"

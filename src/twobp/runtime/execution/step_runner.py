@@ -121,6 +121,7 @@ class StepRunner:
         batches: StepBatches,
     ) -> StepResult:
         clock = StepClock(self.device)
+        dynamic = places_weights_at_run_time(schedule)
         channel = None
         if plan.peers:
             assert self._links is not None, "a pipeline rank with peers has links to them"
@@ -135,6 +136,9 @@ class StepRunner:
                 self.n_microbatches,
                 batches.rows,
                 order_only=self._order_only,
+                # Gloo completes a receive only in a wait: the dynamic policy's
+                # "has it arrived?" needs a thread waiting for it.
+                watch_receives=dynamic and "nccl" not in (self.topology.members.backend or ""),
             )
         run = StepRun(
             self.rank,
@@ -150,7 +154,7 @@ class StepRunner:
             wait_parameters=self.wait_parameters,
             residency=self.residency,
             weights=batches.weights,
-            dynamic_weights=places_weights_at_run_time(schedule),
+            dynamic_weights=dynamic,
         )
         try:
             if self.residency is not None:
