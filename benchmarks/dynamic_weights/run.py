@@ -176,6 +176,7 @@ def main() -> None:
         f"{ROWS_PER_MICROBATCH} rows per micro-batch, {args['rounds']} rounds after "
         f"{args['warmup']} (policies alternated within each round)"
     )
+    worst: dict[str, float] = {}
     for key in results[0]:
         case, condition = key.split("|")
         # The slowest rank's time is the step's.
@@ -195,6 +196,13 @@ def main() -> None:
         for policy in (best, "dynamic"):
             per_rank = [r[key]["counts"][policy] for r in results]
             print(_line(policy, per_rank, times[policy]))
+        fastest = min(statistics.median(t) for t in times.values())
+        for policy, t in times.items():
+            worst[policy] = max(worst.get(policy, 1.0), statistics.median(t) / fastest)
+    print(
+        "each policy's largest median step over the fastest policy's of the same case and "
+        "condition: " + ", ".join(f"{p} {r:.3f}" for p, r in worst.items())
+    )
 
 
 if __name__ == "__main__":
