@@ -189,3 +189,10 @@ def failing_replicated_steps(timeout: float) -> dict[str, Any]:
         "failed": _outcome(lambda: second.step(x, y)),
     }
     return out
+
+
+def failing_steps_dynamic(
+    cases: list[tuple[str, int, bool]], timeout: float, schedule: str
+) -> dict[str, Any]:
+    """:func:`failing_steps` under ``two_bp_policy="dynamic"``."""
+    return failing_steps(cases, timeout, schedule, two_bp_policy="dynamic")

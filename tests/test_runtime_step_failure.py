@@ -17,6 +17,7 @@ from step_failure_workers import (
     construction_and_save_failures,
     failing_replicated_steps,
     failing_steps,
+    failing_steps_dynamic,
     failure_then_other_work,
 )
 from twobp.runtime import launch
@@ -130,3 +131,20 @@ def test_failures_of_replicated_stages_end_the_step_on_every_rank_at_once(refere
         assert second["caught"] == ["PipelineConfigError", "PipelineConfigError"]
         name, message = second["failed"]
         assert name == ("ValueError" if rank == 3 else "PeerStepFailedError"), message
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_failures_under_the_dynamic_policy(schedule, reference):
+    """Ranks that fill their waits with W (their receives waited for on threads) still
+    learn of a peer's failure, and the next step equals one process's."""
+    cases = [("block", 5, False), ("shape", 4, False), ("loss", 9, False)]
+    if schedule == "zb-v":
+        cases.pop(1)
+    results = launch(
+        failing_steps_dynamic, 2, cases, TIMEOUT, schedule, threads_per_rank=1, timeout=300
+    )
+    last = 0 if schedule == "zb-v" else 1
+    _check(results, "block 5 later", 1, "RuntimeError", "block failed on purpose", reference)
+    if schedule == "1f1b":  # block 4 ends stage 0
+        _check(results, "shape 4 later", 0, "ShapeMismatchError", "float32", reference)
+    _check(results, "loss 9 later", last, "ValueError", "it must return a scalar", reference)
