@@ -74,3 +74,13 @@ def test_under_jitter_dynamic_beats_the_placements_planned_on_expected_times():
     assert mean["dynamic"] < min(mean["paper"], mean["fill"])
     # Without jitter it is no worse than fill.
     assert _makespan("1f1b", "dynamic", base, 16) <= _makespan("1f1b", "fill", base, 16) + 1e-9
+
+
+def test_the_text_form_of_costs_takes_jitter_and_its_seed():
+    from twobp.sim.cost_io import parse_costs
+
+    costs = parse_costs("F=1,I=1,W=0.8,jitter=0.2,seed=4", 2)
+    assert (costs.jitter, costs.jitter_seed) == (0.2, 4)
+    assert parse_costs("F=1", 2).jitter == 0.0
+    with pytest.raises(ValueError, match="jitter must be a finite fraction"):
+        parse_costs("jitter=-1", 2)

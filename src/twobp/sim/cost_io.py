@@ -47,6 +47,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,8 @@ _TEXT_KEYS = {
     "param": "parameter_bytes",
     "opt": "optimizer_bytes",
     "contention": "contention",
+    "jitter": "jitter",
+    "seed": "jitter_seed",
 }
 _CONCAT_KEY = re.compile(r"^w(\d+)$")
 _SIZE_SUFFIX = {
@@ -238,7 +241,8 @@ def parse_costs(text: str, n_stages: int) -> CostModel:
     transfer), ``send`` (bytes per micro-batch and boundary),
     ``act``, ``grad``, ``param`` (memory sizes, see :class:`CostModel`),
     ``contention`` (slowdown while every rank computes at once, e.g.
-    ``contention=1.6``).
+    ``contention=1.6``), ``jitter`` (the spread of each action's time, as a
+    fraction of it, e.g. ``jitter=0.1``) and ``seed`` (which draw of it).
     Sizes accept suffixes such as ``MiB`` or ``GB``.
 
     Args:
@@ -271,7 +275,8 @@ def parse_costs(text: str, n_stages: int) -> CostModel:
             )
     if concat and "w" not in kwargs:
         kwargs["w"] = CostModel.uniform(1, weight_concat=concat).w_time(0, 1)
-    return CostModel.uniform(
+    jitter, seed = kwargs.pop("jitter", 0.0), int(kwargs.pop("jitter_seed", 0))
+    model = CostModel.uniform(
         n_stages,
         f=kwargs.pop("f", 1.0),
         i=kwargs.pop("i", 1.0),
@@ -280,3 +285,4 @@ def parse_costs(text: str, n_stages: int) -> CostModel:
         weight_concat=concat or None,
         **kwargs,
     )
+    return replace(model, jitter=jitter, jitter_seed=seed) if jitter or seed else model
