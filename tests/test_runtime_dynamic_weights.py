@@ -30,6 +30,7 @@ BATCH = 2 * N_MB
 TIMEOUT = 60.0
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+SCHEDULES_4 = ("1f1b", "zb-h1", "interleaved-1f1b")
 CASES_2 = [
     *(
         DynamicCase(m, s, p)
@@ -39,13 +40,15 @@ CASES_2 = [
     ),
     DynamicCase("tied", "1f1b"),
     DynamicCase("tied", "1f1b", "paper"),
+    *(DynamicCase("mlp", s) for s in ("gpipe", "zb-h2", "chimera")),
     DynamicCase("mlp", "dualpipev", n_microbatches=2 * N_MB),
+    DynamicCase("mlp", "dualpipe", n_microbatches=2 * N_MB),
     DynamicCase("mlp", "1f1b", recompute="activations"),
     DynamicCase("mlp", "1f1b", recompute="derivatives"),
     DynamicCase("mlp", "1f1b", rows=(8, 12, 4)),
 ]
 CASES_4 = [
-    *(DynamicCase("mlp", s) for s in ("1f1b", "zb-h1", "interleaved-1f1b")),
+    *(DynamicCase("mlp", s, p) for s in SCHEDULES_4 for p in ("dynamic", "paper")),
     *(DynamicCase(m, "1f1b", data_parallel=2) for m in ("mlp", "tied")),
     DynamicCase("transformer", "zb-v", data_parallel=2),
     DynamicCase("mlp", "interleaved-1f1b", data_parallel=2, rows=(16,) * 3, n_microbatches=4),
@@ -114,8 +117,17 @@ def test_four_ranks_match_one_process(case, results):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_dynamic_equals_paper(schedule, model, results):
-    dynamic = _merged(results[2], DynamicCase(model, schedule), "grads")
-    paper = _merged(results[2], DynamicCase(model, schedule, "paper"), "grads")
+    _equal_to_paper(results[2], model, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES_4)
+def test_dynamic_equals_paper_on_four_ranks(schedule, results):
+    _equal_to_paper(results[4], "mlp", schedule)
+
+
+def _equal_to_paper(per_rank: list[dict[str, Any]], model: str, schedule: str) -> None:
+    dynamic = _merged(per_rank, DynamicCase(model, schedule), "grads")
+    paper = _merged(per_rank, DynamicCase(model, schedule, "paper"), "grads")
     assert set(dynamic) == set(paper)
     for name, g in dynamic.items():
         scale = max(paper[name].abs().max().item(), 1e-300)
