@@ -10,12 +10,29 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.models import build_model, tensor_parallel_plan
+from twobp.models.common import tie_head
 from twobp.runtime import GradScaler, Pipeline
 from twobp.runtime.base.tensor_split import split_dims
 from twobp.runtime.errors import PipelineConfigError
+from twobp.train.engine_summary import rank_summary
 
 LLAMA = {"dim": 16, "n_heads": 4, "ffn_dim": 24, "n_layers": 4, "seq_len": 6, "vocab_size": 32}
 STEPS = 3
+HEADS = ("whole", "tied", "split")
+"""The embedding and the head: whole on every shard; the head tied to a vocabulary-split
+embedding; or both split, untied (the head column-parallel with its logits gathered)."""
+
+
+def _llama(head: str, **sizes: Any) -> tuple[Any, dict[str, Any]]:
+    """The tiny LLaMA in float64 with its head as ``head`` says, and its plan."""
+    spec = build_model("llama", "tiny", dtype=torch.float64, **{**LLAMA, **sizes})
+    plan: dict[str, Any] = dict(tensor_parallel_plan("llama"))
+    if head == "tied":
+        tie_head(spec.blocks[0].embed, spec.blocks[-1].output)
+        plan["embed"] = "rowwise"  # the tied head follows
+    if head == "split":
+        plan.update({"embed": "rowwise", "output": "colwise_gather_output"})
+    return spec, plan
 
 
 def _whole(pipe: Pipeline, param: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
@@ -30,15 +47,19 @@ def _whole(pipe: Pipeline, param: torch.Tensor, like: nn.Parameter) -> torch.Ten
 
 
 def parity(
-    cases: list[tuple[str, bool, int]], tensor_parallel: int, shard_optimizer: bool = False
+    cases: list[tuple[str, bool, int]],
+    tensor_parallel: int,
+    shard_optimizer: bool = False,
+    head: str = "whole",
 ) -> list[dict[str, Any]]:
     """Per case (schedule, two_bp, data_parallel): the largest difference from one process
     on the whole model, in float64: the loss of every step, every gradient of the first
     step and every parameter after ``STEPS`` AdamW steps (shards joined), and the norm
-    (not with ``shard_optimizer``: AdamW's state sharded over the copies, no clipping)."""
+    (not with ``shard_optimizer``: AdamW's state sharded over the copies, no clipping);
+    the share of weight elements W adds; ``head`` one of :data:`HEADS`."""
     out = []
     for schedule, two_bp, data_parallel in cases:
-        spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+        spec, plan = _llama(head)
         whole = nn.Sequential(*copy.deepcopy(spec.blocks))
         pipe = Pipeline(
             spec.blocks,
@@ -48,7 +69,7 @@ def parity(
             two_bp=two_bp,
             data_parallel=data_parallel,
             tensor_parallel=tensor_parallel,
-            tensor_parallel_plan=tensor_parallel_plan("llama"),
+            tensor_parallel_plan=plan,
         )
         optimizer = (
             pipe.shard_optimizer(torch.optim.AdamW, lr=1e-2)
@@ -92,6 +113,9 @@ def parity(
         errors["tp_rank"] = pipe.tp_rank
         errors["tp_size"] = pipe.tp_size
         errors["sharded"] = len(split_dims(pipe.module))
+        summary = rank_summary(pipe.stages.values())
+        # Of the weights of this rank's split stages (none: its backward is fused).
+        errors["deferred"] = summary.deferred / summary.weights if summary.weights else None
         pipe.close()
         out.append(errors)
     return out
@@ -138,6 +162,13 @@ def refusal(case: str) -> str:
         plan = {**plan, "attn.wqkv": "colwise"}
     if case == "heads":
         spec = build_model("llama", "tiny", dtype=torch.float64, **{**LLAMA, "n_heads": 1})
+    if case == "vocabulary":
+        spec, plan = _llama("tied", vocab_size=33)
+    if case == "embedding columns":
+        plan = {**plan, "embed": "colwise"}
+    if case == "tied two ways":
+        spec, plan = _llama("tied")
+        plan = {**plan, "embed": "rowwise", "output": "rowwise"}
     if case == "auto":
         kwargs["schedule"] = "auto"
     if case == "sharded parameters":

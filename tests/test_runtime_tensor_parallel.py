@@ -11,7 +11,9 @@ SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
 TOLERANCE = 1e-10
 
 
-def _check(results: list[list[dict]], cases: list, tensor_parallel: int) -> None:
+def _check(
+    results: list[list[dict]], cases: list, tensor_parallel: int, split_per_rank: int = 0
+) -> None:
     for rank_results in results:
         assert len(rank_results) == len(cases)
         for case, errors in zip(cases, rank_results, strict=True):
@@ -19,11 +21,14 @@ def _check(results: list[list[dict]], cases: list, tensor_parallel: int) -> None
             for key in ("loss", "gradients", "parameters", "norm"):
                 assert errors[key] < TOLERANCE, (case, key, errors)
             assert errors["memory"] == 0, errors  # memory_stats counts the local shards
+            assert errors["deferred"] in (None, 1.0), errors  # W adds every weight, shards too
     for i, case in enumerate(cases):
         # Each of the 4 decoders' 7 linears is split, on every tensor-parallel rank of
-        # every copy (case[2] copies).
+        # every copy (case[2] copies), and split_per_rank more (embedding, head) on each rank.
         split = sum(rank_results[i]["sharded"] for rank_results in results)
-        assert split == 7 * 4 * tensor_parallel * case[2], case
+        if case[1] and case[0] == "1f1b":  # every stage splits its backward
+            assert all(r[i]["deferred"] == 1.0 for r in results), case
+        assert split == 7 * 4 * tensor_parallel * case[2] + split_per_rank * len(results), case
 
 
 def test_two_ranks_split_every_block_in_two():
@@ -50,6 +55,19 @@ def test_a_sharded_optimizer_over_the_copies_of_a_tensor_parallel_pipeline():
     _check(launch(parity, 4, cases, 2, True, timeout=300), cases, 2)
 
 
+def test_a_head_tied_across_pipeline_ranks_to_a_vocabulary_split_embedding():
+    # P 2 x T 2: the embedding (first stage) and the head (last stage) share one weight,
+    # split by vocabulary rows; each shard's tie is reduced within its own pipeline.
+    cases = [("1f1b", True, 1), ("1f1b", False, 1), ("zb-h1", True, 1)]
+    results = launch(parity, 4, cases, 2, False, "tied", timeout=300)
+    _check(results, cases, 2, split_per_rank=1)  # the tied shard, on each rank
+
+
+def test_an_untied_head_split_by_columns_gathers_its_logits():
+    cases = [("1f1b", True, 1)]
+    _check(launch(parity, 2, cases, 2, False, "split", timeout=300), cases, 2, split_per_rank=2)
+
+
 def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
     for unchanged, backed_off in launch(overflow_agreed, 2, timeout=300):
         assert unchanged and backed_off
@@ -61,6 +79,9 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("world", 2, "a world of 2 ranks is not data_parallel x pipeline x 3 ranks"),
         ("no module", 2, "'attn.wqkv' names no module of any block"),
         ("heads", 2, "has 1 heads, which do not divide by 2 ranks"),
+        ("vocabulary", 2, "block 0: tensor parallel: embed (embedding_rowwise) has a vocabulary"),
+        ("embedding columns", 2, "an embedding splits only by vocabulary rows"),
+        ("tied two ways", 2, "block 5's output.weight (Linear) is the weight of block 0's embed"),
         ("auto", 2, "schedule='auto' plans from what each tensor-parallel pipeline"),
         ("checkpoint", 2, "state_dict() of a tensor-parallel pipeline is refused"),
         ("torch styles", 2, "accepted"),

@@ -1,6 +1,6 @@
 """Which parameters tensor parallelism split, for the floors that count or save them.
 
-:mod:`twobp.runtime.setup.tensor_parallel` marks each split linear with
+:mod:`twobp.runtime.setup.tensor_parallel` marks each split module with
 :data:`SPLIT_STYLE` (a module's attributes survive the copies a pipeline makes
 of its blocks; a parameter's do not). A norm over every rank counts each shard
 once and a replicated parameter once; a state dict of shards is refused (checkpoints
@@ -17,7 +17,8 @@ from torch import nn
 from twobp.runtime.errors import PipelineConfigError
 
 SPLIT_STYLE = "_twobp_tensor_parallel_style"
-"""The attribute a split linear carries: ``"colwise"`` or ``"rowwise"``."""
+"""The attribute a split module carries: its style (``"colwise"``, ``"rowwise"``,
+``"colwise_gather_output"``, ``"embedding_rowwise"``)."""
 
 
 def split_dims(model: nn.Module) -> dict[int, int]:
@@ -28,7 +29,7 @@ def split_dims(model: nn.Module) -> dict[int, int]:
         if style is None:
             continue
         for name, param in module.named_parameters(recurse=False):
-            dims[id(param)] = 0 if style == "colwise" or name == "bias" else 1
+            dims[id(param)] = 1 if style == "rowwise" and name == "weight" else 0
     return dims
 
 

@@ -8,8 +8,11 @@ ranks, data parallel within it as usual): the pipeline's transfers, its
 reductions over the copies and its tied weights stay between ranks of the same
 shard. Each block is split over its tensor-parallel group after planning
 (:func:`twobp.models.shard_block`): its column-parallel linears all-reduce their
-input gradient in ``I``, its row-parallel ones their output in ``F``, and every
-weight gradient is local, deferred to ``W`` as without tensor parallelism.
+input gradient in ``I``, its row-parallel ones (and a vocabulary-split embedding)
+their output in ``F``, a gathered head gathers its logits in ``F``, and every
+weight gradient is local, deferred to ``W`` as without tensor parallelism. A weight
+tied across pipeline ranks (a head tied to the embedding) is split once; each
+shard's tie is reduced within its own pipeline, as any tie.
 
 The ``T`` pipelines run the same schedule on the same batches; every rank of a
 tensor-parallel group computes the same loss. What must agree over all ranks
@@ -34,8 +37,8 @@ from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.options import check_size
 
 Plan = Mapping[str, Any] | Callable[[int, nn.Module], Mapping[str, Any]]
-"""Module-name pattern -> ``"colwise"``/``"rowwise"`` (or torch's ``ColwiseParallel()`` /
-``RowwiseParallel()``), or ``(block index, block) -> that``."""
+"""Module-name pattern -> a style of :data:`twobp.models.tensor_parallel.STYLES` (or torch's
+``ColwiseParallel()`` / ``RowwiseParallel()``), or ``(block index, block) -> that``."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,10 @@ def layout(members: Membership, tensor_parallel: int, timeout: float) -> TensorP
 
 
 def style_name(pattern: str, style: Any) -> str:
-    """``"colwise"`` or ``"rowwise"`` for a style of a plan: the name itself, or torch's
-    ``ColwiseParallel()`` / ``RowwiseParallel()`` with their default layouts.
+    """The name of a style of a plan: the name itself, or torch's ``ColwiseParallel()`` /
+    ``RowwiseParallel()`` with their default layouts (``"colwise"`` / ``"rowwise"``;
+    ``RowwiseParallel()`` on an embedding splits its vocabulary, as in torch), or
+    ``ColwiseParallel(output_layouts=Replicate())`` (``"colwise_gather_output"``).
 
     Raises:
         PipelineConfigError: another ``ParallelStyle`` (``SequenceParallel``, other
@@ -137,13 +142,16 @@ def style_name(pattern: str, style: Any) -> str:
     )
     if type(style) is ColwiseParallel and layouts == ((Replicate(),), (Shard(-1),)):
         return "colwise"
+    if type(style) is ColwiseParallel and layouts == ((Replicate(),), (Replicate(),)):
+        return "colwise_gather_output"
     if type(style) is RowwiseParallel and layouts == ((Shard(-1),), (Replicate(),)):
         return "rowwise"
     raise PipelineConfigError(
         f"tensor_parallel_plan: {pattern!r}: {type(style).__name__} with input layouts "
-        f"{layouts[0]} and output layouts {layouts[1]} is not supported; give 'colwise' or "
-        "'rowwise' (ColwiseParallel() or RowwiseParallel() with their defaults); sequence "
-        "parallelism is not there yet"
+        f"{layouts[0]} and output layouts {layouts[1]} is not supported; give 'colwise', "
+        "'rowwise' or 'colwise_gather_output' (ColwiseParallel() or RowwiseParallel() with "
+        "their defaults, ColwiseParallel(output_layouts=Replicate())); sequence parallelism "
+        "is not there yet"
     )
 
 
@@ -162,14 +170,17 @@ def block_plan(plan: Plan, index: int, block: nn.Module) -> dict[str, str]:
 
 
 def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) -> None:
-    """Split every block over this rank's tensor-parallel group, in place.
+    """Split every block over this rank's tensor-parallel group, in place (a weight tied
+    across blocks once: :func:`twobp.models.tensor_parallel.shard_blocks`), and mark each
+    split module with its style.
 
     Raises:
         PipelineConfigError: an entry of a mapping that names no module of any block, or
-            what :func:`twobp.models.shard_block` refuses (a width or a head count that
-            does not divide by ``T``), naming the block and the module.
+            what :func:`twobp.models.shard_block` refuses (a width, a vocabulary or a head
+            count that does not divide by ``T``, a tied weight split two ways), naming the
+            block and the module.
     """
-    from twobp.models.tensor_parallel import shard_block
+    from twobp.models.tensor_parallel import shard_blocks as split_blocks
 
     plans = [block_plan(plan, i, b) for i, b in enumerate(blocks)]
     if not callable(plan):
@@ -179,19 +190,14 @@ def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) ->
                 f"tensor_parallel_plan: {', '.join(repr(p) for p in unused)} names no module "
                 "of any block; name modules as block.named_modules() does (e.g. 'attn.wq')"
             )
-    for index, (block, chosen) in enumerate(zip(blocks, plans, strict=True)):
-        if not chosen:
-            continue
-        try:
-            shard_block(block, chosen, tp.group)
-        except ValueError as exc:
-            raise PipelineConfigError(f"block {index}: {exc}") from exc
-        for name, module in block.named_modules():
-            style = next(
-                (s for p, s in chosen.items() if name and fnmatch.fnmatchcase(name, p)), None
-            )
-            if style is not None:
-                setattr(module, SPLIT_STYLE, style)
+    try:
+        styles = split_blocks(blocks, plans, tp.group)
+    except ValueError as exc:
+        raise PipelineConfigError(str(exc)) from exc
+    for block, split in zip(blocks, styles, strict=True):
+        modules = dict(block.named_modules())
+        for name, style in split.items():
+            setattr(modules[name], SPLIT_STYLE, style)
 
 
 def tensor_parallel_layout(
