@@ -261,3 +261,29 @@ def failed_step() -> tuple[str, float, float, bool]:
     pipe.close()
     fresh = _pipeline("zb-h1")
     return error, again, fresh.step(inputs[part], targets[part]), held
+
+
+def freed_peaks(schedules: list[str], rows: int) -> dict[str, Any]:
+    """Per schedule, one step with each stage's gathered weights freed before its W (as
+    twobp runs) and one with them kept through its last W (the residency's
+    ``free_before_w`` set False), ``recompute="activations"``, ``rows`` rows a copy:
+    each run's ``memory_stats`` peaks and the schedule the pipeline ran."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    inputs, targets = make_batch("mlp", 0, 2 * rows)
+    for schedule in schedules:
+        runs = {}
+        for free_before_w in (True, False):
+            pipe = _pipeline(schedule, recompute="activations")
+            optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+            assert pipe.state.sharded is not None
+            pipe.state.sharded.free_before_w = free_before_w
+            part = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)
+            for _ in range(2):  # the first step watches the forwards' saved tensors
+                pipe.step(inputs[part], targets[part])
+            stats = pipe.memory_stats(optimizer)
+            runs[free_before_w] = (stats["peak_freed_before_w"], stats["peak_freed_after_w"])
+            compute = pipe.schedule
+            pipe.close()
+        out[schedule] = {"runs": runs, "schedule": compute}
+    return out

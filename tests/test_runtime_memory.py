@@ -49,6 +49,20 @@ def test_saved_tensors_are_seen_and_parameters_left_out():
     assert layer.weight.grad is not None and x.grad is not None
 
 
+def test_a_parameter_freed_in_the_step_no_longer_hides_what_takes_its_address():
+    # Sharded weights are freed within the step: a tensor the allocator puts at their
+    # address is another storage under the same key, and counts.
+    layer = nn.Linear(16, 16)
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start_step([layer])
+    key = next(iter(storages([layer.weight])))
+    meter.hold(ACTIVATIONS, 0, {key: 64})
+    assert meter.held == 0  # the weight itself: left out
+    layer.weight.untyped_storage().resize_(0)
+    meter.hold(ACTIVATIONS, 1, {key: 64})  # a new storage at the freed address
+    assert meter.held == 64
+
+
 def test_memory_stats_counts_parameters_gradients_and_the_optimizer_state():
     layer = nn.Linear(16, 16)
     layer(torch.randn(2, 16)).sum().backward()

@@ -72,6 +72,29 @@ _DEVICE_NAMES: dict[torch.device, str] = {}
 """``str(device)`` by device: :func:`storages` names one per tensor, several times per action."""
 
 
+class HeldStorages:
+    """The storages of some tensors, by key, for as long as they hold their elements.
+
+    A sharded stage's weights are freed within the step (their storages resized to
+    nothing); a tensor allocated at their address afterwards is another storage with
+    the same key, and is counted.
+    """
+
+    def __init__(self, tensors: Iterable[Tensor] = ()) -> None:
+        self._storages: dict[StorageKey, torch.UntypedStorage] = {}
+        with torch._C.DisableTorchFunction():
+            for t in tensors:
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+                    continue
+                self._storages[(str(t.device), storage.data_ptr())] = storage
+
+    def __contains__(self, key: StorageKey) -> bool:
+        storage = self._storages.get(key)
+        return storage is not None and storage.data_ptr() == key[1]
+
+
 class MemoryMeter:
     """The bytes one rank's stages hold between passes, and their peaks in the step.
 
@@ -82,7 +105,7 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._excluded: set[StorageKey] = set()
+        self._excluded = HeldStorages()
         self._held: dict[tuple[str, Any], dict[StorageKey, int]] = {}
         self._refs: dict[str, dict[StorageKey, int]] = {ACTIVATIONS: {}, STASH: {}, "": {}}
         self._bytes = {ACTIVATIONS: 0, STASH: 0, "": 0}
@@ -93,7 +116,7 @@ class MemoryMeter:
     def start_step(self, modules: Iterable[nn.Module]) -> None:
         """Forget the last step's holdings; parameters and buffers of ``modules`` are
         not counted. What watched forwards saved (:meth:`learn_saved`) is kept."""
-        self._excluded = set(storages(t for m in modules for t in (*m.parameters(), *m.buffers())))
+        self._excluded = HeldStorages(t for m in modules for t in (*m.parameters(), *m.buffers()))
         self._held.clear()
         for heading in self._refs:
             self._refs[heading].clear()

@@ -7,7 +7,10 @@ stashed). So under 2BP a stage frees its gathered weights right after its
 last ``I`` of the step, before its ``W`` run: the deferred weight passes of a
 step run on the shard alone. A ``W`` that rebuilds its stash (a ``WR``, or
 every ``W`` under ``recompute="derivatives"`` or ``"all"``) runs the forward
-again and reads the weights: the stage keeps them until that ``W``.
+again and reads the weights: the stage keeps them until that ``W``. A residency
+whose ``free_before_w`` is False keeps each stage's weights until its last compute
+action instead (its last ``W``), as a sharding that frees after the backward does:
+what the step would hold without 2BP's saving, measured rather than counted.
 
 :func:`last_weight_reads` reads this off the rank's actions (pure: no torch);
 :class:`Residency` is what the step runner calls around the step.
@@ -70,6 +73,10 @@ def last_uses(actions: Sequence[Action]) -> dict[int, int]:
 class Residency(Protocol):
     """What holds a rank's sharded weights, as the step runner drives it."""
 
+    free_before_w: bool
+    """True: free a stage's weights after its last read of them (its last ``I``);
+    False: only after its last compute action (its last ``W``)."""
+
     def gather_for_step(self) -> None:
         """Start gathering every stage's weights, in the order of the stages' first ``F``."""
         ...
@@ -83,9 +90,10 @@ class Residency(Protocol):
         (once no other stage of this rank that reads them still will)."""
         ...
 
-    def observe(self, between: int, done: frozenset[int]) -> None:
+    def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
         """After a compute action: ``between`` bytes of activations and stashes held now,
-        and the stages past their last compute action of the step."""
+        the stages past their last read of their weights (``read``) and those past their
+        last compute action (``used``) in the step."""
         ...
 
     def release_all(self) -> None:
@@ -111,14 +119,20 @@ class StepResidency:
         self._residency = residency
         self._last_reads = last_weight_reads(actions, rebuilds_at_weight)
         self._last_uses = last_uses(actions)
-        self._done: set[int] = set()
+        self._release_at = self._last_reads if residency.free_before_w else self._last_uses
+        self._read: set[int] = set()
+        self._used: set[int] = set()
 
     def after(self, index: int, action: Action, between: int) -> None:
         """Action ``index`` of the step ran; ``between`` bytes of activations and stashes
-        are held now. Frees its stage's weights after their last read."""
-        if self._last_reads.get(action.stage) == index:
-            self._residency.release(action.stage)
+        are held now. Frees its stage's weights after their last read (or, with
+        ``free_before_w`` False, after their last compute action)."""
+        stage = action.stage
+        if self._last_reads.get(stage) == index:
+            self._read.add(stage)
+        if self._last_uses.get(stage) == index:
+            self._used.add(stage)
+        if self._release_at.get(stage) == index:
+            self._residency.release(stage)
         if action.kind.is_compute:
-            if self._last_uses.get(action.stage) == index:
-                self._done.add(action.stage)
-            self._residency.observe(between, frozenset(self._done))
+            self._residency.observe(between, frozenset(self._read), frozenset(self._used))

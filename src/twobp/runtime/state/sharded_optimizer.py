@@ -150,12 +150,18 @@ class ShardedParameters:
         """The most bytes of gathered flat buffers held at once in the last step
         (``shard_parameters=True``)."""
         self._released: set[int] = set()
+        self.free_before_w = True
+        """Free each stage's gathered weights after its last read of the step (its last
+        ``I``: ``W`` reads none); False keeps them through its last ``W``, as a sharding
+        that frees after the backward does (to measure what 2BP saves)."""
         self.peak_freed_before_w = 0
         """The most bytes of activations, stashes and gathered weights held at once after a
-        compute action of the last step, as it ran: weights freed after each stage's last I."""
+        compute action of the last step with the weights freed after each stage's last
+        read: measured from the flat buffers held if :attr:`free_before_w`, else counted."""
         self.peak_freed_after_w = 0
-        """The same, had each stage kept its weights until its last compute action (W): the
-        stashes and activations as measured, the weights counted longer."""
+        """The same had each stage kept its weights until its last compute action (``W``):
+        measured if not :attr:`free_before_w`, else counted; the same stashes and
+        activations."""
         self._whole = False
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self.gathers = ParameterGathers(rank, timeout)
@@ -350,18 +356,22 @@ class ShardedParameters:
                     self.gathers.wait_shards(frozenset({index}))
                 shard.free()
 
-    def observe(self, between: int, done: frozenset[int]) -> None:
-        """After a compute action: add the gathered weights held now to ``between`` (bytes of
-        activations and stashes), and those that would be if each stage freed them only past
-        its last compute action (stages ``done``), and keep the peaks of both."""
+    def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
+        """After a compute action: ``between`` bytes of activations and stashes, plus the
+        gathered weights held now (the bytes of the flat buffers), and plus those that
+        freeing the other way would hold: each bucket until its stages are past their last
+        read (``read``) or their last compute action (``used``). Keeps the peaks of both."""
         if self.resident:
             return
-        now = sum(s.flat.untyped_storage().nbytes() for s in self.shards)
-        after_w = sum(
-            s.layout.padded * s.flat.element_size() for s in self.shards if not s.readers <= done
+        held = between + sum(s.flat.untyped_storage().nbytes() for s in self.shards)
+        other = between + sum(
+            s.layout.padded * s.flat.element_size()
+            for s in self.shards
+            if not s.readers <= (used if self.free_before_w else read)
         )
-        self.peak_freed_before_w = max(self.peak_freed_before_w, between + now)
-        self.peak_freed_after_w = max(self.peak_freed_after_w, between + after_w)
+        before, after = (held, other) if self.free_before_w else (other, held)
+        self.peak_freed_before_w = max(self.peak_freed_before_w, before)
+        self.peak_freed_after_w = max(self.peak_freed_after_w, after)
 
     def release_all(self) -> None:
         """Free every flat buffer (the step ended or failed; no-op unless sharded)."""
