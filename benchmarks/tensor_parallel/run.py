@@ -1,14 +1,24 @@
-"""A tensor-parallel training step on 2 ranks: twobp against torch's ``parallelize_module``.
+"""A tensor-parallel training step: twobp against torch's ``parallelize_module``.
 
-Both split the same LLaMA-like model's decoder linears over the 2 ranks
-(q, k, v, w1, w3 column-wise; o, w2 row-wise) and run the same batch in the
-same micro-batches, gradients accumulated: twobp as ``Pipeline(tensor_parallel=2)``
-with one pipeline rank (with and without 2BP), torch as ``parallelize_module``
-(DTensor, ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh with a plain
-backward per micro-batch. One thread per rank, gloo; the variants take turns
-step by step; medians of the timed rounds.
+Both split the same LLaMA-like model's decoder linears over 2 tensor-parallel ranks
+(q, k, v, w1, w3 column-wise; o, w2 row-wise) and run the same batch in the same
+micro-batches, gradients accumulated.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/tensor_parallel/run.py
+- ``--pipeline 1`` (2 ranks): twobp as ``Pipeline(tensor_parallel=2)`` with one pipeline
+  rank (with and without 2BP); torch as ``parallelize_module`` (DTensor,
+  ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh with a plain backward per
+  micro-batch.
+- ``--pipeline 2`` (4 ranks, 2 x 2, pipeline x tensor, tensor parallel innermost):
+  twobp as ``Pipeline(tensor_parallel=2)`` on 4 ranks (1f1b with and without 2BP,
+  zb-h1); torch as ``parallelize_module`` on the ``tp`` dim of a 2-D ``(pp, tp)`` mesh and
+  ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the ``pp`` dim (the loss scaled
+  by ``1/m``, ``scale_grads=False``: the gradients twobp computes). Both cut the 6 blocks
+  3 + 3.
+
+One thread per rank, gloo; the variants take turns step by step; medians of the timed
+rounds (the slowest rank's step, as every rank waits for the others).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/tensor_parallel/run.py [--pipeline 2]
 """
 
 from __future__ import annotations
@@ -17,83 +27,166 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from twobp.models import build_model, tensor_parallel_plan
 from twobp.runtime import Pipeline, launch
 
 MODEL = {"dim": 512, "n_heads": 8, "ffn_dim": 1376, "n_layers": 4, "seq_len": 64}
+TENSOR_PARALLEL = 2
+TORCH = "torch parallelize_module"
 
 
-def _torch_variant(blocks: list[torch.nn.Module]) -> torch.nn.Sequential:
-    from torch.distributed.device_mesh import init_device_mesh
+def _split_decoders(blocks: list[nn.Module], tp_mesh: Any) -> None:
+    """``parallelize_module`` on every decoder block of ``blocks`` over ``tp_mesh``."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {k: styles[v]() for k, v in tensor_parallel_plan("llama").items()}
-    for block in blocks[1:-1]:
-        parallelize_module(block, mesh, plan)
+    for block in blocks:
+        if not any(n.startswith("attn.") for n, _ in block.named_modules()):
+            continue  # the embedding and the head stay whole, as in twobp's runs
+        parallelize_module(block, tp_mesh, plan)
         for module in block.modules():
             heads = getattr(module, "n_heads", None)
             if isinstance(heads, int):
-                vars(module)["n_heads"] = heads // dist.get_world_size()
-    return torch.nn.Sequential(*blocks)
+                vars(module)["n_heads"] = heads // tp_mesh.size()
 
 
-def _rank(microbatches: int, batch: int, rounds: int) -> dict[str, Any]:
+class _Stage(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.blocks(x)
+
+
+Step = Callable[[], float | None]
+"""One training step; the loss where this rank has it."""
+
+
+def _torch_tensor_parallel(spec: Any, inputs: Any, targets: Any, m: int) -> Step:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    blocks = copy.deepcopy(spec.blocks)
+    _split_decoders(blocks, init_device_mesh("cpu", (dist.get_world_size(),)))
+    model = nn.Sequential(*blocks)
+    xs, ys = inputs.tensor_split(m), targets.tensor_split(m)
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = spec.loss_fn(model(x), y) * (len(x) / len(inputs))
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    return step
+
+
+def _torch_pipelined(spec: Any, inputs: Any, targets: Any, m: int) -> Step:
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pipeline = dist.get_world_size() // TENSOR_PARALLEL
+    mesh = init_device_mesh("cpu", (pipeline, TENSOR_PARALLEL), mesh_dim_names=("pp", "tp"))
+    stage_index = mesh.get_local_rank("pp")
+    per_stage = len(spec.blocks) // pipeline
+    blocks = copy.deepcopy(spec.blocks)[per_stage * stage_index : per_stage * (stage_index + 1)]
+    _split_decoders(blocks, mesh["tp"])
+    module = _Stage(blocks)
+    stage = pipelining.PipelineStage(
+        module, stage_index, pipeline, torch.device("cpu"), group=mesh.get_group("pp")
+    )
+
+    def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return spec.loss_fn(output, target) / m  # type: ignore[no-any-return]
+
+    schedule = pipelining.Schedule1F1B(stage, m, loss_fn=scaled, scale_grads=False)
+
+    def step() -> float | None:
+        module.zero_grad(set_to_none=True)
+        if stage_index == 0:
+            schedule.step(inputs, return_outputs=False)
+            return None
+        losses: list[torch.Tensor] = []
+        schedule.step(target=targets, losses=losses, return_outputs=False)
+        return float(sum(float(loss.detach()) for loss in losses))
+
+    return step
+
+
+def _rank(pipeline: int, microbatches: int, batch: int, rounds: int) -> dict[str, Any]:
     torch.manual_seed(0)
     spec = build_model("llama", "small", **MODEL)
     inputs, targets = spec.make_batch(batch, 0)
+    runs = [("1f1b", True), ("1f1b", False)] + ([("zb-h1", True)] if pipeline > 1 else [])
     variants: dict[str, Any] = {}
-    for two_bp in (True, False):
+    for schedule, two_bp in runs:
         pipe = Pipeline(
             copy.deepcopy(spec.blocks),
             spec.loss_fn,
-            "1f1b",
+            schedule,
             n_microbatches=microbatches,
             two_bp=two_bp,
-            tensor_parallel=2,
+            partition=[len(spec.blocks) // pipeline] * pipeline,
+            tensor_parallel=TENSOR_PARALLEL,
             tensor_parallel_plan=tensor_parallel_plan("llama"),
         )
-        variants[f"twobp{' + 2BP' if two_bp else ''}"] = lambda p=pipe: p.step(inputs, targets)
-    model = _torch_variant(copy.deepcopy(spec.blocks))
-    xs, ys = inputs.tensor_split(microbatches), targets.tensor_split(microbatches)
-
-    def torch_step() -> None:
-        for x, y in zip(xs, ys, strict=True):
-            (spec.loss_fn(model(x), y) * (len(x) / batch)).backward()
-
-    variants["torch parallelize_module"] = torch_step
+        name = f"twobp {schedule}" if pipeline > 1 else "twobp"
+        variants[f"{name}{' + 2BP' if two_bp else ''}"] = lambda p=pipe: p.step(inputs, targets)
+    make = _torch_pipelined if pipeline > 1 else _torch_tensor_parallel
+    name = f"{TORCH} + pipelining 1F1B" if pipeline > 1 else TORCH
+    variants[name] = make(spec, inputs, targets, microbatches)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, float | None] = {}
     for round_ in range(rounds + 2):
         for name, step in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            step()
+            losses[name] = step()
             dist.barrier()
             if round_ >= 2:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    # No optimizer step: every round computes the same loss, so the variants' agree.
+    known = [loss for loss in losses.values() if loss is not None]
+    spread = max(known) - min(known) if len(known) == len(losses) else None
+    return {"medians": {n: statistics.median(t) for n, t in times.items()}, "spread": spread}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipeline", type=int, default=1, choices=(1, 2))
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    medians = launch(
-        _rank, 2, args.microbatches, args.batch, args.rounds, threads_per_rank=1, timeout=900
-    )[0]
-    torch_time = medians["torch parallelize_module"]
+    ranks = args.pipeline * TENSOR_PARALLEL
+    results = launch(
+        _rank,
+        ranks,
+        args.pipeline,
+        args.microbatches,
+        args.batch,
+        args.rounds,
+        threads_per_rank=1,
+        timeout=1800,
+    )
+    medians = results[0]["medians"]
+    spread = results[-1]["spread"]  # the last stage has every variant's loss
+    print(f"largest difference of the variants' losses (float32): {spread:.2e}")
+    torch_time = next(t for name, t in medians.items() if name.startswith(TORCH))
     print("| variant | step ms | torch / variant |")
     print("|---|---:|---:|")
     for name, t in medians.items():
