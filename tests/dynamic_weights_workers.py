@@ -161,3 +161,29 @@ def gated_wait(policy: str, n_mb: int, batch_size: int, timeout: float) -> dict[
     counts = dataclasses.asdict(pipe.step_times)
     pipe.close()
     return {"loss": loss, "grads": grads, "counts": counts}
+
+
+def auto_dynamic(n_mb: int, batch_size: int) -> dict[str, Any]:
+    """``schedule="auto"`` with ``two_bp_policy="dynamic"``: what it chose and ranked, and
+    one step's gradients."""
+    inputs, targets = make_batch("mlp", 0, batch_size)
+    pipe = Pipeline(
+        build_blocks("mlp"),
+        loss_fn("mlp"),
+        schedule="auto",
+        n_microbatches=n_mb,
+        example_input=inputs[: batch_size // n_mb],
+        two_bp_policy="dynamic",
+        auto_trials=1,
+        timeout=60.0,
+    )
+    pipe.step(*needed_batches(pipe, inputs, targets))
+    assert pipe.plan is not None
+    out = {
+        "choice": pipe.plan.choice,
+        "ranked": {c.policy for c in pipe.plan.ranking},
+        "schedule": pipe.schedule.name,
+        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+    }
+    pipe.close()
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from dynamic_weights_workers import DynamicCase, gated_wait, rows_of, session
+from dynamic_weights_workers import DynamicCase, auto_dynamic, gated_wait, rows_of, session
 from runtime_models import N_STEPS, build_blocks, make_batch, reference_step
 from twobp.runtime import launch
 from twobp.runtime.execution.dynamic_weights import EarlyReductions
@@ -200,3 +200,16 @@ def test_a_reduction_starts_early_only_once_its_stage_is_done_and_in_list_order(
     assert early.started == {5, 7}
     later = EarlyReductions(acts)
     assert later.ready(6, {(1, 0), (1, 1)}) == [1]  # stage 3's R started at its place
+
+
+def test_auto_with_the_dynamic_policy_searches_schedules_with_w_at_run_time():
+    per_rank = launch(auto_dynamic, 2, N_MB, BATCH, timeout=300)
+    choice = per_rank[0]["choice"]
+    assert per_rank[0]["ranked"] == {"dynamic", "off"}, per_rank[0]["ranked"]
+    ran = per_rank[0]["schedule"]
+    assert ("+2bp:dynamic" in ran) == (choice.policy == "dynamic"), ran
+    want = _reference(DynamicCase("mlp", "1f1b"))["grads"]
+    grads = {n: g for r in per_rank for n, g in r["grads"].items()}
+    assert set(grads) == set(want)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], rtol=0, atol=TOL, msg=name)

@@ -28,6 +28,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from twobp.schedule.errors import DeadlockError
 from twobp.schedule.schedule import Schedule
 from twobp.sim.contention import simulate_shared
@@ -46,7 +48,10 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
             :meth:`CostModel.for_stages` to fit per-rank costs to an
             interleaved schedule). With ``contention > 1``, ranks computing at
             the same time slow each other (see
-            :func:`twobp.sim.contention.simulate_shared`).
+            :func:`twobp.sim.contention.simulate_shared`). With ``jitter``, the
+            step is simulated on :data:`JITTER_DRAWS` draws of the action times
+            (seeds ``jitter_seed``, ``jitter_seed + 1``, ...) and the draw of
+            median step returned.
 
     Returns:
         The timeline and its figures.
@@ -58,6 +63,22 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimResult:
             stuck rank, the action it is stuck on and what it waits for, and
             shows the rank-by-step grid.
     """
+    if costs.jitter:
+        draws = sorted(
+            (_simulate_once(schedule, replace(costs, jitter_seed=costs.jitter_seed + k)))
+            for k in range(JITTER_DRAWS)
+        )
+        return draws[len(draws) // 2][2]
+    return _simulate_once(schedule, costs)[2]
+
+
+JITTER_DRAWS = 9
+"""Draws of a cost model with ``jitter``: :func:`simulate` returns the one of median step."""
+
+
+def _simulate_once(schedule: Schedule, costs: CostModel) -> tuple[float, int, SimResult]:
     if costs.contention != 1.0:
-        return simulate_shared(schedule, costs)
-    return simulated(schedule, costs)
+        result = simulate_shared(schedule, costs)
+    else:
+        result = simulated(schedule, costs)
+    return result.makespan, costs.jitter_seed, result

@@ -60,6 +60,7 @@ from twobp.schedule.prepare import (
     reduces,
     source_schedule,
 )
+from twobp.schedule.two_bp import DYNAMIC
 from twobp.sim.cost_io import load_costs
 from twobp.sim.costs import CostModel
 from twobp.sim.planner import NO_TWO_BP
@@ -234,6 +235,15 @@ class _Planning:
         )
 
 
+def _searched_policies(policy: str, two_bp: object, fixed: bool) -> list[str] | None:
+    """The 2BP policies a plan compares: the pipeline's own for a schedule by name; for
+    ``schedule="auto"`` every one but ``dynamic`` (None), or, where the pipeline names
+    ``dynamic``, ``dynamic`` and no 2BP (its W are placed at run time)."""
+    if fixed:
+        return [policy if two_bp is not False else NO_TWO_BP]
+    return [NO_TWO_BP, DYNAMIC] if policy == DYNAMIC and two_bp is not False else None
+
+
 def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
     """What ``schedule="auto"`` (or ``costs="profile"`` on a schedule by name) chose,
     after the trial steps of its contenders. Collective."""
@@ -279,7 +289,7 @@ def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
         optimizer=planning.optimizer,
         costs=model,
         schedules=[schedule] if fixed else None,
-        policies=[options.two_bp_policy if two_bp is not False else NO_TWO_BP] if fixed else None,
+        policies=_searched_policies(options.two_bp_policy, two_bp, fixed),
         pipeline_ranks=planning.pipeline_ranks,
         tied=planning.tied,
         recompute=RECOMPUTE_AUTO if options.rebuilds else NO_RECOMPUTE,
