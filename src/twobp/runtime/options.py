@@ -111,9 +111,11 @@ class PipelineOptions:
     two_bp_policy: str = field(
         default="paper",
         metadata=_help(
-            "where W goes: 'paper', 'eager', 'fill' or 'dynamic' (into the waits that happen "
-            "at run time; see apply_two_bp)",
+            "where W goes: 'paper', 'eager', 'fill' (placed before the step, see apply_two_bp) "
+            "or 'dynamic': into the waits each rank meets as the step runs, one layer's W at "
+            "a time; pipe.step_times counts them",
             cli="--policy",
+            details="docs/schedules.md#w-at-run-time-policy-dynamic",
         ),
     )
     stages_per_rank: int | None = field(
