@@ -20,6 +20,7 @@ from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline
 from twobp.runtime.execution import dynamic_weights
+from twobp.schedule import Kind, apply_two_bp, generate
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,15 @@ class DynamicCase:
     rows: tuple[int, ...] = ()
     """Batch rows of each step (changing shapes); empty: every step the launch's batch."""
     n_microbatches: int | None = None
+    stash_limit: int | None = None
+    """Pass the schedule split by ``apply_two_bp(..., memory_limit=stash_limit)``."""
 
     def __str__(self) -> str:
         extra = f" dp={self.data_parallel}" if self.data_parallel > 1 else ""
         extra += f" recompute={self.recompute}" if self.recompute else ""
         extra += f" rows={'-'.join(map(str, self.rows))}" if self.rows else ""
         extra += f" m={self.n_microbatches}" if self.n_microbatches else ""
+        extra += f" stash<={self.stash_limit}" if self.stash_limit else ""
         return f"{self.model} {self.schedule} {self.policy}{extra}"
 
 
@@ -51,10 +55,15 @@ def rows_of(case: DynamicCase, batch_size: int) -> list[int]:
 def train(case: DynamicCase, n_mb: int, batch_size: int, timeout: float) -> dict[str, Any]:
     """:data:`N_STEPS` AdamW steps of ``case``: losses, first-step gradients, final state
     and the step times' counts summed over the steps."""
+    schedule: Any = case.schedule
+    if case.stash_limit is not None:
+        world = dist.get_world_size() // case.data_parallel
+        generated = generate(case.schedule, world, case.n_microbatches or n_mb)
+        schedule = apply_two_bp(generated, case.policy, memory_limit=case.stash_limit)
     pipe = Pipeline(
         build_blocks(case.model),
         loss_fn(case.model),
-        schedule=case.schedule,
+        schedule=schedule,
         n_microbatches=case.n_microbatches or n_mb,
         two_bp=True,
         two_bp_policy=case.policy,
@@ -79,14 +88,24 @@ def train(case: DynamicCase, n_mb: int, batch_size: int, timeout: float) -> dict
         pipe.zero_grad()
     state = {k: v.clone() for k, v in pipe.state_dict().items()}
     schedule = pipe.schedule.name
+    forced = any(_w_before_an_i(acts) for acts in pipe.schedule.actions.values())
     pipe.close()
     return {
+        "w listed before an I": forced,
         "losses": losses,
         "grads": grads,
         "state": state,
         "counts": counts,
         "schedule": schedule,
     }
+
+
+def _w_before_an_i(actions: Any) -> bool:
+    kinds = [a.kind for a in actions]
+    if Kind.BACKWARD_INPUT not in kinds or Kind.BACKWARD_WEIGHT not in kinds:
+        return False
+    last_i = max(i for i, k in enumerate(kinds) if k is Kind.BACKWARD_INPUT)
+    return Kind.BACKWARD_WEIGHT in kinds[:last_i]
 
 
 def _rows(batch: Any, start: int, count: int) -> Any:

@@ -46,6 +46,8 @@ CASES_2 = [
     DynamicCase("mlp", "1f1b", recompute="activations"),
     DynamicCase("mlp", "1f1b", recompute="derivatives"),
     DynamicCase("mlp", "1f1b", rows=(8, 12, 4)),
+    # A stash bound: apply_two_bp(..., "dynamic", memory_limit=2) lists the W it forces.
+    DynamicCase("mlp", "1f1b", n_microbatches=8, stash_limit=2, rows=(16,) * 3),
 ]
 CASES_4 = [
     *(DynamicCase("mlp", s, p) for s in SCHEDULES_4 for p in ("dynamic", "paper")),
@@ -213,3 +215,11 @@ def test_auto_with_the_dynamic_policy_searches_schedules_with_w_at_run_time():
     assert set(grads) == set(want)
     for name, g in grads.items():
         torch.testing.assert_close(g, want[name], rtol=0, atol=TOL, msg=name)
+
+
+def test_a_stash_bound_is_kept_by_the_w_it_lists(results):
+    bounded = DynamicCase("mlp", "1f1b", n_microbatches=8, stash_limit=2, rows=(16,) * 3)
+    per_rank = [r[str(bounded)] for r in results[2]]
+    assert any(r["w listed before an I"] for r in per_rank)
+    assert all(r["schedule"].count("+2bp:dynamic") == 1 for r in per_rank)
+    assert not any(r[str(DynamicCase("mlp", "1f1b"))]["w listed before an I"] for r in results[2])

@@ -42,7 +42,12 @@ from twobp.schedule.lowering import (
 )
 from twobp.schedule.registry import SCHEDULES, generate
 from twobp.schedule.schedule import Schedule
-from twobp.schedule.two_bp import DYNAMIC, TWO_BP_POLICIES, apply_two_bp
+from twobp.schedule.two_bp import (
+    DYNAMIC,
+    TWO_BP_POLICIES,
+    apply_two_bp,
+    places_weights_at_run_time,
+)
 from twobp.schedule.validate import validate
 
 DEFAULT_MICROBATCHES = 8
@@ -245,7 +250,7 @@ def finish_schedule(
         finished = apply_two_bp(
             finished, policy, costs=costs, memory_limit=held, microbatches_per_w=microbatches_per_w
         )
-    elif two_bp and policy == DYNAMIC:
+    elif two_bp and policy == DYNAMIC and not places_weights_at_run_time(finished):
         # Its own W placement stays, as the places W runs at if no wait ran it before.
         finished = finished.with_actions(finished.actions, f"{finished.name}+2bp:{DYNAMIC}")
     elif not two_bp and is_split(finished):
