@@ -220,12 +220,12 @@ class StepRun:
             if self._channel is not None:
                 self._channel.action = served
             receiving = None
-            if action.kind.role is Role.RECEIVE:
-                self._fill_wait(action)
-                receiving = self._clock.mark()
-            queued = self._queued > 0
-            started = time.perf_counter()
             try:
+                if action.kind.role is Role.RECEIVE:
+                    self._fill_wait(action)
+                    receiving = self._clock.mark()
+                queued = self._queued > 0
+                started = time.perf_counter()
                 handler = handlers.get(action.kind)
                 if handler is None:
                     raise ValueError(
@@ -357,7 +357,12 @@ class StepRun:
         times = self.result.times
         while filler.has_work and not channel.arrived(transfer):
             start, host = self._clock.mark(), time.perf_counter()
-            weight, finished = filler.run_part()
+            try:
+                weight, finished = filler.run_part()
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(in a W run while waiting for the {transfer})")
+                raise
             self._record(weight, start)
             times.weights_in_waits += 1
             times.weight_seconds_in_waits += time.perf_counter() - host
