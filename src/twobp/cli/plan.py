@@ -77,6 +77,14 @@ class PlanConfig:
         "optimizer_bytes",
         False,
     )
+    shard_parameters: bool = doc(
+        "with --model: search every layout with D > 1 also with each stage's parameters, "
+        "gradients and optimizer state sharded over its copies (Pipeline(shard_parameters="
+        "True), ZeRO-3: 1/D of them a rank, a stage's whole weights gathered from its first F "
+        "to its last I, its weights all-gathered and gradients reduce-scattered each step), "
+        "and say which layouts shard",
+        False,
+    )
     recompute: list[str] = doc(  # noqa: RUF009
         "recompute modes to compare, on every stage (off: none; activations: F again in I; "
         "derivatives: F and I again in W; all: both; auto: only the stashes over "
@@ -260,6 +268,11 @@ def run(config: PlanConfig) -> int:
         raise UsageError(f"--memory-limit must be > 0, got {config.memory_limit}")
     if is_analytic(config):
         return run_analytic(config)
+    if config.shard_parameters:
+        raise UsageError(
+            "--shard-parameters plans a model's shapes (--model, --hf-config or --layers ...): "
+            "a cost model's parameter bytes do not say which part are the weights it gathers"
+        )
     units = Units.of(config)
     check_limit_unit(config.memory_limit, units)
     costs = cost_model(config.costs, config.costs_file, config.stages)
@@ -358,6 +371,7 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
         config.seq_len,
         config.dtype,
         tensor_sizes=config.tensor_parallel,
+        shard_parameters=(False, True) if config.shard_parameters else (False,),
     )
     print(
         f"{shape.name} ({shape.params / 1e9:.2f}B parameters) on {config.gpus} x {device.name} "
@@ -377,6 +391,10 @@ def run_analytic(config: PlanConfig, shown: int = 3) -> int:
         )
         if c.recompute != "off":
             two_bp += f", recompute {c.recompute!r}"
+        if layout.shard_parameters:
+            two_bp += ", parameters sharded"
+        elif config.shard_parameters and layout.data > 1:
+            two_bp += ", parameters whole (optimizer state sharded)"
         breakdown = ", ".join(f"{k} {format_amount(v)}" for k, v in layout.memory.items())
         print(
             f"{i}. P={layout.pipeline} D={layout.data} T={layout.tensor}, {c.schedule}, {two_bp}, "

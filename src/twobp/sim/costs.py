@@ -168,6 +168,12 @@ class CostModel:
             Not saved in cost files.
         free_before_w: free a stage's gathered weights after its last ``I`` (True, as
             the runtime does: ``W`` needs no weights) or only after its last ``W``.
+        shard_parameters: the parameters and gradients are sharded over each stage's
+            replicas too (ZeRO-3, ``Pipeline(shard_parameters=True)``): timed as
+            ``shard_optimizer`` (each step all-gathers a stage's weights before its first
+            ``F`` and ``R`` reduce-scatters its gradients), and :meth:`with_reduction`
+            divides ``parameter_bytes`` by the replicas as well; ``gathered_bytes`` are
+            the whole weights a rank holds within the step. Not saved in cost files.
         jitter: the spread of each action's time, as a fraction of it (the
             coefficient of variation measured over repeated steps): the
             simulator draws every action's time from a normal distribution of
@@ -214,6 +220,7 @@ class CostModel:
     forward_full: PerStage | None = None
     gathered_bytes: PerStage | None = None
     free_before_w: bool = True
+    shard_parameters: bool = False
     jitter: float = 0.0
     jitter_seed: int = 0
 
@@ -494,9 +501,10 @@ class CostModel:
     def with_reduction(self, replicas: int, gradient_bytes: Sequence[float]) -> CostModel:
         """This model with the time of each stage's gradient all-reduce over ``replicas`` ranks.
 
-        With :attr:`shard_optimizer`: the reduce-scatter of the gradients as
-        ``reduce``, the all-gather of the updated parameters (as many bytes)
-        as ``gather``, and ``optimizer_bytes`` divided by ``replicas``.
+        With :attr:`shard_optimizer` (or :attr:`shard_parameters`): the reduce-scatter
+        of the gradients as ``reduce``, the all-gather of the updated parameters (as many
+        bytes) as ``gather``, and ``optimizer_bytes`` divided by ``replicas``; with
+        :attr:`shard_parameters`, ``parameter_bytes`` too.
 
         Args:
             replicas: ranks that hold each stage (data parallel degree, times
@@ -508,16 +516,20 @@ class CostModel:
         """
         sizes = _per_stage("gradient_bytes", gradient_bytes, self.n_stages)
         bandwidth = self.bandwidth if self.reduce_bandwidth is None else self.reduce_bandwidth
-        if self.shard_optimizer and replicas > 1:
+        if (self.shard_optimizer or self.shard_parameters) and replicas > 1:
             half = tuple(
                 reduce_scatter_time(b, replicas, bandwidth, self.send_latency) for b in sizes
             )
-            assert self.optimizer_bytes is not None
+            assert self.optimizer_bytes is not None and self.parameter_bytes is not None
+            held = self.parameter_bytes
+            if self.shard_parameters:
+                held = tuple(b / replicas for b in held)
             return replace(
                 self,
                 reduce=half,
                 gather=half,
                 optimizer_bytes=tuple(b / replicas for b in self.optimizer_bytes),
+                parameter_bytes=held,
             )
         return replace(
             self,

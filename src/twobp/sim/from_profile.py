@@ -191,6 +191,7 @@ def with_optimizer_state(
     block_parameters: Sequence[int],
     state_bytes: float,
     sharded: bool = False,
+    weights_share: float | None = None,
 ) -> CostsFor:
     """The cost models with each stage's optimizer state, and sharded if it will be.
 
@@ -203,19 +204,27 @@ def with_optimizer_state(
         sharded: the state will be sharded over each stage's holders
             (``CostModel.shard_optimizer``), its gathers waited for block by
             block (``gather_pieces``: the fewest blocks of a stage).
+        weights_share: the parameters and gradients will be sharded too
+            (``Pipeline(shard_parameters=True)``, ``CostModel.shard_parameters``):
+            the share of a stage's ``parameter_bytes`` that are its weights, which a
+            rank holds whole from the stage's first ``F`` to its last ``I``
+            (``gathered_bytes``); None: not sharded.
 
     Returns:
         ``n_stages -> cost model``.
 
     Raises:
-        ValueError: if ``state_bytes`` is negative or not finite.
+        ValueError: if ``state_bytes`` is negative or not finite, or ``weights_share``
+            is not within (0, 1].
     """
     if not (state_bytes >= 0 and math.isfinite(state_bytes)):
         raise ValueError(
             f"optimizer_state_bytes={state_bytes!r}: give the bytes of optimizer state per "
             "parameter (AdamW in float32: 8), or 0 not to count it"
         )
-    if not state_bytes and not sharded:
+    if weights_share is not None and not 0 < weights_share <= 1:
+        raise ValueError(f"weights_share={weights_share!r}: give a share within (0, 1]")
+    if not state_bytes and not sharded and weights_share is None:
         return costs_for
 
     def costs(n_stages: int) -> CostModel:
@@ -227,9 +236,13 @@ def with_optimizer_state(
                 state_bytes * sum(block_parameters[a : a + n])
                 for a, n in zip(starts, sizes, strict=True)
             )
-        if sharded:
+        if sharded or weights_share is not None:
             changes["shard_optimizer"] = True
             changes["gather_pieces"] = max(1, min(sizes))
+        if weights_share is not None:
+            assert model.parameter_bytes is not None
+            changes["shard_parameters"] = True
+            changes["gathered_bytes"] = tuple(b * weights_share for b in model.parameter_bytes)
         return replace(model, **changes)
 
     return costs

@@ -216,7 +216,11 @@ class _Planning:
 
     @property
     def optimizer(self) -> OptimizerMemory:
-        return OptimizerMemory(self.options.optimizer_state_bytes, self.options.optimizer_sharded)
+        options = self.options
+        sharded = options.shard_parameters
+        return OptimizerMemory(
+            options.optimizer_state_bytes, options.optimizer_sharded or sharded, sharded
+        )
 
     def prepared(self, split: TwoBP) -> Schedule:
         """The schedule by name, prepared with ``split`` as its 2BP."""

@@ -4,7 +4,14 @@ A layout is ``P`` pipeline ranks x ``D`` copies x ``T`` tensor-parallel ranks,
 a micro-batch size, and what :func:`twobp.sim.search.search` chooses for it:
 schedule, 2BP policy, stages per rank, ``W`` cap. Each rank's weights are
 subtracted from the device memory, and the search keeps the rest (gradients,
-optimizer state, activations and stashes) under it.
+optimizer state, activations and stashes) under it. With ``D > 1`` the optimizer
+state is sharded over the copies (``pipe.shard_optimizer``); with
+``shard_parameters`` the layouts are searched with the parameters and gradients
+sharded too (``Pipeline(shard_parameters=True)``) and without: a rank then keeps
+``1 / D`` of its weights, gradients and optimizer state, holds a stage's whole weights
+from its first ``F`` to its last ``I`` (``CostModel.gathered_bytes``), and each step
+all-gathers every stage's weights and reduce-scatters its gradients, as the
+simulator times them (``CostModel.shard_parameters``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Layout:
     tokens_per_second: float
     mfu: float
     memory: dict[str, float]
+    shard_parameters: bool = False
 
     def two_bp(self) -> str:
         """``off`` (fused backwards), ``own`` (a schedule split by its own design, as
@@ -73,7 +81,8 @@ class Layout:
             f"--microbatches {self.microbatches}",
             f"--batch-size {self.microbatches * self.microbatch * self.data}",
             f"--stages-per-rank {c.stages_per_rank}" if (c.stages_per_rank or 1) > 1 else "",
-            "--shard-optimizer" if self.shard_optimizer else "",
+            "--shard-optimizer" if self.shard_optimizer and not self.shard_parameters else "",
+            "--shard-parameters" if self.shard_parameters else "",
             f"--recompute {c.recompute}" if c.recompute != NO_RECOMPUTE else "",
         ]
         if self.tensor > 1:
@@ -93,6 +102,7 @@ class Layout:
             f"data_parallel={self.data}" if self.data > 1 else "",
             f"tensor_parallel={self.tensor}, tensor_parallel_plan=PLAN" if self.tensor > 1 else "",
             f"recompute={c.recompute!r}" if c.recompute != NO_RECOMPUTE else "",
+            "shard_parameters=True" if self.shard_parameters else "",
         ]
         text = f"Pipeline(blocks, loss_fn, {', '.join(p for p in parts if p)})"
         if self.shard_optimizer:
@@ -108,9 +118,9 @@ def stage_costs(
     tensor: int,
     dtype: str,
     head: BlockCosts | None = None,
-) -> tuple[CostModel, float]:
-    """The cost model of ``pipeline`` stages of equal layers, and the most weight
-    bytes a rank holds. With ``head`` (:func:`head_costs`), the first stage holds
+) -> tuple[CostModel, tuple[float, ...]]:
+    """The cost model of ``pipeline`` stages of equal layers, and the weight bytes of
+    each stage. With ``head`` (:func:`head_costs`), the first stage holds
     the embedding too (its lookup costs no time) and the last the head."""
     per_stage = -(-shape.layers // pipeline)
     seconds = device.seconds
@@ -148,7 +158,7 @@ def stage_costs(
         contention=device.contention,
     )
     if head is None:
-        return costs, per_stage * block.parameter_bytes
+        return costs, (per_stage * block.parameter_bytes,) * pipeline
     size = DTYPE_BYTES[dtype]
     embedding = shape.vocab * shape.hidden / tensor * size
     embedding_state = embedding * head.optimizer_bytes / head.parameter_bytes
@@ -183,7 +193,7 @@ def stage_costs(
     weights = [per_stage * block.parameter_bytes] * pipeline
     weights[0] += embedding
     weights[-1] += head.parameter_bytes
-    return costs, max(weights)
+    return costs, tuple(weights)
 
 
 def _divisors(n: int) -> list[int]:
@@ -203,10 +213,13 @@ def plan_layouts(
     max_microbatches: int = 64,
     schedules: Sequence[str] = SCHEDULES_TRIED,
     policies: Sequence[str] = POLICIES_TRIED,
+    shard_parameters: Sequence[bool] = (False,),
 ) -> list[Layout]:
     """Every layout that fits, fastest first (empty: none fits), each with the best of
     ``schedules`` x ``policies``. Recomputation costs time: its modes
-    (:data:`RECOMPUTE_TRIED`) are tried only where no layout fits without."""
+    (:data:`RECOMPUTE_TRIED`) are tried only where no layout fits without.
+    ``shard_parameters``: the settings of ``Pipeline(shard_parameters=...)`` to search
+    where ``D > 1`` (``(False, True)``: both, each a layout of its own)."""
     for recomputes in ((NO_RECOMPUTE,), RECOMPUTE_TRIED):
         dims = (gpus, global_batch, seq_len, dtype)
         out = _layouts(
@@ -215,6 +228,7 @@ def plan_layouts(
             dims,
             (tensor_sizes, microbatch_sizes, max_microbatches),
             (tuple(schedules), tuple(policies), recomputes),
+            tuple(shard_parameters),
         )
         if out:
             break
@@ -227,6 +241,7 @@ def _layouts(
     dims: tuple[int, int, int, str],
     sizes: tuple[Sequence[int], Sequence[int], int],
     tried: tuple[Sequence[str], Sequence[str], Sequence[str]],
+    shard_parameters: tuple[bool, ...] = (False,),
 ) -> list[Layout]:
     gpus, global_batch, seq_len, dtype = dims
     tensor_sizes, microbatch_sizes, max_microbatches = sizes
@@ -244,14 +259,12 @@ def _layouts(
                 m = global_batch // (data * mb)
                 if m < pipeline or m > max_microbatches:
                     continue
-                block = block_costs(shape, seq_len, mb, dtype, tensor)
-                for shard in (data > 1,):
-                    layout = _best(
+                for sharded in shard_parameters if data > 1 else (False,):
+                    layout = best_layout(
                         shape,
                         device,
-                        block,
                         (pipeline, data, tensor, mb, m, seq_len),
-                        shard,
+                        (data > 1, sharded),
                         dtype,
                         tried,
                     )
@@ -260,21 +273,64 @@ def _layouts(
     return sorted(out, key=lambda x: x.step)
 
 
-def _best(
+def layout_costs(
     shape: DecoderShape,
     device: Hardware,
-    block: BlockCosts,
     dims: tuple[int, int, int, int, int, int],
-    shard: bool,
+    shard: tuple[bool, bool],
     dtype: str,
-    tried: tuple[Sequence[str], Sequence[str], Sequence[str]],
+) -> tuple[CostModel, tuple[float, ...], float]:
+    """The cost model of a layout's stages, each stage's whole weights, and the weight
+    bytes a rank keeps between steps.
+
+    Args:
+        shape: the decoder.
+        device: the hardware.
+        dims: ``(P, D, T, micro-batch size, micro-batches, sequence length)``.
+        shard: whether the optimizer state is sharded over the ``D`` copies, and whether
+            the parameters and gradients are too (``CostModel.shard_parameters``).
+        dtype: of the weights and compute.
+    """
+    pipeline, data, tensor, mb, _, seq_len = dims
+    shard_optimizer, shard_parameters = shard
+    block = block_costs(shape, seq_len, mb, dtype, tensor)
+    head = head_costs(shape, seq_len, mb, dtype, tensor)
+    costs, stage_weights = stage_costs(shape, device, block, pipeline, tensor, dtype, head)
+    if shard_optimizer:
+        # Each step gathers the stages' updated weights, waited for block by block (a
+        # layer at a time) by the stage's first F.
+        costs = replace(costs, shard_optimizer=True, gather_pieces=-(-shape.layers // pipeline))
+    weights = max(stage_weights)
+    if shard_parameters:
+        # The rank keeps 1/D of its weights; each stage's whole weights are gathered
+        # within the step (the same gathers), held from its first F to its last I.
+        weights /= data
+        costs = replace(costs, shard_parameters=True, gathered_bytes=stage_weights)
+    return costs, stage_weights, weights
+
+
+def best_layout(
+    shape: DecoderShape,
+    device: Hardware,
+    dims: tuple[int, int, int, int, int, int],
+    shard: tuple[bool, bool],
+    dtype: str,
+    tried: tuple[Sequence[str], Sequence[str], Sequence[str]] = (
+        SCHEDULES_TRIED,
+        POLICIES_TRIED,
+        (NO_RECOMPUTE,),
+    ),
 ) -> Layout | None:
+    """The fastest candidate of one layout that fits the device (None: none fits).
+
+    Args:
+        shape, device, dims, shard, dtype: as for :func:`layout_costs`.
+        tried: the schedules, 2BP policies and recompute modes searched.
+    """
     schedules, policies, recomputes = tried
     pipeline, data, tensor, mb, m, seq_len = dims
-    head = head_costs(shape, seq_len, mb, dtype, tensor)
-    costs, weights = stage_costs(shape, device, block, pipeline, tensor, dtype, head)
-    if shard:
-        costs = CostModel(**{**costs.__dict__, "shard_optimizer": True})
+    shard_optimizer, shard_parameters = shard
+    costs, stage_weights, weights = layout_costs(shape, device, dims, shard, dtype)
     limit = device.memory - weights
     if limit <= 0:
         return None
@@ -294,25 +350,27 @@ def _best(
     per_device = shape.active_block_params * shape.layers + shape.vocab * shape.hidden
     model_flops = 6.0 * per_device * tokens + 12.0 * shape.layers * seq_len * shape.hidden * tokens
     mfu = model_flops / (best.makespan * pipeline * data * tensor * device.peak(dtype))
-    gradients = max(costs.parameter_bytes or (0.0,))
-    optimizer = max(costs.optimizer_bytes or (0.0,)) / (data if shard else 1)
+    gradients = max(costs.parameter_bytes or (0.0,)) / (data if shard_parameters else 1)
+    optimizer = max(costs.optimizer_bytes or (0.0,)) / (data if shard_optimizer else 1)
     static = gradients + optimizer
-    memory = {
-        "weights": weights,
-        "gradients": gradients,
-        "optimizer": optimizer,
-        "activations and stashes": max(best.peak_memory - static, 0.0),
-    }
+    memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+    if shard_parameters:
+        # A stage's whole weights are held from its first F to its last I: at the peak
+        # of activations, as a rank's forwards run before its last I.
+        memory["gathered weights"] = max(stage_weights)
+        static += max(stage_weights)
+    memory["activations and stashes"] = max(best.peak_memory - static, 0.0)
     return Layout(
         pipeline,
         data,
         tensor,
         mb,
         m,
-        shard,
+        shard_optimizer,
         best,
         best.makespan,
         tokens / best.makespan,
         mfu,
         memory,
+        shard_parameters,
     )

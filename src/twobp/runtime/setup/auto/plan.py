@@ -78,10 +78,15 @@ class OptimizerMemory:
         sharded: the optimizer will be ``pipe.shard_optimizer``'s: each holder
             of a stage counts its share, and ``R`` and the gathers are timed
             as they run (``CostModel.shard_optimizer``).
+        parameters_sharded: the parameters and gradients will be sharded too
+            (``shard_parameters=True``): each holder of a stage counts its share of
+            them, and the stage's whole weights while its step reads them
+            (``CostModel.shard_parameters``, ``gathered_bytes``).
     """
 
     state_bytes: float = 0.0
     sharded: bool = False
+    parameters_sharded: bool = False
 
     def counted(
         self, costs_for: CostsFor, sizes_for: SizesFor, blocks: Sequence[nn.Module]
@@ -93,6 +98,7 @@ class OptimizerMemory:
             [sum(p.numel() for p in b.parameters()) for b in blocks],
             self.state_bytes,
             self.sharded,
+            1 / PARAMETER_FACTOR if self.parameters_sharded else None,
         )
 
 

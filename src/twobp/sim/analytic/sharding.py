@@ -1,0 +1,90 @@
+"""One layout with its parameters sharded over the copies and without, on analytic costs.
+
+For a given ``P x D x T`` and micro-batch size, :func:`compare_sharding` takes the
+best candidate of the layout (:func:`twobp.sim.analytic.layout.best_layout`) with
+the optimizer state sharded over the ``D`` copies (``pipe.shard_optimizer``) and
+with the parameters, gradients and optimizer state sharded
+(``Pipeline(shard_parameters=True)``), and what the gradient reduce-scatters and
+weight all-gathers cost it: their time on the link, and how much later the step
+ends because of them (against the same candidate simulated on one copy). Both layouts
+run the same collectives each step (twobp's ZeRO-1 gathers the updated weights
+too); what sharding the parameters changes is the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twobp.sim.analytic.hardware import Hardware
+from twobp.sim.analytic.layout import Layout, best_layout, layout_costs
+from twobp.sim.analytic.shapes import DecoderShape
+from twobp.sim.costs import reduce_scatter_time
+from twobp.sim.search import Option, simulate_option
+
+
+@dataclass(frozen=True)
+class ShardingRow:
+    """One layout's best candidate and what its collectives cost.
+
+    Args:
+        layout: the layout and its candidate.
+        collectives: seconds a rank's link spends each step on its stages' gradient
+            reduce-scatter and weight all-gather.
+        exposed: how much later the step ends than the same candidate's on one copy,
+            without them (overlap hides the rest).
+    """
+
+    layout: Layout
+    collectives: float
+    exposed: float
+
+    @property
+    def peak(self) -> float:
+        """Bytes per rank at the peak: the sum of the layout's memory breakdown."""
+        return sum(self.layout.memory.values())
+
+
+def compare_sharding(
+    shape: DecoderShape,
+    device: Hardware,
+    dims: tuple[int, int, int, int, int, int],
+    dtype: str = "bfloat16",
+) -> list[ShardingRow]:
+    """The layout ``dims`` with whole parameters (the optimizer state sharded) and with
+    sharded parameters, in that order; a setting that fits no device is left out.
+
+    Args:
+        shape: the decoder.
+        device: the hardware.
+        dims: ``(P, D, T, micro-batch size, micro-batches, sequence length)``, ``D > 1``.
+        dtype: of the weights and compute.
+
+    Raises:
+        ValueError: if ``D < 2`` (nothing to shard over).
+    """
+    pipeline, data = dims[0], dims[1]
+    if data < 2:
+        raise ValueError(f"D={data}: sharding needs 2 copies or more")
+    rows = []
+    for sharded in (False, True):
+        layout = best_layout(shape, device, dims, (True, sharded), dtype)
+        if layout is None:
+            continue
+        costs, _, _ = layout_costs(shape, device, dims, (True, sharded), dtype)
+        c = layout.candidate
+        option = Option(
+            c.schedule,
+            c.policy,
+            c.stages_per_rank,
+            c.microbatches_per_w,
+            c.recompute,
+            c.weight_group_size,
+            c.split,
+        )
+        # The same step on one copy: no reduction, no gather.
+        without, _ = simulate_option(option, pipeline, layout.microbatches, costs.for_stages)
+        assert costs.parameter_bytes is not None and costs.reduce_bandwidth is not None
+        gradients = max(costs.parameter_bytes)  # a rank's stages: one stage's worth
+        one_way = reduce_scatter_time(gradients, data, costs.reduce_bandwidth, costs.send_latency)
+        rows.append(ShardingRow(layout, 2 * one_way, layout.step - without.makespan))
+    return rows
