@@ -364,8 +364,10 @@ class StepRun:
                     exc.add_note(f"(in a W run while waiting for the {transfer})")
                 raise
             self._record(weight, start)
+            seconds = time.perf_counter() - host
             times.weights_in_waits += 1
-            times.weight_seconds_in_waits += time.perf_counter() - host
+            times.weight_seconds_in_waits += seconds
+            times.dispatch += seconds  # as a compute action's whole time: its span is compute
             if finished:
                 self._queued -= len(weight.microbatches)
                 self._start_early_reductions()
