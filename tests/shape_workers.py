@@ -239,3 +239,44 @@ def data_parallel_session(timeout: float) -> dict[str, Any]:
 
 
 DP_SHAPES = [(9, 6), (7, 10), (9, 6)]
+LR = 0.01
+
+
+def sharded_session(schedules: list[str], timeout: float) -> dict[str, Any]:
+    """Two copies of a 2-rank pipeline with sharded parameters (2BP, AdamW through
+    ``pipe.shard_optimizer``) on :data:`DP_SHAPES`, parts of uneven size: each step's loss
+    and the parameters after its update."""
+    out: dict[str, Any] = {}
+    for name in schedules:
+        with Pipeline(
+            build_blocks(), mean_loss, schedule=name, n_microbatches=2, data_parallel=2,
+            two_bp=True, shard_parameters=True, device="cpu", timeout=timeout,
+        ) as pipe:  # fmt: skip
+            optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+            losses, states = [], []
+            for step, (rows, seq) in enumerate(DP_SHAPES):
+                ids, targets = make_batch(step, rows, seq)
+                ids = torch.tensor_split(ids, 2)[pipe.dp_rank]
+                targets = torch.tensor_split(targets, 2)[pipe.dp_rank]
+                losses.append(pipe.step(ids, targets))
+                optimizer.step()
+                optimizer.zero_grad()
+                states.append(pipe.state_dict())
+            out[name] = {"losses": losses, "states": states}
+    return out
+
+
+def trained_reference(shapes: list[tuple[int, int]]) -> dict[str, Any]:
+    """One process on each whole batch, AdamW after each: losses and parameters."""
+    model = nn.Sequential(*build_blocks())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, states = [], []
+    for step, (rows, seq) in enumerate(shapes):
+        ids, targets = make_batch(step, rows, seq)
+        value = mean_loss(model(ids), targets)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(value.detach()))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return {"losses": losses, "states": states}

@@ -287,3 +287,67 @@ def freed_peaks(schedules: list[str], rows: int) -> dict[str, Any]:
             pipe.close()
         out[schedule] = {"runs": runs, "schedule": compute}
     return out
+
+
+def dropout_against_unsharded(modes: list[str | None]) -> dict[str, Any]:
+    """An MLP with dropout, 3 AdamW steps from one seed per rank, with parameters sharded
+    and with the optimizer state sharded alone, for each recompute mode: losses and
+    parameters (a recomputed forward replays the dropout masks of its first run)."""
+    import torch.nn.functional as F
+
+    from recompute_workers import dropout_batch, dropout_blocks
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    inputs, targets = dropout_batch(2 * PART)
+    for mode in modes:
+        for sharded in (False, True):
+            pipe = Pipeline(
+                dropout_blocks(),
+                F.mse_loss,
+                schedule="zb-h1",
+                n_microbatches=N_MB,
+                two_bp=True,
+                device="cpu",
+                timeout=60.0,
+                data_parallel=2,
+                shard_parameters=sharded,
+                recompute=mode,
+            )
+            optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+            torch.manual_seed(1000 + pipe.rank)
+            part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+            losses = []
+            for _ in range(N_STEPS):
+                losses.append(pipe.step(inputs[part], targets[part]))
+                optimizer.step()
+                optimizer.zero_grad()
+            out[f"{mode} sharded={sharded}"] = {"losses": losses, "state": pipe.state_dict()}
+            pipe.close()
+    return out
+
+
+def compiled_against_eager() -> dict[str, Any]:
+    """3 AdamW steps with parameters sharded, each stage compiled (``compile=True``) and
+    eager: losses, parameters, and the warnings the compiled steps raised."""
+    import warnings
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = _pipeline("zb-h1", compile=compiled)
+            optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+            losses = []
+            for step in range(N_STEPS):
+                inputs, targets = batch_of(step, 0, 2)
+                part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
+                losses.append(pipe.step(inputs[part], targets[part]))
+                optimizer.step()
+                optimizer.zero_grad()
+            state = pipe.state_dict()
+            pipe.close()
+        messages = [str(w.message) for w in caught if "compiled" in str(w.message)]
+        out[f"compiled={compiled}"] = {"losses": losses, "state": state, "warnings": messages}
+    return out

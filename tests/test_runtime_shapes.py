@@ -30,7 +30,9 @@ from shape_workers import (
     reference,
     reference_eval,
     shapes_session,
+    sharded_session,
     token_mean,
+    trained_reference,
     value_dependent_batch,
 )
 from twobp.runtime import launch
@@ -154,6 +156,26 @@ def test_data_parallel_copies_of_different_sizes_give_the_global_mean():
         # Each copy holds every gradient: compare copy 0 and copy 1 alike.
         for copy in (results[:2], results[2:]):
             _compare(copy, label, expected)
+
+
+def test_sharded_parameters_follow_shapes_that_change():
+    # shard_parameters=True with 2BP: each step gathers the weights whatever the batch's
+    # shapes; parts of uneven size give the global mean; AdamW steps the shards.
+    schedules = ["1f1b", "zb-h1"]
+    results = launch(sharded_session, 4, schedules, TIMEOUT, threads_per_rank=1, timeout=300)
+    expected = trained_reference(DP_SHAPES)
+    for name in schedules:
+        for copy in (results[:2], results[2:]):
+            for step, loss in enumerate(expected["losses"]):
+                state: dict[str, torch.Tensor] = {}
+                for rank in copy:
+                    assert rank[name]["losses"][step] == pytest.approx(loss, abs=TOL), name
+                    state.update(rank[name]["states"][step])
+                assert state.keys() == expected["states"][step].keys()
+                for key, value in expected["states"][step].items():
+                    torch.testing.assert_close(
+                        state[key], value, rtol=0, atol=TOL, msg=f"{name} {step} {key}"
+                    )
 
 
 # -- the pure parts ------------------------------------------------------------------

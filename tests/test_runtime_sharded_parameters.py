@@ -24,6 +24,8 @@ from sharded_parameters_workers import (
     auto_schedule,
     batch_of,
     checkpoint_round_trip,
+    compiled_against_eager,
+    dropout_against_unsharded,
     failed_step,
     refusals,
     scaled_against_unsharded_parameters,
@@ -174,3 +176,30 @@ def test_a_failed_step_frees_the_weights_and_the_next_step_runs() -> None:
     assert sorted(r[0] for r in results) == ["PeerStepFailedError"] * 3 + ["ValueError"]
     for error, again, fresh, held in results:
         assert again == fresh and not held, (error, again, fresh, held)
+
+
+def test_dropout_draws_as_with_whole_parameters() -> None:
+    # The same masks and updates as the optimizer state sharded alone, from the same seeds,
+    # also where a recomputed forward replays them (in I, or in every W).
+    modes = [None, "activations", "derivatives"]
+    for r in launch(dropout_against_unsharded, 4, modes, timeout=300):
+        for mode in modes:
+            whole, sharded = r[f"{mode} sharded=False"], r[f"{mode} sharded=True"]
+            assert sharded["losses"] == whole["losses"], (mode, sharded, whole)
+            for name, value in whole["state"].items():
+                torch.testing.assert_close(
+                    sharded["state"][name], value, rtol=0, atol=0, msg=f"{mode} {name}"
+                )
+
+
+def test_compiled_stages_step_as_eager_and_stay_compiled() -> None:
+    # compile=True compiles each stage whole: it waits for its gathered weights before its
+    # forward (no hook inside the compiled frame, which dynamo would trace and recompile on
+    # every gather's state until it gave up compiling).
+    for r in launch(compiled_against_eager, 4, timeout=300):
+        eager, compiled = r["compiled=False"], r["compiled=True"]
+        assert not compiled["warnings"], compiled["warnings"]
+        for got, want in zip(compiled["losses"], eager["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (got, want)
+        for name, value in eager["state"].items():
+            torch.testing.assert_close(compiled["state"][name], value, rtol=0, atol=TOL)

@@ -20,8 +20,9 @@ After ``optimizer.step()`` a hook starts the all-gather of every updated
 shard into its flat buffer in the background, in the order of this rank's
 stages' first forwards (and within a stage, of its blocks). Each block of a
 stage waits for the gathers of its own parameters just before it runs (a
-forward pre-hook; a compiled block, and parameters outside the stage's
-blocks, are waited for before the stage's forward starts). So the gathers
+forward pre-hook; a compiled block, a stage compiled whole (``compile=True``),
+and parameters outside the stage's blocks, are waited for before the stage's
+forward starts). So the gathers
 overlap the end of the step (``zero_grad``, loading the next batch), the
 start of the next one, and on the first stage of the first rank its first
 forward's first blocks. Reading the parameters
@@ -203,6 +204,8 @@ class ShardedParameters:
         handles = []
         covered: dict[int, set[int]] = {}
         for stage, module in stage_modules.items():
+            if is_compiled(module):
+                continue  # compiled whole (compile=True): its forward is one compiled frame
             for block in module.children():
                 if is_compiled(block):
                     continue  # a hook would run inside the compiled graph
