@@ -13,6 +13,8 @@ in rounds after a warm-up, under four conditions:
   seq-len     each round draws its sequence length from 16..128 tokens
   busy core   a process pinned to rank 1's core computes for 20 ms and rests for
               20 ms, over and over
+  slow micro-batches  the last rank's blocks compute 25% longer on a random third
+              of the micro-batches (drawn per forward, the same for every policy)
 
 Every pipeline of a round meets the same disturbance. Printed per schedule and
 condition: each policy's median step, dynamic against the best static policy
@@ -42,14 +44,17 @@ from torch import Tensor, nn
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
 
-CONDITIONS = ("as is", "slow stage", "seq-len", "busy core")
+CONDITIONS = ("as is", "slow stage", "seq-len", "busy core", "slow micro-batches")
 CASES = (("1f1b", 2), ("1f1b", 8), ("zb-h1", 4), ("zb-v", 4))
 POLICIES = ("eager", "paper", "fill", "dynamic")
 SEQ = 128
 ROWS_PER_MICROBATCH = 2
 
-_SLOW = {"rank": -1}
-"""The rank whose blocks run slower in this step (-1: none)."""
+_SLOW: dict[str, Any] = {"rank": -1, "round": None, "calls": 0, "blocks": 1}
+"""The rank whose blocks run slower in this step (-1: none); with ``round`` set, only
+on a third of its micro-batches, drawn from the round and the micro-batch's place in
+the rank's forwards (``calls`` block forwards so far, ``blocks`` per micro-batch): the
+same micro-batches for every policy."""
 
 
 class Slowable(nn.Module):
@@ -62,11 +67,20 @@ class Slowable(nn.Module):
     def forward(self, *args: Any) -> Any:
         start = time.perf_counter()
         out = self.inner(*args)
-        if _SLOW["rank"] == torch.distributed.get_rank():
+        if _SLOW["rank"] == torch.distributed.get_rank() and _picked():
             until = time.perf_counter() + 0.75 * (time.perf_counter() - start)
             while time.perf_counter() < until:
                 pass
         return out
+
+
+def _picked() -> bool:
+    """Whether this forward's micro-batch is slowed (always, without a round)."""
+    if _SLOW["round"] is None:
+        return True
+    microbatch = _SLOW["calls"] // _SLOW["blocks"]
+    _SLOW["calls"] += 1
+    return random.Random(f"{_SLOW['round']}:{microbatch}").random() < 1 / 3
 
 
 _BUSY = """
@@ -111,7 +125,7 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     os.sched_setaffinity(0, {args["cores"][rank]})
     spec = build_model("llama", "small", seed=0, seq_len=SEQ, vocab_size=256)
-    blocks = [Slowable(b) for b in spec.blocks]
+    blocks: list[nn.Module] = [Slowable(b) for b in spec.blocks]
     out: dict[str, Any] = {}
     for schedule, m in CASES:
         pipes = _pipelines(blocks, spec.loss_fn, schedule, m)
@@ -126,7 +140,13 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
                 seq = draw.randint(16, SEQ) if condition == "seq-len" else SEQ
                 inputs, targets = _batch(round_, m * ROWS_PER_MICROBATCH, seq)
                 for policy, pipe in pipes.items():
-                    _SLOW["rank"] = slow_rank if slow else -1
+                    _SLOW.update(rank=slow_rank if slow else -1, round=None, calls=0)
+                    if condition == "slow micro-batches":
+                        # The last stage's rank on 1f1b and zb-h1; on zb-v, rank 0.
+                        _SLOW.update(rank=0 if schedule == "zb-v" else 1, round=round_)
+                        _SLOW["blocks"] = sum(
+                            isinstance(m, Slowable) for m in pipe.module.modules()
+                        )
                     pipe.claim_blocks()
                     torch.distributed.barrier()
                     start = time.perf_counter()
