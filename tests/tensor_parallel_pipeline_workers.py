@@ -171,8 +171,6 @@ def refusal(case: str) -> str:
         plan = {**plan, "embed": "rowwise", "output": "rowwise"}
     if case == "auto":
         kwargs["schedule"] = "auto"
-    if case == "sharded parameters":
-        kwargs["shard_parameters"] = True
     if case in ("torch styles", "sequence parallel"):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,

@@ -85,11 +85,6 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("auto", 2, "schedule='auto' plans from what each tensor-parallel pipeline"),
         ("checkpoint", 2, "state_dict() of a tensor-parallel pipeline is refused"),
         ("torch styles", 2, "accepted"),
-        (
-            "sharded parameters",
-            2,
-            "tensor_parallel with shard_parameters=True is not supported",
-        ),  # ColwiseParallel(), RowwiseParallel()
         ("sequence parallel", 2, "'attn_norm': SequenceParallel with input layouts"),
     ],
 )

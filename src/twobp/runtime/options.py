@@ -333,12 +333,6 @@ class PipelineOptions:
         check_recompute(self.recompute, self.memory_limit)
         if self.tensor_parallel is not None and self.tensor_parallel != 1:
             check_size(self.tensor_parallel)
-            if self.shard_parameters:
-                raise PipelineConfigError(
-                    "tensor_parallel with shard_parameters=True is not supported yet: split "
-                    "the blocks (tensor_parallel) or shard their parameters over the copies, "
-                    "not both"
-                )
             if self.tensor_parallel_plan is None:
                 raise PipelineConfigError(
                     f"tensor_parallel={self.tensor_parallel} needs tensor_parallel_plan: which "

@@ -53,11 +53,6 @@ def check_shardable(
             f"{where} shards each stage over its data-parallel copies, and this pipeline has "
             "one: give data_parallel=2 or more, or leave shard_parameters out"
         )
-    if options.tensor_parallel not in (None, 1):
-        raise PipelineConfigError(
-            f"{where} with tensor_parallel={options.tensor_parallel} is not supported: "
-            "use one of them"
-        )
     if schedule.n_pipelines > 1:
         raise PipelineConfigError(
             f"{where} with a schedule of {schedule.n_pipelines} pipelines "
