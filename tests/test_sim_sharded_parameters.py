@@ -7,11 +7,14 @@ from dataclasses import replace
 import pytest
 
 from twobp.cli.main import main
+from twobp.schedule.action import Action
 from twobp.sim.analytic import compare_sharding, load_hardware
-from twobp.sim.analytic.layout import best_layout
+from twobp.sim.analytic.layout import STEP_SHARDED, best_layout
 from twobp.sim.analytic.shapes import custom_shape
 from twobp.sim.costs import CostModel
+from twobp.sim.memory import peak_memory
 from twobp.sim.search import Option, simulate_option
+from twobp.timeline import Span
 
 # 4 layers of width 8, 2 heads, MLP 16, 32 tokens: a layer has 2*8*8 + 2*8*8 (attention)
 # + 3*8*16 (MLP) + 2*8 (norms) = 656 parameters.
@@ -41,11 +44,41 @@ def test_peak_counts_a_share_of_the_parameters_and_the_gathered_stage():
     option = Option("1f1b", "off", None)
     sharded = replace(base, gathered_bytes=(4.0, 4.0), shard_parameters=True)
     candidate, _ = simulate_option(option, 2, 2, sharded, data_parallel=2)
-    # Rank 0 holds both activations at its first B: 16/2 + 16/2 + 4 + 2.
-    assert candidate.peak_memory == 22.0
+    # Rank 0 at the start of its first B: shards 16/2 + 16/2, the stage's weights 4, both
+    # activations 2, and the whole gradients (4, as the weights) its Bs make until its R.
+    assert candidate.peak_memory == 26.0
     whole = replace(base, shard_optimizer=True)
     candidate, _ = simulate_option(option, 2, 2, whole, data_parallel=2)
     assert candidate.peak_memory == 16.0 + 16.0 / 2 + 2
+
+
+def test_the_whole_gradients_take_the_room_freeing_the_weights_before_w_leaves():
+    # One rank, one stage, two micro-batches: F0 F1 I0 I1, then one W of both. Activations
+    # 1 a micro-batch from F to I, a stash of 2 from I to W, weights 10, and under sharded
+    # parameters the stage's whole gradients (as many bytes as its weights) from W's start
+    # until its end, when R reduce-scatters them.
+    spans = [
+        Span(0, Action.parse("0F0"), 0.0, 1.0),
+        Span(0, Action.parse("0F1"), 1.0, 2.0),
+        Span(0, Action.parse("0I0"), 2.0, 3.0),
+        Span(0, Action.parse("0I1"), 3.0, 4.0),
+        Span(0, Action.parse("0W0-1"), 4.0, 6.0),
+    ]
+    costs = CostModel(
+        forward=(1.0,),
+        backward_input=(1.0,),
+        backward_weight=(1.0,),
+        activation_bytes=(1.0,),
+        weight_grad_bytes=(2.0,),
+        gathered_bytes=(10.0,),
+        shard_parameters=True,
+    )
+    # Freed before W: 10 + 1 + 2 at the end of I0; in W both stashes and the gradients.
+    assert peak_memory(spans, costs, [0]) == (14.0,)
+    # Kept through W: the weights, both stashes and the gradients at once.
+    assert peak_memory(spans, replace(costs, free_before_w=False), [0]) == (24.0,)
+    # Whole parameters (gradients in parameter_bytes): the weights until the end of I.
+    assert peak_memory(spans, replace(costs, shard_parameters=False), [0]) == (13.0,)
 
 
 def test_an_analytic_layout_with_sharded_parameters_holds_a_share_and_one_stage():
@@ -59,11 +92,13 @@ def test_an_analytic_layout_with_sharded_parameters_holds_a_share_and_one_stage(
     assert memory["weights"] == 2 * last / 2
     assert memory["gradients"] == 2 * last / 2
     assert memory["optimizer"] == 12 * last / 2
-    assert memory["gathered weights"] == 2 * last
+    # The step's part holds the stage's gathered weights at least, on top of the shards.
+    assert memory[STEP_SHARDED] >= 2 * last
+    assert sum(memory.values()) == memory["weights"] + sharded.candidate.peak_memory
     whole = best_layout(TINY, device, DIMS, (True, False), "bfloat16")
     assert whole is not None and not whole.shard_parameters
     assert whole.memory["weights"] == whole.memory["gradients"] == 2 * last
-    assert whole.memory["optimizer"] == 12 * last / 2 and "gathered weights" not in whole.memory
+    assert whole.memory["optimizer"] == 12 * last / 2 and STEP_SHARDED not in whole.memory
     assert first < last
     assert "--shard-parameters" in sharded.options() and "--shard-optimizer" in whole.options()
     assert "shard_parameters=True" in sharded.pipeline_options()
@@ -123,3 +158,31 @@ def test_schedule_auto_counts_a_share_of_the_parameters_and_the_gathered_weights
     whole = OptimizerMemory(8.0, True).counted(costs_for, sizes_for, blocks)(2)
     assert not whole.shard_parameters and whole.gathered_bytes == (0.0, 0.0)
     assert whole.with_reduction(2, whole.parameter_bytes).parameter_bytes == (128.0, 128.0)
+
+
+def test_schedule_auto_plans_with_the_parameters_sharded_as_the_pipeline_will_run():
+    import torch
+
+    from twobp.runtime.options import PipelineOptions
+    from twobp.runtime.setup.auto.plan import OptimizerMemory
+    from twobp.runtime.setup.pipeline_plan import _Planning
+
+    def planned(**options: object) -> OptimizerMemory:
+        planning = _Planning(
+            blocks=[],
+            world=None,  # type: ignore[arg-type]
+            device=torch.device("cpu"),
+            options=PipelineOptions(**options),  # type: ignore[arg-type]
+            example_input=None,
+            pipeline_ranks=None,
+            data_parallel=2,
+            tied=False,
+            sample=None,
+        )
+        return planning.optimizer
+
+    assert planned(shard_parameters=True, optimizer_state_bytes=12.0) == OptimizerMemory(
+        12.0, True, True
+    )
+    assert planned(optimizer_sharded=True) == OptimizerMemory(0.0, True, False)
+    assert planned() == OptimizerMemory(0.0, False, False)

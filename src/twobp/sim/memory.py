@@ -116,6 +116,41 @@ def gathered_changes(spans: Sequence[Span], costs: CostModel) -> list[tuple[int,
     for stage, (start, rank) in first.items():
         out.append((rank, start, gathered[stage]))
         out.append((rank, last[stage], -gathered[stage]))
+    if costs.shard_parameters:
+        out += whole_gradient_changes(spans, gathered)
+    return out
+
+
+MAKES_GRADIENTS = frozenset(
+    {Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD, Kind.FULL_BACKWARD}
+)
+"""The kinds that add to a stage's weight gradients."""
+
+
+def whole_gradient_changes(
+    spans: Sequence[Span], gradient_bytes: Sequence[float]
+) -> list[tuple[int, float, float]]:
+    """``(rank, time, bytes)`` of each stage's whole weight gradients under sharded
+    parameters: made by its first ``W`` (or ``B``), from its start, until its last one
+    ends, when ``R`` reduce-scatters them into the rank's shard (the reduce-scatter's own
+    time is not counted)."""
+    first: dict[int, tuple[float, int]] = {}
+    last: dict[int, float] = {}
+    for span in spans:
+        a = span.action
+        if (
+            a.kind not in MAKES_GRADIENTS
+            or a.stage >= len(gradient_bytes)
+            or not gradient_bytes[a.stage]
+        ):
+            continue
+        if a.stage not in first or span.start < first[a.stage][0]:
+            first[a.stage] = (span.start, span.rank)
+        last[a.stage] = max(last.get(a.stage, span.end), span.end)
+    out = []
+    for stage, (start, rank) in first.items():
+        out.append((rank, start, gradient_bytes[stage]))
+        out.append((rank, last[stage], -gradient_bytes[stage]))
     return out
 
 

@@ -37,6 +37,10 @@ SCHEDULES_TRIED = ("1f1b", "zb-h1", "zb-v", "dualpipev")
 POLICIES_TRIED = ("off", "eager")
 RECOMPUTE_TRIED = ("activations", "all")
 """The recompute modes tried where a layout fits no other way."""
+STEP_WHOLE = "activations and stashes"
+"""The part of a layout's memory that the step holds, with whole parameters."""
+STEP_SHARDED = "gathered weights, whole gradients, activations and stashes"
+"""The same with sharded parameters: what the simulator holds at the peak of them all."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class Layout:
     """One layout and its simulated best candidate.
 
     ``memory`` is the peak per rank broken down, in bytes: weights, gradients,
-    optimizer state and what the schedule holds of activations and stashes.
+    optimizer state (what a rank keeps between steps) and what the step holds at its peak
+    (:data:`STEP_WHOLE`, or with sharded parameters :data:`STEP_SHARDED`).
     """
 
     pipeline: int
@@ -330,7 +335,7 @@ def best_layout(
     schedules, policies, recomputes = tried
     pipeline, data, tensor, mb, m, seq_len = dims
     shard_optimizer, shard_parameters = shard
-    costs, stage_weights, weights = layout_costs(shape, device, dims, shard, dtype)
+    costs, _, weights = layout_costs(shape, device, dims, shard, dtype)
     limit = device.memory - weights
     if limit <= 0:
         return None
@@ -354,12 +359,10 @@ def best_layout(
     optimizer = max(costs.optimizer_bytes or (0.0,)) / (data if shard_optimizer else 1)
     static = gradients + optimizer
     memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer}
-    if shard_parameters:
-        # A stage's whole weights are held from its first F to its last I: at the peak
-        # of activations, as a rank's forwards run before its last I.
-        memory["gathered weights"] = max(stage_weights)
-        static += max(stage_weights)
-    memory["activations and stashes"] = max(best.peak_memory - static, 0.0)
+    # Sharded, the step holds a stage's whole weights from its first F to its last I, and
+    # its whole gradients from its first W to its R, besides activations and stashes.
+    step_part = STEP_SHARDED if shard_parameters else STEP_WHOLE
+    memory[step_part] = max(best.peak_memory - static, 0.0)
     return Layout(
         pipeline,
         data,

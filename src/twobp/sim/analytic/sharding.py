@@ -13,6 +13,7 @@ too); what sharding the parameters changes is the memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from twobp.sim.analytic.hardware import Hardware
@@ -49,6 +50,7 @@ def compare_sharding(
     device: Hardware,
     dims: tuple[int, int, int, int, int, int],
     dtype: str = "bfloat16",
+    tried: tuple[Sequence[str], Sequence[str], Sequence[str]] | None = None,
 ) -> list[ShardingRow]:
     """The layout ``dims`` with whole parameters (the optimizer state sharded) and with
     sharded parameters, in that order; a setting that fits no device is left out.
@@ -58,6 +60,8 @@ def compare_sharding(
         device: the hardware.
         dims: ``(P, D, T, micro-batch size, micro-batches, sequence length)``, ``D > 1``.
         dtype: of the weights and compute.
+        tried: the schedules, 2BP policies and recompute modes searched (None: those
+            of ``twobp plan``).
 
     Raises:
         ValueError: if ``D < 2`` (nothing to shard over).
@@ -67,7 +71,8 @@ def compare_sharding(
         raise ValueError(f"D={data}: sharding needs 2 copies or more")
     rows = []
     for sharded in (False, True):
-        layout = best_layout(shape, device, dims, (True, sharded), dtype)
+        given = {} if tried is None else {"tried": tried}
+        layout = best_layout(shape, device, dims, (True, sharded), dtype, **given)
         if layout is None:
             continue
         costs, _, _ = layout_costs(shape, device, dims, (True, sharded), dtype)
