@@ -201,17 +201,7 @@ class StepRun:
             Kind.RECV_B: self._receive,
             Kind.REDUCE: self._reduce,
         }
-        if torch.is_grad_enabled():
-            for meter in {id(s.memory): s.memory for s in self._stages.values()}.values():
-                meter.start_step([s.module for s in self._stages.values()])
-        if self._channel is not None:
-            self._channel.post_ahead()
-        residency = None
-        if self._residency is not None:
-            rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
-            residency = StepResidency(self._residency, actions, rebuilds)
-        if self._filler is not None and self._reducer is not None:
-            self._early = EarlyReductions(actions)
+        residency = self._begin(actions)
         for index, (action, served) in enumerate(
             zip(actions, compute_served(actions), strict=True)
         ):
@@ -248,6 +238,25 @@ class StepRun:
                 residency.after(index, action, self._stages[action.stage].memory.held)
             if receiving is not None:
                 self._waits.append((action, receiving, self._clock.mark()))
+        return self._end()
+
+    def _begin(self, actions: Sequence[Action]) -> StepResidency | None:
+        """Start the step: memory meters, receives posted ahead; the step's residency of
+        sharded weights (None without)."""
+        if torch.is_grad_enabled():
+            for meter in {id(s.memory): s.memory for s in self._stages.values()}.values():
+                meter.start_step([s.module for s in self._stages.values()])
+        if self._channel is not None:
+            self._channel.post_ahead()
+        if self._filler is not None and self._reducer is not None:
+            self._early = EarlyReductions(actions)
+        if self._residency is None:
+            return None
+        rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
+        return StepResidency(self._residency, actions, rebuilds)
+
+    def _end(self) -> StepResult:
+        """Complete the sends, start the deferred reductions, and sum up the step."""
         if self._channel is not None:
             self._channel.finish()
             self.result.times.layout_messages = self._channel.layout_messages

@@ -122,24 +122,7 @@ class StepRunner:
     ) -> StepResult:
         clock = StepClock(self.device)
         dynamic = places_weights_at_run_time(schedule)
-        channel = None
-        if plan.peers:
-            assert self._links is not None, "a pipeline rank with peers has links to them"
-            channel = StepChannel(
-                plan,
-                self.topology,
-                self._links,
-                self.device,
-                batches.layouts,
-                self.timeout,
-                schedule.n_stages,
-                self.n_microbatches,
-                batches.rows,
-                order_only=self._order_only,
-                # Gloo completes a receive only in a wait: the dynamic policy's
-                # "has it arrived?" needs a thread waiting for it.
-                watch_receives=dynamic and "nccl" not in (self.topology.members.backend or ""),
-            )
+        channel = self._channel(schedule, plan, batches, dynamic)
         run = StepRun(
             self.rank,
             schedule.graph,
@@ -195,6 +178,29 @@ class StepRunner:
         self.times = result.times
         self.peak_stashed_bytes = result.peak_stashed_bytes
         return result
+
+    def _channel(
+        self, schedule: Schedule, plan: CommPlan, batches: StepBatches, dynamic: bool
+    ) -> StepChannel | None:
+        """The step's remote transfers (None for a rank without peers)."""
+        if not plan.peers:
+            return None
+        assert self._links is not None, "a pipeline rank with peers has links to them"
+        return StepChannel(
+            plan,
+            self.topology,
+            self._links,
+            self.device,
+            batches.layouts,
+            self.timeout,
+            schedule.n_stages,
+            self.n_microbatches,
+            batches.rows,
+            order_only=self._order_only,
+            # Gloo completes a receive only in a wait: the dynamic policy's
+            # "has it arrived?" needs a thread waiting for it.
+            watch_receives=dynamic and "nccl" not in (self.topology.members.backend or ""),
+        )
 
     def _abandon(self, channel: StepChannel | None) -> None:
         """Give up the step's transfers and reductions: nobody is left to complete them with."""
