@@ -34,6 +34,12 @@ class StepClock:
         event.record()
         return event
 
+    def reach(self, mark: Any) -> None:
+        """Wait until the device has got to ``mark`` (at once on the CPU, where marks are
+        taken as the work is done)."""
+        if self._cuda:
+            mark.synchronize()
+
     def seconds(self, mark: Any) -> float:
         """Seconds from the step start to ``mark`` (waits for the GPU to get there)."""
         if not self._cuda:

@@ -372,7 +372,11 @@ class StepRun:
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"(in a W run while waiting for the {transfer})")
                 raise
-            self._record(weight, start)
+            end = self._clock.mark()
+            self._marks.append((weight, start, end))
+            # On a GPU the host only queues the part: it waits for it, so that it asks
+            # again whether the data arrived once the part ran, not before.
+            self._clock.reach(end)
             seconds = time.perf_counter() - host
             times.weights_in_waits += 1
             times.weight_seconds_in_waits += seconds
