@@ -55,6 +55,9 @@ def train(model: str, schedule: str, two_bp: bool, **options: Any) -> dict[str, 
     pipe = _pipeline(model, schedule, two_bp, **options)
     if pipe.plan is not None:
         out["peak"] = pipe.plan.choice.peak_memory
+    # A V without an example input balances on its first step's inputs: plan on them now,
+    # to shard the optimizer over the parameters each rank will hold (else nothing happens).
+    pipe.plan_on(_part(pipe, model, 0)[0])
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     losses, norms = [], []

@@ -44,6 +44,9 @@ def train(schedule: str, accumulate: int, recompute: str | None = None) -> dict[
     """3 clipped AdamW steps of ``accumulate`` pipeline steps each, parameters sharded."""
     torch.set_num_threads(1)
     pipe = _pipeline(schedule, recompute=recompute)
+    # A V without an example input balances on its first step's inputs: plan on them now,
+    # to shard the parameters and the optimizer as they will be held (else nothing happens).
+    pipe.plan_on(batch_of(0, 0, pipe.dp_size)[0][pipe.dp_rank * PART : (pipe.dp_rank + 1) * PART])
     refused_plain = _refused(lambda: torch.optim.AdamW(pipe.parameters(), lr=LR))
     refused_named = _refused(lambda: dict(pipe.named_parameters()))
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)

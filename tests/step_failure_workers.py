@@ -83,6 +83,14 @@ def failing_steps(
     return out
 
 
+def failing_steps_cut_uniformly(
+    cases: list[tuple[str, int, bool]], timeout: float, schedule: str
+) -> dict[str, Any]:
+    """:func:`failing_steps` on the uniform partition (a V would otherwise balance at its
+    first step, where the failure would be met while profiling)."""
+    return failing_steps(cases, timeout, schedule, partition="uniform")
+
+
 def _fail_then_step(
     pipe: Pipeline, trap: Trap, loss: TrapLoss, index: int, batch: tuple[Any, Any]
 ) -> dict[str, Any]:
@@ -194,5 +202,5 @@ def failing_replicated_steps(timeout: float) -> dict[str, Any]:
 def failing_steps_dynamic(
     cases: list[tuple[str, int, bool]], timeout: float, schedule: str
 ) -> dict[str, Any]:
-    """:func:`failing_steps` under ``two_bp_policy="dynamic"``."""
-    return failing_steps(cases, timeout, schedule, two_bp_policy="dynamic")
+    """:func:`failing_steps` under ``two_bp_policy="dynamic"``, on the uniform partition."""
+    return failing_steps(cases, timeout, schedule, two_bp_policy="dynamic", partition="uniform")

@@ -124,7 +124,9 @@ def _session(timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with _noted_tags() as tags, _noted_order() as events:
         out["trained"] = train_cases(TWO_RANKS, N_MB, BATCH, timeout, **AS_ON_NCCL)
-        out["failures"] = failing_steps(FAILURES_ZB_V, timeout, "zb-v", **AS_ON_NCCL)
+        out["failures"] = failing_steps(
+            FAILURES_ZB_V, timeout, "zb-v", partition="uniform", **AS_ON_NCCL
+        )
         out["posted at the start"] = _posted_at_the_start(timeout)
     out["order only"] = tags == {0}
     out["reduced after transfers"] = _reduced_after_transfers(events)

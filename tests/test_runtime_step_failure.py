@@ -17,6 +17,7 @@ from step_failure_workers import (
     construction_and_save_failures,
     failing_replicated_steps,
     failing_steps,
+    failing_steps_cut_uniformly,
     failing_steps_dynamic,
     failure_then_other_work,
 )
@@ -83,9 +84,12 @@ def test_failures_on_four_ranks(reference):
 
 @pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
 def test_failures_with_two_stages_per_rank(schedule, reference):
-    # Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zb-v); 0, 2 | 1, 3 (interleaved).
+    # Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (zb-v); 0, 2 | 1, 3 (interleaved); cut
+    # uniformly (blocks 0-2, 3-5, 6-7, 8-9), so that block 4 is on rank 1.
     cases = [("block", 0, True), ("block", 4, False), ("loss", 9, False)]
-    results = launch(failing_steps, 2, cases, TIMEOUT, schedule, threads_per_rank=1, timeout=300)
+    results = launch(
+        failing_steps_cut_uniformly, 2, cases, TIMEOUT, schedule, threads_per_rank=1, timeout=300
+    )
     _check(results, "block 0 first", 0, "RuntimeError", "block failed on purpose", reference)
     _check(results, "block 4 later", 1, "RuntimeError", "block failed on purpose", reference)
     last = 0 if schedule == "zb-v" else 1

@@ -103,8 +103,9 @@ class PipelineOptions:
         metadata=_help(
             "blocks per stage (one int per stage), 'uniform', 'balanced' (profiled on "
             "example_input) or None: uniform, except for a V-shaped schedule (zb-v, dualpipev: "
-            "rank 0 holds the first stage and the last), balanced where example_input is given "
-            "(without one it warns; pipe.partition_by says how the blocks were cut)",
+            "rank 0 holds the first stage and the last, on 2 ranks or more): balanced on "
+            "example_input, or without one on the first step's first micro-batch "
+            "(pipe.partition_by says how the blocks were cut)",
             cli="--partition",
         ),
     )

@@ -58,7 +58,13 @@ from twobp.runtime.setup.auto.plan import AutoPlan
 from twobp.runtime.setup.build_rank import build_rank, contender_trials
 from twobp.runtime.setup.compiled_stages import compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid
-from twobp.runtime.setup.first_step import Given, Pending, detached, plans_at_first_step
+from twobp.runtime.setup.first_step import (
+    Given,
+    Pending,
+    detached,
+    plans_at_first_step,
+    v_to_balance,
+)
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
@@ -95,8 +101,9 @@ class Pipeline:
     the blocks of every stage, :mod:`twobp.runtime.setup.pipeline_plan`) and
     this rank's parts built from it (stages, reducer, model state, step runner:
     :class:`twobp.runtime.setup.rank_parts.RankParts`). A pipeline that plans
-    on its first step's batch (``schedule="auto"`` without ``example_input``,
-    or ``n_microbatches="auto"``) has no parts until then (see :meth:`plan_on`).
+    on its first step's batch (``schedule="auto"``, or a V-shaped schedule with no
+    partition to balance, without ``example_input``; or ``n_microbatches="auto"``)
+    has no parts until then (see :meth:`plan_on`).
 
     Args:
         blocks: the whole model as an ``nn.Sequential`` or a list of modules,
@@ -232,9 +239,15 @@ class Pipeline:
         """How many copies of the pipeline run side by side."""
         given = Given(self.options, example_input, group, mesh)
         self._pending: Pending | None = Pending(
-            as_blocks(blocks), model_names_of(blocks), loss_fn, given, members, grid
+            as_blocks(blocks),
+            model_names_of(blocks),
+            loss_fn,
+            given,
+            members,
+            grid,
+            v_to_balance(self.options, len(grid[0])),
         )
-        if not plans_at_first_step(given, members, self.device, self.timeout):
+        if not plans_at_first_step(given, members, self.device, self.timeout, len(grid[0])):
             self._ensure_planned(None)
         close_at_exit(self)
 
@@ -294,8 +307,9 @@ class Pipeline:
     def plan_on(self, inputs: Batch | None) -> None:
         """Plan now on this batch of inputs, as the first step does. Collective.
 
-        A pipeline that plans on its first step's batch (``schedule="auto"`` without
-        ``example_input``, or ``n_microbatches="auto"``) does it here instead: to :meth:`load`
+        A pipeline that plans on its first step's batch (``schedule="auto"`` or a V-shaped
+        schedule to balance, without ``example_input``; or ``n_microbatches="auto"``) does it
+        here instead: to :meth:`load`
         a checkpoint into the planned stages, say. Nothing happens once planned.
 
         Args:
@@ -318,7 +332,7 @@ class Pipeline:
         sample = collective.all_gather_objects(pending.members, sample, self.timeout)[0]
         if isinstance(sample, str):
             raise PipelineConfigError(
-                f"rank {self.rank}: schedule='auto' plans on the first step's batch of inputs, "
+                f"rank {self.rank}: this pipeline plans on the first step's batch of inputs, "
                 f"but {sample}: pass the batch on rank 0, or give example_input= when building "
                 "the pipeline"
             )
@@ -334,7 +348,8 @@ class Pipeline:
             )
         raise PipelineConfigError(
             f"rank {self.rank}: this pipeline plans its schedule on the first step's batch "
-            "(schedule='auto' without example_input, or n_microbatches='auto') and has no "
+            "(schedule='auto' or a V-shaped schedule to balance, without example_input; or "
+            "n_microbatches='auto') and has no "
             f"{name} until then: run a step first, or call plan_on(inputs)"
         )
 
@@ -530,13 +545,25 @@ class Pipeline:
     def needs_inputs(self) -> bool:
         """True if this rank runs a first stage of the model and needs the batch of inputs
         (under Chimera, the ranks of both pipelines' first stages)."""
-        return any(self.schedule.model_stage(s) == 0 for s in self.stages)
+        schedule, stages = self._placed()
+        return any(schedule.model_stage(s) == 0 for s in stages)
 
     @property
     def needs_targets(self) -> bool:
         """True if this rank runs a last stage of the model and needs the batch of targets."""
-        last = self.schedule.pipeline_stages - 1
-        return any(self.schedule.model_stage(s) == last for s in self.stages)
+        schedule, stages = self._placed()
+        last = schedule.pipeline_stages - 1
+        return any(schedule.model_stage(s) == last for s in stages)
+
+    def _placed(self) -> tuple[Schedule, list[int]]:
+        """The schedule's layout and this rank's stages in it: known before planning
+        where only the partition is left to plan (a V balanced at its first step)."""
+        pending = self._pending
+        if self._parts is None and pending is not None and pending.layout is not None:
+            layout = pending.layout
+            pp_rank = Topology.replicated(pending.members, layout, pending.grid).pp_rank
+            return layout, list(layout.stages_of(pp_rank))
+        return self.schedule, list(self.stages)
 
     @_same_doc(RankParts.step)
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:

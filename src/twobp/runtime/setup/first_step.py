@@ -1,7 +1,10 @@
 """A pipeline that plans at its first step: what it keeps until then.
 
 ``schedule="auto"`` without an example input (or with ``n_microbatches="auto"``,
-or ``recompute="auto"`` without one) plans on the first step's batch. Until
+or ``recompute="auto"`` without one) plans on the first step's batch, and so
+does a V-shaped schedule given no partition and no example input: it balances
+its stages on the first micro-batch of that batch
+(:func:`v_to_balance`). Until
 then :class:`twobp.runtime.Pipeline` holds a :class:`Pending`: the blocks,
 the loss and what planning takes (:class:`Given`); its ``parameters()`` are
 every block's, each once.
@@ -24,7 +27,8 @@ from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
 from twobp.runtime.execution.stage import LossFn
 from twobp.runtime.options import AUTO, AUTO_MICROBATCHES, PipelineOptions
 from twobp.runtime.state.model_names import ModelNames
-from twobp.schedule import SCHEDULES
+from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
+from twobp.schedule.prepare import source_schedule
 
 T = TypeVar("T")
 
@@ -50,6 +54,10 @@ class Pending:
     given: Given
     members: Membership
     grid: list[list[int]]
+    layout: Schedule | None = None
+    """The schedule's stages and ranks where they are known before planning (a V
+    that balances at its first step, :func:`v_to_balance`): which ranks need the
+    inputs and the targets; None otherwise."""
 
     @property
     def model(self) -> nn.Sequential:
@@ -64,18 +72,20 @@ class Pending:
 
 
 def plans_at_first_step(
-    given: Given, members: Membership, device: torch.device, timeout: float
+    given: Given, members: Membership, device: torch.device, timeout: float, n_ranks: int
 ) -> bool:
-    """True if ``schedule="auto"`` plans on the first step's batch: with
-    ``n_microbatches="auto"``, or where no rank was given an example input and
-    nothing else is to plan by (collective where it depends on the example input)."""
+    """True if the pipeline plans on the first step's batch: ``schedule="auto"`` with
+    ``n_microbatches="auto"``; or ``schedule="auto"``, ``recompute="auto"`` or a
+    V-shaped schedule to balance (:func:`v_to_balance`) where no rank was
+    given an example input and nothing else is to plan by (collective where it
+    depends on the example input). ``n_ranks``: ranks of one copy of the pipeline."""
     options = given.options
     planned = isinstance(options.schedule, str) and (
         options.schedule == AUTO or (options.rebuilds and options.schedule in SCHEDULES)
     )
-    if not planned or options.costs is not None:
+    if not (planned or v_to_balance(options, n_ranks)) or options.costs is not None:
         return False
-    if options.n_microbatches == AUTO_MICROBATCHES:
+    if planned and options.n_microbatches == AUTO_MICROBATCHES:
         return True
     # Alike on every rank: if any has an example input, all plan now (and those without
     # one are refused there, naming what they lack).
@@ -83,6 +93,39 @@ def plans_at_first_step(
         members, device, timeout, None, "building the pipeline", [given.example_input is not None]
     )
     return not any(row[0] for row in table)
+
+
+def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
+    """The V, without communication, that the pipeline balances on the first step's first
+    micro-batch when no example input was given: a V-shaped schedule
+    (:attr:`Schedule.is_v_shaped`, by name or given as a :class:`Schedule`) on
+    ``n_ranks`` >= 2, with no partition, no cost model and no tensor parallelism given;
+    None otherwise.
+
+    A V puts the model's first stage and its last (an embedding, a head) on one rank:
+    cut uniformly, that rank does the others' work plus both ends'. With an example
+    input the pipeline balances on it while it is built, as before.
+    """
+    if options.partition is not None or options.costs is not None or n_ranks < 2:
+        return None  # on one rank, there is no other rank to share the work with
+    if (options.tensor_parallel or 1) > 1:
+        return None  # each tensor-parallel pipeline would profile and cut apart
+    schedule = options.schedule
+    if isinstance(schedule, Schedule):
+        return schedule if schedule.is_v_shaped else None
+    if not (isinstance(schedule, str) and schedule in SCHEDULES):
+        return None
+    count = options.n_microbatches
+    try:
+        sourced = source_schedule(
+            schedule,
+            n_ranks=n_ranks,
+            n_microbatches=count if isinstance(count, int) else None,
+            stages_per_rank=options.stages_per_rank,
+        )
+    except (ScheduleConfigError, ScheduleError):
+        return None  # building the pipeline names what does not fit
+    return sourced if sourced.is_v_shaped else None
 
 
 def detached(batch: Batch) -> Batch:

@@ -182,7 +182,9 @@ def plan(
     if rebuild is not None:
         rebuilds, choice = _rebuilt(planning, resolved, counts, rebuild, measured, choice)
         resolved = rebuilds.schedule
-    by = partition_reason(options.partition, planning.partition, auto, resolved)
+    by = partition_reason(
+        options.partition, planning.partition, auto, resolved, planning.example_input is not None
+    )
     return PipelinePlan(resolved, tuple(stage_ranges(counts)), auto, choice, rebuilds, by)
 
 
@@ -320,7 +322,7 @@ def _resolved(
     resolved: Schedule | None = None
     counts: list[int] | None = None
     rebuild: tuple[float, CostModel | None] | None = None
-    example_input = planning.example_input
+    example_input = balance_on = planning.example_input
     try:
         if auto is None and options.rebuilds:
             costs = _auto_costs(options.costs, "recompute='auto'")
@@ -347,12 +349,16 @@ def _resolved(
         # What the search simulated is what runs: nothing prepares it again.
         two_bp = True if options.two_bp is None else options.two_bp
         resolved = auto.schedule if auto is not None else planning.prepared(two_bp)
+        balance_on = example_input
+        if balance_on is None and planning.sample is not None and resolved.is_v_shaped:
+            # Planned at the first step to balance the V: on its first micro-batch.
+            balance_on = _profiling_input(None, planning.sample, resolved.n_microbatches)
         if planning.world.rank == 0:
-            warn_unbalanced_v(resolved, planning.partition, example_input)
-        planning.partition = default_partition(resolved, planning.partition, example_input)
+            warn_unbalanced_v(resolved, planning.partition, balance_on)
+        planning.partition = default_partition(resolved, planning.partition, balance_on)
         counts = stage_counts(len(planning.blocks), resolved.pipeline_stages, planning.partition)
         if counts is None:
-            example_input_needed(example_input)
+            example_input_needed(balance_on)
     except ScheduleConfigError as exc:
         problem = PipelineConfigError(str(exc))
     except (PipelineConfigError, ScheduleError) as exc:
@@ -375,7 +381,7 @@ def _resolved(
     assert resolved is not None
     if counts is None:
         counts = balanced_counts(
-            planning.blocks, resolved.pipeline_stages, example_input, world, device
+            planning.blocks, resolved.pipeline_stages, balance_on, world, device
         )
     return resolved, counts, rebuild
 
@@ -470,15 +476,22 @@ def partition_reason(
     used: Sequence[int] | str | None,
     auto: AutoPlan | None,
     schedule: Schedule,
+    example_given: bool = True,
 ) -> str:
-    """Why the blocks were cut as they were, in a few words for the report."""
+    """Why the blocks were cut as they were, in a few words for the report
+    (``example_given``: whether an example input was given to profile on)."""
     if auto is not None:
         return f"chosen by schedule={schedule.name.split(':')[0]!r}'s search"
     if given is not None:
         return "given" if not isinstance(given, str) else f"partition={given!r}"
+    if used == "balanced" and not example_given:
+        return (
+            "balanced on the first step's first micro-batch (a V puts the model's ends on "
+            "one rank; no example input was given)"
+        )
     if used == "balanced":
         return "balanced on the example input (a V puts the model's ends on one rank)"
-    if schedule.is_v_shaped:
+    if schedule.is_v_shaped and schedule.n_ranks > 1:
         return "uniform: no example input to balance the V's stages on"
     return "uniform"
 
@@ -486,7 +499,12 @@ def partition_reason(
 def warn_unbalanced_v(schedule: Schedule, partition: object, example_input: object) -> None:
     """Warn once that a V-shaped schedule runs the uniform partition for want of an
     example input (its ends, often its lightest blocks, share rank 0)."""
-    if schedule.is_v_shaped and partition is None and example_input is None:
+    if (
+        schedule.is_v_shaped
+        and schedule.n_ranks > 1
+        and partition is None
+        and example_input is None
+    ):
         warnings.warn(
             f"{schedule.name.split(':')[0]} puts the model's first and last stages on rank 0; "
             "without example_input= its stages are cut uniformly, which leaves that rank "

@@ -68,22 +68,36 @@ def balanced_counts(
         Block counts per stage.
 
     Raises:
-        PipelineConfigError: if no example input was given.
+        PipelineConfigError: if no example input was given; on the other ranks, if
+            profiling or solving failed on rank 0 (which raises its own error).
     """
     example_input_needed(example_input)
     assert example_input is not None
-    answer: list[list[int] | None] = [None]
+    answer: list[list[int] | str | None] = [None]
+    failure: Exception | None = None
     if world.rank == 0:
         from twobp.partition.profiler import profile_blocks, solver_costs
 
         homes = [device_of(b) for b in blocks]
-        moved = [b.to(device) for b in blocks]
-        costs = profile_blocks(moved, to_device(example_input, device))
-        for block, home in zip(blocks, homes, strict=True):
-            block.to(home)
-        answer[0] = solve(solver_costs(costs), n_stages).sizes
+        try:
+            moved = [b.to(device) for b in blocks]
+            costs = profile_blocks(moved, to_device(example_input, device))
+            answer[0] = solve(solver_costs(costs), n_stages).sizes
+        except Exception as exc:  # a block that fails: every rank hears of it, none waits
+            failure = exc
+            answer[0] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for block, home in zip(blocks, homes, strict=True):
+                block.to(home)
     if world.group is not None:
         dist.broadcast_object_list(answer, src=world.global_rank(0), group=world.group)
+    if failure is not None:
+        raise failure
+    if isinstance(answer[0], str):
+        raise PipelineConfigError(
+            f"rank {world.rank}: rank 0 failed to profile the blocks to balance the stages "
+            f"({answer[0]}); see rank 0's error"
+        )
     assert answer[0] is not None
     return answer[0]
 
