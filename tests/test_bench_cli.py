@@ -198,6 +198,11 @@ def test_torch_runs_at_every_count_auto_m_chooses_among(tmp_path):
     for label, v in ran.items():
         # The same batch, cut otherwise: the same gradients as the reference's.
         assert v["grad_rel_error"] < 1e-4, label
+    # The report says torch ran at every count and that its best is the fastest of them.
+    report = (out / "report.md").read_text()
+    counts = ", ".join(str(k) for k in sorted(others))
+    assert f"the other counts it chooses among (m = {counts}; labelled `m=K`)" in report
+    assert "the best torch is the fastest of every count" in report
     fastest = min((v for v in ran.values() if v["framework"] == "torch"),
                   key=lambda v: v["step_s"]["median"])  # fmt: skip
     assert group["best"]["torch"] == fastest["label"]
