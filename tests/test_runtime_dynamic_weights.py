@@ -223,3 +223,20 @@ def test_a_stash_bound_is_kept_by_the_w_it_lists(results):
     assert any(r["w listed before an I"] for r in per_rank)
     assert all(r["schedule"].count("+2bp:dynamic") == 1 for r in per_rank)
     assert not any(r[str(DynamicCase("mlp", "1f1b"))]["w listed before an I"] for r in results[2])
+
+
+def test_a_marked_buffer_tells_when_the_data_is_in():
+    from twobp.runtime.communication.channel import _Marks
+
+    pattern = torch.arange(1, 9, dtype=torch.uint8)
+    values, mask = torch.empty(3, 4, dtype=torch.float64), torch.empty(2, dtype=torch.bool)
+    marks = _Marks([values, mask], pattern)
+    assert not marks.arrived()
+    values.copy_(torch.randn(3, 4, dtype=torch.float64))
+    assert not marks.arrived()  # the mask has not come yet
+    mask.fill_(True)
+    assert marks.arrived()
+    # A message ending in the pattern reads as not there: the receive then waits.
+    again = _Marks([values], pattern)
+    values.view(-1).view(torch.uint8)[-8:].copy_(pattern)
+    assert not again.arrived()

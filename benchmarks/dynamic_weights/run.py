@@ -22,7 +22,8 @@ condition: each policy's median step, dynamic against the best static policy
 rank's bubble (the part of the step not computing) and how long it waited on a
 receive while it held ``W`` whose ``I`` had run (W that could have filled the
 wait), and how many ``W`` parts ran in waits. On ``zb-*`` the static policies
-keep the schedule's own ``W`` placement: one static variant.
+keep the schedule's own ``W`` placement: one static variant. Each pipeline plans on the
+same first batch (a V balances its stages there).
 
     PYTHONPATH=src .venv/bin/python benchmarks/dynamic_weights/run.py [--rounds 15]
 """
@@ -107,6 +108,7 @@ def _batch(seed: int, rows: int, seq: int) -> tuple[Tensor, Tensor]:
 
 def _pipelines(blocks: list[nn.Module], loss_fn: Any, schedule: str, m: int) -> dict[str, Any]:
     policies = POLICIES if schedule == "1f1b" else ("paper", "dynamic")
+    inputs, _ = _batch(0, m * ROWS_PER_MICROBATCH, SEQ)
     pipes: dict[str, Pipeline] = {}
     for policy in policies:
         for other in pipes.values():
@@ -114,6 +116,8 @@ def _pipelines(blocks: list[nn.Module], loss_fn: Any, schedule: str, m: int) -> 
         pipes[policy] = Pipeline(
             blocks, loss_fn, schedule=schedule, n_microbatches=m, two_bp_policy=policy
         )
+        # A V balances its stages on a first batch: the same one for every policy.
+        pipes[policy].plan_on(inputs)
     for pipe in pipes.values():
         pipe.release_blocks()
     return pipes

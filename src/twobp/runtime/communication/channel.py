@@ -40,8 +40,7 @@ hanging (see docs/reliability.md).
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,34 +89,31 @@ class _Posted:
     layout: tuple[TensorMeta, ...]
     is_tuple: bool
     src: int
-    watch: _Watch | None = None
+    marks: _Marks | None = None
 
 
-class _Watch:
-    """Waits for a receive's operations on a thread of its own, so that another thread
-    can ask whether they completed without waiting (gloo's receives complete only
-    in a wait: ``is_completed`` stays False until one)."""
+class _Marks:
+    """Tells without waiting whether a receive's data is in its buffers, on gloo, where a
+    receive completes only inside a wait (``is_completed`` stays False until one).
 
-    def __init__(self, wait: Callable[[], None]) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self._wait = wait
-        threading.Thread(target=self._run, daemon=True).start()
+    Before the receive is posted, the last bytes of each buffer are set to a pattern; gloo
+    writes a message into its buffer in order, so once every buffer's last bytes differ
+    from the pattern the data is there (a message that ends in the pattern itself reads
+    as not there yet: the caller then waits as it would have anyway).
+    """
 
-    def _run(self) -> None:
-        try:
-            self._wait()
-        except BaseException as exc:  # handed to the thread that takes the receive
-            self.error = exc
-        finally:
-            self.done.set()
+    def __init__(self, buffers: Sequence[Tensor], pattern: Tensor) -> None:
+        self._tails = []
+        for buffer in buffers:
+            raw = buffer.detach().reshape(-1).view(torch.uint8)
+            if raw.numel():
+                tail = raw[-min(raw.numel(), pattern.numel()) :]
+                tail.copy_(pattern[: tail.numel()])
+                self._tails.append(tail)
+        self._pattern = pattern
 
-    def result(self) -> None:
-        """Wait until the operations completed (each waited with the channel's timeout);
-        raise what the wait raised."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+    def arrived(self) -> bool:
+        return all(not torch.equal(t, self._pattern[: t.numel()]) for t in self._tails)
 
 
 @dataclass
@@ -182,9 +178,9 @@ class StepChannel:
             as many rows share a layout.
         order_only: send every operation with tag 0 (matching by order only, as
             NCCL does).
-        watch_receives: wait for each receive on a thread of its own as soon as it is
-            posted, so that :meth:`arrived` can tell on gloo (the ``dynamic`` 2BP
-            policy); False: receives are waited for where they are taken.
+        watch_receives: mark each receive's buffers as it is posted, so that
+            :meth:`arrived` can tell on gloo (the ``dynamic`` 2BP policy; see
+            :class:`_Marks`); False: only the receive's own ``is_completed`` answers.
     """
 
     def __init__(
@@ -201,7 +197,13 @@ class StepChannel:
         order_only: bool = False,
         watch_receives: bool = False,
     ) -> None:
-        self._watch = watch_receives
+        self._pattern = (
+            torch.randint(
+                1, 256, (8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+            )
+            if watch_receives
+            else None
+        )
         self._plan = plan
         self._topology = topology
         self._members = topology.members
@@ -282,11 +284,8 @@ class StepChannel:
                 self._topology.group_rank(transfer.src),
             )
         posted = self._posted.pop(transfer.key)
-        if posted.watch is not None:
-            posted.watch.result()
-        else:
-            for work in posted.works:
-                self._wait(work, transfer.src, str(transfer))
+        for work in posted.works:
+            self._wait(work, transfer.src, str(transfer))
         for buf, meta in zip(posted.buffers, posted.layout, strict=True):
             buf.requires_grad_(meta.requires_grad and transfer.direction is Direction.ACTIVATION)
         self._advance(peer, block=False, until=None)
@@ -303,9 +302,9 @@ class StepChannel:
         posted = self._posted.get(key)
         if posted is None:
             return False
-        if posted.watch is not None:
-            return posted.watch.done.is_set()
-        return all(w.is_completed() for w in posted.works)
+        if posted.marks is not None and not posted.marks.arrived():
+            return False
+        return posted.marks is not None or all(w.is_completed() for w in posted.works)
 
     def finish(self) -> None:
         """Complete every send of the step.
@@ -363,9 +362,6 @@ class StepChannel:
             block = not moved
         for key in list(self._posted):
             posted = self._posted.pop(key)
-            if posted.watch is not None:
-                posted.watch.result()
-                continue
             for work in posted.works:
                 self._wait(work, posted.src, "a transfer of the failed step")
         self._sent_nothing.clear()
@@ -486,6 +482,8 @@ class StepChannel:
                 return True
             layout, is_tuple = known.tensors, known.is_tuple
         buffers = [torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in layout]
+        # Marked before the receives are posted: the data may come at once.
+        marks = _Marks(buffers, self._pattern) if self._pattern is not None else None
         works = [
             dist.irecv(
                 buf,
@@ -495,9 +493,7 @@ class StepChannel:
             )
             for i, buf in enumerate(buffers)
         ]
-        posted = _Posted(works, buffers, layout, is_tuple, transfer.src)
-        if self._watch:
-            posted.watch = _Watch(lambda: self._wait_all(posted.works, transfer))
+        posted = _Posted(works, buffers, layout, is_tuple, transfer.src, marks)
         self._posted[transfer.key] = posted
         return True
 
@@ -596,10 +592,6 @@ class StepChannel:
         return self._members.global_rank(self._topology.group_rank(pipeline_rank))
 
     # -- waiting ------------------------------------------------------------------
-
-    def _wait_all(self, works: Sequence[Any], transfer: Transfer) -> None:
-        for work in works:
-            self._wait(work, transfer.src, str(transfer))
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
         where = f"at {self.action}" if self.action is not None else "at the end of the step"
