@@ -220,3 +220,18 @@ def test_the_default_torch_schedules_leave_out_dualpipev_where_it_cannot_run(tmp
     (group,) = json.loads((out / "results.json").read_text())["regimes"][0]["groups"]
     torch_labels = [v["label"] for v in group["variants"] if v["framework"] == "torch"]
     assert "torch 1F1B" in torch_labels and "torch DualPipeV" not in torch_labels
+
+
+def test_partition_cuts_the_variants_with_that_many_stages(tmp_path):
+    out = tmp_path / "bench"
+    # Six blocks (embedding, 4 layers, head): the bench's own cut of 4 stages is 2-1-1-2.
+    argv = ["bench", "--quick", "--overrides", "n_layers=4", "--schedules", "1f1b,zb-v",
+            "--torch-schedules", "ZBVZeroBubble", "--no-references", "--no-simulate",
+            "--partition", "1,1,1,3", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    (group,) = results["regimes"][0]["groups"]
+    cut = {v["label"]: v["partition"] for v in group["variants"] if v["skipped"] is None}
+    # The V's four stages (twobp's and torch's alike) take the given cut; 1f1b's two its own.
+    assert cut["twobp zb-v"] == cut["torch ZBVZeroBubble"] == [1, 1, 1, 3]
+    assert cut["twobp 1f1b"] == [3, 3]

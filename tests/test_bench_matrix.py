@@ -220,3 +220,14 @@ def test_torch_beside_auto_m_leaves_out_the_counts_torch_refuses():
     assert added == {"torch 1F1B m=2", "torch 1F1B m=4", "torch 1F1B m=16",
                      "torch DualPipeV m=4", "torch DualPipeV m=16"}  # fmt: skip
     assert counts_beside_auto(variants[1:], 16, 2, 8) == []
+
+
+def test_a_given_partition_cuts_the_variants_with_that_many_stages_only():
+    from twobp_bench.matrix import stage_partition, variant_partition
+
+    kinds = ["embedding", "body", "body", "body", "body", "head"]
+    assert variant_partition(kinds, 4, [1, 1, 1, 3]) == (1, 1, 1, 3)
+    assert variant_partition(kinds, 2, [1, 1, 1, 3]) == stage_partition(kinds, 2)
+    assert variant_partition(kinds, 4, None) == stage_partition(kinds, 4) == (2, 1, 1, 2)
+    with pytest.raises(ValueError, match="holds 5 blocks; the model has 6"):
+        variant_partition(kinds, 4, [1, 1, 1, 2])

@@ -161,6 +161,12 @@ class BenchConfig:
     microbatches: list[int] | None = doc(  # noqa: RUF009
         "micro-batch counts m (default: p, 2p and 8)", None
     )
+    partition: list[int] | None = doc(  # noqa: RUF009
+        "blocks per stage, for every variant whose model has that many stages (the others, "
+        "and by default every variant: the body split evenly, the embedding with the first "
+        "stage and the head with the last)",
+        None,
+    )
     schedules: list[str] = doc(  # noqa: RUF009
         "twobp schedules (see `twobp simulate --help`); 'auto': schedule='auto', which "
         "chooses the schedule, 2BP policy and partition itself",
@@ -260,6 +266,8 @@ class BenchPlan:
         recomputes: the recompute modes of the twobp variants (None: none).
         weight_group_size: the cap on the micro-batches of one W (None: none).
         share_model: this twobp's variants run on one copy of the model.
+        partition: blocks per stage for the variants with that many stages (None: the
+            bench's own, :func:`twobp_bench.matrix.stage_partition`).
     """
 
     size: str
@@ -287,6 +295,7 @@ class BenchPlan:
     weight_group_size: int | None = None
     share_model: bool = False
     deepspeed_schedules: tuple[str, ...] = ()
+    partition: tuple[int, ...] | None = None
     torch_by_default: bool = False
     """The torch schedules are the default list: a group leaves out those torch cannot run
     at its micro-batch count (DualPipeV below 2p), rather than report them skipped."""
@@ -362,6 +371,7 @@ def resolve(cfg: BenchConfig) -> BenchPlan:
         share_model=cfg.share_model,
         deepspeed_schedules=tuple(_chosen_or(cfg.deepspeed_schedules)),
         torch_by_default=torch_by_default,
+        partition=tuple(cfg.partition) if cfg.partition else None,
     )
 
 
@@ -428,6 +438,8 @@ def _check(cfg: BenchConfig) -> None:
             f"--rounds and --warmup must be >= 1 (the last warm-up round probes memory), "
             f"got {cfg.rounds}, {cfg.warmup}"
         )
+    if any(n < 1 for n in cfg.partition or ()):
+        raise ValueError(f"--partition: every stage needs a block, got {cfg.partition}")
     if any(m < 1 for m in cfg.microbatches or ()):
         raise ValueError(f"--microbatches must be >= 1, got {cfg.microbatches}")
     if cfg.microbatch_size is not None and cfg.microbatch_size < 1:

@@ -244,7 +244,9 @@ def _run_group(
         stage_ranks = matrix.placement(variant, plan.n_ranks)
         partition: tuple[int, ...] = ()  # auto chooses its own, once built
         if not matrix.is_auto(variant):
-            partition = matrix.stage_partition(kinds, matrix.model_stages(variant, plan.n_ranks))
+            partition = matrix.variant_partition(
+                kinds, matrix.model_stages(variant, plan.n_ranks), plan.partition
+            )
         record = VariantRecord(variant, m, partition, stage_ranks)
         runner: StepRunner | None = None
         reason = matrix.twobp_refusal(variant, plan.n_ranks, m)

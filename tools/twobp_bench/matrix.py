@@ -321,6 +321,25 @@ def twobp_refusal(variant: Variant, n_ranks: int, n_microbatches: int) -> str | 
     return None
 
 
+def variant_partition(
+    block_kinds: Sequence[str], n_stages: int, given: Sequence[int] | None
+) -> tuple[int, ...]:
+    """``given`` (``--partition``) where it has ``n_stages`` stages, else
+    :func:`stage_partition`.
+
+    Raises:
+        ValueError: if ``given`` has that many stages but not that many blocks.
+    """
+    if given is None or len(given) != n_stages:
+        return stage_partition(block_kinds, n_stages)
+    if sum(given) != len(block_kinds):
+        raise ValueError(
+            f"--partition {','.join(map(str, given))} holds {sum(given)} blocks; the model "
+            f"has {len(block_kinds)} ({', '.join(block_kinds)}): give counts that sum to it"
+        )
+    return tuple(given)
+
+
 def stage_partition(block_kinds: Sequence[str], n_stages: int) -> tuple[int, ...]:
     """Blocks per stage: the body blocks split evenly, the ends with the first and last stage.
 
