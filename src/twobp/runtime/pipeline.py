@@ -37,14 +37,12 @@ from twobp.runtime.base.group import (
 )
 from twobp.runtime.base.process_state import close_at_exit, forget
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.communication import collective
 from twobp.runtime.errors import (
     PipelineClosedError,
     PipelineConfigError,
 )
 from twobp.runtime.execution.microbatch import (
     Batch,
-    to_device,
 )
 from twobp.runtime.execution.stage import LossFn, Stage
 from twobp.runtime.execution.step_run import StepTimes
@@ -58,14 +56,7 @@ from twobp.runtime.setup.auto.plan import AutoPlan
 from twobp.runtime.setup.build_rank import build_rank, contender_trials
 from twobp.runtime.setup.compiled_stages import compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid
-from twobp.runtime.setup.first_step import (
-    Given,
-    Pending,
-    detached,
-    plans_at_first_step,
-    v_to_balance,
-)
-from twobp.runtime.setup.given_blocks import as_blocks
+from twobp.runtime.setup.first_step import Given, Pending, first_batch, plans_at_first_step
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
@@ -74,7 +65,7 @@ from twobp.runtime.setup.sharded_parameters import refuse_full_parameters
 from twobp.runtime.setup.tensor_parallel import join_shard, shard_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
-from twobp.runtime.state.model_names import ModelNames, model_names_of
+from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.model_state import PipelineState
 from twobp.schedule.schedule import Schedule
 from twobp.sim.rebuild_choice import RebuildChoice
@@ -238,15 +229,7 @@ class Pipeline:
         self.dp_size = len(grid)
         """How many copies of the pipeline run side by side."""
         given = Given(self.options, example_input, group, mesh)
-        self._pending: Pending | None = Pending(
-            as_blocks(blocks),
-            model_names_of(blocks),
-            loss_fn,
-            given,
-            members,
-            grid,
-            v_to_balance(self.options, len(grid[0])),
-        )
+        self._pending: Pending | None = Pending.of(blocks, loss_fn, given, members, grid)
         if not plans_at_first_step(given, members, self.device, self.timeout, len(grid[0])):
             self._ensure_planned(None)
         close_at_exit(self)
@@ -319,24 +302,8 @@ class Pipeline:
             PipelineConfigError: on every rank, if rank 0 has no inputs or they do not split;
                 and what planning raises.
         """
-        pending = self._pending
-        if self._parts is not None or pending is None:
-            return
-        sample: Any = None
-        if pending.members.rank == 0:
-            sample = (
-                "rank 0 was given no inputs"
-                if inputs is None
-                else to_device(detached(inputs), torch.device("cpu"))
-            )
-        sample = collective.all_gather_objects(pending.members, sample, self.timeout)[0]
-        if isinstance(sample, str):
-            raise PipelineConfigError(
-                f"rank {self.rank}: this pipeline plans on the first step's batch of inputs, "
-                f"but {sample}: pass the batch on rank 0, or give example_input= when building "
-                "the pipeline"
-            )
-        self._ensure_planned(sample)
+        if self._parts is None and self._pending is not None:
+            self._ensure_planned(first_batch(self._pending, inputs, self.rank, self.timeout))
 
     def _planned(self, name: str) -> RankParts:
         """The parts, for ``name``, which a pipeline has only once planned."""
@@ -556,14 +523,10 @@ class Pipeline:
         return any(schedule.model_stage(s) == last for s in stages)
 
     def _placed(self) -> tuple[Schedule, list[int]]:
-        """The schedule's layout and this rank's stages in it: known before planning
-        where only the partition is left to plan (a V balanced at its first step)."""
-        pending = self._pending
-        if self._parts is None and pending is not None and pending.layout is not None:
-            layout = pending.layout
-            pp_rank = Topology.replicated(pending.members, layout, pending.grid).pp_rank
-            return layout, list(layout.stages_of(pp_rank))
-        return self.schedule, list(self.stages)
+        """The schedule's layout and this rank's stages in it (before planning where only
+        the partition is left to plan: a V balanced at its first step)."""
+        early = self._pending.placed() if self._parts is None and self._pending else None
+        return early or (self.schedule, list(self.stages))
 
     @_same_doc(RankParts.step)
     def step(self, inputs: Batch | None, targets: Batch | None) -> float:

@@ -22,11 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from twobp.runtime.base.group import Membership
+from twobp.runtime.base.topology import Topology
+from twobp.runtime.communication import collective
 from twobp.runtime.communication.agreement import agree
-from twobp.runtime.execution.microbatch import Batch, flatten, unflatten
+from twobp.runtime.errors import PipelineConfigError
+from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
 from twobp.runtime.execution.stage import LossFn
 from twobp.runtime.options import AUTO, AUTO_MICROBATCHES, PipelineOptions
-from twobp.runtime.state.model_names import ModelNames
+from twobp.runtime.setup.given_blocks import as_blocks
+from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
 from twobp.schedule.prepare import source_schedule
 
@@ -58,6 +62,23 @@ class Pending:
     """The schedule's stages and ranks where they are known before planning (a V
     that balances at its first step, :func:`v_to_balance`): which ranks need the
     inputs and the targets; None otherwise."""
+
+    @classmethod
+    def of(
+        cls, blocks: Any, loss_fn: LossFn, given: Given, members: Membership, grid: list[list[int]]
+    ) -> Pending:
+        """What a pipeline built on ``blocks`` (a list of modules or an
+        ``nn.Sequential``) plans from; with the layout of a V it balances at its first step."""
+        layout = v_to_balance(given.options, len(grid[0]))
+        return cls(as_blocks(blocks), model_names_of(blocks), loss_fn, given, members, grid, layout)
+
+    def placed(self) -> tuple[Schedule, list[int]] | None:
+        """The layout's schedule and this rank's stages in it, where they are known before
+        planning (a V balanced at its first step); None otherwise."""
+        if self.layout is None:
+            return None
+        pp_rank = Topology.replicated(self.members, self.layout, self.grid).pp_rank
+        return self.layout, list(self.layout.stages_of(pp_rank))
 
     @property
     def model(self) -> nn.Sequential:
@@ -126,6 +147,30 @@ def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
     except (ScheduleConfigError, ScheduleError):
         return None  # building the pipeline names what does not fit
     return sourced if sourced.is_v_shaped else None
+
+
+def first_batch(pending: Pending, inputs: Batch | None, rank: int, timeout: float) -> Batch:
+    """Rank 0's ``inputs`` (on the CPU, without history), on every rank. Collective.
+
+    Raises:
+        PipelineConfigError: on every rank, if rank 0 has none.
+    """
+    sample: Any = None
+    if pending.members.rank == 0:
+        sample = (
+            "rank 0 was given no inputs"
+            if inputs is None
+            else to_device(detached(inputs), torch.device("cpu"))
+        )
+    sample = collective.all_gather_objects(pending.members, sample, timeout)[0]
+    if isinstance(sample, str):
+        raise PipelineConfigError(
+            f"rank {rank}: this pipeline plans on the first step's batch of inputs, but "
+            f"{sample}: pass the batch on rank 0, or give example_input= when building the "
+            "pipeline"
+        )
+    batch: Batch = sample
+    return batch
 
 
 def detached(batch: Batch) -> Batch:

@@ -156,8 +156,7 @@ def plan(
     if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs)):
         auto = _searched(planning, trials)
     resolved, counts, rebuild = _resolved(planning, auto)
-    # The default two_bp splits where a profile says it pays: on a schedule by name,
-    # with an example input to profile on. Elsewhere it splits every stage.
+    # two_bp=None splits where a profile on the example input says it pays (else everywhere).
     profiled_split = (
         auto is None
         and options.two_bp is None
