@@ -8,8 +8,8 @@ dispatcher (:class:`twobp.runtime.execution.step_run.StepRun`) asks
 concatenated weight gradients (the engine's
 :meth:`~twobp.engine.WeightGradStore.backward_weight_in_parts`), so the rank comes
 back to the receive within one layer's ``W`` of the data arriving. A ``W``
-started in a wait covers every stored micro-batch of its stage (the oldest
-stage first), concatenated as the listed ``W`` would be. When the list
+started in a wait covers the stored micro-batches of the listed ``W`` that holds
+the oldest one, concatenated as that ``W`` would be. When the list
 reaches a ``W``, it finishes the part-run one that overlaps it and runs only
 the micro-batches no wait covered; a ``W`` whose micro-batches all ran in
 waits runs nothing. Every ``W`` thus runs exactly once, whatever the timing.
@@ -47,6 +47,10 @@ class WaitFiller:
         stages: this rank's stages, by index.
         weight_group_size: the engine's concatenation cap of each ``W``.
         eligible: the stages whose stored ``W`` may run in waits.
+        actions: the rank's actions in order: a ``W`` started in a wait concatenates
+            the stored micro-batches of the listed ``W`` that holds the oldest one (the
+            schedule's grouping: one ``W`` over all of a stage's micro-batches at the end
+            of a ``dynamic`` list, single ones where a ``zb-*`` lists them so).
     """
 
     def __init__(
@@ -54,10 +58,17 @@ class WaitFiller:
         stages: Mapping[int, Stage],
         weight_group_size: int | None,
         eligible: frozenset[int],
+        actions: Sequence[Action] = (),
     ) -> None:
         self._stages = stages
         self._group = weight_group_size
         self._eligible = eligible
+        self._listed = {
+            (a.stage, mb): a.microbatches
+            for a in actions
+            if a.kind is Kind.BACKWARD_WEIGHT
+            for mb in a.microbatches
+        }
         self._stored: list[tuple[int, int]] = []
         self._running: _Running | None = None
         self.done: set[tuple[int, int]] = set()
@@ -77,9 +88,12 @@ class WaitFiller:
         """Run the next part of the ``W`` under way (or start one): the ``W`` action it
         belongs to, and whether that ``W`` is now done."""
         if self._running is None:
-            stage = self._stored[0][0]
-            mbs = tuple(mb for s, mb in self._stored if s == stage)
-            self._stored = [(s, mb) for s, mb in self._stored if s != stage]
+            oldest = self._stored[0]
+            stage, together = oldest[0], self._listed.get(oldest)
+            mine = [(s, mb) for s, mb in self._stored if s == stage]
+            taken = [k for k in mine if together is None or k[1] in together]
+            mbs = tuple(mb for _, mb in taken)
+            self._stored = [k for k in self._stored if k not in taken]
             parts = self._stages[stage].weight_in_parts(mbs, self._group)
             self._running = _Running(Action.make(stage, Kind.BACKWARD_WEIGHT, mbs), parts)
         running = self._running

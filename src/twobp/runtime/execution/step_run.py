@@ -165,12 +165,8 @@ class StepRun:
         self._residency = residency
         self._weights = weights
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
+        self._dynamic = dynamic_weights
         self._filler: WaitFiller | None = None
-        if dynamic_weights:
-            eligible = frozenset(
-                s for s, stage in stages.items() if not recomputes_derivatives(stage.recompute)
-            )
-            self._filler = WaitFiller(stages, weight_group_size, eligible)
         self._early: EarlyReductions | None = None
         self._position = 0
         self._queued = 0
@@ -248,8 +244,13 @@ class StepRun:
                 meter.start_step([s.module for s in self._stages.values()])
         if self._channel is not None:
             self._channel.post_ahead()
-        if self._filler is not None and self._reducer is not None:
-            self._early = EarlyReductions(actions)
+        if self._dynamic:
+            eligible = frozenset(
+                s for s, st in self._stages.items() if not recomputes_derivatives(st.recompute)
+            )
+            self._filler = WaitFiller(self._stages, self._weight_group_size, eligible, actions)
+            if self._reducer is not None:
+                self._early = EarlyReductions(actions)
         if self._residency is None:
             return None
         rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
