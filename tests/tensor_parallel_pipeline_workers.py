@@ -47,16 +47,18 @@ def _whole(pipe: Pipeline, param: torch.Tensor, like: nn.Parameter) -> torch.Ten
 
 
 def parity(
-    cases: list[tuple[str, bool, int]],
+    cases: list[tuple[str, bool | str, int]],
     tensor_parallel: int,
     shard_optimizer: bool = False,
     head: str = "whole",
 ) -> list[dict[str, Any]]:
-    """Per case (schedule, two_bp, data_parallel): the largest difference from one process
-    on the whole model, in float64: the loss of every step, every gradient of the first
-    step and every parameter after ``STEPS`` AdamW steps (shards joined), and the norm
-    (not with ``shard_optimizer``: AdamW's state sharded over the copies, no clipping);
-    the share of weight elements W adds; ``head`` one of :data:`HEADS`."""
+    """Per case (schedule, two_bp or a 2BP policy, data_parallel): the largest difference
+    from one process on the whole model, in float64: the loss of every step, every
+    gradient of the first step and every parameter after ``STEPS`` AdamW steps (shards
+    joined), and the norm (not with ``shard_optimizer``: AdamW's state sharded over the
+    copies, no clipping); the share of weight elements W adds; the seconds in the
+    tensor-parallel all-reduces of the backwards and the W parts run meanwhile, summed
+    over the steps; ``head`` one of :data:`HEADS`."""
     out = []
     for schedule, two_bp, data_parallel in cases:
         spec, plan = _llama(head)
@@ -66,7 +68,8 @@ def parity(
             spec.loss_fn,
             schedule,
             n_microbatches=4,
-            two_bp=two_bp,
+            two_bp=bool(two_bp),
+            two_bp_policy=two_bp if isinstance(two_bp, str) else "paper",
             data_parallel=data_parallel,
             tensor_parallel=tensor_parallel,
             tensor_parallel_plan=plan,
@@ -79,6 +82,7 @@ def parity(
         reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
         names = dict(whole.named_parameters())
         errors = {"loss": 0.0, "gradients": 0.0, "parameters": 0.0, "norm": 0.0}
+        errors.update(reducing=0.0, weights_in_reductions=0.0)
         for step in range(STEPS):
             inputs, targets = spec.make_batch(8 * data_parallel, step)
             mine = slice(8 * pipe.dp_rank, 8 * (pipe.dp_rank + 1))
@@ -88,6 +92,8 @@ def parity(
             expected = spec.loss_fn(whole(inputs), targets)
             expected.backward()
             errors["loss"] = max(errors["loss"], abs(loss - float(expected.detach())))
+            errors["reducing"] += pipe.step_times.reducing
+            errors["weights_in_reductions"] += pipe.step_times.weights_in_reductions
             if step == 0 and not shard_optimizer:  # a sharded optimizer holds them apart
                 for name, param in pipe.named_parameters():
                     assert param.grad is not None, name

@@ -68,6 +68,15 @@ def test_an_untied_head_split_by_columns_gathers_its_logits():
     _check(launch(parity, 2, cases, 2, False, "split", timeout=300), cases, 2, split_per_rank=2)
 
 
+def test_dynamic_w_may_run_while_the_all_reduce_of_i_is_in_flight():
+    # Stored W run a layer at a time while a column-parallel linear's input gradient is
+    # all-reduced (how many depends on the timing): equal to one process whatever ran there.
+    cases = [("1f1b", "dynamic", 1)]
+    results = launch(parity, 4, cases, 2, False, "tied", timeout=300)
+    _check(results, cases, 2, split_per_rank=1)
+    assert all(r[0]["reducing"] > 0 for r in results)  # every rank timed its all-reduces
+
+
 def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
     for unchanged, backed_off in launch(overflow_agreed, 2, timeout=300):
         assert unchanged and backed_off

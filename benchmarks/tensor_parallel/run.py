@@ -5,18 +5,21 @@ Both split the same LLaMA-like model's decoder linears over 2 tensor-parallel ra
 micro-batches, gradients accumulated.
 
 - ``--pipeline 1`` (2 ranks): twobp as ``Pipeline(tensor_parallel=2)`` with one pipeline
-  rank (with and without 2BP); torch as ``parallelize_module`` (DTensor,
-  ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh with a plain backward per
-  micro-batch.
+  rank (with and without 2BP, with the ``dynamic`` 2BP policy); torch as
+  ``parallelize_module`` (DTensor, ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh
+  with a plain backward per micro-batch.
 - ``--pipeline 2`` (4 ranks, 2 x 2, pipeline x tensor, tensor parallel innermost):
-  twobp as ``Pipeline(tensor_parallel=2)`` on 4 ranks (1f1b with and without 2BP,
-  zb-h1); torch as ``parallelize_module`` on the ``tp`` dim of a 2-D ``(pp, tp)`` mesh and
-  ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the ``pp`` dim (the loss scaled
-  by ``1/m``, ``scale_grads=False``: the gradients twobp computes). Both cut the 6 blocks
-  3 + 3.
+  twobp as ``Pipeline(tensor_parallel=2)`` on 4 ranks (1f1b with and without 2BP, 1f1b
+  with the ``dynamic`` 2BP policy, zb-h1); torch as ``parallelize_module`` on the ``tp``
+  dim of a 2-D ``(pp, tp)`` mesh and ``torch.distributed.pipelining``'s ``Schedule1F1B``
+  over the ``pp`` dim (the loss scaled by ``1/m``, ``scale_grads=False``: the gradients
+  twobp computes). Both cut the 6 blocks 3 + 3.
 
 One thread per rank, gloo; the variants take turns step by step; medians of the timed
-rounds (the slowest rank's step, as every rank waits for the others).
+rounds (the slowest rank's step, as every rank waits for the others). A second table
+gives, per twobp variant, the time its backwards spent in the tensor-parallel all-reduces
+of input gradients and how much of it ran stored ``W`` (the ``dynamic`` policy runs them
+there, a layer at a time, while the all-reduce is in flight).
 
     PYTHONPATH=src .venv/bin/python benchmarks/tensor_parallel/run.py [--pipeline 2]
 """
@@ -131,25 +134,31 @@ def _rank(pipeline: int, microbatches: int, batch: int, rounds: int) -> dict[str
     torch.manual_seed(0)
     spec = build_model("llama", "small", **MODEL)
     inputs, targets = spec.make_batch(batch, 0)
-    runs = [("1f1b", True), ("1f1b", False)] + ([("zb-h1", True)] if pipeline > 1 else [])
+    runs = [("1f1b", "paper"), ("1f1b", None), ("1f1b", "dynamic")]
+    runs += [("zb-h1", "paper")] if pipeline > 1 else []
     variants: dict[str, Any] = {}
-    for schedule, two_bp in runs:
+    pipes: dict[str, Pipeline] = {}
+    for schedule, policy in runs:
         pipe = Pipeline(
             copy.deepcopy(spec.blocks),
             spec.loss_fn,
             schedule,
             n_microbatches=microbatches,
-            two_bp=two_bp,
+            two_bp=policy is not None,
+            two_bp_policy=policy or "paper",
             partition=[len(spec.blocks) // pipeline] * pipeline,
             tensor_parallel=TENSOR_PARALLEL,
             tensor_parallel_plan=tensor_parallel_plan("llama"),
         )
         name = f"twobp {schedule}" if pipeline > 1 else "twobp"
-        variants[f"{name}{' + 2BP' if two_bp else ''}"] = lambda p=pipe: p.step(inputs, targets)
+        name += "" if policy is None else " + 2BP" if policy == "paper" else f" + 2BP {policy}"
+        variants[name] = lambda p=pipe: p.step(inputs, targets)
+        pipes[name] = pipe
     make = _torch_pipelined if pipeline > 1 else _torch_tensor_parallel
     name = f"{TORCH} + pipelining 1F1B" if pipeline > 1 else TORCH
     variants[name] = make(spec, inputs, targets, microbatches)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    reducing = {name: [0.0, 0.0] for name in pipes}  # all-reduce seconds, W seconds in them
     losses: dict[str, float | None] = {}
     for round_ in range(rounds + 2):
         for name, step in variants.items():
@@ -159,10 +168,15 @@ def _rank(pipeline: int, microbatches: int, batch: int, rounds: int) -> dict[str
             dist.barrier()
             if round_ >= 2:
                 times[name].append(time.perf_counter() - start)
+                if name in pipes:
+                    counts = pipes[name].step_times
+                    reducing[name][0] += counts.reducing / rounds
+                    reducing[name][1] += counts.weight_seconds_in_reductions / rounds
     # No optimizer step: every round computes the same loss, so the variants' agree.
     known = [loss for loss in losses.values() if loss is not None]
     spread = max(known) - min(known) if len(known) == len(losses) else None
-    return {"medians": {n: statistics.median(t) for n, t in times.items()}, "spread": spread}
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    return {"medians": medians, "spread": spread, "reducing": reducing}
 
 
 def main() -> int:
@@ -191,6 +205,15 @@ def main() -> int:
     print("|---|---:|---:|")
     for name, t in medians.items():
         print(f"| {name} | {t * 1e3:.1f} | {torch_time / t:.2f} |")
+    print()
+    print("Tensor-parallel all-reduces of the backward (I, or B without 2BP), per step,")
+    print("mean over the ranks; W: the stored W run while one was in flight.")
+    print("| variant | all-reduce ms | W in them ms | share of the all-reduce time |")
+    print("|---|---:|---:|---:|")
+    for name in results[0]["reducing"]:
+        total = statistics.mean(r["reducing"][name][0] for r in results)
+        hidden = statistics.mean(r["reducing"][name][1] for r in results)
+        print(f"| {name} | {total * 1e3:.1f} | {hidden * 1e3:.1f} | {hidden / total:.2f} |")
     return 0
 
 

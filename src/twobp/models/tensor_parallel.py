@@ -25,6 +25,7 @@ import fnmatch
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -63,6 +64,29 @@ def tensor_parallel_plan(name: str) -> dict[str, str]:
     return dict(_LLAMA_PLAN)
 
 
+_WHILE_REDUCING: ContextVar[Callable[[Any], None] | None] = ContextVar(
+    "twobp_while_reducing", default=None
+)
+"""What runs while a column-parallel linear's input gradient is all-reduced, if anything."""
+
+
+@contextmanager
+def while_reducing(run: Callable[[Any], None]) -> Iterator[None]:
+    """While inside, a column-parallel linear's backward starts the all-reduce of its input
+    gradient asynchronously and calls ``run(work)`` before waiting for ``work`` (a
+    ``torch.distributed`` work handle): other computation, with no collective of its own
+    (a deferred ``W``), can run while the all-reduce is in flight.
+
+    Args:
+        run: called with the work handle; returns whenever it likes (the wait follows).
+    """
+    token = _WHILE_REDUCING.set(run)
+    try:
+        yield
+    finally:
+        _WHILE_REDUCING.reset(token)
+
+
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -72,7 +96,15 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        run = _WHILE_REDUCING.get()
+        if run is None:
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+        work = dist.all_reduce(grad, group=ctx.group, async_op=True)
+        try:
+            run(work)
+        finally:
+            work.wait()
         return grad, None
 
 

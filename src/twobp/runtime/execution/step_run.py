@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from twobp.models.tensor_parallel import while_reducing
 from twobp.runtime.communication.channel import StepChannel
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.execution.clock import StepClock
@@ -65,6 +66,12 @@ class StepTimes:
         waited_with_weights_queued: time in receives from other ranks while this
             rank held ``W`` whose ``I`` had run (any policy): the wait ``W``
             could have filled.
+        reducing: with tensor parallelism, the time from the start of each all-reduce of
+            a column-parallel linear's input gradient (in ``I`` or ``B``) to its end,
+            summed, the ``W`` run meanwhile included.
+        weights_in_reductions: parts of ``W`` run while one of those all-reduces was in
+            flight (the ``dynamic`` 2BP policy).
+        weight_seconds_in_reductions: the compute time of those parts, summed.
     """
 
     compute: float = 0.0
@@ -78,6 +85,9 @@ class StepTimes:
     weights_in_waits: int = 0
     weight_seconds_in_waits: float = 0.0
     waited_with_weights_queued: float = 0.0
+    reducing: float = 0.0
+    weights_in_reductions: int = 0
+    weight_seconds_in_reductions: float = 0.0
 
 
 @dataclass
@@ -325,7 +335,8 @@ class StepRun:
         start = self._clock.mark()
         rebuilt = action.kind is Kind.BACKWARD_INPUT_REBUILT
         split = rebuilt or action.kind is Kind.BACKWARD_INPUT
-        grads = stage.backward(mb, grad_outputs, split=split, keep_stash=not rebuilt)
+        with while_reducing(self._fill_reduction):
+            grads = stage.backward(mb, grad_outputs, split=split, keep_stash=not rebuilt)
         self._record(action, start)
         if not stage.is_first:
             # First: another stage may be waiting for it.
@@ -385,6 +396,22 @@ class StepRun:
             if finished:
                 self._queued -= len(weight.microbatches)
                 self._start_early_reductions()
+
+    def _fill_reduction(self, work: Any) -> None:
+        """While a tensor-parallel all-reduce of the backward running now is in flight: run
+        stored ``W`` a part at a time until it completes or no ``W`` is left (the ``dynamic``
+        policy; the parts show inside the backward's span), then wait for it."""
+        filler, times = self._filler, self.result.times
+        begun = time.perf_counter()
+        while filler is not None and filler.has_work and not work.is_completed():
+            host = time.perf_counter()
+            weight, finished = filler.run_part()
+            times.weights_in_reductions += 1
+            times.weight_seconds_in_reductions += time.perf_counter() - host
+            if finished:
+                self._queued -= len(weight.microbatches)
+        work.wait()
+        times.reducing += time.perf_counter() - begun
 
     def _start_early_reductions(self) -> None:
         """Start the ``R`` whose stages' ``W`` the waits have all run (in list order)."""
