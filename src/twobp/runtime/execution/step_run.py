@@ -410,6 +410,7 @@ class StepRun:
             times.weight_seconds_in_reductions += time.perf_counter() - host
             if finished:
                 self._queued -= len(weight.microbatches)
+                self._start_early_reductions()
         work.wait()
         times.reducing += time.perf_counter() - begun
 
