@@ -112,6 +112,20 @@ class Option:
     weight_group_size: int | None = None
     split: tuple[bool, ...] | None = None
 
+    @classmethod
+    def of(cls, candidate: Candidate) -> Option:
+        """The option ``candidate`` was simulated as."""
+        c = candidate
+        return cls(
+            c.schedule,
+            c.policy,
+            c.stages_per_rank,
+            c.microbatches_per_w,
+            c.recompute,
+            c.weight_group_size,
+            c.split,
+        )
+
 
 class NothingFitsError(ValueError):
     """No combination fits the memory limit (the message says what the least needs)."""

@@ -76,16 +76,7 @@ def compare_sharding(
         if layout is None:
             continue
         costs, _, _ = layout_costs(shape, device, dims, (True, sharded), dtype)
-        c = layout.candidate
-        option = Option(
-            c.schedule,
-            c.policy,
-            c.stages_per_rank,
-            c.microbatches_per_w,
-            c.recompute,
-            c.weight_group_size,
-            c.split,
-        )
+        option = Option.of(layout.candidate)
         # The same step on one copy: no reduction, no gather.
         without, _ = simulate_option(option, pipeline, layout.microbatches, costs.for_stages)
         assert costs.parameter_bytes is not None and costs.reduce_bandwidth is not None

@@ -553,18 +553,4 @@ def _differ(a: Contender, b: Contender) -> bool:
 
 
 def _same(option: Option, c: Candidate) -> bool:
-    return (
-        option.schedule,
-        option.policy,
-        option.stages_per_rank,
-        option.microbatches_per_w,
-        option.recompute,
-        option.weight_group_size,
-    ) == (
-        c.schedule,
-        c.policy,
-        c.stages_per_rank,
-        c.microbatches_per_w,
-        c.recompute,
-        c.weight_group_size,
-    )
+    return replace(Option.of(c), split=option.split) == option
