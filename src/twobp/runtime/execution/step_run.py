@@ -371,48 +371,51 @@ class StepRun:
     def _fill_wait(self, action: Action) -> None:
         """Before the receive ``action`` blocks: run stored ``W`` a part at a time until
         its data has arrived or no ``W`` is left (the ``dynamic`` policy)."""
-        filler, channel = self._filler, self._channel
-        if filler is None or channel is None:
+        channel = self._channel
+        if self._filler is None or channel is None:
             return
         transfer = transfer_of(action, self._graph)
+        parts, seconds = self._fill(lambda: channel.arrived(transfer), f"the {transfer}", True)
         times = self.result.times
-        while filler.has_work and not channel.arrived(transfer):
-            start, host = self._clock.mark(), time.perf_counter()
-            try:
-                weight, finished = filler.run_part()
-            except Exception as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"(in a W run while waiting for the {transfer})")
-                raise
-            end = self._clock.mark()
-            self._marks.append((weight, start, end))
-            # On a GPU the host only queues the part: it waits for it, so that it asks
-            # again whether the data arrived once the part ran, not before.
-            self._clock.reach(end)
-            seconds = time.perf_counter() - host
-            times.weights_in_waits += 1
-            times.weight_seconds_in_waits += seconds
-            times.dispatch += seconds  # as a compute action's whole time: its span is compute
-            if finished:
-                self._queued -= len(weight.microbatches)
-                self._start_early_reductions()
+        times.weights_in_waits += parts
+        times.weight_seconds_in_waits += seconds
+        times.dispatch += seconds  # as a compute action's whole time: its span is compute
 
     def _fill_reduction(self, work: Any) -> None:
         """While a tensor-parallel all-reduce of the backward running now is in flight: run
         stored ``W`` a part at a time until it completes or no ``W`` is left (the ``dynamic``
         policy; the parts show inside the backward's span), then wait for it."""
-        filler, times = self._filler, self.result.times
         begun = time.perf_counter()
-        while filler is not None and filler.has_work and not work.is_completed():
-            host = time.perf_counter()
-            weight, finished = filler.run_part()
-            times.weights_in_reductions += 1
-            times.weight_seconds_in_reductions += time.perf_counter() - host
+        parts, seconds = self._fill(work.is_completed, "a tensor-parallel all-reduce", False)
+        times = self.result.times
+        times.weights_in_reductions += parts
+        times.weight_seconds_in_reductions += seconds
+        work.wait()
+        times.reducing += time.perf_counter() - begun
+
+    def _fill(self, done: Callable[[], bool], what: str, spans: bool) -> tuple[int, float]:
+        """Run stored ``W`` a part at a time until ``done()`` or no ``W`` is left, each
+        part's span recorded with ``spans``: how many parts ran, and their host seconds."""
+        filler, parts, seconds = self._filler, 0, 0.0
+        while filler is not None and filler.has_work and not done():
+            start, host = self._clock.mark(), time.perf_counter()
+            try:
+                weight, finished = filler.run_part()
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(in a W run while waiting for {what})")
+                raise
+            end = self._clock.mark()
+            if spans:
+                self._marks.append((weight, start, end))
+            # On a GPU the host only queues the part: it waits for it, so that it asks
+            # again whether it is done once the part ran, not before.
+            self._clock.reach(end)
+            parts, seconds = parts + 1, seconds + time.perf_counter() - host
             if finished:
                 self._queued -= len(weight.microbatches)
                 self._start_early_reductions()
-        work.wait()
-        times.reducing += time.perf_counter() - begun
+        return parts, seconds
 
     def _start_early_reductions(self) -> None:
         """Start the ``R`` whose stages' ``W`` the waits have all run (in list order)."""
