@@ -72,6 +72,10 @@ class StageGradients(Protocol):
         """The tensors kept for the W of ``mb`` now."""
         ...
 
+    def pending_weight(self) -> tuple[int, ...]:
+        """Micro-batches whose I is done and whose W is not, sorted."""
+        ...
+
     def finish_step(self) -> None:
         """Check that no work is pending and forget this step's micro-batches."""
         ...
@@ -169,6 +173,9 @@ class AutogradGradients:
 
     def stashed_tensors(self, mb: int) -> list[Tensor]:
         return []
+
+    def pending_weight(self) -> tuple[int, ...]:
+        return tuple(sorted(self._pending))
 
     def restore(self) -> None:
         self._pending.clear()

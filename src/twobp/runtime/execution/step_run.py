@@ -179,7 +179,6 @@ class StepRun:
         self._filler: WaitFiller | None = None
         self._early: EarlyReductions | None = None
         self._position = 0
-        self._queued = 0
         self.result = StepResult()
         self.current: Action | None = None
         """The compute action being run (or served by the transfer being run)."""
@@ -220,7 +219,7 @@ class StepRun:
                 if action.kind.role is Role.RECEIVE:
                     self._fill_wait(action)
                     receiving = self._clock.mark()
-                queued = self._queued > 0
+                queued = receiving is not None and self._weights_queued()
                 started = time.perf_counter()
                 handler = handlers.get(action.kind)
                 if handler is None:
@@ -238,7 +237,7 @@ class StepRun:
                     )
                 raise
             self._count(action, time.perf_counter() - started)
-            if queued and receiving is not None:
+            if queued:
                 self.result.times.waited_with_weights_queued += time.perf_counter() - started
             if residency is not None:
                 residency.after(index, action, self._stages[action.stage].memory.held)
@@ -342,7 +341,6 @@ class StepRun:
             # First: another stage may be waiting for it.
             self._give(action, grads, False)
         if split:
-            self._queued += len(action.microbatches)
             if self._filler is not None:
                 self._filler.stored(action)
             # The stash for W only grows at I: its peak follows one.
@@ -356,12 +354,10 @@ class StepRun:
             mbs, finished = self._filler.take(action)
             if finished is not None:
                 # The rest of a W that waits part-ran.
-                self._queued -= len(finished.microbatches)
                 self._record(finished, start)
                 self._start_early_reductions()
         if not mbs:
             return
-        self._queued -= len(mbs)
         start = self._clock.mark()
         rebuild = action.kind is Kind.BACKWARD_WEIGHT_REBUILD
         self._stages[action.stage].weight(mbs, self._weight_group_size, rebuild=rebuild)
@@ -413,9 +409,12 @@ class StepRun:
             self._clock.reach(end)
             parts, seconds = parts + 1, seconds + time.perf_counter() - host
             if finished:
-                self._queued -= len(weight.microbatches)
                 self._start_early_reductions()
         return parts, seconds
+
+    def _weights_queued(self) -> bool:
+        """Whether a stage of this rank holds a ``W`` whose ``I`` has run."""
+        return any(stage.gradients.pending_weight() for stage in self._stages.values())
 
     def _start_early_reductions(self) -> None:
         """Start the ``R`` whose stages' ``W`` the waits have all run (in list order)."""
