@@ -95,3 +95,15 @@ def test_a_jittered_simulation_is_the_draw_of_median_step():
     )
     assert simulate(s, costs).makespan == draws[len(draws) // 2]
     assert draws[0] < draws[-1]
+
+
+def test_a_concatenated_w_draws_as_its_micro_batches_one_by_one():
+    # W over micro-batches 2 and 3 together takes the mean of their own draws: a schedule
+    # that runs them together and one that runs them apart meet the same work.
+    costs = _costs(4)
+    s = prepare("1f1b", n_ranks=4, n_microbatches=8, two_bp=True, policy="paper")
+    drawn = jittered(make_timing(costs, s), 0.3, 3)
+    both = drawn.duration(Action.make(2, Kind.BACKWARD_WEIGHT, (2, 3)))
+    apart = [drawn.duration(Action.make(2, Kind.BACKWARD_WEIGHT, mb)) for mb in (2, 3)]
+    assert apart[0] != apart[1]
+    assert both == pytest.approx(sum(apart))

@@ -35,8 +35,8 @@ COSTS_HELP = (
     "send (bytes per micro-batch), act, grad, "
     "param (memory per micro-batch / per stage), contention (how many times slower every rank "
     "computes while all compute at once, default 1), jitter (each action's time drawn around "
-    "its cost with this relative spread, e.g. 0.1; one draw per action) and seed (which draw); "
-    "with V stages per rank each stage takes 1/V"
+    "its cost with this relative spread, e.g. 0.1; one draw per stage, kind and micro-batch) "
+    "and seed (which draw); with V stages per rank each stage takes 1/V"
 )
 
 

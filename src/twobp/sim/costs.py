@@ -178,8 +178,9 @@ class CostModel:
             coefficient of variation measured over repeated steps): the
             simulator draws every action's time from a normal distribution of
             this relative spread around its cost (at least a tenth of it), the
-            same draw for the same action whatever the schedule, so policies
-            compare on one draw. A ``dynamic`` schedule places its ``W`` on the
+            same draw for the same work (stage, kind, micro-batch) whatever the
+            schedule, so policies compare on one draw (a ``W`` over several
+            micro-batches takes the mean of theirs). A ``dynamic`` schedule places its ``W`` on the
             drawn times (as its runtime meets them), a static one keeps its
             placement. ``0``: exact times. Not saved in cost files.
         jitter_seed: which draw (an int).

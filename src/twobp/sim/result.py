@@ -175,13 +175,18 @@ def simulated(
 
 def jittered(timing: Timing, spread: float, seed: int) -> Timing:
     """``timing`` with each action's time drawn around it: normal, of relative spread
-    ``spread``, at least a tenth of it; one draw per action and ``seed`` (the same
-    action gets the same time in any schedule and any process)."""
+    ``spread``, at least a tenth of it; one draw per stage, kind, micro-batch and
+    ``seed`` (the same work gets the same time in any schedule and any process). An
+    action over several micro-batches (a concatenated ``W``) takes the mean of their
+    draws, so a ``W`` run over micro-batches together or one by one draws alike."""
+
+    def factor(action: Action, microbatch: int) -> float:
+        key = zlib.crc32(f"{seed}:{action.stage}:{action.kind.value}:{microbatch}".encode())
+        return max(0.1, 1.0 + spread * random.Random(key).gauss(0.0, 1.0))
 
     def duration(action: Action) -> float:
-        key = zlib.crc32(f"{seed}:{action}".encode())
-        factor = 1.0 + spread * random.Random(key).gauss(0.0, 1.0)
-        return timing.duration(action) * max(0.1, factor)
+        mbs = action.microbatches
+        return timing.duration(action) * sum(factor(action, mb) for mb in mbs) / len(mbs)
 
     return Timing(duration, timing.transfer)
 
