@@ -129,3 +129,35 @@ def hugging_face_errors() -> float:
             grad = torch.cat(pieces, dim=0 if part.shape[0] != whole.shape[0] else 1)
         worst = max(worst, float((grad - whole.grad).abs().max()))
     return worst
+
+
+def _input_reductions(out: torch.Tensor) -> int:
+    """The all-reduces of input gradients in ``out``'s backward (its graph's copies)."""
+    seen, todo, count = set(), [out.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == "_CopyToGroupBackward"
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+def input_reductions() -> dict[str, int]:
+    """All-reduces of input gradients in one sharded block's backward: the reference
+    LLaMA block's, a Hugging Face LLaMA layer's (if transformers is there)."""
+    torch.manual_seed(1)
+    block = shard_block(llama_blocks(CONFIG)[1], tensor_parallel_plan("llama"))
+    x = torch.randn(2, CONFIG.seq_len, CONFIG.dim, requires_grad=True)
+    counts = {"llama": _input_reductions(block(x))}
+    try:
+        from twobp.integrations import transformers as hf
+
+        model = hf.build_model("llama")
+    except ImportError:
+        return counts
+    layer = shard_block(hf.blocks(model)[1], hf.tensor_parallel_plan(model))
+    x = torch.randn(2, 6, model.config.hidden_size, requires_grad=True)
+    counts["hugging face"] = _input_reductions(layer(x))
+    return counts

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tensor_parallel_workers import block_errors, deferred_errors, hugging_face_errors, refusal
+from tensor_parallel_workers import (
+    block_errors,
+    deferred_errors,
+    hugging_face_errors,
+    input_reductions,
+    refusal,
+)
 from twobp.models import tensor_parallel_plan
 from twobp.runtime.launch import launch
 
@@ -13,6 +19,13 @@ def test_a_sharded_llama_block_gives_the_whole_blocks_output_and_gradients():
     for errors in launch(block_errors, 2, timeout=120):
         assert len(errors) == 2 + 9  # output, input gradient, 9 parameters
         assert max(errors.values()) < 1e-10, errors
+
+
+def test_the_linears_that_read_one_input_all_reduce_its_gradient_once():
+    # q, k and v read one tensor, and so do a SwiGLU's w1 and w3: 2 all-reduces a layer, not 5.
+    for counts in launch(input_reductions, 2, timeout=120):
+        assert counts["llama"] == 2, counts
+        assert counts.get("hugging face", 2) == 2, counts
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@
 A plan maps module-name patterns inside a block (fnmatch, as Hugging Face's
 ``base_model_tp_plan``) to a style. A ``"colwise"`` linear keeps the rows of its weight
 that belong to this rank; its input passes through :class:`_CopyToGroup` (identity
-forward, all-reduce of the input gradient backward). A ``"colwise_gather_output"`` linear
+forward, all-reduce of the input gradient backward), once for the column-parallel linears
+that read one tensor (``q``, ``k``, ``v``; ``w1``, ``w3``): one all-reduce of their summed
+input gradients. A ``"colwise_gather_output"`` linear
 (an output head: Hugging Face's name, torch's ``ColwiseParallel(output_layouts=Replicate())``)
 is split the same way and its output gathered over the group (:class:`_GatherFromGroup`),
 so that the loss sees whole logits. A ``"rowwise"`` linear keeps the columns of its weight;
@@ -106,6 +108,24 @@ class _CopyToGroup(torch.autograd.Function):
         finally:
             work.wait()
         return grad, None
+
+
+_Copies = list[tuple[torch.Tensor, Any, torch.Tensor]]
+"""Within one forward of a block: each input a column-parallel linear read, its group, and
+the copy it read it through."""
+
+
+def _copy_to_group(x: torch.Tensor, group: Any, copies: _Copies) -> torch.Tensor:
+    """``x`` through :class:`_CopyToGroup`, once for the column-parallel linears of one
+    block forward that read the same tensor (``q``, ``k`` and ``v``; a SwiGLU's ``w1`` and
+    ``w3``): their input gradients add up before one all-reduce, not one each (as
+    Megatron's fused QKV and gate-up projections reduce)."""
+    for seen, seen_group, copy in copies:
+        if seen is x and seen_group is group:
+            return copy
+    copy = _CopyToGroup.apply(x, group)  # type: ignore[no-untyped-call]
+    copies.append((x, group, copy))
+    return copy  # type: ignore[no-any-return]
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -228,12 +248,15 @@ def _split(block: nn.Module, chosen: Chosen, group: Any, shards: Shards) -> None
             )
     for name, (module, style) in chosen.items():
         _check(name, module, style, size)
+    copies: _Copies = []  # held from the block's forward's start to its end
+    block.register_forward_pre_hook(lambda _m, _args: copies.clear())
+    block.register_forward_hook(lambda _m, _args, _out: copies.clear())
     for module, style in chosen.values():
         if isinstance(module, nn.Embedding):
             _shard_embedding(module, size, rank, group, shards)
         else:
             assert isinstance(module, nn.Linear)  # _check_kind refused the rest
-            _shard_linear(module, style, size, rank, group, shards)
+            _shard_linear(module, style, size, rank, group, shards, copies)
     for module in block.modules():
         heads = getattr(module, "n_heads", None)
         if isinstance(heads, int):
@@ -354,7 +377,13 @@ def _shard(param: torch.Tensor, dim: int, size: int, rank: int, shards: Shards) 
 
 
 def _shard_linear(
-    module: nn.Linear, style: str, size: int, rank: int, group: Any, shards: Shards
+    module: nn.Linear,
+    style: str,
+    size: int,
+    rank: int,
+    group: Any,
+    shards: Shards,
+    copies: _Copies,
 ) -> None:
     dim = _split_dim(module, style)
     module.weight = _shard(module.weight, dim, size, rank, shards)
@@ -367,9 +396,7 @@ def _shard_linear(
         )
         return
     module.out_features //= size
-    module.register_forward_pre_hook(
-        lambda _m, args: (_CopyToGroup.apply(args[0], group),)  # type: ignore[no-untyped-call]
-    )
+    module.register_forward_pre_hook(lambda _m, args: (_copy_to_group(args[0], group, copies),))
     if style == "colwise_gather_output":
         module.register_forward_hook(
             lambda _m, _args, out: _GatherFromGroup.apply(out, group)  # type: ignore[no-untyped-call]
