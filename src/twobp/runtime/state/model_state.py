@@ -18,17 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from twobp.runtime.base.tensor_split import counted_once, refuse_checkpoint
+from twobp.runtime.base.group import Membership
+from twobp.runtime.base.tensor_split import counted_once, refuse_checkpoint, split_dims
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.communication.agreement import agree
 from twobp.runtime.errors import PipelineClosedError, PipelineConfigError
 from twobp.runtime.state import checkpoint
-from twobp.runtime.state.checkpoint.files import step_folder
+from twobp.runtime.state.checkpoint.tensor_shards import TensorShards
 from twobp.runtime.state.grad_norm import clip_grad_norm_
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
-from twobp.runtime.state.tensor_checkpoint import joined, whole_then_shards
 from twobp.schedule.schedule import Schedule
 
 
@@ -99,7 +98,9 @@ class PipelineState:
         self.tensor_parallel: Any = None
         """The pipeline's :class:`twobp.runtime.setup.tensor_parallel.TensorParallel`, or None."""
         self._whole = False
-        """True while split parameters hold whole tensors, for a checkpoint to read or fill."""
+        """True while a checkpoint reads or fills this rank's tensor-parallel shards."""
+        self._sub_mesh: Any = None
+        """The tensor-parallel sub-mesh of the checkpoints' DTensors, once made."""
 
     def sharded_for(self, optimizer: torch.optim.Optimizer | None) -> ShardedParameters | None:
         """The shards ``optimizer`` steps, if it is this pipeline's sharded optimizer."""
@@ -299,46 +300,10 @@ class PipelineState:
                 background write, from the call that waits for it).
         """
         self.check_open()
-        if self.tensor_parallel is not None:
-            return self._save_joined(path, optimizer, extra, step, meta, keep, async_save)
-        with self._parameters_whole():
+        with self._parameters_whole(), self._shards_named():
             return checkpoint.save(
                 self, path, optimizer, extra, step=step, meta=meta, keep=keep, async_save=async_save
             )
-
-    def _save_joined(
-        self,
-        path: str | os.PathLike[str],
-        optimizer: torch.optim.Optimizer | None,
-        extra: Any,
-        step: int | None,
-        meta: Mapping[str, Any] | None,
-        keep: int,
-        async_save: bool,
-    ) -> Path:
-        """:meth:`save` of a tensor-parallel pipeline: the shards joined, written by the
-        pipeline of shard 0, as of the whole model. Collective over every rank."""
-        tp = self.tensor_parallel
-        if async_save or self.sharded is not None:
-            raise PipelineConfigError(
-                "a tensor-parallel pipeline saves its checkpoints whole: without "
-                "async_save and without shard_optimizer"
-            )
-        final = Path(path) / step_folder(self.step_count if step is None else step)
-        problem: Exception | None = None
-        with joined(self.module, optimizer, tp):
-            self._whole = True
-            try:
-                if tp.rank == 0:
-                    final = checkpoint.save(
-                        self, path, optimizer, extra, step=step, meta=meta, keep=keep
-                    )
-            except Exception as exc:  # the other shards must hear of it
-                problem = exc
-            finally:
-                self._whole = False
-        agree(tp.world, self.device, self.timeout, problem, "saving a tensor-parallel checkpoint")
-        return final
 
     def wait_for_checkpoint(self) -> Path | None:
         """Wait until a checkpoint written in the background is complete. Collective.
@@ -378,26 +343,46 @@ class PipelineState:
                 changed then.
         """
         self.check_open()
+        with self._parameters_whole(), self._shards_named():
+            return checkpoint.load(self, path, optimizer)
+
+    @contextlib.contextmanager
+    def _shards_named(self) -> Iterator[None]:
+        """While inside, :meth:`state_dict` and :meth:`load_state_dict` give and take this
+        rank's tensor-parallel shards under the whole parameters' names, for a checkpoint
+        (which writes and reads them as DTensors, see :meth:`tensor_shards`)."""
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+
+    @property
+    def checkpoint_world(self) -> Membership:
+        """The ranks that save and load a checkpoint together: every tensor-parallel
+        shard's pipeline, or this pipeline's ranks without tensor parallelism."""
+        tp = self.tensor_parallel
+        return self.topology.members if tp is None else tp.world
+
+    def tensor_shards(self) -> TensorShards:
+        """Where this rank's split parameters (by name) sit in the whole tensors, for a
+        checkpoint (none split without tensor parallelism)."""
         tp = self.tensor_parallel
         if tp is None:
-            with self._parameters_whole():
-                return checkpoint.load(self, path, optimizer)
-        if self.sharded is not None:
-            raise PipelineConfigError(
-                "a tensor-parallel pipeline loads checkpoints without shard_optimizer"
-            )
-        problem: Exception | None = None
-        extra: Any = None
-        with whole_then_shards(self.module, optimizer, tp):
-            self._whole = True
-            try:
-                extra = checkpoint.load(self, path, optimizer)
-            except Exception as exc:  # every shard's pipeline must hear of it
-                problem = exc
-            finally:
-                self._whole = False
-        agree(tp.world, self.device, self.timeout, problem, "loading a tensor-parallel checkpoint")
-        return extra
+            return TensorShards()
+        if self._sub_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._sub_mesh = DeviceMesh.from_group(tp.group, self.device.type)
+        by_id = split_dims(self.module)
+        named = [(n, p) for n, p in self.named_parameters() if id(p) in by_id]
+        return TensorShards(
+            dims={n: by_id[id(p)] for n, p in named},
+            shapes={n: list(p.shape) for n, p in named},
+            rank=tp.rank,
+            size=tp.size,
+            mesh=self._sub_mesh,
+        )
 
     def _parameters_whole(self) -> contextlib.AbstractContextManager[None]:
         """Every parameter whole inside (``shard_parameters=True``: gathered on every rank of

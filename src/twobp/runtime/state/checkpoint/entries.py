@@ -33,6 +33,8 @@ from twobp.runtime.state.optimizer_and_rng import OptimizerState
 
 MODEL = "model."
 OPTIMIZER_STATE = "optimizer.state."
+MASTER = "optimizer.master."
+"""Checkpoint names of a sharded optimizer's float32 master weights (see :mod:`.shards`)."""
 RNG = "rng."
 
 

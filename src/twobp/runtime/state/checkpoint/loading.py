@@ -32,6 +32,7 @@ from twobp.runtime.state.checkpoint.shards import (
     sharded_names,
     sharded_targets,
 )
+from twobp.runtime.state.checkpoint.tensor_shards import local
 
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
 from twobp.runtime.state.lazy import storage
@@ -85,21 +86,23 @@ def load(
             the checkpoint is missing, truncated or changed since it was saved.
     """
     wait(pipe)
-    world = pipe.topology.members
+    world = pipe.checkpoint_world
     problem: Exception | None = None
     plan: _LoadPlan | None = None
     try:
         plan = _plan(pipe, path, optimizer)
     except Exception as exc:  # any failure here must reach every rank
-        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot load {path}")
+        problem = storage.checkpoint_error(exc, f"rank {world.rank} cannot load {path}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
     assert plan is not None
     problem = None
     try:
         storage.read(plan.tensors, plan.folder, world.group)
     except storage.FAILURES as exc:
-        problem = storage.own_error(exc, pipe.rank, f"cannot load {plan.folder}")
+        problem = storage.own_error(exc, world.rank, f"cannot load {plan.folder}")
     agree(world, pipe.device, pipe.timeout, problem, "loading a checkpoint")
+    # A tensor-parallel rank's shards were read as DTensors: the shards themselves.
+    plan.tensors, plan.shards = local(plan.tensors), local(plan.shards)
     pipe.load_state_dict({n: plan.tensors[MODEL + n] for n in plan.own}, strict=True)
     if optimizer is not None and plan.optimizer is not None and plan.shards is not None:
         sharded = pipe.sharded_for(optimizer)
@@ -124,7 +127,7 @@ def load(
 def _check_fits(
     rank: int,
     folder: Path,
-    own: dict[str, Any],
+    own: dict[str, list[int]],
     saved: dict[str, Any],
     saved_optimizer: str | None,
     optimizer: torch.optim.Optimizer | None,
@@ -136,9 +139,9 @@ def _check_fits(
     """
     missing = [n for n in own if n not in saved]
     wrong = [
-        f"{n} is {list(t.shape)} here but {saved[n]['shape']} in the checkpoint"
-        for n, t in own.items()
-        if n in saved and list(t.shape) != saved[n]["shape"]
+        f"{n} is {shape} here but {saved[n]['shape']} in the checkpoint"
+        for n, shape in own.items()
+        if n in saved and shape != saved[n]["shape"]
     ]
     if missing or wrong:
         problems = (
@@ -166,12 +169,13 @@ def _plan(
 ) -> _LoadPlan:
     """Read and check what this rank needs to load, changing nothing."""
     # Every rank checks the sizes, and computes the CRC-32s of its share of the files.
-    world = pipe.topology.members
+    world = pipe.checkpoint_world
     manifest = integrity.check(path, share=(world.rank, world.size))
     folder = Path(manifest["path"])
     saved = manifest["tensors"]
-    own = pipe.state_dict()
-    _check_fits(pipe.rank, folder, own, saved, manifest["optimizer"], optimizer)
+    split = pipe.tensor_shards()
+    own = {n: split.whole_shape(n, t.shape) for n, t in pipe.state_dict().items()}
+    _check_fits(world.rank, folder, own, saved, manifest["optimizer"], optimizer)
     stored = storage.tensor_shapes(folder)
     wanted = [MODEL + n for n in own]
     optimizer_json = None
@@ -202,12 +206,13 @@ def _plan(
         raise CheckpointError(
             f"{folder} is incomplete: its DCP metadata has no {', '.join(absent[:3])}"
         )
-    tensors: dict[str, Any] = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for n in wanted}
+    # Each rank's shard of what is split (DCP reads the saved chunks that cover it).
+    tensors: dict[str, Any] = {n: split.target(n, *stored[n]) for n in wanted}
     shards = masters = None
     if sharded is not None and optimizer_json is not None:
-        targets, shards = sharded_targets(sharded, optimizer_json, stored, by_id)
+        targets, shards = sharded_targets(sharded, optimizer_json, stored, by_id, split)
         tensors.update(targets)
-        targets, masters = master_targets(sharded, stored)
+        targets, masters = master_targets(sharded, stored, split)
         tensors.update(targets)
     return _LoadPlan(
         folder=folder,

@@ -27,6 +27,7 @@ from twobp.runtime.state.checkpoint.entries import (
 )
 from twobp.runtime.state.checkpoint.files import FORMAT, VERSION, fresh_folder, publish, step_folder
 from twobp.runtime.state.checkpoint.shards import sharded_entries, sharded_names
+from twobp.runtime.state.checkpoint.tensor_shards import TensorShards
 
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
 from twobp.runtime.state.lazy import storage
@@ -70,9 +71,10 @@ def save(
     step = pipe.step_count if step is None else step
     final = Path(root) / step_folder(step)
     partial = final.with_name(f".partial-{final.name}")
-    world, device, timeout = pipe.topology.members, pipe.device, pipe.timeout
+    world, device, timeout = pipe.checkpoint_world, pipe.device, pipe.timeout
+    coordinator = world.rank == 0
     problem: Exception | None = None
-    if pipe.rank == 0:
+    if coordinator:
         problem = _attempt(lambda: fresh_folder(partial), f"cannot create {partial}")
     agree(world, device, timeout, problem, "starting to save a checkpoint")
     tensors: dict[str, Any] = {}
@@ -81,24 +83,28 @@ def save(
     try:
         if not partial.is_dir():
             raise CheckpointError(
-                f"rank {pipe.rank} does not see {partial}, which rank 0 created: the checkpoint "
-                "folder must be on a file system that every rank shares"
+                f"rank {world.rank} does not see {partial}, which rank 0 created: the "
+                "checkpoint folder must be on a file system that every rank shares"
             )
         # One copy per stage: the first replica of this rank's stages writes it; every
-        # rank of a sharded optimizer writes its shards' part of the optimizer state.
+        # rank of a sharded optimizer writes its shards' part of the optimizer state;
+        # every tensor-parallel rank its shards, rank 0 of each group the rest.
         sharded = pipe.sharded_for(optimizer)
+        split = pipe.tensor_shards()
         if pipe.topology.writes_stage_files:
-            tensors, part = _entries(pipe, optimizer, extra, sharded)
+            tensors, part = _entries(pipe, optimizer, extra, sharded, split)
         elif sharded is not None and optimizer is not None:
-            tensors, _ = _sharded_part(pipe, optimizer, sharded, set())
+            tensors, _ = _sharded_part(pipe, optimizer, sharded, set(), split)
+        tensors = split.saved(tensors)
+        part = part if split.writes_replicated else None
     except Exception as exc:  # any failure here must reach every rank
-        problem = storage.checkpoint_error(exc, f"rank {pipe.rank} cannot save")
+        problem = storage.checkpoint_error(exc, f"rank {world.rank} cannot save")
     agree(world, device, timeout, problem, "preparing a checkpoint")
     every = collective.all_gather_objects(world, (pipe.pp_rank, part))
-    manifest = _manifest(pipe, step, every, optimizer, meta) if pipe.rank == 0 else {}
+    manifest = _manifest(pipe, step, every, optimizer, meta) if coordinator else {}
     if async_save:
         complete = (
-            (lambda: _publish_recorded(partial, final, manifest, keep)) if pipe.rank == 0 else None
+            (lambda: _publish_recorded(partial, final, manifest, keep)) if coordinator else None
         )
         pipe.background_saves.start(world, timeout, tensors, partial, final, complete)
         return final
@@ -108,15 +114,15 @@ def save(
         storage.write(tensors, partial, world.group)
         # Read back at once, from the page cache: each rank the files it wrote.
         files = integrity.record(
-            partial, integrity.written_files(partial, tensors, coordinator=pipe.rank == 0)
+            partial, integrity.written_files(partial, tensors, coordinator=coordinator)
         )
     except storage.FAILURES as exc:
-        problem = storage.own_error(exc, pipe.rank, "cannot write its part of the checkpoint")
+        problem = storage.own_error(exc, world.rank, "cannot write its part of the checkpoint")
     agree(world, device, timeout, problem, "writing a checkpoint")
     for part_files in collective.all_gather_objects(world, files):
         manifest.setdefault("files", {}).update(part_files)
     problem = None
-    if pipe.rank == 0:
+    if coordinator:
         problem = _attempt(
             lambda: publish(partial, final, manifest, keep), f"cannot complete {final}"
         )
@@ -134,9 +140,11 @@ def _entries(
     pipe: PipelineState,
     optimizer: torch.optim.Optimizer | None,
     extra: Any,
-    sharded: ShardedParameters | None = None,
+    sharded: ShardedParameters | None,
+    split: TensorShards,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """This rank's tensors, and its JSON part of the manifest."""
+    """This rank's tensors (its shards as they are: :meth:`TensorShards.saved` picks those
+    it writes), and its JSON part of the manifest (whole shapes)."""
     # One copy of each tensor in the whole checkpoint: the blocks this rank writes.
     state = {n: t for n, t in pipe.state_dict().items() if pipe.writes(n)}
     tensors = model_entries(state)
@@ -144,7 +152,10 @@ def _entries(
     tensors.update(rng_tensors)
     part: dict[str, Any] = {
         "tensors": {
-            name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            name: {
+                "shape": split.whole_shape(name, t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+            }
             for name, t in state.items()
         },
         "extra": check_json(extra, "extra"),
@@ -152,7 +163,9 @@ def _entries(
         "optimizer": None,
     }
     if optimizer is not None and sharded is not None:
-        optimizer_tensors, part["optimizer"] = _sharded_part(pipe, optimizer, sharded, set(state))
+        optimizer_tensors, part["optimizer"] = _sharded_part(
+            pipe, optimizer, sharded, set(state), split
+        )
         tensors.update(optimizer_tensors)
     elif optimizer is not None:
         by_name = optimizer_state_by_name(optimizer, parameter_names(pipe.named_parameters()))
@@ -167,13 +180,14 @@ def _sharded_part(
     optimizer: torch.optim.Optimizer,
     sharded: ShardedParameters,
     written: set[str],
+    split: TensorShards,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A sharded optimizer's tensors on this rank (its shards' part of every parameter's
     state), and the JSON part of the parameters in ``written`` (those this rank writes)."""
     named = list(pipe.named_parameters())
     names = parameter_names(named)
     shapes = {n: list(p.shape) for n, p in named}
-    tensors, json_state = sharded_entries(sharded, optimizer, shapes, written, names)
+    tensors, json_state = sharded_entries(sharded, optimizer, shapes, written, names, split)
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     ordered = [n for n in sharded_names(sharded, names) if n in written]
     _, part = optimizer_entries({"state": {}, "param_groups": [{**hyper, "params": ordered}]})
@@ -200,6 +214,7 @@ def _manifest(
         "storage": "torch.distributed.checkpoint",
         "step": step,
         "world_size": pipe.topology.pp_size,
+        "tensor_parallel": pipe.tensor_shards().size,
         "schedule": pipe.schedule.name,
         "n_microbatches": pipe.n_microbatches,
         "placement": list(pipe.schedule.placement),

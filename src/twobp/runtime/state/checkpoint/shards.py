@@ -31,14 +31,11 @@ import torch
 from torch import Tensor
 
 from twobp.runtime.errors import CheckpointError
-from twobp.runtime.state.checkpoint.entries import OPTIMIZER_STATE, check_json
+from twobp.runtime.state.checkpoint.entries import MASTER, OPTIMIZER_STATE, check_json
+from twobp.runtime.state.checkpoint.tensor_shards import TensorShards
 
 # torch.distributed.checkpoint loads on first use (see twobp.runtime.state.lazy)
-from twobp.runtime.state.lazy import storage
 from twobp.runtime.state.sharded_optimizer import ShardedParameters
-
-MASTER = "optimizer.master."
-"""Checkpoint names of the float32 master weights of half-precision parameters."""
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]
 """A box of a tensor: its offsets, its sizes, and where it starts in the flat range."""
@@ -101,6 +98,7 @@ def sharded_entries(
     shapes: Mapping[str, Sequence[int]],
     writes_json: set[str],
     whole_names: Mapping[int, str],
+    split: TensorShards,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's part of a sharded optimizer's state, by name.
 
@@ -110,6 +108,7 @@ def sharded_entries(
         shapes: the shape of every parameter of this rank, by name.
         writes_json: the names whose JSON entries this rank writes (one copy).
         whole_names: ``id(parameter) -> name`` of the parameters stepped whole.
+        split: where this rank's tensor-parallel shards sit in the whole tensors.
 
     Returns:
         The tensors (:class:`~.storage.Pieces` and whole tensors) by checkpoint name, and
@@ -139,16 +138,16 @@ def sharded_entries(
                 continue
             if value.numel() == shard.master.numel() and value.dim():
                 part = value.detach()[at : at + stop - first].clone()
-                tensors[f"{OPTIMIZER_STATE}{name}.{key}"] = storage.Pieces(
-                    shapes[name], part.dtype, _piece_boxes(shapes[name], first, stop, part)
+                tensors[f"{OPTIMIZER_STATE}{name}.{key}"] = split.pieces(
+                    name, shapes[name], _piece_boxes(shapes[name], first, stop, part)
                 )
             elif first == 0:
                 tensors[f"{OPTIMIZER_STATE}{name}.{key}"] = value.detach().clone()
     for shard, name, first, stop, at in sharded.pieces():
         if shard.copies_master:
             part = shard.master.detach()[at : at + stop - first].clone()
-            tensors[f"{MASTER}{name}"] = storage.Pieces(
-                shapes[name], part.dtype, _piece_boxes(shapes[name], first, stop, part)
+            tensors[f"{MASTER}{name}"] = split.pieces(
+                name, shapes[name], _piece_boxes(shapes[name], first, stop, part)
             )
     for p in sharded.whole:
         name = whole_names[id(p)]
@@ -178,6 +177,7 @@ def sharded_targets(
     saved: Mapping[str, Any],
     stored: Mapping[str, tuple[list[int], torch.dtype]],
     whole_names: Mapping[int, str],
+    split: TensorShards,
 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """What DCP fills to load this rank's shards of a saved optimizer state.
 
@@ -186,6 +186,7 @@ def sharded_targets(
         saved: the checkpoint's merged JSON optimizer part.
         stored: every tensor of the checkpoint, its shape and dtype.
         whole_names: ``id(parameter) -> name`` of the parameters stepped whole.
+        split: where this rank's tensor-parallel shards sit in the whole tensors.
 
     Returns:
         The targets by checkpoint name, and the state of each optimizer
@@ -223,14 +224,15 @@ def sharded_targets(
             for name, first, stop, at in pieces:
                 full = stored[f"{OPTIMIZER_STATE}{name}.{key}"][0]
                 part = flat[at : at + stop - first]
+                shape = split.local_shape(name, full)
                 boxes.setdefault(f"{OPTIMIZER_STATE}{name}.{key}", []).extend(
-                    _piece_boxes(full, first, stop, part)
+                    _piece_boxes(shape, first, stop, part)
                 )
-                targets[f"{OPTIMIZER_STATE}{name}.{key}"] = (full, dtype)
+                targets[f"{OPTIMIZER_STATE}{name}.{key}"] = (name, shape)
         states[index] = out
-    for name, found in boxes.items():
-        full, dtype = targets[name]
-        targets[name] = storage.Pieces(full, dtype, found)
+    for entry, found in boxes.items():
+        name, shape = targets[entry]
+        targets[entry] = split.pieces(name, shape, found)
     offset = len(sharded.shards)
     for i, p in enumerate(sharded.whole):
         name = whole_names[id(p)]
@@ -239,15 +241,16 @@ def sharded_targets(
         out = dict(state[name]["values"])
         for key in state[name]["tensors"]:
             shape, dtype = stored[f"{OPTIMIZER_STATE}{name}.{key}"]
-            out[key] = targets.setdefault(
-                f"{OPTIMIZER_STATE}{name}.{key}", torch.empty(shape, dtype=dtype)
-            )
+            entry = f"{OPTIMIZER_STATE}{name}.{key}"
+            out[key] = targets.setdefault(entry, split.target(entry, shape, dtype))
         states[offset + i] = out
     return targets, states
 
 
 def master_targets(
-    sharded: ShardedParameters, stored: Mapping[str, tuple[list[int], torch.dtype]]
+    sharded: ShardedParameters,
+    stored: Mapping[str, tuple[list[int], torch.dtype]],
+    split: TensorShards,
 ) -> tuple[dict[str, Any], dict[int, Tensor]]:
     """What DCP fills to load the float32 master shards a checkpoint holds.
 
@@ -264,11 +267,11 @@ def master_targets(
             continue
         flat = torch.zeros(shard.layout.size, dtype=torch.float32)
         for name, first, stop, at in pieces:
-            full, dtype = stored[f"{MASTER}{name}"]
+            shape = split.local_shape(name, stored[f"{MASTER}{name}"][0])
             part = flat[at : at + stop - first]
             # The part of a parameter in one shard: one piece of it here.
-            targets[f"{MASTER}{name}"] = storage.Pieces(
-                full, dtype, _piece_boxes(full, first, stop, part)
+            targets[f"{MASTER}{name}"] = split.pieces(
+                name, shape, _piece_boxes(shape, first, stop, part)
             )
         masters[index] = flat
     return targets, masters

@@ -1,0 +1,85 @@
+"""Checkpoints of tensor-parallel pipelines: each rank writes its own shards (DTensors on the
+tensor-parallel sub-mesh, through torch.distributed.checkpoint), none joins them; they load
+at another T, P and D through DCP's resharding, and merge into the whole model's tensors
+(4 ranks, gloo, float64, against one process on the whole model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensor_checkpoint_workers import Phase, run_phases
+from twobp.runtime import launch
+from twobp.runtime.state.checkpoint import latest_checkpoint, merge, read_manifest
+from twobp.runtime.state.checkpoint.storage import SafeReader
+
+TOLERANCE = 1e-10
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Saved at P 2 x T 2 and at D 2 x P 1 x T 2 (in the background) after 2 AdamW steps;
+    each loaded into other layouts for 2 more."""
+    root = tmp_path_factory.mktemp("tensor-checkpoints")
+    a, b = str(root / "p2-t2"), str(root / "d2-t2")
+    first, then = range(0, 2), range(2, 4)
+    phases = [
+        Phase(1, 2, first, save=a),
+        Phase(2, 2, first, save=b, async_save=True),
+        Phase(1, 1, then, load=a),  # T 1, P 4
+        Phase(2, 2, then, load=a),  # T 2, P 1, D 2
+        Phase(2, 1, then, load=a),  # D 2 x P 2
+        Phase(1, 1, then, load=b),
+        Phase(1, 2, then, load=b),  # P 2 x T 2
+    ]
+    return root, launch(run_phases, 4, phases, timeout=600)
+
+
+def test_next_steps_after_a_load_at_another_t_p_and_d_equal_one_process(plain):
+    for errors in plain[1]:
+        assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors
+
+
+def test_each_tensor_parallel_rank_writes_its_own_shards(plain):
+    """No rank joins a split tensor: in DCP's metadata each split parameter (and its AdamW
+    moments) is T chunks of the shard's shape, each in the file of the rank that holds it."""
+    root, results = plain
+    folder = latest_checkpoint(root / "p2-t2")
+    metadata = SafeReader(folder).read_metadata()
+    files = {index: info.relative_path for index, info in metadata.storage_data.items()}
+    split = {}
+    for errors in results:
+        for name, (shape, dim, tp_rank) in (errors["split"] or {}).items():
+            split.setdefault(name, []).append((errors["rank"], shape, dim, tp_rank))
+    assert len(split) == 7 * 4  # every decoder linear, each written by both shards' ranks
+    for name, holders in split.items():
+        assert sorted(h[3] for h in holders) == [0, 1], (name, holders)
+        for entry in (f"model.{name}", f"optimizer.state.{name}.exp_avg"):
+            chunks = metadata.state_dict_metadata[entry].chunks
+            assert len(chunks) == 2, (entry, chunks)
+            for rank, shape, dim, tp_rank in holders:
+                offsets = [0] * len(shape)
+                offsets[dim] = tp_rank * shape[dim]
+                chunk = next(c for c in chunks if list(c.offsets) == offsets)
+                assert list(chunk.sizes) == shape, (entry, chunk)
+                writer = next(f for i, f in files.items() if i.fqn == entry and
+                              list(i.offset) == offsets)  # fmt: skip
+                assert writer == f"__{rank}_0.distcp", (entry, writer, rank)
+    whole = read_manifest(folder)["tensors"]
+    for name, holders in split.items():
+        shape, dim = list(holders[0][1]), holders[0][2]
+        shape[dim] *= 2
+        assert whole[name]["shape"] == shape
+
+
+def test_merge_gives_the_whole_model_by_its_names(plain):
+    root, results = plain
+    reference = next(r["reference"] for r in results if r["reference"] is not None)[1]
+    for saved in ("p2-t2", "d2-t2"):
+        merged = merge(root / saved)
+        assert set(merged) == set(reference)
+        for name, tensor in reference.items():
+            assert merged[name].shape == tensor.shape, name
+            assert torch.allclose(merged[name], tensor, rtol=0, atol=TOLERANCE), name
