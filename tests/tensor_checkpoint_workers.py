@@ -109,7 +109,7 @@ def run_phases(phases: list[Phase]) -> dict[str, Any]:
         expected = states[phase.steps.stop - 1]
         sharded = pipe.state.sharded
         with sharded.gathered() if sharded is not None else contextlib.nullcontext():
-            for name, param in pipe.named_parameters():
+            for name, param in pipe.state.named_parameters():
                 joined = _whole(pipe, param.detach(), param)
                 errors["parameters"] = max(
                     errors["parameters"], float((joined - expected[name]).abs().max())

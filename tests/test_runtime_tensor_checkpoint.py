@@ -83,3 +83,33 @@ def test_merge_gives_the_whole_model_by_its_names(plain):
         for name, tensor in reference.items():
             assert merged[name].shape == tensor.shape, name
             assert torch.allclose(merged[name], tensor, rtol=0, atol=TOLERANCE), name
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> list[dict]:
+    """D 2 x T 2 with its AdamW state sharded over each shard's copies, and with its
+    parameters sharded too, saved after 2 steps; loaded sharded and not, at T 1 and 2."""
+    root = tmp_path_factory.mktemp("tensor-sharded-checkpoints")
+    c, d = str(root / "optimizer"), str(root / "parameters")
+    first, then = range(0, 2), range(2, 4)
+    phases = [
+        Phase(2, 2, first, save=c, optimizer="sharded"),
+        Phase(2, 2, first, save=d, optimizer="parameters"),
+        Phase(1, 1, then, load=c),  # T 1, P 4, AdamW whole
+        Phase(2, 2, then, load=c, optimizer="parameters"),
+        Phase(2, 1, then, load=d, optimizer="sharded"),  # D 2 x P 2
+        Phase(1, 2, then, load=d),  # P 2 x T 2, AdamW whole
+    ]
+    return launch(run_phases, 4, phases, timeout=600)
+
+
+def test_a_sharded_optimizer_of_a_tensor_parallel_pipeline_saves_and_loads_anywhere(sharded):
+    for errors in sharded:
+        assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors
+
+
+def test_checkpoint_info_says_it_holds_tensor_parallel_shards(plain, capsys):
+    from twobp.cli.checkpoint import main as checkpoint_cli
+
+    assert checkpoint_cli(["info", str(plain[0] / "p2-t2")]) == 0
+    assert "tensor parallel 2: each rank's shards of the split tensors" in capsys.readouterr().out

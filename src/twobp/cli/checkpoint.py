@@ -112,6 +112,9 @@ def _print_manifest(manifest: dict[str, Any]) -> None:
         f"  {manifest['world_size']} ranks, schedule {manifest['schedule']} with "
         f"{manifest['n_microbatches']} micro-batches, stages on ranks {manifest['placement']}"
     )
+    tensor_parallel = manifest.get("tensor_parallel", 1)
+    if tensor_parallel > 1:
+        print(f"  tensor parallel {tensor_parallel}: each rank's shards of the split tensors")
     blocks = ", ".join(f"{a}-{b - 1}" for a, b in manifest["stage_blocks"])
     print(f"  blocks per stage: {blocks}")
     print(f"  {len(tensors)} tensors, {n_values:,} values; optimizer: {manifest['optimizer']}")

@@ -267,9 +267,5 @@ def save(
         step=history.step,
         meta=meta,
         keep=cfg.keep_checkpoints,
-        # A tensor-parallel pipeline joins its shards to save: in the foreground.
-        async_save=cfg.async_save
-        and cfg.tensor_parallel == 1
-        and not last
-        and history.step < last_step(cfg),
+        async_save=cfg.async_save and not last and history.step < last_step(cfg),
     )

@@ -229,8 +229,6 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
         "--shard-parameters (not with tensor parallelism yet)": cfg.shard_parameters,
         "--grad-clip with --shard-optimizer: add --grad-clip 0": cfg.shard_optimizer
         and cfg.grad_clip > 0,
-        "--save or --resume with --shard-optimizer: add --no-save": cfg.shard_optimizer
-        and (cfg.save or cfg.resume is not None),
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:

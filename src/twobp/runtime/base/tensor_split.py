@@ -3,8 +3,8 @@
 :mod:`twobp.runtime.setup.tensor_parallel` marks each split module with
 :data:`SPLIT_STYLE` (a module's attributes survive the copies a pipeline makes
 of its blocks; a parameter's do not). A norm over every rank counts each shard
-once and a replicated parameter once; a state dict of shards is refused (checkpoints
-join them: :mod:`twobp.runtime.state.tensor_checkpoint`).
+once and a replicated parameter once; a state dict of shards is refused (a checkpoint
+writes each rank's shards as DTensors: :mod:`twobp.runtime.state.checkpoint.tensor_shards`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def refuse_checkpoint(tensor_parallel: Any) -> None:
     if tensor_parallel is not None:
         raise PipelineConfigError(
             "state_dict() of a tensor-parallel pipeline is refused: each rank holds one shard "
-            "of its split linears under the whole parameter's name; save() and load() join "
-            "and split them (a checkpoint of the whole model)"
+            "of its split linears under the whole parameter's name; save() and load() write "
+            "and read each rank's shards (DTensors), and twobp checkpoint merge gives the "
+            "whole tensors"
         )

@@ -273,7 +273,10 @@ class PipelineState:
         to a JSON manifest that rank
         0 writes last. The write is atomic: until the new checkpoint is
         complete, the earlier ones stay as they were (see
-        :mod:`twobp.runtime.state.checkpoint`).
+        :mod:`twobp.runtime.state.checkpoint`). With tensor parallelism every
+        rank writes its own shards (DTensors, none joined: see
+        :mod:`twobp.runtime.state.checkpoint.tensor_shards`), collective over
+        every shard's pipeline.
 
         Args:
             path: the folder of checkpoints (shared by every rank); this one goes
@@ -322,9 +325,10 @@ class PipelineState:
     ) -> Any:
         """Load a checkpoint written by :meth:`save`. Collective.
 
-        The checkpoint may come from another partition, schedule or number of
-        ranks: every rank reads the tensors (and optimizer state) of the
-        parameters it holds now, by name. The ``grad_scaler`` gets its saved
+        The checkpoint may come from another partition, schedule, number of
+        ranks or tensor-parallel size: every rank reads the tensors (and
+        optimizer state) of the parameters it holds now, by name (its shard
+        of a split one). The ``grad_scaler`` gets its saved
         scale back. RNG states are restored when the
         number of ranks is the same; :attr:`step_count` is restored. Nothing in
         the checkpoint is unpickled: tensors, DCP's index and JSON only.

@@ -15,7 +15,10 @@ The tensors are named as in the single-process model (``model.3.attn.q.weight``,
 ``optimizer.state.3.attn.q.weight.exp_avg``; see :mod:`.entries`),
 so a checkpoint loads into another partition, schedule or number of ranks, and
 ``torch.distributed.checkpoint.load`` reads it without twobp. One replica of
-each stage writes (:attr:`Topology.writes_stage_files`).
+each stage writes (:attr:`Topology.writes_stage_files`). With tensor
+parallelism each rank writes its own shards of the split tensors, as DTensors
+(chunks of the whole tensor; see :mod:`.tensor_shards`), and every shard's
+pipeline saves and loads together.
 
 Every rank writes into ``.partial-step-00000200``; once all have, rank 0 writes
 the manifest and renames the folder to ``step-00000200``. A crash at any
@@ -35,10 +38,11 @@ the rest is JSON. The folder must be on a file system every rank sees.
 The modules: :mod:`.saving` (:func:`save`, :func:`wait`) and :mod:`.loading`
 (:func:`load`, :func:`merge`) run on :mod:`.files` (the folders and the
 manifest), :mod:`.entries` (what is saved, as named tensors and JSON),
-:mod:`.shards` (a sharded optimizer's parts), :mod:`.integrity` (sizes and
-CRC-32s), :mod:`.storage` (DCP, read safely) and :mod:`.background` (saves
-written in the background); :mod:`.convert` brings a checkpoint of the first
-format to the current one.
+:mod:`.shards` (a sharded optimizer's parts), :mod:`.tensor_shards`
+(tensor-parallel shards), :mod:`.integrity` (sizes and CRC-32s),
+:mod:`.storage` (DCP, read safely) and :mod:`.background` (saves written in
+the background); :mod:`.convert` brings a checkpoint of the first format to
+the current one.
 """
 
 from twobp.runtime.state.checkpoint.background import BackgroundSaves

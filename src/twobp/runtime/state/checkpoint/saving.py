@@ -86,17 +86,7 @@ def save(
                 f"rank {world.rank} does not see {partial}, which rank 0 created: the "
                 "checkpoint folder must be on a file system that every rank shares"
             )
-        # One copy per stage: the first replica of this rank's stages writes it; every
-        # rank of a sharded optimizer writes its shards' part of the optimizer state;
-        # every tensor-parallel rank its shards, rank 0 of each group the rest.
-        sharded = pipe.sharded_for(optimizer)
-        split = pipe.tensor_shards()
-        if pipe.topology.writes_stage_files:
-            tensors, part = _entries(pipe, optimizer, extra, sharded, split)
-        elif sharded is not None and optimizer is not None:
-            tensors, _ = _sharded_part(pipe, optimizer, sharded, set(), split)
-        tensors = split.saved(tensors)
-        part = part if split.writes_replicated else None
+        tensors, part = _written(pipe, optimizer, extra)
     except Exception as exc:  # any failure here must reach every rank
         problem = storage.checkpoint_error(exc, f"rank {world.rank} cannot save")
     agree(world, device, timeout, problem, "preparing a checkpoint")
@@ -128,6 +118,24 @@ def save(
         )
     agree(world, device, timeout, problem, "completing a checkpoint")
     return final
+
+
+def _written(
+    pipe: PipelineState, optimizer: torch.optim.Optimizer | None, extra: Any
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The tensors this rank writes, and its JSON part of the manifest (None: it has none)."""
+    # One copy per stage: the first replica of this rank's stages writes it; every
+    # rank of a sharded optimizer writes its shards' part of the optimizer state;
+    # every tensor-parallel rank its shards, rank 0 of each group the rest.
+    sharded = pipe.sharded_for(optimizer)
+    split = pipe.tensor_shards()
+    tensors: dict[str, Any] = {}
+    part: dict[str, Any] | None = None
+    if pipe.topology.writes_stage_files:
+        tensors, part = _entries(pipe, optimizer, extra, sharded, split)
+    elif sharded is not None and optimizer is not None:
+        tensors, _ = _sharded_part(pipe, optimizer, sharded, set(), split)
+    return split.saved(tensors), part if split.writes_replicated else None
 
 
 def _publish_recorded(partial: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:

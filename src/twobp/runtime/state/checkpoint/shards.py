@@ -14,6 +14,11 @@ A 0-dim value of the state (AdamW's ``step``), the same for every element of
 a shard, is written once per parameter, by the rank whose shard holds the
 parameter's first element.
 
+With tensor parallelism a rank's ranges are of its shard of a split
+parameter: their boxes move to where the shard sits in the whole tensor
+(:meth:`.tensor_shards.TensorShards.pieces`), so the state loads at any
+tensor-parallel size too.
+
 The float32 master shards of half-precision parameters are written the same
 way, as ``optimizer.master.<name>`` (float32, the parameter's shape): a
 sharded optimizer that loads the checkpoint resumes from them (on any layout),
