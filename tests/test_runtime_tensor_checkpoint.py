@@ -87,13 +87,14 @@ def test_merge_gives_the_whole_model_by_its_names(plain):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> list[dict]:
-    """D 2 x T 2 with its AdamW state sharded over each shard's copies, and with its
-    parameters sharded too, saved after 2 steps; loaded sharded and not, at T 1 and 2."""
+    """D 2 x T 2 with its AdamW state sharded over each shard's copies (saved in the
+    background: its parameters are views of flat buffers), and with its parameters sharded
+    too, saved after 2 steps; loaded sharded and not, at T 1 and 2."""
     root = tmp_path_factory.mktemp("tensor-sharded-checkpoints")
     c, d = str(root / "optimizer"), str(root / "parameters")
     first, then = range(0, 2), range(2, 4)
     phases = [
-        Phase(2, 2, first, save=c, optimizer="sharded"),
+        Phase(2, 2, first, save=c, optimizer="sharded", async_save=True),
         Phase(2, 2, first, save=d, optimizer="parameters"),
         Phase(1, 1, then, load=c),  # T 1, P 4, AdamW whole
         Phase(2, 2, then, load=c, optimizer="parameters"),

@@ -103,7 +103,7 @@ class TensorShards:
                 if owner in self.dims or self.writes_replicated:
                     out[name] = value
             elif owner in self.dims and list(value.shape) == list(self.shapes[owner]):
-                out[name] = self._dtensor(owner, value.detach())
+                out[name] = self._dtensor(owner, _own_storage(value.detach()))
             elif self.writes_replicated:
                 out[name] = value
         return out
@@ -134,6 +134,14 @@ def local(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: local(v) for k, v in value.items()}
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _own_storage(tensor: Tensor) -> Tensor:
+    """``tensor``, or a copy if it is a view into a larger storage (a parameter of a sharded
+    optimizer's flat buffer): DCP's background copy of a CPU DTensor deep-copies the
+    DTensor, its local tensor's whole storage with it."""
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole and tensor.is_contiguous() else tensor.clone()
 
 
 def _owner(name: str) -> str:
