@@ -21,6 +21,13 @@ With a sharded optimizer (:meth:`GradientReducer.scatter`), a bucket of
 parameters is reduce-scattered instead: each rank receives the sum of its
 own shard of the flat bucket (:class:`~twobp.runtime.communication.sharding.ShardLayout`),
 and the parameters' full gradients are dropped once copied into the bucket.
+With sharded parameters a stage's gradients may be reduce-scattered after
+each of its ``W`` instead (:meth:`GradientReducer.scatter_now`, see
+:mod:`twobp.schedule.gradient_scatter`): each reduce-scatter runs in the
+background (gloo progresses it on its own threads), its flat bucket is let
+go of as soon as it is complete (:meth:`GradientReducer.reap`, asked after
+every action, without waiting) and its shard is added to the others at the
+end of the step.
 """
 
 from __future__ import annotations
@@ -74,8 +81,24 @@ class Bucket:
         return group
 
 
+@dataclass
+class _Running:
+    """One reduction in flight: its bucket, the flat tensor sent (None once let go of),
+    the backend's handle (None once waited for), and for a reduce-scatter its shard;
+    the references each had when posted."""
+
+    bucket: Bucket
+    flat: Tensor | None
+    work: Any
+    holders: int
+    shard: Tensor | None = None
+    shard_holders: int = 0
+
+
 class ShardSink(Protocol):
-    """Where a reduce-scattered bucket's shard goes: ``sink(shard)``, already averaged."""
+    """Where a reduce-scattered bucket's shard goes: ``sink(shard)``, already averaged;
+    called once per reduce-scatter of the step (several when a stage's gradients are
+    reduce-scattered after each ``W``), whose shards add up."""
 
     def __call__(self, shard: Tensor) -> None: ...
 
@@ -127,7 +150,7 @@ class GradientReducer:
         self._divisor = divisor
         self._timeout = timeout
         self._started: set[int] = set()
-        self._running: list[tuple[Bucket, Tensor, Any, tuple[int, int], Tensor | None]] = []
+        self._running: list[_Running] = []
         self._scatter: dict[int, tuple[ShardLayout, ShardSink]] = {}
 
     @property
@@ -145,6 +168,11 @@ class GradientReducer:
         """What the sums are divided by (the data-parallel degree)."""
         return self._divisor
 
+    @property
+    def started(self) -> frozenset[int]:
+        """The stages whose ``R`` started in this step."""
+        return frozenset(self._started)
+
     def scatter(self, bucket: Bucket, layout: ShardLayout, sink: ShardSink) -> None:
         """Reduce-scatter ``bucket`` from now on: its shard ``layout`` goes to ``sink``
         at the end of each step, and its parameters' gradients are dropped at ``R``."""
@@ -155,8 +183,14 @@ class GradientReducer:
         """True if some bucket is reduce-scattered (a sharded optimizer)."""
         return bool(self._scatter)
 
-    def start(self, stage: int) -> None:
-        """Start the all-reduces of ``stage``'s buckets (the ``R`` action)."""
+    def start(self, stage: int, gradients: bool = True) -> None:
+        """Start the all-reduces of ``stage``'s buckets (the ``R`` action).
+
+        Args:
+            gradients: False: leave out the buckets that are reduce-scattered, whose
+                gradients were reduce-scattered after each ``W`` already
+                (:meth:`scatter_now`).
+        """
         if stage in self._started:
             raise RuntimeError(f"rank {self._rank}: R of stage {stage} ran twice in one step")
         self._started.add(stage)
@@ -164,16 +198,73 @@ class GradientReducer:
             group = bucket.process_group(self._rank)
             sharded = self._scatter.get(id(bucket))
             if sharded is not None:
-                flat, shard = _flat_gradients(bucket, sharded[0])
-                holders = (holders_of(flat), holders_of(shard))
-                work = dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
-                self._running.append((bucket, flat, work, holders, shard))
+                if gradients:
+                    self._start_scatter(bucket, sharded[0], group)
                 continue
             tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            holders = (holders_of(flat), 0)
             work = dist.all_reduce(flat, group=group, async_op=True)
-            self._running.append((bucket, flat, work, holders, None))
+            self._running.append(_Running(bucket, flat, work, holders_of(flat)))
+
+    def scatter_now(self, stage: int) -> int:
+        """Start reduce-scattering the gradients ``stage``'s parameters hold now (a ``W``
+        just ran), dropping them; what each rank receives is added to its shard at the
+        end of the step. Returns the bytes of whole gradients the reduce-scatters hold
+        until they complete (:meth:`reap`)."""
+        nbytes = 0
+        for bucket in self._by_stage.get(stage, ()):
+            sharded = self._scatter.get(id(bucket))
+            if sharded is not None:
+                flat = self._start_scatter(bucket, sharded[0], bucket.process_group(self._rank))
+                nbytes += flat.numel() * flat.element_size()
+        return nbytes
+
+    def _start_scatter(self, bucket: Bucket, layout: ShardLayout, group: Any) -> Tensor:
+        flat, shard = _flat_gradients(bucket, layout)
+        holders = holders_of(flat)
+        shard_holders = holders_of(shard)
+        work = dist.reduce_scatter_single(shard, flat, group=group, async_op=True)
+        self._running.append(_Running(bucket, flat, work, holders, shard, shard_holders))
+        return flat
+
+    def reap(self) -> None:
+        """Let go of the whole gradients of every reduce-scatter already complete (without
+        waiting for the others): only their shards are kept until the end of the step."""
+        for running in self._running:
+            if running.shard is None or running.flat is None:
+                continue
+            if not running.work.is_completed():
+                continue
+            self._wait(running, "after a W")
+            running.flat = None
+
+    def _wait(self, running: _Running, where: str) -> None:
+        if running.work is None:
+            return
+        wait_work(
+            running.work,
+            rank=self._rank,
+            peer=None,
+            where=where,
+            what=f"the gradient reduction of {running.bucket.key}",
+            timeout=self._timeout,
+        )
+        # Gloo's thread lets go of the bucket a moment after the wait: no thread of
+        # the backend may be left to free it (see twobp.runtime.communication.collective).
+        running.work = None
+        if running.flat is not None:
+            wait_released(running.flat, running.holders)
+        if running.shard is not None:
+            wait_released(running.shard, running.shard_holders)
+
+    @property
+    def scattering_bytes(self) -> int:
+        """Bytes of whole gradients held by reduce-scatters not yet let go of."""
+        return sum(
+            r.flat.numel() * r.flat.element_size()
+            for r in self._running
+            if r.shard is not None and r.flat is not None
+        )
 
     def drain(self) -> None:
         """Start every reduction not started in this step (after a failure)."""
@@ -191,28 +282,17 @@ class GradientReducer:
         self._started.clear()
         running.reverse()
         while running:
-            bucket, flat, work, holders, shard = running.pop()
-            wait_work(
-                work,
-                rank=self._rank,
-                peer=None,
-                where="at the end of the step",
-                what=f"the gradient reduction of {bucket.key}",
-                timeout=self._timeout,
-            )
-            # Gloo's thread lets go of the bucket a moment after the wait: no thread of
-            # the backend may be left to free it (see twobp.runtime.communication.collective).
-            del work
-            wait_released(flat, holders[0])
-            if shard is not None:
-                wait_released(shard, holders[1])
+            r = running.pop()
+            self._wait(r, "at the end of the step")
             if not keep:
                 continue
-            if shard is not None:
+            if r.shard is not None:
                 if self._divisor != 1:
-                    shard.div_(self._divisor)
-                self._scatter[id(bucket)][1](shard)
+                    r.shard.div_(self._divisor)
+                self._scatter[id(r.bucket)][1](r.shard)
                 continue
+            assert r.flat is not None
+            flat, bucket = r.flat, r.bucket
             if bucket.buffers:
                 flat.div_(dist.get_world_size(bucket.process_group(self._rank)))
                 offset = 0

@@ -77,8 +77,18 @@ class Residency(Protocol):
     """True: free a stage's weights after its last read of them (its last ``I``);
     False: only after its last compute action (its last ``W``)."""
 
+    scatter_each_w: bool | None
+    """Reduce-scatter a stage's whole gradients after each of its ``W`` (True), only at
+    its ``R`` (False), or after each ``W`` where that can lower the peak (None, see
+    :func:`twobp.schedule.gradient_scatter.scattered_each_w`)."""
+
     def gather_for_step(self) -> None:
         """Start gathering every stage's weights, in the order of the stages' first ``F``."""
+        ...
+
+    def scattered(self, nbytes: int) -> None:
+        """The action just run started reduce-scatters of ``nbytes`` of whole gradients
+        (counted as held at its end, by the next :meth:`observe`)."""
         ...
 
     def wait(self, stage: int | None = None) -> None:
@@ -93,7 +103,9 @@ class Residency(Protocol):
     def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
         """After a compute action: ``between`` bytes of activations and stashes held now,
         the stages past their last read of their weights (``read``) and those past their
-        last compute action (``used``) in the step."""
+        last compute action (``used``) in the step. The whole gradients held now are
+        counted too: those of the parameters, and those a reduce-scatter started by the
+        action copied (:meth:`scattered`)."""
         ...
 
     def release_all(self) -> None:

@@ -31,6 +31,11 @@ from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.residency import Residency, StepResidency
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.gradient_scatter import (
+    scatter_points,
+    scattered_each_w,
+    scatters_at_reduce,
+)
 from twobp.schedule.kinds import ActionKind, Role
 from twobp.schedule.schedule import StageGraph
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
@@ -178,6 +183,10 @@ class StepRun:
         self._dynamic = dynamic_weights
         self._filler: WaitFiller | None = None
         self._early: EarlyReductions | None = None
+        self._scatter_at: dict[int, int] = {}
+        """List positions after which a stage reduce-scatters its gradients (its ``W``)."""
+        self._scatter_at_reduce: frozenset[int] | None = None
+        """The stages whose ``R`` reduce-scatters their gradients (None: every one)."""
         self._position = 0
         self.result = StepResult()
         self.current: Action | None = None
@@ -239,6 +248,7 @@ class StepRun:
             self._count(action, time.perf_counter() - started)
             if queued:
                 self.result.times.waited_with_weights_queued += time.perf_counter() - started
+            self._scatter_after(index)
             if residency is not None:
                 residency.after(index, action, self._stages[action.stage].memory.held)
             if receiving is not None:
@@ -258,10 +268,18 @@ class StepRun:
                 s for s, st in self._stages.items() if not recomputes_derivatives(st.recompute)
             )
             self._filler = WaitFiller(self._stages, self._weight_group_size, eligible, actions)
-            if self._reducer is not None:
-                self._early = EarlyReductions(actions)
         if self._residency is None:
+            if self._dynamic and self._reducer is not None:
+                self._early = EarlyReductions(actions)
             return None
+        if self._reducer is not None and not self._defer_reductions:
+            each = scattered_each_w(actions, self._residency.scatter_each_w)
+            self._scatter_at = scatter_points(actions, each)
+            self._scatter_at_reduce = scatters_at_reduce(actions, each)
+        if self._dynamic and self._reducer is not None and not self._scatter_at:
+            # Not with reduce-scatters after W: an R started early could meet them in
+            # another order on another copy.
+            self._early = EarlyReductions(actions)
         rebuilds = lambda s: recomputes_derivatives(self._stages[s].recompute)  # noqa: E731
         return StepResidency(self._residency, actions, rebuilds)
 
@@ -434,8 +452,37 @@ class StepRun:
         if self._reducer is not None and self._defer_reductions:
             self._deferred.append(action.stage)
         elif self._reducer is not None:
-            self._reducer.start(action.stage)
+            scattered = self._scatter_at_reduce
+            gradients = scattered is None or action.stage in scattered
+            self._reducer.start(action.stage, gradients=gradients)
         self._record(action, start)
+
+    def drain(self, actions: Sequence[Action]) -> None:
+        """After a failure: start the reduce-scatters after ``W`` and the ``R`` this step
+        has not started, in list order, as the other copies meet them (the gradients are
+        discarded), so that no peer waits for this rank in a collective."""
+        reducer = self._reducer
+        if reducer is None or not self._scatter_at:
+            return
+        for index, action in enumerate(actions):
+            if index in self._scatter_at:
+                reducer.scatter_now(self._scatter_at.pop(index))
+            elif action.kind is Kind.REDUCE and action.stage not in reducer.started:
+                scattered = self._scatter_at_reduce
+                gradients = scattered is None or action.stage in scattered
+                reducer.start(action.stage, gradients=gradients)
+
+    def _scatter_after(self, index: int) -> None:
+        """After action ``index``: reduce-scatter its stage's gradients if it is a ``W``
+        of a stage that does so after each ``W``; let go of those already sent."""
+        if not self._scatter_at or self._reducer is None:
+            return
+        stage = self._scatter_at.pop(index, None)
+        if stage is not None:
+            nbytes = self._reducer.scatter_now(stage)
+            if self._residency is not None:
+                self._residency.scattered(nbytes)
+        self._reducer.reap()
 
     def _send(self, action: Action) -> None:
         transfer = transfer_of(action, self._graph)

@@ -153,6 +153,7 @@ class StepRunner:
                 if channel is not None:
                     channel.drain()
                 if self._reducer is not None:
+                    run.drain(schedule.actions[self.pp_rank])
                     self._reducer.drain()
                     self._reducer.finish(keep=False)
                 if self.residency is not None:

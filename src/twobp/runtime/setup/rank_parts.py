@@ -374,9 +374,15 @@ class RankParts:
             the full parameters hold nothing then), and ``gathered_peak`` the
             most bytes of gathered full parameters held at once in the step,
             which the CPU's ``peak`` adds; ``peak_freed_before_w``: the most bytes of
-            activations, stashes and gathered weights held at once after a compute action
-            (measured), and ``peak_freed_after_w`` the same had each stage kept its
-            weights through its last ``W`` (the same activations and stashes).
+            activations, stashes, whole gradients and gathered weights held at once after
+            a compute action (measured), and ``peak_freed_after_w`` the same had each stage
+            kept its weights through its last ``W`` (the same activations, stashes and
+            gradients); ``whole_gradients_peak``: the most bytes of whole gradients held
+            after a compute action (before their reduce-scatter: from a stage's first
+            ``W`` to its ``R``, or within each ``W`` where they are reduce-scattered after
+            each, see ``scatter_each_w``), which the CPU's ``peak`` adds;
+            ``scatter_each_w``: 1 if some stage of this rank reduce-scattered its
+            gradients after each ``W`` in the last step, else 0.
         """
         earlier = self.settlement.earlier.last_nbytes
         stats = memory_stats(self.memory, self.module, optimizer, earlier)
@@ -394,8 +400,10 @@ class RankParts:
         stats["gathered_peak"] = sharded.gathered_peak
         stats["peak_freed_before_w"] = sharded.peak_freed_before_w
         stats["peak_freed_after_w"] = sharded.peak_freed_after_w
+        stats["whole_gradients_peak"] = sharded.whole_gradients_peak
+        stats["scatter_each_w"] = int(sharded.scattered_each_w)
         if self.memory.device.type != "cuda":
-            stats["peak"] += sharded.gathered_peak
+            stats["peak"] += sharded.gathered_peak + sharded.whole_gradients_peak
         return stats
 
     def timeline(self, waits: bool) -> list[Span]:

@@ -112,8 +112,10 @@ class FlatShard:
         return self.flat.dtype in HALF
 
     def receive(self, shard: Tensor) -> None:
-        """Keep a step's reduced shard until the step is settled."""
-        self.pending = shard.to(self.master.dtype)
+        """Keep a step's reduced shard until the step is settled; the shards of several
+        reduce-scatters in one step (one after each ``W``) add up."""
+        shard = shard.to(self.master.dtype)
+        self.pending = shard if self.pending is None else self.pending.add_(shard)
 
 
 class ShardedParameters:
@@ -163,6 +165,17 @@ class ShardedParameters:
         """The same had each stage kept its weights until its last compute action (``W``):
         measured if not :attr:`free_before_w`, else counted; the same stashes and
         activations."""
+        self.scatter_each_w: bool | None = None
+        """Reduce-scatter a stage's whole gradients after each of its ``W`` (True), at its
+        ``R`` only (False), or after each ``W`` where that can lower the peak (None, the
+        default: :func:`twobp.schedule.gradient_scatter.scattered_each_w`)."""
+        self.whole_gradients_peak = 0
+        """The most bytes of whole gradients (the parameters' own, before they are
+        reduce-scattered) held after a compute action of the last step
+        (``shard_parameters=True``)."""
+        self.scattered_each_w = False
+        """Whether some stage reduce-scattered its gradients after a ``W`` in the last step."""
+        self._scattered_now = 0
         self._whole = False
         self._optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self.gathers = ParameterGathers(rank, timeout)
@@ -339,6 +352,8 @@ class ShardedParameters:
         self._released.clear()
         self.gathered_peak = 0
         self.peak_freed_before_w = self.peak_freed_after_w = 0
+        self.whole_gradients_peak = self._scattered_now = 0
+        self.scattered_each_w = False
         for index in self._gather_order:
             shard = self.shards[index]
             shard.allocate()
@@ -359,13 +374,29 @@ class ShardedParameters:
                     self.gathers.wait_shards(frozenset({index}))
                 shard.free()
 
+    def scattered(self, nbytes: int) -> None:
+        """The action just run started reduce-scatters of ``nbytes`` of whole gradients."""
+        self._scattered_now += nbytes
+        self.scattered_each_w = True
+
     def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
-        """After a compute action: ``between`` bytes of activations and stashes, plus the
-        gathered weights held now (the bytes of the flat buffers), and plus those that
-        freeing the other way would hold: each bucket until its stages are past their last
-        read (``read``) or their last compute action (``used``). Keeps the peaks of both."""
+        """After a compute action: ``between`` bytes of activations and stashes, the whole
+        gradients held now (the parameters' own, and those a reduce-scatter the action
+        started copied), plus the gathered weights held now (the bytes of the flat
+        buffers), and plus those that freeing the other way would hold: each bucket until
+        its stages are past their last read (``read``) or their last compute action
+        (``used``). Keeps the peaks of both, and of the whole gradients."""
         if self.resident:
             return
+        whole = self._scattered_now + sum(
+            p.grad.untyped_storage().nbytes()
+            for s in self.shards
+            for p in s.bucket.parameters
+            if p.grad is not None
+        )
+        self._scattered_now = 0
+        self.whole_gradients_peak = max(self.whole_gradients_peak, whole)
+        between += whole
         held = between + sum(s.flat.untyped_storage().nbytes() for s in self.shards)
         other = between + sum(
             s.layout.padded * s.flat.element_size()
