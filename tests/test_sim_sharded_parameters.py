@@ -186,3 +186,32 @@ def test_schedule_auto_plans_with_the_parameters_sharded_as_the_pipeline_will_ru
     )
     assert planned(optimizer_sharded=True) == OptimizerMemory(0.0, True, False)
     assert planned() == OptimizerMemory(0.0, False, False)
+
+
+def test_whole_gradients_reduce_scattered_after_each_w_are_held_only_in_it():
+    # One rank, one stage: F0 F1 I0 W0 F2 I1 W1 I2 W2 R, every action 1 long. Activations
+    # 4 a micro-batch, stashes 1, the stage's weights and gradients 2 each.
+    order = ["0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0I2", "0W2", "0R0-2"]
+    spans, t = [], 0.0
+    for text in order:
+        d = 0.0 if text.startswith("0R") else 1.0
+        spans.append(Span(0, Action.parse(text), t, t + d))
+        t += d
+    costs = CostModel(
+        forward=(1.0,),
+        backward_input=(1.0,),
+        backward_weight=(1.0,),
+        activation_bytes=(4.0,),
+        weight_grad_bytes=(1.0,),
+        gathered_bytes=(2.0,),
+        shard_parameters=True,
+        reduce=(0.0,),
+    )
+    # At R: from W0 on, F2 holds 2 activations, a stash, the weights and the gradients.
+    assert peak_memory(spans, costs, [0]) == (12.0,)
+    # After each W (asked for, or by the rule: F2 and I1 lie between W0 and W2): 10.
+    assert peak_memory(spans, replace(costs, scatter_each_w=True), [0]) == (10.0,)
+    assert peak_memory(spans, replace(costs, scatter_each_w=None), [0]) == (10.0,)
+    # A reduce-scatter slower than F2 holds W0's gradients through it: as at R.
+    slow = replace(costs, scatter_each_w=True, reduce=(1.5,))
+    assert peak_memory(spans, slow, [0]) == (12.0,)

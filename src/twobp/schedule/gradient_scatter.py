@@ -5,23 +5,25 @@ With sharded parameters (``Pipeline(shard_parameters=True)``) each ``W`` (or
 reduce-scatter over the stage's copies turns them into this rank's shard of
 their sum. Where that happens is one of two choices, per stage:
 
-* **at R**: once, at the stage's ``R`` (right after its last ``W``): the
-  whole gradients are held from the stage's first ``W`` to its ``R``;
-* **after each W**: after every ``W`` the schedule lists for the stage (and
-  ``WR``), the gradients it made are reduce-scattered and added to the shard,
-  and the whole gradients freed: they are held only while a ``W`` runs (and
-  while its reduce-scatter is in flight). The last one replaces ``R``'s. A
-  stage of ``m`` listed ``W`` then sends ``m`` times the bytes.
+* **at R** (the default): once, at the stage's ``R`` (right after its last
+  ``W``): the whole gradients are held from the stage's first ``W`` to its ``R``;
+* **after each W**: after every ``W`` (and ``WR``, and fused ``B``) the schedule
+  lists for the stage, the gradients it made are reduce-scattered and added to
+  the shard, and the whole gradients freed: they are held only while a ``W``
+  runs and while its reduce-scatter is in flight. The last one replaces
+  ``R``'s. A stage of ``m`` listed ``W`` then sends ``m`` times the bytes.
 
-The second lowers a rank's peak only where the first would hold the whole
+The second can lower a rank's peak only where the first would hold the whole
 gradients across work that takes memory: some compute action of the rank other
 than a ``W`` of the stage lies between the stage's first and last ``W`` (an
 ``F`` or ``I`` in the steady state, as ``zb-h1`` and 2BP's ``eager`` placements
 run, or another stage's ``W``, whose gradients would be held at the same time).
 Where every ``W`` of a stage runs back to back (1f1b with every ``W`` after the
 last ``I``), both hold the gradients at the first ``W`` with every stash, and one
-reduce-scatter is cheaper: :func:`scattered_each_w` with ``setting=None``
-decides by this rule.
+reduce-scatter is cheaper. Where the link is slower than the ``W`` come, the
+reduce-scatters in flight pile up and hold more than one reduce-scatter at ``R``
+would: the simulator says which (``CostModel.scatter_each_w``), so it is asked for
+(``setting=True``), or left to this rule (``setting=None``), not the default.
 
 A ``W`` listed in the schedule is at the same position on every copy of the
 stage, so the reduce-scatters pair up; under the ``dynamic`` 2BP policy a wait
@@ -36,11 +38,14 @@ from collections.abc import Sequence
 
 from twobp.schedule.action import Action, Kind
 
-SCATTERING = frozenset({Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD})
-"""The kinds after which a stage that scatters each ``W`` reduce-scatters its gradients."""
+MAKES_GRADIENTS = frozenset(
+    {Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD, Kind.FULL_BACKWARD}
+)
+"""The kinds that add to a stage's weight gradients: after each of them a stage that
+scatters each ``W`` reduce-scatters its gradients (a fused ``B`` too)."""
 
-MAKES_GRADIENTS = SCATTERING | {Kind.FULL_BACKWARD}
-"""The kinds that add to a stage's weight gradients."""
+SCATTERING = MAKES_GRADIENTS
+"""The kinds after which a stage that scatters each ``W`` reduce-scatters its gradients."""
 
 
 def lowers_peak(actions: Sequence[Action], stage: int) -> bool:

@@ -174,6 +174,13 @@ class CostModel:
             ``F`` and ``R`` reduce-scatters its gradients), and :meth:`with_reduction`
             divides ``parameter_bytes`` by the replicas as well; ``gathered_bytes`` are
             the whole weights a rank holds within the step. Not saved in cost files.
+        scatter_each_w: with ``shard_parameters``, where a stage's whole gradients are
+            reduce-scattered, as ``ShardedParameters.scatter_each_w`` at run time: at ``R``
+            (False, the default), after each ``W`` or ``B`` (True), or after each where the
+            order of the actions lets that lower the peak (None;
+            :mod:`twobp.schedule.gradient_scatter`). The memory model holds them
+            accordingly (:func:`twobp.sim.memory.whole_gradient_changes`); the link time of
+            the reduce-scatters before the last is not shared with the others.
         jitter: the spread of each action's time, as a fraction of it (the
             coefficient of variation measured over repeated steps): the
             simulator draws every action's time from a normal distribution of
@@ -222,6 +229,7 @@ class CostModel:
     gathered_bytes: PerStage | None = None
     free_before_w: bool = True
     shard_parameters: bool = False
+    scatter_each_w: bool | None = False
     jitter: float = 0.0
     jitter_seed: int = 0
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.gradient_scatter import MAKES_GRADIENTS, SCATTERING, scattered_each_w
 from twobp.schedule.kinds import (
     ACTIVATIONS,
     MemoryChange,
@@ -117,40 +118,55 @@ def gathered_changes(spans: Sequence[Span], costs: CostModel) -> list[tuple[int,
         out.append((rank, start, gathered[stage]))
         out.append((rank, last[stage], -gathered[stage]))
     if costs.shard_parameters:
-        out += whole_gradient_changes(spans, gathered)
+        out += whole_gradient_changes(spans, gathered, costs.scatter_each_w, costs.reduce or ())
     return out
 
 
-MAKES_GRADIENTS = frozenset(
-    {Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD, Kind.FULL_BACKWARD}
-)
-"""The kinds that add to a stage's weight gradients."""
-
-
 def whole_gradient_changes(
-    spans: Sequence[Span], gradient_bytes: Sequence[float]
+    spans: Sequence[Span],
+    gradient_bytes: Sequence[float],
+    scatter_each_w: bool | None = False,
+    reduce: Sequence[float] = (),
 ) -> list[tuple[int, float, float]]:
     """``(rank, time, bytes)`` of each stage's whole weight gradients under sharded
-    parameters: made by its first ``W`` (or ``B``), from its start, until its last one
-    ends, when ``R`` reduce-scatters them into the rank's shard (the reduce-scatter's own
-    time is not counted)."""
-    first: dict[int, tuple[float, int]] = {}
-    last: dict[int, float] = {}
-    for span in spans:
-        a = span.action
-        if (
-            a.kind not in MAKES_GRADIENTS
-            or a.stage >= len(gradient_bytes)
-            or not gradient_bytes[a.stage]
-        ):
-            continue
-        if a.stage not in first or span.start < first[a.stage][0]:
-            first[a.stage] = (span.start, span.rank)
-        last[a.stage] = max(last.get(a.stage, span.end), span.end)
-    out = []
-    for stage, (start, rank) in first.items():
-        out.append((rank, start, gradient_bytes[stage]))
-        out.append((rank, last[stage], -gradient_bytes[stage]))
+    parameters, as the runtime holds them (:mod:`twobp.schedule.gradient_scatter`).
+
+    A stage that reduce-scatters them at its ``R`` holds them from the start of its first
+    ``W`` (or ``B``) to the end of its ``R``'s reduce-scatter (the ``R`` span's end; the
+    end of its last ``W`` without an ``R``). One that reduce-scatters them after each
+    ``W`` (:func:`~twobp.schedule.gradient_scatter.scattered_each_w` of the rank's
+    actions in the order they ran, with ``scatter_each_w``) holds them from the start of
+    each ``W`` to the end of its reduce-scatter, ``reduce[stage]`` after the ``W`` (alone
+    on the link), and from a ``B`` to its ``R`` as the first."""
+    by_rank: dict[int, list[Span]] = {}
+    for span in sorted(spans, key=lambda s: (s.rank, s.start, s.end)):
+        if span.action.kind.is_compute:
+            by_rank.setdefault(span.rank, []).append(span)
+    out: list[tuple[int, float, float]] = []
+    for rank, mine in by_rank.items():
+        each = scattered_each_w([s.action for s in mine], scatter_each_w)
+        first: dict[int, float] = {}
+        for span in mine:
+            a = span.action
+            if a.stage >= len(gradient_bytes) or not gradient_bytes[a.stage]:
+                continue
+            size = gradient_bytes[a.stage]
+            if a.stage in each and a.kind in SCATTERING:
+                if a.stage in first:  # a B's gradients, sent with this W's
+                    out.append((rank, first.pop(a.stage), size))
+                    out.append((rank, span.start, -size))
+                took = reduce[a.stage] if a.stage < len(reduce) else 0.0
+                out.append((rank, span.start, size))
+                out.append((rank, span.end + took, -size))
+            elif a.kind in MAKES_GRADIENTS:
+                first.setdefault(a.stage, span.start)
+            elif a.kind is Kind.REDUCE and a.stage in first:
+                out.append((rank, first.pop(a.stage), size))
+                out.append((rank, span.end, -size))
+        ends = {s.action.stage: s.end for s in mine if s.action.kind in MAKES_GRADIENTS}
+        for stage, start in first.items():
+            out.append((rank, start, gradient_bytes[stage]))
+            out.append((rank, ends[stage], -gradient_bytes[stage]))
     return out
 
 

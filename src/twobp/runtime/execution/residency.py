@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.gradient_scatter import MAKES_GRADIENTS
 
 READS_WEIGHTS = frozenset(
     {
@@ -78,8 +79,8 @@ class Residency(Protocol):
     False: only after its last compute action (its last ``W``)."""
 
     scatter_each_w: bool | None
-    """Reduce-scatter a stage's whole gradients after each of its ``W`` (True), only at
-    its ``R`` (False), or after each ``W`` where that can lower the peak (None, see
+    """Reduce-scatter a stage's whole gradients only at its ``R`` (False), after each of
+    its ``W`` or ``B`` (True), or after each where that can lower the peak (None, see
     :func:`twobp.schedule.gradient_scatter.scattered_each_w`)."""
 
     def gather_for_step(self) -> None:
@@ -100,7 +101,9 @@ class Residency(Protocol):
         (once no other stage of this rank that reads them still will)."""
         ...
 
-    def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
+    def observe(
+        self, between: int, read: frozenset[int], used: frozenset[int], during: bool = False
+    ) -> None:
         """After a compute action: ``between`` bytes of activations and stashes held now,
         the stages past their last read of their weights (``read``) and those past their
         last compute action (``used``) in the step. The whole gradients held now are
@@ -135,11 +138,18 @@ class StepResidency:
         self._read: set[int] = set()
         self._used: set[int] = set()
 
-    def after(self, index: int, action: Action, between: int) -> None:
+    def after(self, index: int, action: Action, between: int, before: int = 0) -> None:
         """Action ``index`` of the step ran; ``between`` bytes of activations and stashes
-        are held now. Frees its stage's weights after their last read (or, with
-        ``free_before_w`` False, after their last compute action)."""
+        are held now, ``before`` were before it ran. Frees its stage's weights after their
+        last read (or, with ``free_before_w`` False, after their last compute action).
+
+        An action that makes weight gradients (``W``, ``B``) holds them while what it
+        frees at its end (``B``'s activations, ``W``'s stash) is still held: that moment
+        is observed too, with ``before``, the weights it read still gathered."""
         stage = action.stage
+        if action.kind in MAKES_GRADIENTS:
+            read, used = frozenset(self._read), frozenset(self._used)
+            self._residency.observe(before, read, used, during=True)
         if self._last_reads.get(stage) == index:
             self._read.add(stage)
         if self._last_uses.get(stage) == index:

@@ -230,6 +230,7 @@ class StepRun:
                     receiving = self._clock.mark()
                 queued = receiving is not None and self._weights_queued()
                 started = time.perf_counter()
+                before = self._stages[action.stage].memory.held
                 handler = handlers.get(action.kind)
                 if handler is None:
                     raise ValueError(
@@ -250,7 +251,7 @@ class StepRun:
                 self.result.times.waited_with_weights_queued += time.perf_counter() - started
             self._scatter_after(index)
             if residency is not None:
-                residency.after(index, action, self._stages[action.stage].memory.held)
+                residency.after(index, action, self._stages[action.stage].memory.held, before)
             if receiving is not None:
                 self._waits.append((action, receiving, self._clock.mark()))
         return self._end()

@@ -165,10 +165,11 @@ class ShardedParameters:
         """The same had each stage kept its weights until its last compute action (``W``):
         measured if not :attr:`free_before_w`, else counted; the same stashes and
         activations."""
-        self.scatter_each_w: bool | None = None
-        """Reduce-scatter a stage's whole gradients after each of its ``W`` (True), at its
-        ``R`` only (False), or after each ``W`` where that can lower the peak (None, the
-        default: :func:`twobp.schedule.gradient_scatter.scattered_each_w`)."""
+        self.scatter_each_w: bool | None = False
+        """Reduce-scatter a stage's whole gradients at its ``R`` only (False, the default),
+        after each of its ``W`` or ``B`` (True), or after each where the order of the
+        rank's actions lets that lower the peak (None): see
+        :mod:`twobp.schedule.gradient_scatter`."""
         self.whole_gradients_peak = 0
         """The most bytes of whole gradients (the parameters' own, before they are
         reduce-scattered) held after a compute action of the last step
@@ -379,13 +380,16 @@ class ShardedParameters:
         self._scattered_now += nbytes
         self.scattered_each_w = True
 
-    def observe(self, between: int, read: frozenset[int], used: frozenset[int]) -> None:
+    def observe(
+        self, between: int, read: frozenset[int], used: frozenset[int], during: bool = False
+    ) -> None:
         """After a compute action: ``between`` bytes of activations and stashes, the whole
         gradients held now (the parameters' own, and those a reduce-scatter the action
         started copied), plus the gathered weights held now (the bytes of the flat
         buffers), and plus those that freeing the other way would hold: each bucket until
         its stages are past their last read (``read``) or their last compute action
-        (``used``). Keeps the peaks of both, and of the whole gradients."""
+        (``used``). Keeps the peaks of both, and of the whole gradients. ``during``: the
+        moment before the end of a ``W`` or ``B`` (``between`` as before it ran)."""
         if self.resident:
             return
         whole = self._scattered_now + sum(
@@ -394,7 +398,8 @@ class ShardedParameters:
             for p in s.bucket.parameters
             if p.grad is not None
         )
-        self._scattered_now = 0
+        if not during:
+            self._scattered_now = 0
         self.whole_gradients_peak = max(self.whole_gradients_peak, whole)
         between += whole
         held = between + sum(s.flat.untyped_storage().nbytes() for s in self.shards)
