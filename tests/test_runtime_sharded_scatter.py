@@ -28,7 +28,6 @@ from twobp.partition.solver import uniform
 from twobp.runtime import launch
 from twobp.schedule import Schedule
 from twobp.sim.from_profile import stage_cost_model
-from twobp.sim.memory import peak_memory
 from twobp.sim.recompute import with_recompute
 from twobp.sim.simulate import simulate
 
@@ -100,10 +99,8 @@ def predicted(schedule: Schedule) -> tuple[tuple[float, ...], tuple[float, ...]]
         gathered_bytes=costs.parameter_bytes,
         shard_parameters=True,
     )
-    spans = list(simulate(schedule, costs).spans)
-    each = peak_memory(spans, replace(costs, scatter_each_w=True), schedule.placement)
-    at_r = peak_memory(spans, replace(costs, scatter_each_w=False), schedule.placement)
-    return each, at_r
+    each, at_r = (replace(costs, scatter_each_w=setting) for setting in (True, False))
+    return simulate(schedule, each).peak_memory, simulate(schedule, at_r).peak_memory
 
 
 @pytest.fixture(scope="module")

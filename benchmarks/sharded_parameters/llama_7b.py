@@ -6,11 +6,14 @@ with the optimizer state sharded over the copies (``pipe.shard_optimizer``) and 
 parameters, gradients and optimizer state sharded (``shard_parameters=True``): the
 schedule, the memory per rank (what it keeps between steps, and what the step holds at
 its peak: activations and stashes, and with sharded parameters a stage's gathered
-weights and whole gradients), the step time, and the gradient reduce-scatter and weight
+weights and whole gradients), the step time, and the gradient reduce-scatters and weight
 all-gather: their time on the link and how much later the step ends for them (overlap
-hides the rest). Two cases: 512 sequences a step (64 micro-batches a copy), the best
-schedule of ``twobp plan``'s search; 64 sequences (8 micro-batches), 1F1B with 2BP
-``paper`` (every ``W`` after the stage's last ``I``). Prints a markdown table.
+hides the rest). Sharded, twice: the gradients reduce-scattered once at each stage's
+``R`` (the default) and after each ``W`` or ``B`` (``scatter_each_w=True``). Three
+cases: 512 sequences a step (64 micro-batches a copy), the best schedule of ``twobp
+plan``'s search; 64 sequences (8 micro-batches), 1F1B with 2BP ``paper`` (every ``W``
+after the stage's last ``I``), and 1F1B with 2BP ``eager`` (every ``W`` right after its
+``I``). Prints a markdown table.
 
     PYTHONPATH=src .venv/bin/python benchmarks/sharded_parameters/llama_7b.py [--gpu h100]
 """
@@ -26,6 +29,7 @@ GIB = 2.0**30
 CASES = (
     (64, None),
     (8, (("1f1b",), ("paper",), ("off",))),
+    (8, (("1f1b",), ("eager",), ("off",))),
 )
 """Micro-batches a copy, and the schedules, policies and recompute modes searched (None:
 those of ``twobp plan``)."""
@@ -39,10 +43,10 @@ def main() -> int:
     pipeline, data, seq_len = 4, 8, 4096
     print(f"{shape.name}, P={pipeline} D={data}, micro-batches of 1 sequence, {device.name}")
     print(
-        "| m | parameters | schedule | weights | gradients | optimizer | the step's "
-        "| peak per rank | step | collectives | exposed |"
+        "| m | parameters | gradients reduce-scattered | schedule | weights | gradients "
+        "| optimizer | the step's | peak per rank | step | collectives | exposed |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, tried in CASES:
         dims = (pipeline, data, 1, 1, m, seq_len)
         for row in compare_sharding(shape, device, dims, tried=tried):
@@ -53,6 +57,9 @@ def main() -> int:
             cells = [
                 str(m),
                 "sharded" if layout.shard_parameters else "whole",
+                ("after each W" if row.scatter_each_w else "at R")
+                if layout.shard_parameters
+                else "(all-reduced at R)",
                 f"{c.schedule}{policy}",
                 *(f"{memory[k] / GIB:.2f} GiB" for k in ("weights", "gradients", "optimizer")),
                 f"{memory[step_part] / GIB:.2f} GiB",

@@ -136,15 +136,26 @@ def whole_gradient_changes(
     end of its last ``W`` without an ``R``). One that reduce-scatters them after each
     ``W`` (:func:`~twobp.schedule.gradient_scatter.scattered_each_w` of the rank's
     actions in the order they ran, with ``scatter_each_w``) holds them from the start of
-    each ``W`` to the end of its reduce-scatter, ``reduce[stage]`` after the ``W`` (alone
-    on the link), and from a ``B`` to its ``R`` as the first."""
+    each ``W`` to the end of its reduce-scatter: the span of ``R`` over the ``W``'s
+    micro-batches that the simulator adds (:func:`twobp.sim.result.reductions_met`), or
+    ``reduce[stage]`` after the ``W`` (alone on the link) without one."""
     by_rank: dict[int, list[Span]] = {}
     for span in sorted(spans, key=lambda s: (s.rank, s.start, s.end)):
         if span.action.kind.is_compute:
             by_rank.setdefault(span.rank, []).append(span)
     out: list[tuple[int, float, float]] = []
     for rank, mine in by_rank.items():
-        each = scattered_each_w([s.action for s in mine], scatter_each_w)
+        each = scattered_each_w(
+            [s.action for s in mine if s.action.kind is not Kind.REDUCE], scatter_each_w
+        )
+        # The spans of each reduce-scatter after a W (as the simulator adds them), and
+        # the stage's own R last.
+        scattered: dict[tuple[int, tuple[int, ...]], float] = {}
+        for span in mine:
+            a = span.action
+            if a.kind is Kind.REDUCE and a.stage in each:
+                key = (a.stage, a.microbatches)
+                scattered[key] = max(scattered.get(key, span.end), span.end)
         first: dict[int, float] = {}
         for span in mine:
             a = span.action
@@ -155,9 +166,11 @@ def whole_gradient_changes(
                 if a.stage in first:  # a B's gradients, sent with this W's
                     out.append((rank, first.pop(a.stage), size))
                     out.append((rank, span.start, -size))
-                took = reduce[a.stage] if a.stage < len(reduce) else 0.0
+                sent = scattered.get((a.stage, a.microbatches))
+                if sent is None:
+                    sent = span.end + (reduce[a.stage] if a.stage < len(reduce) else 0.0)
                 out.append((rank, span.start, size))
-                out.append((rank, span.end + took, -size))
+                out.append((rank, sent, -size))
             elif a.kind in MAKES_GRADIENTS:
                 first.setdefault(a.stage, span.start)
             elif a.kind is Kind.REDUCE and a.stage in first:

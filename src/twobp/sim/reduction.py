@@ -16,7 +16,7 @@ run it, for comparison. This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from twobp.schedule.action import Kind
 from twobp.schedule.lowering import add_reductions
@@ -82,7 +82,13 @@ def reductions_at_end(schedule: Schedule) -> Schedule:
     return schedule.with_actions(actions)
 
 
-def reduction_ends(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> dict[int, float]:
+def reduction_ends(
+    schedule: Schedule,
+    costs: CostModel,
+    spans: Sequence[Span],
+    work: Mapping[int, float] | None = None,
+    scatters: Collection[int] = (),
+) -> dict[int, float]:
     """When each gradient reduction of a simulated step ends.
 
     The replicas of a stage in the schedule (Chimera's two pipelines) reduce
@@ -97,18 +103,33 @@ def reduction_ends(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) 
         schedule: the simulated schedule.
         costs: its cost model.
         spans: the simulated spans; those of ``R`` start at their issue.
+        work: ``index in spans -> time alone`` where it is not the ``R``'s cost (an ``R``
+            left nothing to send by the reduce-scatters after each ``W``: 0).
+        scatters: the indices of the spans of ``R`` that are a reduce-scatter after one
+            ``W`` (sharded parameters, ``CostModel.scatter_each_w``): each one reduction
+            of its own, not met by the stage's replicas.
 
     Returns:
         ``index in spans -> end`` for every ``R``.
     """
-    members: dict[int, list[int]] = {}
+    members: dict[tuple[int, int], list[int]] = {}
+    alone = set(scatters)
     for i, span in enumerate(spans):
-        if span.action.kind is Kind.REDUCE:
-            members.setdefault(schedule.model_stage(span.action.stage), []).append(i)
+        a = span.action
+        if a.kind is Kind.REDUCE:
+            key = (schedule.model_stage(a.stage), i if i in alone else -1)
+            members.setdefault(key, []).append(i)
+    given = work or {}
     ready = {k: max(spans[i].start for i in idx) for k, idx in members.items()}
-    left = {k: costs.duration(spans[idx[0]].action) for k, idx in members.items()}
+    left = {
+        k: given.get(idx[0], costs.duration(spans[idx[0]].action)) for k, idx in members.items()
+    }
     ranks = {k: {spans[i].rank for i in idx} for k, idx in members.items()}
     ends: dict[int, float] = {}
+    for k in [k for k, t in left.items() if t <= 0.0]:
+        del left[k]
+        for i in members[k]:
+            ends[i] = ready[k]
     now = min(ready.values(), default=0.0)
     while left:
         active = [k for k in left if ready[k] <= now]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from twobp.schedule._timing import Timing, make_timing
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.gradient_scatter import SCATTERING, scattered_each_w, scatters_at_reduce
 from twobp.schedule.kinds import Role
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import placed_at_run_time
@@ -195,9 +196,32 @@ def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) 
     """The spans with each gradient reduction ending when its all-reduce can.
 
     See :func:`twobp.sim.reduction.reduction_ends`. A span of ``R`` lasts
-    from its issue to the end of its all-reduce.
+    from its issue to the end of its all-reduce. With sharded parameters whose gradients
+    are reduce-scattered after each ``W`` (``costs.scatter_each_w``), each such ``W`` (or
+    ``B``) is followed by a span of ``R`` over its micro-batches, from its end to the end
+    of its reduce-scatter, sharing the rank's link with the others; the stage's listed
+    ``R`` then sends nothing (:mod:`twobp.schedule.gradient_scatter`).
     """
-    ends = reduction_ends(schedule, costs, spans)
+    spans = list(spans)
+    scatters: list[int] = []
+    idle: dict[int, float] = {}
+    if costs.shard_parameters and costs.scatter_each_w is not False:
+        for rank, actions in schedule.actions.items():
+            each = scattered_each_w(actions, costs.scatter_each_w)
+            if not each:
+                continue
+            reducing = scatters_at_reduce(actions, each)
+            for i, s in enumerate(list(spans)):
+                a = s.action
+                if s.rank != rank or a.stage not in each:
+                    continue
+                if a.kind in SCATTERING:
+                    scatters.append(len(spans))
+                    reduce = Action.make(a.stage, Kind.REDUCE, a.microbatches)
+                    spans.append(Span(rank, reduce, s.end, s.end))
+                elif a.kind is Kind.REDUCE and a.stage not in reducing:
+                    idle[i] = 0.0
+    ends = reduction_ends(schedule, costs, spans, idle, scatters)
     return [
         Span(s.rank, s.action, s.start, ends[i]) if i in ends else s for i, s in enumerate(spans)
     ]

@@ -14,12 +14,13 @@ too); what sharding the parameters changes is the memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from twobp.schedule.gradient_scatter import scatter_points, scattered_each_w
 from twobp.sim.analytic.hardware import Hardware
-from twobp.sim.analytic.layout import Layout, best_layout, layout_costs
+from twobp.sim.analytic.layout import STEP_SHARDED, Layout, best_layout, layout_costs
 from twobp.sim.analytic.shapes import DecoderShape
-from twobp.sim.costs import reduce_scatter_time
+from twobp.sim.costs import CostModel, reduce_scatter_time
 from twobp.sim.search import Option, simulate_option
 
 
@@ -38,6 +39,9 @@ class ShardingRow:
     layout: Layout
     collectives: float
     exposed: float
+    scatter_each_w: bool = False
+    """With sharded parameters: the gradients reduce-scattered after each ``W`` (or ``B``)
+    of a stage rather than once at its ``R`` (``CostModel.scatter_each_w``)."""
 
     @property
     def peak(self) -> float:
@@ -52,8 +56,10 @@ def compare_sharding(
     dtype: str = "bfloat16",
     tried: tuple[Sequence[str], Sequence[str], Sequence[str]] | None = None,
 ) -> list[ShardingRow]:
-    """The layout ``dims`` with whole parameters (the optimizer state sharded) and with
-    sharded parameters, in that order; a setting that fits no device is left out.
+    """The layout ``dims`` with whole parameters (the optimizer state sharded), with
+    sharded parameters, and the same candidate with its gradients reduce-scattered after
+    each ``W`` (or ``B``) rather than at ``R``, in that order; a setting that fits no
+    device is left out.
 
     Args:
         shape: the decoder.
@@ -83,4 +89,33 @@ def compare_sharding(
         gradients = max(costs.parameter_bytes)  # a rank's stages: one stage's worth
         one_way = reduce_scatter_time(gradients, data, costs.reduce_bandwidth, costs.send_latency)
         rows.append(ShardingRow(layout, 2 * one_way, layout.step - without.makespan))
+        if sharded:
+            rows.append(_each_w(layout, costs, one_way, without.makespan))
     return rows
+
+
+def _each_w(layout: Layout, costs: CostModel, one_way: float, alone: float) -> ShardingRow:
+    """The sharded layout's candidate with its gradients reduce-scattered after each ``W``
+    (or ``B``): its peak, and on the link a reduce-scatter of its stage's gradients for
+    each ``W`` and the all-gather of the rank's weights (the most of any rank)."""
+    option = Option.of(layout.candidate)
+    each = replace(costs, scatter_each_w=True)
+    pipeline, m, data = layout.pipeline, layout.microbatches, layout.data
+    candidate, schedule = simulate_option(option, pipeline, m, each.for_stages, data_parallel=data)
+    assert schedule is not None and costs.reduce_bandwidth is not None
+    fitted = costs.for_stages(schedule.n_stages)
+    assert fitted.parameter_bytes is not None
+    scatters = max(
+        sum(
+            reduce_scatter_time(
+                fitted.parameter_bytes[stage], data, costs.reduce_bandwidth, costs.send_latency
+            )
+            for stage in scatter_points(acts, scattered_each_w(acts, True)).values()
+        )
+        for acts in schedule.actions.values()
+    )
+    memory = dict(layout.memory)
+    static = sum(v for k, v in memory.items() if k not in (STEP_SHARDED, "weights"))
+    memory[STEP_SHARDED] = max(candidate.peak_memory - static, 0.0)
+    moved = replace(layout, candidate=candidate, step=candidate.makespan, memory=memory)
+    return ShardingRow(moved, scatters + one_way, candidate.makespan - alone, True)
