@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensor_parallel_pipeline_workers import LLAMA, _whole
-from twobp.models import build_model, tensor_parallel_plan
+from tensor_parallel_pipeline_workers import _llama, _whole
 from twobp.runtime import Pipeline
 from twobp.runtime.base.tensor_split import split_dims
 
@@ -39,11 +38,13 @@ class Phase:
     """``"plain"`` (AdamW over the parameters), ``"sharded"`` (``shard_optimizer``) or
     ``"parameters"`` (``shard_parameters=True`` with ``shard_optimizer``)."""
     async_save: bool = False
+    head: str = "whole"
+    """The embedding and head, as :data:`tensor_parallel_pipeline_workers.HEADS` says."""
 
 
-def _reference(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """One process: each step's loss, and the parameters after each step."""
-    spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+def _reference(steps: int, head: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One process: each step's loss, and the state dict after each step."""
+    spec, _ = _llama(head)
     whole = nn.Sequential(*spec.blocks)
     optimizer = torch.optim.AdamW(whole.parameters(), lr=LR)
     losses, states = [], []
@@ -59,7 +60,7 @@ def _reference(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
 
 
 def _pipeline(phase: Phase) -> tuple[Pipeline, torch.optim.Optimizer]:
-    spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
+    spec, plan = _llama(phase.head)
     blocks = spec.blocks
     if phase.load is not None:  # other weights than the saved ones: the load must set them
         for block in blocks:
@@ -73,7 +74,7 @@ def _pipeline(phase: Phase) -> tuple[Pipeline, torch.optim.Optimizer]:
         n_microbatches=4,
         data_parallel=phase.data_parallel,
         tensor_parallel=tp,
-        tensor_parallel_plan=tensor_parallel_plan("llama") if tp > 1 else None,
+        tensor_parallel_plan=plan if tp > 1 else None,
         shard_parameters=phase.optimizer == "parameters",
     )
     optimizer = (
@@ -88,12 +89,14 @@ def run_phases(phases: list[Phase]) -> dict[str, Any]:
     """Every phase on this rank. Returns the largest differences from one process (``loss``
     over every step, ``parameters`` after each phase's last step, joined over the
     tensor-parallel group), what this rank holds split in the first phase that saves
-    (``split``: name -> its shard's shape and its tensor-parallel rank), and on rank 0 the
-    reference parameters after each step (``reference``)."""
-    spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
-    losses, states = _reference(max(p.steps.stop for p in phases))
+    (``split``: name -> its shard's shape, its dim and its tensor-parallel rank), and on
+    rank 0 the reference state dicts after each step, by head (``reference``)."""
+    steps = max(p.steps.stop for p in phases)
+    references = {head: _reference(steps, head) for head in {p.head for p in phases}}
     errors: dict[str, Any] = {"loss": 0.0, "parameters": 0.0, "split": None}
     for phase in phases:
+        spec, _ = _llama(phase.head)
+        losses, states = references[phase.head]
         pipe, optimizer = _pipeline(phase)
         if phase.load is not None:
             pipe.load(phase.load, optimizer)
@@ -126,5 +129,9 @@ def run_phases(phases: list[Phase]) -> dict[str, Any]:
                 }
         pipe.close()
     errors["rank"] = dist.get_rank()
-    errors["reference"] = copy.deepcopy(states) if dist.get_rank() == 0 else None
+    errors["reference"] = (
+        {head: copy.deepcopy(states) for head, (_, states) in references.items()}
+        if dist.get_rank() == 0
+        else None
+    )
     return errors

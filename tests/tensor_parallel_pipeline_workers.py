@@ -246,7 +246,9 @@ def hugging_face(schedule: str) -> dict[str, float]:
 def checkpoint_across(folder: str) -> dict[str, float]:
     """On 4 ranks: 2 AdamW steps at P 2 x T 2, saved; loaded at P 4 without tensor
     parallelism for 2 more steps, saved; loaded at P 2 x T 2 again for 1 more. Returns the
-    largest difference of the losses and final parameters from 5 steps of one process."""
+    largest difference of the losses and final parameters from 5 steps of one process. The
+    checkpoint saved at P 4 holds whole tensors, as tensor-parallel checkpoints were written
+    before each rank wrote its shards: it loads at T 2 as one of those does."""
     spec = build_model("llama", "tiny", dtype=torch.float64, **LLAMA)
     whole = nn.Sequential(*copy.deepcopy(spec.blocks))
     reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)

@@ -21,9 +21,12 @@ TOLERANCE = 1e-10
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Saved at P 2 x T 2 and at D 2 x P 1 x T 2 (in the background) after 2 AdamW steps;
-    each loaded into other layouts for 2 more."""
+    each loaded into other layouts for 2 more; the same at P 2 x T 2 with the head tied
+    across pipeline ranks to a vocabulary-split embedding, and with the head split by
+    columns."""
     root = tmp_path_factory.mktemp("tensor-checkpoints")
     a, b = str(root / "p2-t2"), str(root / "d2-t2")
+    tied, split = str(root / "tied"), str(root / "split")
     first, then = range(0, 2), range(2, 4)
     phases = [
         Phase(1, 2, first, save=a),
@@ -33,6 +36,10 @@ def plain(tmp_path_factory) -> tuple[Path, list[dict]]:
         Phase(2, 1, then, load=a),  # D 2 x P 2
         Phase(1, 1, then, load=b),
         Phase(1, 2, then, load=b),  # P 2 x T 2
+        Phase(1, 2, first, save=tied, head="tied"),
+        Phase(1, 1, then, load=tied, head="tied"),
+        Phase(1, 2, first, save=split, head="split"),
+        Phase(2, 2, then, load=split, head="split"),
     ]
     return root, launch(run_phases, 4, phases, timeout=600)
 
@@ -76,8 +83,10 @@ def test_each_tensor_parallel_rank_writes_its_own_shards(plain):
 
 def test_merge_gives_the_whole_model_by_its_names(plain):
     root, results = plain
-    reference = next(r["reference"] for r in results if r["reference"] is not None)[1]
-    for saved in ("p2-t2", "d2-t2"):
+    references = next(r["reference"] for r in results if r["reference"] is not None)
+    for saved, head in (("p2-t2", "whole"), ("d2-t2", "whole"), ("tied", "tied"),
+                        ("split", "split")):  # fmt: skip
+        reference = references[head][1]
         merged = merge(root / saved)
         assert set(merged) == set(reference)
         for name, tensor in reference.items():
