@@ -2,10 +2,10 @@
 
 The case of ``tests/test_runtime_sharded_peak.py``: 2 x 2 gloo ranks, the tests' float64
 MLP, ``shard_parameters=True`` with 2BP and ``recompute="activations"``, 4 micro-batches
-of 16 rows. Per schedule and rank: the most bytes of activations, stashes and gathered
-weights held at once after a compute action, measured with the weights freed after each
-stage's last I (as twobp runs) and kept through its last W, and the difference that
-``peak_memory`` predicts from the profiled blocks. Prints one markdown table.
+of 16 rows. Per schedule and rank: the most bytes of activations, stashes, whole
+gradients and gathered weights held at once after a compute action, measured with the
+weights freed after each stage's last I (as twobp runs) and kept through its last W, and
+the difference that ``peak_memory`` predicts from the profiled blocks. Prints one markdown table.
 
     PYTHONPATH=src:tests .venv/bin/python benchmarks/sharded_parameters/free_before_w.py
 """

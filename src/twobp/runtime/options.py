@@ -191,7 +191,8 @@ class PipelineOptions:
             "shard each stage's parameters, gradients and optimizer state over its data-parallel "
             "copies (ZeRO-3): a stage's weights are gathered before its first F of a step and "
             "freed after its last I, before its W; each stage's gradient is reduce-scattered at "
-            "its R; build the optimizer with pipe.shard_optimizer",
+            "its R (after each W with pipe.state.sharded.scatter_each_w = True); build the "
+            "optimizer with pipe.shard_optimizer",
             cli="--shard-parameters",
             details="docs/user-guide.md#parameters-sharded-over-the-copies-zero-3",
         ),
