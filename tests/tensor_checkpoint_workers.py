@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensor_parallel_pipeline_workers import _llama, _whole
+from tensor_parallel_pipeline_workers import LLAMA, _llama, _whole
+from twobp.models import build_model, tensor_parallel_plan
 from twobp.runtime import Pipeline
 from twobp.runtime.base.tensor_split import split_dims
 
@@ -135,3 +136,36 @@ def run_phases(phases: list[Phase]) -> dict[str, Any]:
         else None
     )
     return errors
+
+
+def half_precision_resumes(folder: str) -> tuple[list[float], list[float]]:
+    """D 2 x T 2 in bfloat16 with a sharded optimizer (float32 master shards): 4 steps,
+    saved after 2; the last 2 steps' losses, and those of a pipeline that loads the
+    checkpoint and runs them again."""
+    runs = []
+    for steps in (range(0, 4), range(2, 4)):
+        spec = build_model("llama", "tiny", dtype=torch.bfloat16, **LLAMA)
+        pipe = Pipeline(
+            spec.blocks,
+            spec.loss_fn,
+            "1f1b",
+            n_microbatches=4,
+            data_parallel=2,
+            tensor_parallel=2,
+            tensor_parallel_plan=tensor_parallel_plan("llama"),
+        )
+        optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
+        if steps.start:
+            pipe.load(folder, optimizer)
+        losses = []
+        for step in steps:
+            inputs, targets = spec.make_batch(BATCH, step)
+            mine = slice(BATCH // 2 * pipe.dp_rank, BATCH // 2 * (pipe.dp_rank + 1))
+            losses.append(pipe.step(inputs[mine], targets[mine]))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                pipe.save(folder, optimizer)
+        runs.append(losses[-2:])
+        pipe.close()
+    return runs[0], runs[1]

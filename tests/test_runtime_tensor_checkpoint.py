@@ -13,7 +13,7 @@ import torch
 from tensor_checkpoint_workers import Phase, run_phases
 from twobp.runtime import launch
 from twobp.runtime.state.checkpoint import latest_checkpoint, merge, read_manifest
-from twobp.runtime.state.checkpoint.storage import SafeReader
+from twobp.runtime.state.checkpoint.storage import SafeReader, read, tensor_shapes
 
 TOLERANCE = 1e-10
 
@@ -123,3 +123,24 @@ def test_checkpoint_info_says_it_holds_tensor_parallel_shards(plain, capsys):
 
     assert checkpoint_cli(["info", str(plain[0] / "p2-t2")]) == 0
     assert "tensor parallel 2: each rank's shards of the split tensors" in capsys.readouterr().out
+
+
+def test_half_precision_shards_resume_from_their_float32_masters(tmp_path):
+    """bfloat16 at D 2 x T 2 with a sharded optimizer: a load resumes bitwise, and each
+    float32 master in the checkpoint, put together from every rank's ranges of its shard,
+    rounds to the saved weight."""
+    from tensor_checkpoint_workers import half_precision_resumes
+
+    for went_on, resumed in launch(half_precision_resumes, 4, str(tmp_path), timeout=600):
+        assert went_on == resumed
+    folder = latest_checkpoint(tmp_path)
+    shapes = tensor_shapes(folder)
+    masters = [n.removeprefix("optimizer.master.") for n in shapes if "optimizer.master." in n]
+    assert len(masters) >= 7 * 4  # every split linear, among others
+    tensors = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items() if "master" in n}
+    tensors |= {f"model.{n}": torch.empty(*shapes[f"model.{n}"][:1], dtype=torch.bfloat16)
+                for n in masters}  # fmt: skip
+    read(tensors, folder, None)
+    for name in masters:
+        rounded = tensors[f"optimizer.master.{name}"].to(torch.bfloat16)
+        assert torch.equal(rounded, tensors[f"model.{name}"]), name
