@@ -18,8 +18,8 @@ from twobp.runtime.setup.auto.plan import (
     CONTENDER_WINDOW,
     AutoPlan,
     Contender,
-    _choose,
-    _Space,
+    OptionSpace,
+    choose_plan,
 )
 from twobp.runtime.setup.auto.trials import (
     MAX_TRIAL_ROUNDS,
@@ -234,7 +234,9 @@ def test_the_contenders_are_the_choice_and_the_fastest_of_each_other_schedule():
             n_stages, per_stage, per_stage, per_stage, activation_bytes=per_stage
         )
 
-    plan = _choose([_Space(None, m, options(m), costs_for, sizes_for)], 2, None, contenders=100)
+    plan = choose_plan(
+        [OptionSpace(None, m, options(m), costs_for, sizes_for)], 2, None, contenders=100
+    )
     shortlist = plan.contenders
     assert len(shortlist) >= 2 and shortlist[0].candidate == plan.choice
     kinds = {
@@ -249,10 +251,10 @@ def test_the_contenders_are_the_choice_and_the_fastest_of_each_other_schedule():
     assert [c.candidate.makespan for c in shortlist] == sorted(
         c.candidate.makespan for c in shortlist
     )
-    space = [_Space(None, m, options(m), costs_for, sizes_for)]
-    assert _choose(space, 2, None, contenders=1).contenders == ()
+    space = [OptionSpace(None, m, options(m), costs_for, sizes_for)]
+    assert choose_plan(space, 2, None, contenders=1).contenders == ()
     limit = plan.choice.peak_memory
-    bounded = _choose(space, 2, limit, contenders=6).contenders
+    bounded = choose_plan(space, 2, limit, contenders=6).contenders
     assert bounded and all(c.candidate.peak_memory <= limit for c in bounded)
 
 

@@ -195,17 +195,44 @@ def shard_blocks(
     Raises:
         ValueError: what :func:`shard_block` refuses, naming the block and the module.
     """
-    chosen = []
-    for index, (block, plan) in enumerate(zip(blocks, plans, strict=True)):
-        with _naming_block(index, len(blocks)):
-            chosen.append(_resolve(block, plan))
-    _add_tied_partners(blocks, chosen)
+    chosen = planned_modules(blocks, plans)
     shards: Shards = {}
     for index, (block, modules) in enumerate(zip(blocks, chosen, strict=True)):
         if modules:
             with _naming_block(index, len(blocks)):
                 _split(block, modules, group, shards)
     return [{name: style for name, (_, style) in modules.items()} for modules in chosen]
+
+
+def planned_modules(
+    blocks: Sequence[nn.Module], plans: Sequence[Mapping[str, str]]
+) -> list[Chosen]:
+    """Per block, the modules ``plans`` split (and their tied partners), each with its
+    style, checked but not split.
+
+    Raises:
+        ValueError: what :func:`shard_block` refuses of a plan whatever the size,
+            naming the block and the module.
+    """
+    chosen = []
+    for index, (block, plan) in enumerate(zip(blocks, plans, strict=True)):
+        with _naming_block(index, len(blocks)):
+            chosen.append(_resolve(block, plan))
+    _add_tied_partners(blocks, chosen)
+    return chosen
+
+
+def check_divides(blocks: Sequence[nn.Module], chosen: Sequence[Chosen], size: int) -> None:
+    """Refuse a split of ``blocks`` over ``size`` ranks that does not divide.
+
+    Raises:
+        ValueError: a module's ``n_heads``, a split linear's width or a split
+            vocabulary that does not divide by ``size``, naming the block and the module.
+    """
+    for index, (block, modules) in enumerate(zip(blocks, chosen, strict=True)):
+        if modules:
+            with _naming_block(index, len(blocks)):
+                _check_divides(block, modules, size)
 
 
 @contextmanager
@@ -239,15 +266,7 @@ def _resolve(block: nn.Module, plan: Mapping[str, str]) -> Chosen:
 
 def _split(block: nn.Module, chosen: Chosen, group: Any, shards: Shards) -> None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    for name, module in block.named_modules():
-        heads = getattr(module, "n_heads", None)
-        if isinstance(heads, int) and heads % size:
-            raise ValueError(
-                f"tensor parallel: {name or 'block'} has {heads} heads, "
-                f"which do not divide by {size} ranks; choose a tensor_parallel that divides it"
-            )
-    for name, (module, style) in chosen.items():
-        _check(name, module, style, size)
+    _check_divides(block, chosen, size)
     copies: _Copies = []  # held from the block's forward's start to its end
     block.register_forward_pre_hook(lambda _m, _args: copies.clear())
     block.register_forward_hook(lambda _m, _args, _out: copies.clear())
@@ -261,6 +280,18 @@ def _split(block: nn.Module, chosen: Chosen, group: Any, shards: Shards) -> None
         heads = getattr(module, "n_heads", None)
         if isinstance(heads, int):
             vars(module)["n_heads"] = heads // size  # the heads this rank holds
+
+
+def _check_divides(block: nn.Module, chosen: Chosen, size: int) -> None:
+    for name, module in block.named_modules():
+        heads = getattr(module, "n_heads", None)
+        if isinstance(heads, int) and heads % size:
+            raise ValueError(
+                f"tensor parallel: {name or 'block'} has {heads} heads, "
+                f"which do not divide by {size} ranks; choose a tensor_parallel that divides it"
+            )
+    for name, (module, style) in chosen.items():
+        _check(name, module, style, size)
 
 
 def _match(block: nn.Module, plan: Mapping[str, str]) -> Chosen:

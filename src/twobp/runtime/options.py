@@ -197,12 +197,13 @@ class PipelineOptions:
             details="docs/user-guide.md#parameters-sharded-over-the-copies-zero-3",
         ),
     )
-    tensor_parallel: int | None = field(
+    tensor_parallel: int | Sequence[int] | None = field(
         default=None,
         metadata=_help(
             "ranks T each block is split over (Megatron-style: column- and row-parallel "
             "linears) by tensor_parallel_plan, on D x P x T ranks laid out dp x pp x tp, tensor "
-            "parallel innermost; None: 1",
+            "parallel innermost; a tuple of sizes (with schedule='auto'): the one whose "
+            "simulated step is fastest, P = ranks / (D x T); None: 1",
             cli="--tensor-parallel",
             details="docs/user-guide.md#tensor-parallelism-in-a-pipeline",
         ),
@@ -333,7 +334,9 @@ class PipelineOptions:
             PipelineConfigError: naming the option and what to give instead.
         """
         check_recompute(self.recompute, self.memory_limit)
-        if self.tensor_parallel is not None and self.tensor_parallel != 1:
+        if not isinstance(self.tensor_parallel, int | None):
+            check_sizes(self)
+        elif self.tensor_parallel is not None and self.tensor_parallel != 1:
             check_size(self.tensor_parallel)
             if self.tensor_parallel_plan is None:
                 raise PipelineConfigError(
@@ -498,6 +501,44 @@ def check_size(tensor_parallel: object) -> None:
         raise PipelineConfigError(
             f"tensor_parallel={tensor_parallel!r}: give the number of ranks each block is "
             "split over, an int >= 1"
+        )
+
+
+def check_sizes(options: PipelineOptions) -> None:
+    """Refuse a range of ``tensor_parallel`` sizes that ``schedule="auto"`` cannot search.
+
+    Raises:
+        PipelineConfigError: naming what to give instead.
+    """
+    sizes = options.tensor_parallel
+    assert sizes is not None and not isinstance(sizes, int)
+    if isinstance(sizes, str) or not sizes:
+        raise PipelineConfigError(
+            f"tensor_parallel={sizes!r}: give one size or a tuple of sizes, e.g. (1, 2, 4)"
+        )
+    for size in sizes:
+        check_size(size)
+    if options.schedule != AUTO:
+        raise PipelineConfigError(
+            f"tensor_parallel={tuple(sizes)!r}: a range of sizes is searched by "
+            f"schedule='auto', not schedule={options.schedule!r}; give schedule='auto' or one size"
+        )
+    if max(sizes) > 1 and options.tensor_parallel_plan is None:
+        raise PipelineConfigError(
+            f"tensor_parallel={tuple(sizes)!r} needs tensor_parallel_plan: which linears to "
+            "split, e.g. twobp.models.tensor_parallel_plan('llama')"
+        )
+    apart = {
+        "n_microbatches='auto'": options.n_microbatches == AUTO,
+        "recompute='auto'": options.rebuilds,
+        "costs='profile'": isinstance(options.costs, str),
+    }
+    chosen = [name for name, on in apart.items() if on]
+    if chosen:
+        raise PipelineConfigError(
+            f"tensor_parallel={tuple(sizes)!r}: {', '.join(chosen)} is not searched with "
+            "the size; give n_microbatches as a number, recompute by name, costs as a model "
+            "or None"
         )
 
 

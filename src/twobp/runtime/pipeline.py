@@ -56,13 +56,14 @@ from twobp.runtime.setup.auto.plan import AutoPlan
 from twobp.runtime.setup.build_rank import build_rank, contender_trials
 from twobp.runtime.setup.compiled_stages import compile_options
 from twobp.runtime.setup.data_parallel import data_parallel_grid
-from twobp.runtime.setup.first_step import Given, Pending, first_batch, plans_at_first_step
+from twobp.runtime.setup.first_step import Pending, first_batch, plans_at_first_step
 from twobp.runtime.setup.host_memory import retain_freed_memory
+from twobp.runtime.setup.join import join_shard
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
 from twobp.runtime.setup.sharded_parameters import refuse_full_parameters
-from twobp.runtime.setup.tensor_parallel import join_shard, shard_blocks
+from twobp.runtime.setup.tensor_parallel import shard_blocks
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.grad_scaler import GradScaler
 from twobp.runtime.state.model_names import ModelNames
@@ -202,9 +203,10 @@ class Pipeline:
         check_grad_scaler(grad_scaler, self)
         self.timeout = float(self.options.timeout)
         requested = torch.device(device) if device is not None else None
-        world, members, self._tensor = join_shard(
-            requested or default_device(), group, self.options, mesh, example_input
+        world, members, self._tensor, given = join_shard(
+            requested or default_device(), group, self.options, mesh, example_input, blocks
         )
+        self.options = given.options  # at the tensor-parallel size decided, if a range
         self.tp_rank, self.tp_size = (0, 1) if self._tensor is None else self._tensor.place
         """This rank's index in its tensor-parallel group, and the group's size (0, 1: none)."""
         self.device = rank_device(requested, members)
@@ -228,7 +230,6 @@ class Pipeline:
         """Which copy of the pipeline this process belongs to (0 without data parallel)."""
         self.dp_size = len(grid)
         """How many copies of the pipeline run side by side."""
-        given = Given(self.options, example_input, group, mesh)
         self._pending: Pending | None = Pending.of(blocks, loss_fn, given, members, grid)
         if not plans_at_first_step(given, members, self.device, self.timeout, len(grid[0])):
             self._ensure_planned(None)
@@ -264,6 +265,7 @@ class Pipeline:
             ),
             data_parallel=len(pending.grid),
             tied=tied_across_blocks(pending.blocks),
+            decided=given.decided,
         )
         self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
         self.partition_by = plan.partition_by

@@ -29,6 +29,7 @@ from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.execution.microbatch import Batch, flatten, to_device, unflatten
 from twobp.runtime.execution.stage import LossFn
 from twobp.runtime.options import AUTO, AUTO_MICROBATCHES, PipelineOptions
+from twobp.runtime.setup.auto.plan import AutoPlan
 from twobp.runtime.setup.given_blocks import as_blocks
 from twobp.runtime.state.model_names import ModelNames, model_names_of
 from twobp.schedule import SCHEDULES, Schedule, ScheduleConfigError, ScheduleError
@@ -46,6 +47,9 @@ class Given:
     example_input: Batch | None
     group: dist.ProcessGroup | None
     mesh: Any
+    decided: AutoPlan | None = None
+    """The plan ``schedule="auto"`` chose over a range of tensor-parallel sizes, which the
+    pipeline runs as it is; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ def plans_at_first_step(
     given an example input and nothing else is to plan by (collective where it
     depends on the example input). ``n_ranks``: ranks of one copy of the pipeline."""
     options = given.options
+    if given.decided is not None:
+        return False
     planned = isinstance(options.schedule, str) and (
         options.schedule == AUTO or (options.rebuilds and options.schedule in SCHEDULES)
     )
@@ -129,7 +135,7 @@ def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
     """
     if options.partition is not None or options.costs is not None or n_ranks < 2:
         return None  # on one rank, there is no other rank to share the work with
-    if (options.tensor_parallel or 1) > 1:
+    if not isinstance(options.tensor_parallel, int | None) or (options.tensor_parallel or 1) > 1:
         return None  # each tensor-parallel pipeline would profile and cut apart
     schedule = options.schedule
     if isinstance(schedule, Schedule):

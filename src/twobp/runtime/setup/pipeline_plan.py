@@ -117,6 +117,7 @@ def plan(
     trials: Trials | None = None,
     data_parallel: int = 1,
     tied: bool = False,
+    decided: AutoPlan | None = None,
 ) -> PipelinePlan:
     """Resolve the schedule and the partition, and check that every rank agrees.
 
@@ -130,6 +131,8 @@ def plan(
     ``sample`` is the first step's batch of inputs (the same on every rank)
     that ``schedule="auto"`` plans on where no ``example_input`` was given,
     and whose size ``n_microbatches="auto"`` chooses the count for;
+    ``decided`` is the plan ``schedule="auto"`` chose over a range of tensor-parallel
+    sizes, run as it is;
     ``recompute="auto"`` rebuilds stashes only where what the pipeline runs
     without it does not fit ``memory_limit``: a schedule by name is settled
     as without it (the same 2BP stages and partition), costed (profiled on
@@ -152,8 +155,11 @@ def plan(
         blocks, world, device, options, example_input, pipeline_ranks, data_parallel, tied, sample
     )
     schedule = options.schedule
-    auto = None
-    if isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs)):
+    auto = decided
+    if decided is not None:
+        planning.partition = list(decided.partition)
+        planning.n_microbatches = decided.schedule.n_microbatches
+    elif isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs)):
         auto = _searched(planning, trials)
     resolved, counts, rebuild = _resolved(planning, auto)
     # two_bp=None splits where a profile on the example input says it pays (else everywhere).
@@ -240,7 +246,7 @@ class _Planning:
         )
 
 
-def _searched_policies(policy: str, two_bp: object, fixed: bool) -> list[str] | None:
+def searched_policies(policy: str, two_bp: object, fixed: bool) -> list[str] | None:
     """The 2BP policies a plan compares: the pipeline's own for a schedule by name; for
     ``schedule="auto"`` every one but ``dynamic`` (None), or, where the pipeline names
     ``dynamic``, ``dynamic`` and no 2BP (its W are placed at run time)."""
@@ -266,7 +272,7 @@ def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
     if examples is not None:
         planning.example_input = next(iter(examples.values()))
     world = planning.world
-    limit, model = _auto_arguments(
+    limit, model = auto_arguments(
         world,
         planning.device,
         options.timeout,
@@ -294,7 +300,7 @@ def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
         optimizer=planning.optimizer,
         costs=model,
         schedules=[schedule] if fixed else None,
-        policies=_searched_policies(options.two_bp_policy, two_bp, fixed),
+        policies=searched_policies(options.two_bp_policy, two_bp, fixed),
         pipeline_ranks=planning.pipeline_ranks,
         tied=planning.tied,
         recompute=RECOMPUTE_AUTO if options.rebuilds else NO_RECOMPUTE,
@@ -554,7 +560,7 @@ def _microbatches(
     return counts, {m: split_batch(sample, m)[0] for m in every}
 
 
-def _auto_arguments(
+def auto_arguments(
     world: Membership,
     device: torch.device,
     timeout: float,

@@ -169,6 +169,23 @@ def block_plan(plan: Plan, index: int, block: nn.Module) -> dict[str, str]:
     }
 
 
+def block_plans(blocks: Sequence[nn.Module], plan: Plan) -> list[dict[str, str]]:
+    """What ``plan`` splits of each block (:func:`block_plan`).
+
+    Raises:
+        PipelineConfigError: an entry of a mapping that names no module of any block.
+    """
+    plans = [block_plan(plan, i, b) for i, b in enumerate(blocks)]
+    if not callable(plan):
+        unused = [p for p in plan if not any(p in chosen for chosen in plans)]
+        if unused:
+            raise PipelineConfigError(
+                f"tensor_parallel_plan: {', '.join(repr(p) for p in unused)} names no module "
+                "of any block; name modules as block.named_modules() does (e.g. 'attn.wq')"
+            )
+    return plans
+
+
 def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) -> None:
     """Split every block over this rank's tensor-parallel group, in place (a weight tied
     across blocks once: :func:`twobp.models.tensor_parallel.shard_blocks`), and mark each
@@ -182,14 +199,7 @@ def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) ->
     """
     from twobp.models.tensor_parallel import shard_blocks as split_blocks
 
-    plans = [block_plan(plan, i, b) for i, b in enumerate(blocks)]
-    if not callable(plan):
-        unused = [p for p in plan if not any(p in chosen for chosen in plans)]
-        if unused:
-            raise PipelineConfigError(
-                f"tensor_parallel_plan: {', '.join(repr(p) for p in unused)} names no module "
-                "of any block; name modules as block.named_modules() does (e.g. 'attn.wq')"
-            )
+    plans = block_plans(blocks, plan)
     try:
         styles = split_blocks(blocks, plans, tp.group)
     except ValueError as exc:
@@ -198,6 +208,19 @@ def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) ->
         modules = dict(block.named_modules())
         for name, style in split.items():
             setattr(modules[name], SPLIT_STYLE, style)
+
+
+def refuse_mesh(mesh: Any) -> None:
+    """Refuse a mesh given with ``tensor_parallel``.
+
+    Raises:
+        PipelineConfigError: if ``mesh`` is not None.
+    """
+    if mesh is not None:
+        raise PipelineConfigError(
+            "tensor_parallel with mesh=: pass data_parallel and tensor_parallel instead "
+            "(the ranks are laid out dp x pp x tp)"
+        )
 
 
 def tensor_parallel_layout(
@@ -213,30 +236,11 @@ def tensor_parallel_layout(
     size = options.tensor_parallel
     if size is None or size == 1:
         return None
-    if mesh is not None:
-        raise PipelineConfigError(
-            "tensor_parallel with mesh=: pass data_parallel and tensor_parallel instead "
-            "(the ranks are laid out dp x pp x tp)"
-        )
+    assert isinstance(size, int), "a range of sizes is decided before the layout"
+    refuse_mesh(mesh)
     if example_input is not None:
         raise PipelineConfigError(
             "tensor_parallel with example_input: each tensor-parallel pipeline would profile "
             "and plan apart; leave example_input out and give the partition"
         )
     return layout(members, size, float(options.timeout))
-
-
-def join_shard(
-    device: Any, group: Any, options: Any, mesh: Any, example_input: Any
-) -> tuple[Membership, Membership, TensorParallel | None]:
-    """The world this rank joins, the membership of its pipeline (with tensor
-    parallelism: the ranks of its shard; else the world) and its tensor-parallel
-    layout (None without). Collective over the world."""
-    from twobp.runtime.base.group import join_world
-
-    timeout = float(options.timeout)
-    world = join_world(device, timeout, group)
-    tp = tensor_parallel_layout(world, options, mesh, example_input)
-    if tp is None:
-        return world, world, None
-    return world, join_world(device, timeout, tp.pipeline_group), tp

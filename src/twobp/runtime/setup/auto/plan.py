@@ -120,6 +120,29 @@ class Contender:
 
 
 @dataclass(frozen=True)
+class SizeTried:
+    """A tensor-parallel size ``schedule="auto"`` searched (``tensor_parallel=(1, 2, ...)``).
+
+    Args:
+        size: the tensor-parallel ranks ``T``.
+        pipeline: the pipeline ranks ``P`` it leaves (world / (D x T)).
+        step: the simulated step of its fastest candidate that fits, or None.
+        why_not: why it was not searched or nothing of it fits; "" if it was.
+    """
+
+    size: int
+    pipeline: int
+    step: float | None = None
+    why_not: str = ""
+
+    def __str__(self) -> str:
+        at = f"T={self.size}" + (f" (P={self.pipeline})" if self.pipeline else "")
+        if self.step is None:
+            return f"{at}: {self.why_not}"
+        return f"{at} {self.step * 1e3:.4g} ms"
+
+
+@dataclass(frozen=True)
 class AutoPlan:
     """What ``schedule="auto"`` chose, and the ranking it chose from.
 
@@ -139,6 +162,9 @@ class AutoPlan:
         trial_times: the measured step time of each contender in seconds (the
             slowest rank's median over the rounds it ran; ``inf`` if it
             failed), empty until the trials ran. The choice is the fastest.
+        tensor_sizes: with a range of ``tensor_parallel`` sizes, every size searched
+            and its simulated step, in the order given; empty otherwise.
+        tensor_parallel: the tensor-parallel size the choice runs at.
     """
 
     choice: Candidate
@@ -149,6 +175,8 @@ class AutoPlan:
     memory_limit: float | None
     contenders: tuple[Contender, ...] = ()
     trial_times: tuple[float, ...] = ()
+    tensor_sizes: tuple[SizeTried, ...] = ()
+    tensor_parallel: int = 1
 
     def settled(self, trial_times: Sequence[float]) -> AutoPlan:
         """The plan of the contender the trial steps measured fastest.
@@ -199,12 +227,18 @@ class AutoPlan:
             if measured is None or not math.isfinite(measured)
             else f", measured {measured * 1e3:.4g} ms in trial steps, the fastest of {tried} tried"
         )
+        sizes = ""
+        if self.tensor_sizes:
+            sizes = (
+                f"; tensor_parallel={self.tensor_parallel}, the fastest simulated of "
+                + ", ".join(str(s) for s in self.tensor_sizes)
+            )
         return (
             f"schedule='auto' chose {describe(self.choice)}: predicted step "
             f"{self.predicted_step_time * 1e3:.4g} ms{trials}, peak memory "
             f"{format_amount(self.choice.peak_memory)} per rank{limit}; partition "
             f"{list(self.partition)}; best of {sum(c.ok for c in self.ranking)} simulated "
-            f"(contention {self.costs.contention:.2f})"
+            f"(contention {self.costs.contention:.2f}){sizes}"
         )
 
     def table(self, rows: int = SHOWN) -> str:
@@ -331,7 +365,7 @@ def plan_auto(
     if costs is None:
         measured = _measured(blocks, world, device, counts, ranks, example_input, examples)
 
-    def space(m: int) -> _Space:
+    def space(m: int) -> OptionSpace:
         options = auto_options(
             m,
             two_bp=two_bp,
@@ -340,13 +374,13 @@ def plan_auto(
             stages_per_rank=stages_per_rank,
             recompute=recompute,
         )
-        sized = _costs_of(blocks, partition, costs, measured[m] if costs is None else None)
-        return _space(m, chosen_count, sized, blocks, optimizer, options)
+        sized = costs_of(blocks, partition, costs, measured[m] if costs is None else None)
+        return option_space(m, chosen_count, sized, blocks, optimizer, options)
 
     copies = max(1, world.size // len(ranks))
     return decided_on_rank_0(
         world,
-        lambda: _choose(
+        lambda: choose_plan(
             [space(m) for m in counts], len(ranks), memory_limit, copies, contenders, tied
         ),
         AutoPlan,
@@ -377,19 +411,19 @@ def measured_costs(measured: Measured, sizes_for: SizesFor) -> CostsFor:
     )
 
 
-def _space(
+def option_space(
     m: int,
     chosen_count: bool,
     sized: tuple[SizesFor, CostsFor],
     blocks: Sequence[nn.Module],
     optimizer: OptimizerMemory | None,
     choices: Sequence[Option],
-) -> _Space:
+) -> OptionSpace:
     """The options of ``m`` micro-batches, with their costs (and optimizer state)."""
     sizes_for, costs_for = sized
     if optimizer is not None:
         costs_for = optimizer.counted(costs_for, sizes_for, blocks)
-    return _Space(m if chosen_count else None, m, choices, costs_for, sizes_for)
+    return OptionSpace(m if chosen_count else None, m, choices, costs_for, sizes_for)
 
 
 def _measured(
@@ -412,7 +446,7 @@ def _measured(
     return measured
 
 
-def _costs_of(
+def costs_of(
     blocks: Sequence[nn.Module],
     partition: Sequence[int] | str | None,
     costs: CostModel | None,
@@ -435,7 +469,7 @@ def _costs_of(
 
 
 @dataclass(frozen=True)
-class _Space:
+class OptionSpace:
     """The options of one micro-batch count and the costs they are simulated under.
 
     Args:
@@ -458,8 +492,8 @@ class _Space:
         return self.costs_for(n_stages)
 
 
-def _choose(
-    spaces: Sequence[_Space],
+def choose_plan(
+    spaces: Sequence[OptionSpace],
     n_ranks: int,
     memory_limit: float | None,
     data_parallel: int = 1,

@@ -1,0 +1,56 @@
+"""The world a pipeline joins: its tensor-parallel size, its groups, what it plans with.
+
+With one ``tensor_parallel`` size (or none), the groups of that layout are made at once
+(:func:`twobp.runtime.setup.tensor_parallel.layout`). With a range of sizes under
+``schedule="auto"``, the size and the plan are decided first, over the whole world
+(:func:`twobp.runtime.setup.auto.tensor_size.decide_size`), and the groups made for the
+size chosen; the pipeline then runs that plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from twobp.runtime.base.group import Membership, join_world
+from twobp.runtime.options import Batch, PipelineOptions
+from twobp.runtime.setup.auto.tensor_size import decide_size
+from twobp.runtime.setup.first_step import Given
+from twobp.runtime.setup.tensor_parallel import (
+    TensorParallel,
+    refuse_mesh,
+    tensor_parallel_layout,
+)
+
+
+def join_shard(
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    options: PipelineOptions,
+    mesh: Any,
+    example_input: Batch | None,
+    blocks: object,
+) -> tuple[Membership, Membership, TensorParallel | None, Given]:
+    """The world this rank joins, the membership of its pipeline (with tensor
+    parallelism: the ranks of its shard; else the world), its tensor-parallel layout
+    (None without) and what the pipeline plans with (the options at the size decided,
+    and the plan of a range). Collective over the world.
+
+    Raises:
+        PipelineConfigError: on every rank, what :func:`decide_size` or
+            :func:`tensor_parallel_layout` refuses.
+    """
+    timeout = float(options.timeout)
+    world = join_world(device, timeout, group)
+    decided = None
+    if not isinstance(options.tensor_parallel, int | None):
+        refuse_mesh(mesh)
+        options, decided = decide_size(blocks, options, world, device, example_input)
+        example_input = None  # planned: each shard's pipeline runs the plan as it is
+    tp = tensor_parallel_layout(world, options, mesh, example_input)
+    given = Given(options, example_input, group, mesh, decided)
+    if tp is None:
+        return world, world, None, given
+    return world, join_world(device, timeout, tp.pipeline_group), tp, given
