@@ -131,8 +131,7 @@ def plan(
     ``sample`` is the first step's batch of inputs (the same on every rank)
     that ``schedule="auto"`` plans on where no ``example_input`` was given,
     and whose size ``n_microbatches="auto"`` chooses the count for;
-    ``decided`` is the plan ``schedule="auto"`` chose over a range of tensor-parallel
-    sizes, run as it is;
+    ``decided``: the plan of a range of tensor-parallel sizes, run as it is;
     ``recompute="auto"`` rebuilds stashes only where what the pipeline runs
     without it does not fit ``memory_limit``: a schedule by name is settled
     as without it (the same 2BP stages and partition), costed (profiled on
@@ -155,12 +154,7 @@ def plan(
         blocks, world, device, options, example_input, pipeline_ranks, data_parallel, tied, sample
     )
     schedule = options.schedule
-    auto = decided
-    if decided is not None:
-        planning.partition = list(decided.partition)
-        planning.n_microbatches = decided.schedule.n_microbatches
-    elif isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs)):
-        auto = _searched(planning, trials)
+    auto = _searched(planning, trials, decided) if decided or _searches(options) else None
     resolved, counts, rebuild = _resolved(planning, auto)
     # two_bp=None splits where a profile on the example input says it pays (else everywhere).
     profiled_split = (
@@ -255,9 +249,12 @@ def searched_policies(policy: str, two_bp: object, fixed: bool) -> list[str] | N
     return [NO_TWO_BP, DYNAMIC] if policy == DYNAMIC and two_bp is not False else None
 
 
-def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
+def _searched(planning: _Planning, trials: Trials | None, decided: AutoPlan | None) -> AutoPlan:
     """What ``schedule="auto"`` (or ``costs="profile"`` on a schedule by name) chose,
-    after the trial steps of its contenders. Collective."""
+    after the trial steps of its contenders (``decided``: what it chose over a range of
+    tensor-parallel sizes). Collective."""
+    if decided is not None:
+        return _settled(planning, decided)
     options = planning.options
     schedule, two_bp = options.schedule, options.two_bp
     assert isinstance(schedule, str)
@@ -311,6 +308,11 @@ def _searched(planning: _Planning, trials: Trials | None) -> AutoPlan:
         auto = trials(auto)
     if world.rank == 0:
         log.info("%s", auto.summary())
+    return _settled(planning, auto)
+
+
+def _settled(planning: _Planning, auto: AutoPlan) -> AutoPlan:
+    """``auto``, its partition and count taken as the pipeline's."""
     planning.partition = list(auto.partition)
     planning.n_microbatches = auto.schedule.n_microbatches
     return auto
@@ -594,6 +596,12 @@ def auto_arguments(
     # The measurements are collectives without a timeout: no rank may enter them alone.
     agree(world, device, timeout, problem, "planning schedule='auto'")
     return limit, model
+
+
+def _searches(options: PipelineOptions) -> bool:
+    """True if ``schedule="auto"`` (or ``costs="profile"``) searches the schedule."""
+    schedule = options.schedule
+    return isinstance(schedule, str) and (schedule == AUTO or _profiles(schedule, options.costs))
 
 
 def _profiles(schedule: str, costs: CostsArgument) -> bool:
