@@ -7,8 +7,9 @@ the ``T`` ranks of a stage:
   and of its weights, gradients and optimizer state runs and is held ``1 / T`` times;
   the rest (norms, an embedding or a head left whole) stays as it was;
 - each row-parallel linear (and vocabulary-split embedding) all-reduces its output in
-  ``F``, each column-parallel linear its input gradient in ``I`` (and in a fused ``B``),
-  and a gathered head all-gathers its logits in ``F``: ring collectives over ``T`` ranks
+  ``F``, the column-parallel linears that read one input all-reduce its gradient once in
+  ``I`` (and in a fused ``B``), and a gathered head all-gathers its logits in ``F``: ring
+  collectives over ``T`` ranks
   (:func:`twobp.sim.costs.allreduce_time`, :func:`twobp.sim.costs.reduce_scatter_time`),
   each moving the bytes of the hidden state that enters its block;
 - activations and stashes are counted whole (an upper bound: a split module's own
@@ -16,8 +17,8 @@ the ``T`` ranks of a stage:
   stage sends to the next (every shard's pipeline sends the whole hidden state).
 
 This is the model :func:`twobp.sim.analytic.layout.stage_costs` prices tensor parallelism
-with (there two all-reduces per layer each way, as Megatron fuses them; here one per
-module, as twobp runs them), applied to a measured or given cost model.
+with (two all-reduces per layer each way, as a LLaMA layer runs them), here counted from
+the plan and applied to a measured or given cost model.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class BlockSplit:
             their share of its compute and its weights; 0: nothing split.
         forward_reduces: all-reduces in ``F`` (row-parallel linears, split embeddings).
         forward_gathers: all-gathers in ``F`` (heads whose logits are gathered).
-        input_reduces: all-reduces in ``I`` (column-parallel linears, gathered heads).
+        input_reduces: all-reduces in ``I`` (one per input that column-parallel linears
+            or gathered heads read).
     """
 
     share: float = 0.0

@@ -142,18 +142,21 @@ def decide_size(
 
 def block_splits(blocks: Sequence[nn.Module], chosen: Sequence[Chosen]) -> list[BlockSplit]:
     """What the plan splits of each block: the split modules' share of its parameters,
-    and its collectives (:class:`twobp.sim.tensor_parallel.BlockSplit`)."""
+    and its collectives (:class:`twobp.sim.tensor_parallel.BlockSplit`). Column-parallel
+    linears of one parent module (``attn.wq``, ``attn.wk``, ``attn.wv``) are taken to
+    read one input, whose gradient they all-reduce once, as the runtime does."""
     out = []
     for block, modules in zip(blocks, chosen, strict=True):
         total = sum(p.numel() for p in block.parameters())
         split = {id(p): p.numel() for m, _ in modules.values() for p in m.parameters()}
         styles = [style for _, style in modules.values()]
+        inputs = {name.rpartition(".")[0] for name, (_, s) in modules.items() if s in INPUT_REDUCES}
         out.append(
             BlockSplit(
                 share=sum(split.values()) / total if total else 0.0,
                 forward_reduces=sum(s in FORWARD_REDUCES for s in styles),
                 forward_gathers=styles.count("colwise_gather_output"),
-                input_reduces=sum(s in INPUT_REDUCES for s in styles),
+                input_reduces=len(inputs),
             )
         )
     return out
