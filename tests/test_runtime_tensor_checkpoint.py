@@ -34,7 +34,6 @@ def plain(tmp_path_factory) -> tuple[Path, list[dict]]:
         Phase(1, 1, then, load=a),  # T 1, P 4
         Phase(2, 2, then, load=a),  # T 2, P 1, D 2
         Phase(2, 1, then, load=a),  # D 2 x P 2
-        Phase(1, 1, then, load=b),
         Phase(1, 2, then, load=b),  # P 2 x T 2
         Phase(1, 2, first, save=tied, head="tied"),
         Phase(1, 1, then, load=tied, head="tied"),
