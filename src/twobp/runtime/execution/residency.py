@@ -101,6 +101,11 @@ class Residency(Protocol):
         (once no other stage of this rank that reads them still will)."""
         ...
 
+    def in_flight(self, nbytes: int) -> None:
+        """After an action: ``nbytes`` of whole gradients are held by reduce-scatters not
+        yet complete (timing-dependent; not counted by :meth:`observe`)."""
+        ...
+
     def observe(
         self, between: int, read: frozenset[int], used: frozenset[int], during: bool = False
     ) -> None:

@@ -475,8 +475,9 @@ class StepRun:
 
     def _scatter_after(self, index: int) -> None:
         """After action ``index``: reduce-scatter its stage's gradients if it is a ``W``
-        of a stage that does so after each ``W``; let go of those already sent."""
-        if not self._scatter_at or self._reducer is None:
+        of a stage that does so after each ``W``; let go of those already sent (an
+        ``R``'s too), with sharded parameters."""
+        if self._residency is None or self._reducer is None:
             return
         stage = self._scatter_at.pop(index, None)
         if stage is not None:
@@ -484,6 +485,7 @@ class StepRun:
             if self._residency is not None:
                 self._residency.scattered(nbytes)
         self._reducer.reap()
+        self._residency.in_flight(self._reducer.scattering_bytes)
 
     def _send(self, action: Action) -> None:
         transfer = transfer_of(action, self._graph)

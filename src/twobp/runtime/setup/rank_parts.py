@@ -382,7 +382,9 @@ class RankParts:
             ``W`` to its ``R``, or within each ``W`` where they are reduce-scattered after
             each, see ``scatter_each_w``), which the CPU's ``peak`` adds;
             ``scatter_each_w``: 1 if some stage of this rank reduce-scattered its
-            gradients after each ``W`` in the last step, else 0.
+            gradients after each ``W`` in the last step, else 0; ``scattering_peak``: the
+            most bytes of whole gradients held by reduce-scatters still in flight after an
+            action (not in the peaks above; depends on how soon each completes).
         """
         earlier = self.settlement.earlier.last_nbytes
         stats = memory_stats(self.memory, self.module, optimizer, earlier)
@@ -402,6 +404,7 @@ class RankParts:
         stats["peak_freed_after_w"] = sharded.peak_freed_after_w
         stats["whole_gradients_peak"] = sharded.whole_gradients_peak
         stats["scatter_each_w"] = int(sharded.scattered_each_w)
+        stats["scattering_peak"] = sharded.scattering_peak
         if self.memory.device.type != "cuda":
             stats["peak"] += sharded.gathered_peak + sharded.whole_gradients_peak
         return stats

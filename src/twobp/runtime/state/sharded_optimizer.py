@@ -174,6 +174,9 @@ class ShardedParameters:
         """The most bytes of whole gradients (the parameters' own, before they are
         reduce-scattered) held after a compute action of the last step
         (``shard_parameters=True``)."""
+        self.scattering_peak = 0
+        """The most bytes of whole gradients held at once by reduce-scatters in flight after
+        an action of the last step (timing-dependent: how soon each completes)."""
         self.scattered_each_w = False
         """Whether some stage reduce-scattered its gradients after a ``W`` in the last step."""
         self._scattered_now = 0
@@ -355,6 +358,7 @@ class ShardedParameters:
         self.peak_freed_before_w = self.peak_freed_after_w = 0
         self.whole_gradients_peak = self._scattered_now = 0
         self.scattered_each_w = False
+        self.scattering_peak = 0
         for index in self._gather_order:
             shard = self.shards[index]
             shard.allocate()
@@ -379,6 +383,10 @@ class ShardedParameters:
         """The action just run started reduce-scatters of ``nbytes`` of whole gradients."""
         self._scattered_now += nbytes
         self.scattered_each_w = True
+
+    def in_flight(self, nbytes: int) -> None:
+        """``nbytes`` of whole gradients are held by reduce-scatters not yet complete."""
+        self.scattering_peak = max(self.scattering_peak, nbytes)
 
     def observe(
         self, between: int, read: frozenset[int], used: frozenset[int], during: bool = False
