@@ -54,7 +54,7 @@ def reference(steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def balanced_at_first_step(schedule: str, steps: int) -> dict[str, Any]:
+def balanced_at_first_step(schedule: str, steps: int, n_mb: int = N_MB) -> dict[str, Any]:
     """A V built without an example input: what it said before and after its first step,
     the blocks it profiled on rank 0, the partition, losses and first gradients."""
     profiled: list[Any] = []
@@ -66,17 +66,16 @@ def balanced_at_first_step(schedule: str, steps: int) -> dict[str, Any]:
 
     profiler.profile_blocks = recorded  # records rank 0's measurement; it still runs
     try:
-        pipe = Pipeline(heavy_ends_blocks(), F.mse_loss, schedule, N_MB, device="cpu", timeout=60.0)
+        pipe = Pipeline(heavy_ends_blocks(), F.mse_loss, schedule, n_mb, device="cpu", timeout=60.0)
         before = pipe.partition_by
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses, grads = [], {}
         for step in range(steps):
-            # Only rank 0's inputs count for planning: the others may pass None.
+            # Only rank 0's inputs count for planning: the others may pass what they need
+            # (which pipe.needs_inputs already answers).
             inputs, targets = batch(step)
-            if step > 0:
+            if step > 0 or dist.get_rank() != 0:
                 inputs, targets = needed_batches(pipe, inputs, targets)
-            elif dist.get_rank() != 0:
-                inputs = None
             losses.append(pipe.step(inputs, targets))
             if step == 0:
                 grads = {

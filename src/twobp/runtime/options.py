@@ -102,9 +102,10 @@ class PipelineOptions:
         default=None,
         metadata=_help(
             "blocks per stage (one int per stage), 'uniform', 'balanced' (profiled on "
-            "example_input) or None: uniform, except for a V-shaped schedule (zb-v, dualpipev: "
-            "rank 0 holds the first stage and the last, on 2 ranks or more): balanced on "
-            "example_input, or without one on the first step's first micro-batch "
+            "example_input) or None: uniform, except for a schedule whose rank 0 holds the "
+            "first stage and the last (zb-v, dualpipev on 2 ranks or more; chimera, dualpipe "
+            "on more than 2): balanced on example_input, or without one on the first step's "
+            "first micro-batch "
             "(pipe.partition_by says how the blocks were cut)",
             cli="--partition",
         ),

@@ -120,6 +120,23 @@ class Schedule:
             and any(a == b for a, b in pairwise(stages))
         )
 
+    @property
+    def ends_share_a_rank(self) -> bool:
+        """True for a V (:attr:`is_v_shaped`), and where a rank holds the model's first
+        stage and its last but not every stage: two pipelines in opposite directions on
+        more than two ranks (Chimera, DualPipe: rank 0 holds the first stage of one and the
+        last of the other). A uniform partition then loads that rank with both of the
+        model's ends (an embedding, a head) against its neighbours' layers."""
+        if self.is_v_shaped:
+            return True
+        last = self.pipeline_stages - 1
+        held: dict[int, set[int]] = {}
+        for stage, rank in enumerate(self.placement):
+            held.setdefault(rank, set()).add(self.model_stage(stage))
+        return last > 0 and any(
+            {0, last} <= stages and len(stages) <= last for stages in held.values()
+        )
+
     def model_stage(self, stage: int) -> int:
         """Which stage of the model ``stage`` runs (itself, with one pipeline)."""
         return stage % self.pipeline_stages

@@ -2,9 +2,9 @@
 
 ``schedule="auto"`` without an example input (or with ``n_microbatches="auto"``,
 or ``recompute="auto"`` without one) plans on the first step's batch, and so
-does a V-shaped schedule given no partition and no example input: it balances
-its stages on the first micro-batch of that batch
-(:func:`v_to_balance`). Until
+does a schedule that puts the model's ends on one rank (a V; Chimera or DualPipe
+on more than two ranks) given no partition and no example input: it balances
+its stages on the first micro-batch of that batch (:func:`ends_to_balance`). Until
 then :class:`twobp.runtime.Pipeline` holds a :class:`Pending`: the blocks,
 the loss and what planning takes (:class:`Given`); its ``parameters()`` are
 every block's, each once.
@@ -63,8 +63,8 @@ class Pending:
     members: Membership
     grid: list[list[int]]
     layout: Schedule | None = None
-    """The schedule's stages and ranks where they are known before planning (a V
-    that balances at its first step, :func:`v_to_balance`): which ranks need the
+    """The schedule's stages and ranks where they are known before planning (a schedule
+    that balances at its first step, :func:`ends_to_balance`): which ranks need the
     inputs and the targets; None otherwise."""
 
     @classmethod
@@ -72,13 +72,14 @@ class Pending:
         cls, blocks: Any, loss_fn: LossFn, given: Given, members: Membership, grid: list[list[int]]
     ) -> Pending:
         """What a pipeline built on ``blocks`` (a list of modules or an
-        ``nn.Sequential``) plans from; with the layout of a V it balances at its first step."""
-        layout = v_to_balance(given.options, len(grid[0]))
+        ``nn.Sequential``) plans from; with the layout of a schedule it balances at its
+        first step."""
+        layout = ends_to_balance(given.options, len(grid[0]))
         return cls(as_blocks(blocks), model_names_of(blocks), loss_fn, given, members, grid, layout)
 
     def placed(self) -> tuple[Schedule, list[int]] | None:
         """The layout's schedule and this rank's stages in it, where they are known before
-        planning (a V balanced at its first step); None otherwise."""
+        planning (a schedule balanced at its first step); None otherwise."""
         if self.layout is None:
             return None
         pp_rank = Topology.replicated(self.members, self.layout, self.grid).pp_rank
@@ -101,7 +102,7 @@ def plans_at_first_step(
 ) -> bool:
     """True if the pipeline plans on the first step's batch: ``schedule="auto"`` with
     ``n_microbatches="auto"``; or ``schedule="auto"``, ``recompute="auto"`` or a
-    V-shaped schedule to balance (:func:`v_to_balance`) where no rank was
+    schedule whose ends share a rank to balance (:func:`ends_to_balance`) where no rank was
     given an example input and nothing else is to plan by (collective where it
     depends on the example input). ``n_ranks``: ranks of one copy of the pipeline."""
     options = given.options
@@ -110,7 +111,7 @@ def plans_at_first_step(
     planned = isinstance(options.schedule, str) and (
         options.schedule == AUTO or (options.rebuilds and options.schedule in SCHEDULES)
     )
-    if not (planned or v_to_balance(options, n_ranks)) or options.costs is not None:
+    if not (planned or ends_to_balance(options, n_ranks)) or options.costs is not None:
         return False
     if planned and options.n_microbatches == AUTO_MICROBATCHES:
         return True
@@ -122,16 +123,15 @@ def plans_at_first_step(
     return not any(row[0] for row in table)
 
 
-def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
-    """The V, without communication, that the pipeline balances on the first step's first
-    micro-batch when no example input was given: a V-shaped schedule
-    (:attr:`Schedule.is_v_shaped`, by name or given as a :class:`Schedule`) on
-    ``n_ranks`` >= 2, with no partition, no cost model and no tensor parallelism given;
-    None otherwise.
+def ends_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
+    """The schedule, without communication, that the pipeline balances on the first
+    step's first micro-batch when no example input was given: one that puts the model's
+    first stage and its last on one rank (:attr:`Schedule.ends_share_a_rank`: a V, or
+    Chimera or DualPipe on more than two ranks; by name or given as a :class:`Schedule`),
+    with no partition, no cost model and no tensor parallelism given; None otherwise.
 
-    A V puts the model's first stage and its last (an embedding, a head) on one rank:
-    cut uniformly, that rank does the others' work plus both ends'. With an example
-    input the pipeline balances on it while it is built, as before.
+    Cut uniformly, the rank with both ends (an embedding, a head) is loaded unlike the
+    others. With an example input the pipeline balances on it while it is built.
     """
     if options.partition is not None or options.costs is not None or n_ranks < 2:
         return None  # on one rank, there is no other rank to share the work with
@@ -139,7 +139,7 @@ def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
         return None  # each tensor-parallel pipeline would profile and cut apart
     schedule = options.schedule
     if isinstance(schedule, Schedule):
-        return schedule if schedule.is_v_shaped else None
+        return schedule if schedule.ends_share_a_rank else None
     if not (isinstance(schedule, str) and schedule in SCHEDULES):
         return None
     count = options.n_microbatches
@@ -152,7 +152,7 @@ def v_to_balance(options: PipelineOptions, n_ranks: int) -> Schedule | None:
         )
     except (ScheduleConfigError, ScheduleError):
         return None  # building the pipeline names what does not fit
-    return sourced if sourced.is_v_shaped else None
+    return sourced if sourced.ends_share_a_rank else None
 
 
 def first_batch(pending: Pending, inputs: Batch | None, rank: int, timeout: float) -> Batch:

@@ -357,11 +357,11 @@ def _resolved(
         two_bp = True if options.two_bp is None else options.two_bp
         resolved = auto.schedule if auto is not None else planning.prepared(two_bp)
         balance_on = example_input
-        if balance_on is None and planning.sample is not None and resolved.is_v_shaped:
-            # Planned at the first step to balance the V: on its first micro-batch.
+        if balance_on is None and planning.sample is not None and resolved.ends_share_a_rank:
+            # Planned at the first step to balance the stages: on its first micro-batch.
             balance_on = _profiling_input(None, planning.sample, resolved.n_microbatches)
         if planning.world.rank == 0:
-            warn_unbalanced_v(resolved, planning.partition, balance_on)
+            warn_unbalanced_ends(resolved, planning.partition, balance_on)
         planning.partition = default_partition(resolved, planning.partition, balance_on)
         counts = stage_counts(len(planning.blocks), resolved.pipeline_stages, planning.partition)
         if counts is None:
@@ -493,50 +493,58 @@ def partition_reason(
         return "given" if not isinstance(given, str) else f"partition={given!r}"
     if used == "balanced" and not example_given:
         return (
-            "balanced on the first step's first micro-batch (a V puts the model's ends on "
-            "one rank; no example input was given)"
+            f"balanced on the first step's first micro-batch ({_ends(schedule)}; no example "
+            "input was given)"
         )
     if used == "balanced":
-        return "balanced on the example input (a V puts the model's ends on one rank)"
-    if schedule.is_v_shaped and schedule.n_ranks > 1:
-        return "uniform: no example input to balance the V's stages on"
+        return f"balanced on the example input ({_ends(schedule)})"
+    if schedule.ends_share_a_rank and schedule.n_ranks > 1:
+        return "uniform: no example input to balance the stages on"
     return "uniform"
 
 
-def warn_unbalanced_v(schedule: Schedule, partition: object, example_input: object) -> None:
-    """Warn once that a V-shaped schedule runs the uniform partition for want of an
-    example input (its ends, often its lightest blocks, share rank 0)."""
+def _ends(schedule: Schedule) -> str:
+    """Why ``schedule``'s stages are balanced: how it puts the model's ends on one rank."""
+    how = "a V" if schedule.is_v_shaped else "two pipelines in opposite directions"
+    return f"{how} puts the model's ends on one rank"
+
+
+def warn_unbalanced_ends(schedule: Schedule, partition: object, example_input: object) -> None:
+    """Warn once that a schedule whose ends share a rank (:attr:`Schedule.ends_share_a_rank`)
+    runs the uniform partition for want of an example input."""
     if (
-        schedule.is_v_shaped
+        schedule.ends_share_a_rank
         and schedule.n_ranks > 1
         and partition is None
         and example_input is None
     ):
         warnings.warn(
             f"{schedule.name.split(':')[0]} puts the model's first and last stages on rank 0; "
-            "without example_input= its stages are cut uniformly, which leaves that rank "
-            "idle when the ends are light (an embedding, a head): pass example_input=<one "
-            "micro-batch of model inputs> to balance them, or a partition",
+            "without example_input= its stages are cut uniformly, which loads that rank "
+            "unlike the others when the ends (an embedding, a head) weigh unlike the layers: "
+            "pass example_input=<one micro-batch of model inputs> to balance them, or a "
+            "partition",
             UnbalancedPartitionWarning,
             stacklevel=2,
         )
 
 
 class UnbalancedPartitionWarning(UserWarning):
-    """A V-shaped schedule runs the uniform partition (no example input to balance on)."""
+    """A schedule whose ends share a rank (a V, Chimera or DualPipe on more than two ranks)
+    runs the uniform partition (no example input to balance on)."""
 
 
 def default_partition(
     schedule: Schedule, partition: Sequence[int] | str | None, example_input: Batch | None
 ) -> Sequence[int] | str | None:
     """The partition a pipeline cuts ``schedule``'s model by: ``partition`` if given;
-    without one, ``"balanced"`` for a V-shaped schedule (:attr:`Schedule.is_v_shaped`)
-    with an example input to profile on, and uniform (None) otherwise.
-
-    A V puts the first stage and the last on one rank: a uniform partition of a
-    model whose ends are light (an embedding, a head) leaves that rank idle.
+    without one, ``"balanced"`` for a schedule that puts the model's first stage and
+    its last on one rank (:attr:`Schedule.ends_share_a_rank`: a V, Chimera or DualPipe on
+    more than two ranks) with an example input to profile on, and uniform (None)
+    otherwise: a uniform partition loads that rank with both of the model's ends (an
+    embedding, a head) against its neighbours' layers.
     """
-    if partition is None and schedule.is_v_shaped and example_input is not None:
+    if partition is None and schedule.ends_share_a_rank and example_input is not None:
         return "balanced"
     return partition
 
