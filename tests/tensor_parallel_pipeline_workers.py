@@ -18,9 +18,10 @@ from twobp.train.engine_summary import rank_summary
 
 LLAMA = {"dim": 16, "n_heads": 4, "ffn_dim": 24, "n_layers": 4, "seq_len": 6, "vocab_size": 32}
 STEPS = 3
-HEADS = ("whole", "tied", "split")
+HEADS = ("whole", "tied", "split", "loss_parallel", "tied_loss_parallel")
 """The embedding and the head: whole on every shard; the head tied to a vocabulary-split
-embedding; or both split, untied (the head column-parallel with its logits gathered)."""
+embedding; both split, untied (the head column-parallel with its logits gathered); both split,
+the logits left split for the vocabulary-parallel loss, untied or tied."""
 
 
 def _llama(head: str, **sizes: Any) -> tuple[Any, dict[str, Any]]:
@@ -32,6 +33,10 @@ def _llama(head: str, **sizes: Any) -> tuple[Any, dict[str, Any]]:
         plan["embed"] = "rowwise"  # the tied head follows
     if head == "split":
         plan.update({"embed": "rowwise", "output": "colwise_gather_output"})
+    if head.endswith("loss_parallel"):
+        if head.startswith("tied"):
+            tie_head(spec.blocks[0].embed, spec.blocks[-1].output)
+        plan = tensor_parallel_plan("llama", loss_parallel=True)
     return spec, plan
 
 
@@ -85,6 +90,9 @@ def parity(
         errors.update(reducing=0.0, weights_in_reductions=0.0)
         for step in range(STEPS):
             inputs, targets = spec.make_batch(8 * data_parallel, step)
+            if head.endswith("loss_parallel"):
+                # Ignored (by the reference too), as many in every micro-batch of 2 rows.
+                targets[::2, -2:] = -100
             mine = slice(8 * pipe.dp_rank, 8 * (pipe.dp_rank + 1))
             pipe.zero_grad()
             loss = pipe.step(inputs[mine], targets[mine])

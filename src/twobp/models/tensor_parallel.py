@@ -8,7 +8,10 @@ that read one tensor (``q``, ``k``, ``v``; ``w1``, ``w3``): one all-reduce of th
 input gradients. A ``"colwise_gather_output"`` linear
 (an output head: Hugging Face's name, torch's ``ColwiseParallel(output_layouts=Replicate())``)
 is split the same way and its output gathered over the group (:class:`_GatherFromGroup`),
-so that the loss sees whole logits. A ``"rowwise"`` linear keeps the columns of its weight;
+so that the loss sees whole logits. A ``"colwise_loss_parallel"`` linear (a head, as
+torchtitan's ``loss_parallel``) is split the same way and its output left split: the loss
+computes :func:`vocab_parallel_cross_entropy` on the shards (:mod:`twobp.models.vocab_parallel`).
+A ``"rowwise"`` linear keeps the columns of its weight;
 its output passes through :class:`_ReduceFromGroup` (all-reduce forward, identity backward).
 A ``"rowwise"`` embedding (torch's sense of ``RowwiseParallel`` on an ``nn.Embedding``;
 Hugging Face's ``"embedding_rowwise"``) keeps its rows of the vocabulary: each rank looks
@@ -35,8 +38,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
-_LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+from twobp.models.vocab_parallel import mark_shard, vocab_parallel_cross_entropy
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_loss_parallel",
+    "embedding_rowwise",
+)
+_LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parallel")
+LOSS_PARALLEL = "colwise_loss_parallel"
+"""A column-parallel head whose logits stay split for the vocabulary-parallel loss."""
+
+__all__ = [
+    "LOSS_PARALLEL",
+    "STYLES",
+    "shard_block",
+    "shard_blocks",
+    "tensor_parallel_plan",
+    "vocab_parallel_cross_entropy",
+    "while_reducing",
+]
 
 _LLAMA_PLAN = {
     "attn.wq": "colwise",
@@ -49,21 +72,25 @@ _LLAMA_PLAN = {
 }
 
 
-def tensor_parallel_plan(name: str) -> dict[str, str]:
+def tensor_parallel_plan(name: str, *, loss_parallel: bool = False) -> dict[str, str]:
     """The tensor-parallel plan of a reference model's decoder blocks.
 
     Args:
         name: the model family (``"llama"``).
+        loss_parallel: also split the embedding by vocabulary and the head by columns, its
+            logits left split for :func:`vocab_parallel_cross_entropy` (the model's
+            ``F.cross_entropy`` runs on the shards, see :mod:`twobp.models.vocab_parallel`).
 
     Returns:
-        A mapping from module-name pattern to ``"colwise"`` or ``"rowwise"``.
+        A mapping from module-name pattern to a style of :data:`STYLES`.
 
     Raises:
         ValueError: if no plan ships for ``name``.
     """
     if name != "llama":
         raise ValueError(f"tensor_parallel_plan: no plan ships for {name!r}; known: 'llama'")
-    return dict(_LLAMA_PLAN)
+    vocabulary = {"embed": "rowwise", "output": LOSS_PARALLEL} if loss_parallel else {}
+    return {**_LLAMA_PLAN, **vocabulary}
 
 
 _WHILE_REDUCING: ContextVar[Callable[[Any], None] | None] = ContextVar(
@@ -432,6 +459,9 @@ def _shard_linear(
         module.register_forward_hook(
             lambda _m, _args, out: _GatherFromGroup.apply(out, group)  # type: ignore[no-untyped-call]
         )
+    if style == LOSS_PARALLEL:
+        vocab = module.out_features * size
+        module.register_forward_hook(lambda _m, _args, out: mark_shard(out, vocab, group))
 
 
 def _shard_embedding(

@@ -59,6 +59,7 @@ from twobp.runtime.setup.data_parallel import data_parallel_grid
 from twobp.runtime.setup.first_step import Pending, first_batch, plans_at_first_step
 from twobp.runtime.setup.host_memory import retain_freed_memory
 from twobp.runtime.setup.join import join_shard
+from twobp.runtime.setup.loss_parallel import parallel_loss
 from twobp.runtime.setup.rank_parts import PlannedPart, RankParts
 from twobp.runtime.setup.replicas import tied_across_blocks
 from twobp.runtime.setup.resources import check_autocast, check_grad_scaler, rank_device
@@ -269,12 +270,14 @@ class Pipeline:
         )
         self.plan, self.two_bp_choice, self.rebuild_choice = plan.auto, plan.two_bp, plan.rebuilds
         self.partition_by = plan.partition_by
+        loss_fn = pending.loss_fn
         if self._tensor is not None:
             shard_blocks(pending.blocks, given.options.tensor_parallel_plan, self._tensor)
+            loss_fn = parallel_loss(pending.blocks, loss_fn)
         self._parts = build_rank(
             plan,
             pending.blocks,
-            pending.loss_fn,
+            loss_fn,
             members,
             self.device,
             given.options,
