@@ -208,14 +208,23 @@ def refusal(case: str) -> str:
     return "accepted"
 
 
-def hugging_face(schedule: str) -> dict[str, float]:
-    """A Hugging Face LLaMA (head tied to the embedding, as published) split by its own
-    ``base_model_tp_plan``, against the whole model in one process: the loss and the
-    parameters after ``STEPS`` AdamW steps (float64)."""
+def hugging_face(
+    schedule: str, tied: bool = False, loss_parallel: bool = False
+) -> dict[str, float]:
+    """A Hugging Face LLaMA (its head tied to the embedding if ``tied``: on the first and
+    the last stage) split by its own plan (the decoders' ``base_model_tp_plan``, the
+    embedding by vocabulary, the head by columns, its logits gathered or, with
+    ``loss_parallel``, left split for the loss), against the whole model in one process: the
+    loss and the parameters after ``STEPS`` AdamW steps (float64)."""
+    import transformers
+
     from twobp.integrations import transformers as hf
 
     torch.manual_seed(0)
-    model = hf.build_model("llama").to(torch.float64)
+    config = hf.build_model("llama", vocab_size=96).config
+    config.tie_word_embeddings = tied
+    model = transformers.LlamaForCausalLM(config).to(torch.float64)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     whole = copy.deepcopy(model)
     net, loss_fn = hf.blocks(whole), hf.loss_function(whole)
     pipe = Pipeline(
@@ -224,7 +233,7 @@ def hugging_face(schedule: str) -> dict[str, float]:
         schedule,
         n_microbatches=2,
         tensor_parallel=2,
-        tensor_parallel_plan=hf.tensor_parallel_plan(model),
+        tensor_parallel_plan=hf.tensor_parallel_plan(model, loss_parallel=loss_parallel),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)

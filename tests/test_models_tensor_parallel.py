@@ -58,13 +58,36 @@ def test_a_hugging_face_llama_layer_split_by_its_own_plan_equals_the_whole_layer
     assert max(launch(hugging_face_errors, 2, timeout=120)) < 1e-10
 
 
-def test_a_hugging_face_plan_entry_outside_the_decoder_linears_is_refused_naming_it():
+def test_a_hugging_face_plan_entry_twobp_does_not_split_is_refused_naming_it(monkeypatch):
     hf = pytest.importorskip("twobp.integrations.transformers")
     pytest.importorskip("transformers")
     model = hf.build_model("llama")
-    model.config.base_model_tp_plan = {"embed_tokens": "embedding"}
-    with pytest.raises(ValueError, match="the entry 'embed_tokens': 'embedding' of"):
+    model._tp_plan = {**model._tp_plan, "model.embed_tokens": "embedding_colwise"}
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens': 'embedding_colwise' of Llama"):
         hf.tensor_parallel_plan(model)
+    for pattern in ("model.layers.*.nothing", "model"):  # none; one the blocks leave out
+        model._tp_plan = {pattern: "colwise"}
+        with pytest.raises(ValueError, match=f"'{pattern}': 'colwise' of .* names no module"):
+            hf.tensor_parallel_plan(model)
+    model._tp_plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+    with pytest.raises(ValueError, match="loss_parallel=True, but LlamaForCausalLM's plan has"):
+        hf.tensor_parallel_plan(model, loss_parallel=True)
+    model._tp_plan = None
+    monkeypatch.setattr(type(model), "_tp_plan", None)
     model.config.base_model_tp_plan = None
-    with pytest.raises(ValueError, match="has no base_model_tp_plan; pass a plan of your own"):
+    with pytest.raises(ValueError, match="has no tensor-parallel plan"):
         hf.tensor_parallel_plan(model)
+
+
+def test_a_hugging_face_plan_names_the_modules_inside_the_blocks():
+    hf = pytest.importorskip("twobp.integrations.transformers")
+    pytest.importorskip("transformers")
+    model = hf.build_model("llama")
+    plan = hf.tensor_parallel_plan(model)
+    assert plan["head"] == "colwise_gather_output" and plan["embedding"] == "embedding_rowwise"
+    assert plan["layer.self_attn.q_proj"] == "colwise"
+    assert plan["layer.mlp.down_proj"] == "rowwise"
+    assert hf.tensor_parallel_plan(model, loss_parallel=True)["head"] == "colwise_loss_parallel"
+    assert "head" not in hf.tensor_parallel_plan(model, vocabulary=False)
+    model._tp_plan = {"lm_head": "colwise_rep", "model.norm": "replicate"}  # transformers 4
+    assert hf.tensor_parallel_plan(model) == {"head": "colwise_gather_output"}

@@ -102,15 +102,30 @@ def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):
     assert all(words in m and "\n" not in m for m in messages), messages
 
 
-@pytest.mark.parametrize(("schedule", "ranks"), [("1f1b", 2), ("zb-h1", 4)])
-def test_a_hugging_face_llama_split_by_its_own_plan(schedule, ranks):
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "tied", "loss_parallel"),
+    [
+        ("1f1b", 2, False, False),
+        ("zb-h1", 4, False, False),
+        ("1f1b", 2, True, False),
+        ("zb-h1", 4, True, False),
+        ("1f1b", 4, True, True),
+        ("zb-h1", 2, False, True),
+    ],
+)
+def test_a_hugging_face_llama_split_by_its_own_plan(schedule, ranks, tied, loss_parallel):
+    # The decoders, the embedding by vocabulary and the head by columns, as the model's
+    # plan says; a tied head (tie_word_embeddings) on the last stage reads the first's shard.
     pytest.importorskip("transformers")
     from tensor_parallel_pipeline_workers import hugging_face
 
-    results = launch(hugging_face, ranks, schedule, timeout=300)
+    results = launch(hugging_face, ranks, schedule, tied, loss_parallel, timeout=300)
     for errors in results:
         assert errors["loss"] < TOLERANCE and errors["parameters"] < TOLERANCE, errors
-    assert sum(e["sharded"] for e in results) > 0
+    # 7 linears of each of the 2 decoders on each of the 2 tensor-parallel ranks; the
+    # embedding and the head on each too, one weight where tied on one stage.
+    vocabulary = 1 if tied and ranks == 2 else 2
+    assert sum(e["sharded"] for e in results) == 7 * 2 * 2 + vocabulary * 2
 
 
 def test_a_checkpoint_saved_split_loads_whole_and_split_again(tmp_path):

@@ -41,6 +41,7 @@ it is imported by the functions here, not by ``twobp``.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -569,37 +570,101 @@ def _logits_and_sums(output: Any, routed: bool, name: str) -> tuple[Tensor, Sums
     )
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
-    """The tensor-parallel plan of a model's decoder blocks, from its ``base_model_tp_plan``.
+_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather_output",
+    "colwise_rep": "colwise_gather_output",
+    "embedding_rowwise": "embedding_rowwise",
+}
+"""Hugging Face's tensor-parallel styles twobp splits alike (``"colwise_rep"``: the name of
+``"colwise_gather_output"`` before transformers 5)."""
+_HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
+LOSS_PARALLEL = "colwise_loss_parallel"
+"""twobp's column-parallel head whose logits stay split (``twobp.models.tensor_parallel``)."""
 
-    The entries under ``layers.*.`` become patterns inside a block of :func:`blocks`
-    (``layers.*.self_attn.q_proj`` -> ``layer.self_attn.q_proj``), for
-    :func:`twobp.models.shard_block`.
+
+def tensor_parallel_plan(
+    model: nn.Module, *, loss_parallel: bool = False, vocabulary: bool = True
+) -> dict[str, str]:
+    """The tensor-parallel plan of :func:`blocks` of a model, from the model's own plan.
+
+    The model's plan (``model.tp_plan``: its class's ``_tp_plan``, such as ``"lm_head":
+    "colwise_gather_output"``, and its configuration's ``base_model_tp_plan`` under the base
+    model, such as ``"model.layers.*.self_attn.q_proj": "colwise"`` and ``"model.embed_tokens":
+    "embedding_rowwise"``) names modules of the whole model; each entry becomes the names the
+    same modules have inside the blocks that :func:`blocks` cuts (``layer.self_attn.q_proj``
+    in every decoder block, ``embedding`` in the first, ``head`` in the last), for
+    ``Pipeline(tensor_parallel_plan=...)``. A head tied to the embedding is split with it.
 
     Args:
-        model: a Hugging Face model of a covered family whose configuration has a plan.
+        model: a Hugging Face model of a covered family that has a plan.
+        loss_parallel: the head's logits left split by vocabulary for the vocabulary-parallel
+            cross-entropy (``"colwise_loss_parallel"``; :func:`loss_function` runs on them)
+            instead of gathered before the loss.
+        vocabulary: split the embedding and the head as the plan says (False: the decoder
+            blocks only, the embedding and the head whole on every rank).
 
     Returns:
-        A mapping from module-name pattern to ``"colwise"`` or ``"rowwise"``.
+        A mapping from module-name pattern inside a block to a style of
+        :data:`twobp.models.tensor_parallel.STYLES`.
 
     Raises:
-        ValueError: if the configuration has no plan, or an entry is outside the decoder
-            layers or of a style other than ``colwise`` / ``rowwise``; it names the entry.
+        ValueError: if the model has no plan, an entry is of a style twobp does not split
+            (other than ``"replicate"``, which leaves the module whole) or names no module of
+            the blocks, or ``loss_parallel`` is asked of a plan without a gathered head; it
+            names the entry.
     """
-    config = getattr(model, "config", None)
-    source = getattr(config, "base_model_tp_plan", None)
-    if not source:
-        raise ValueError(
-            f"tensor_parallel_plan: {type(model).__name__}'s configuration has no "
-            "base_model_tp_plan; pass a plan of your own"
-        )
-    plan = {}
+    name = type(model).__name__
+    source = _model_plan(model)
+    parts = list(blocks(model))
+    inside: dict[int, tuple[int, str]] = {}  # id(module) -> (block, its name there)
+    for index, block in enumerate(parts):
+        for local, module in block.named_modules():
+            if local:
+                inside.setdefault(id(module), (index, local))
+    modules = dict(model.named_modules())
+    plan: dict[str, str] = {}
     for pattern, style in source.items():
-        if not pattern.startswith("layers.*.") or style not in ("colwise", "rowwise"):
+        if style == "replicate":
+            continue
+        if style not in _STYLES:
             raise ValueError(
-                f"tensor_parallel_plan: the entry {pattern!r}: {style!r} of "
-                f"{type(model).__name__}'s plan is not supported (only 'colwise' and "
-                "'rowwise' linears inside the decoder layers); pass a plan of your own"
+                f"tensor_parallel_plan: the entry {pattern!r}: {style!r} of {name}'s plan is "
+                f"not supported (twobp splits {sorted(_STYLES)}); pass a plan of your own"
             )
-        plan["layer." + pattern.removeprefix("layers.*.")] = style
+        ours = LOSS_PARALLEL if loss_parallel and style in _HEAD_STYLES else _STYLES[style]
+        found = [inside.get(id(m)) for n, m in modules.items() if fnmatch.fnmatchcase(n, pattern)]
+        if not found or None in found:
+            raise ValueError(
+                f"tensor_parallel_plan: the entry {pattern!r}: {style!r} of {name}'s plan names "
+                "no module of blocks(model) (or one they leave out); pass a plan of your own"
+            )
+        for index, local in filter(None, found):
+            if vocabulary or 0 < index < len(parts) - 1:
+                plan[local] = ours
+    if loss_parallel and LOSS_PARALLEL not in plan.values():
+        raise ValueError(
+            f"tensor_parallel_plan: loss_parallel=True, but {name}'s plan has no head whose "
+            f"logits it gathers ({' or '.join(_HEAD_STYLES)}) to leave split"
+        )
+    return plan
+
+
+def _model_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan by the names of its modules: the instance's merged
+    plan (transformers 5), else its class's with the configuration's under the base model."""
+    merged = getattr(model, "_tp_plan", None)
+    if merged:
+        return dict(merged)
+    plan = dict(getattr(type(model), "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix + "." if prefix and hasattr(model, prefix) else ""
+    plan.update({inner + pattern: style for pattern, style in base.items()})
+    if not plan:
+        raise ValueError(
+            f"tensor_parallel_plan: {type(model).__name__} has no tensor-parallel plan "
+            "(tp_plan, base_model_tp_plan); pass a plan of your own"
+        )
     return plan

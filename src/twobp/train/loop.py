@@ -161,7 +161,7 @@ def _tensor_parallel_plan(cfg: TrainConfig) -> dict[str, str] | None:
         from twobp.integrations.transformers import build_model as build_hf
         from twobp.integrations.transformers import tensor_parallel_plan as hf_plan
 
-        return hf_plan(build_hf(cfg.hf_config, cfg.size))
+        return hf_plan(build_hf(cfg.hf_config, cfg.size), vocabulary=False)
     from twobp.models import tensor_parallel_plan
 
     return tensor_parallel_plan(cfg.model)
