@@ -157,7 +157,7 @@ def input_reductions() -> dict[str, int]:
         model = hf.build_model("llama")
     except ImportError:
         return counts
-    layer = shard_block(hf.blocks(model)[1], hf.tensor_parallel_plan(model))
+    layer = shard_block(hf.blocks(model)[1], hf.tensor_parallel_plan(model, vocabulary=False))
     x = torch.randn(2, 6, model.config.hidden_size, requires_grad=True)
     counts["hugging face"] = _input_reductions(layer(x))
     return counts
