@@ -58,7 +58,7 @@ COLLECTIVE_BYTES = 4 * 2**20
 """Bytes of the all-reduce the collectives' speed is measured on."""
 FORWARD_REDUCES = ("rowwise", "embedding_rowwise")
 """Styles that all-reduce their output in ``F``."""
-INPUT_REDUCES = ("colwise", "colwise_gather_output")
+INPUT_REDUCES = ("colwise", "colwise_gather_output", "colwise_loss_parallel")
 """Styles that all-reduce their input gradient in ``I``."""
 
 log = logging.getLogger("twobp")
