@@ -15,7 +15,11 @@ from runtime_models import build_blocks, loss_fn, make_batch
 from runtime_workers import needed_batches
 from twobp.runtime import Pipeline, PipelineConfigError
 from twobp.runtime.base.group import join_world
-from twobp.runtime.setup.auto.cost_measurement import allreduce_speed, link_speed
+from twobp.runtime.setup.auto.cost_measurement import (
+    allreduce_link,
+    allreduce_speed,
+    link_speed,
+)
 from twobp.schedule.action import Kind
 from twobp.schedule.lowering import has_reductions, split_stages
 from twobp.sim import simulate
@@ -108,7 +112,9 @@ def allreduce_figures(nbytes: int, check_bytes: int) -> dict[str, Any]:
     predicts for ``check_bytes`` and the model's own time for it."""
     world = join_world(torch.device("cpu"), 60.0)
     modelled = allreduce_speed(world, torch.device("cpu"), nbytes, timed=_modelled)
+    latency, _ = allreduce_link(world, torch.device("cpu"), nbytes, timed=_modelled)
     return {
+        "latency": latency,
         "measured": allreduce_speed(world, torch.device("cpu"), nbytes),
         "modelled": modelled,
         "predicted": allreduce_time(check_bytes, world.size, modelled, 0.0),

@@ -9,6 +9,7 @@ import torch
 
 from auto_schedule_workers import (
     BANDWIDTH,
+    LATENCY,
     allreduce_figures,
     link_figures,
     measured_link,
@@ -60,6 +61,8 @@ def test_the_all_reduce_bandwidth_predicts_an_all_reduce_of_another_size():
     for f in figures:
         assert math.isclose(f["modelled"], BANDWIDTH, rel_tol=1e-9), f
         assert math.isclose(f["predicted"], f["model"], rel_tol=1e-9), f
+        # The latency per ring step: a small all-reduce over its 2 (n - 1) steps.
+        assert math.isclose(f["latency"], LATENCY, rel_tol=1e-3), f
 
 
 def test_an_all_reduce_needs_two_ranks():

@@ -247,16 +247,33 @@ def allreduce_speed(
     Returns:
         Bytes per second (``inf`` without a group of two ranks, or if not measurable).
     """
+    return allreduce_link(world, device, nbytes, timed)[1]
+
+
+def allreduce_link(
+    world: Membership,
+    device: torch.device,
+    nbytes: int,
+    timed: Callable[[Membership, torch.Tensor], float] | None = None,
+) -> tuple[float, float]:
+    """The latency per ring step and the bandwidth of an all-reduce over ``world``, as
+    :func:`allreduce_speed` measures them (the latency: a small all-reduce's time over its
+    ``2 (n - 1)`` steps). Collective.
+
+    Returns:
+        Seconds and bytes per second (``0.0, inf`` without a group of two ranks; ``inf``
+        bandwidth if not measurable).
+    """
     if world.group is None or world.size < 2:
-        return math.inf
+        return 0.0, math.inf
     timed = _allreduce_time if timed is None else timed
     small = timed(world, torch.zeros(2, device=device))
     large = timed(world, torch.zeros(max(2, nbytes // 4), device=device))
     steps = 2 * (world.size - 1)
     extra = large - small
     if extra <= 0 or nbytes <= 8:
-        return math.inf
-    return steps * (nbytes - 8) / (world.size * extra)
+        return small / steps, math.inf
+    return small / steps, steps * (nbytes - 8) / (world.size * extra)
 
 
 def stage_gradient_bytes(blocks: Sequence[nn.Module], n_stages: int) -> int:

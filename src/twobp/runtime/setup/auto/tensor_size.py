@@ -6,16 +6,17 @@ chosen). On ``N`` ranks with ``D`` copies, each size of the range that divides `
 and the widths, vocabularies and heads the plan splits is a candidate with
 ``P = N / (D x T)`` pipeline ranks. Rank 0 profiles the whole model once, unsplit, on the
 example micro-batch, and all ranks measure the machine (contention, the link between
-pipeline ranks, an all-reduce's speed: :mod:`twobp.runtime.setup.auto.cost_measurement`);
+pipeline ranks, an all-reduce's latency and bandwidth:
+:mod:`twobp.runtime.setup.auto.cost_measurement`);
 with ``costs=`` nothing is measured and the choice is the same on any machine. Each
 size's cost model is that one with the plan's split
 (:func:`twobp.sim.tensor_parallel.tensor_parallel_costs`: the split modules' compute and
-weights over ``T``, their all-reduces and gathers timed on the measured all-reduce speed, or
-the cost model's ``reduce_bandwidth``); rank 0 searches every schedule, 2BP policy and
-stage count at each ``P`` as ``schedule="auto"`` does, takes the size whose fastest
-candidate within ``memory_limit`` simulates fastest (of equal ones the smaller) and sends
-that plan to every rank. Each rank then makes its groups at that size and runs the plan
-as it is (no trial steps).
+weights over ``T``, their all-reduces and gathers timed on the measured all-reduce, or on
+the cost model's ``reduce_bandwidth`` and ``send_latency``); rank 0 searches every
+schedule, 2BP policy and stage count at each ``P`` as ``schedule="auto"`` does, takes
+the size whose fastest candidate within ``memory_limit`` simulates fastest (of equal ones
+the smaller) and sends that plan to every rank. Each rank then makes its groups at that
+size and runs the plan as it is (no trial steps).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from twobp.models.tensor_parallel import Chosen, check_divides, planned_modules
 from twobp.runtime.base.group import Membership
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.options import Batch, PipelineOptions
-from twobp.runtime.setup.auto.cost_measurement import Measured, allreduce_speed, measure
+from twobp.runtime.setup.auto.cost_measurement import Measured, allreduce_link, measure
 from twobp.runtime.setup.auto.plan import (
     AutoPlan,
     OptimizerMemory,
@@ -124,8 +125,7 @@ def decide_size(
         ranks = data_parallel_grid(world, copies, None)[0]  # one copy at T = 1
         example = profiling_input(example_input)
         measured = measure(model_blocks, world, device, example, m, ranks)
-        speed = allreduce_speed(world, device, COLLECTIVE_BYTES)
-        link = Link(speed, measured[3][0])
+        link = Link(*reversed(allreduce_link(world, device, COLLECTIVE_BYTES)))
     else:
         link = Link(model.reduce_bandwidth or model.bandwidth, model.send_latency)
 
