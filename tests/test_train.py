@@ -243,3 +243,22 @@ def test_train_a_tensor_parallel_pipeline_equals_one_process(tmp_path, torch_one
     refused = [*argv, "--shard-optimizer", "--overwrite"]
     assert main(refused) == 2
     assert "does not take --shard-optimizer (the gradient norm" in capfd.readouterr().err
+
+
+def test_train_chooses_the_tensor_parallel_size_of_a_range(tmp_path, torch_one_thread, capfd):
+    # 2 ranks: T 1 (P 2) or T 2 (P 1), both profiled and simulated, the fastest runs.
+    out = tmp_path / "run"
+    argv = [
+        "train", "--ranks", "2", "--tensor-parallel", "1,2", "--schedule", "auto",
+        "--steps", "2", "--batch-size", "8", "--microbatches", "4", "--seq-len", "16",
+        "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
+        "--no-save",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
+    printed = capfd.readouterr()
+    assert "the fastest simulated of T=1 (P=2)" in printed.out + printed.err
+    assert "tensor_parallel = [1, 2]" in (out / "config.toml").read_text()
+    assert main([*argv, "--schedule", "zb-h1", "--overwrite"]) == 2
+    assert "does not take a schedule by name" in capfd.readouterr().err

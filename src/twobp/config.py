@@ -186,13 +186,21 @@ def _type_problem(tp: Any, value: Any, choices: Collection[Any] | None) -> str |
         inner = typing.get_args(tp)[0]
         problems = [_type_problem(inner, item, choices) for item in items]
         return next((p for p in problems if p), None)
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    expected: dict[Any, str] = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        int | list[int]: "an integer or a list of integers",
+    }
     if tp is bool:
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp == int | str:
         ok = isinstance(value, (int, str)) and not isinstance(value, bool)
+    elif tp == int | list[int]:
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in _listed(value))
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
@@ -202,6 +210,10 @@ def _type_problem(tp: Any, value: Any, choices: Collection[Any] | None) -> str |
     if choices is not None and value not in choices:
         return f"choose from {', '.join(map(str, choices))}"
     return None
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def to_toml(values: dict[str, Any], header: str = "") -> str:

@@ -68,12 +68,14 @@ class TrainConfig:
         "part of --batch-size; each stage's gradients are all-reduced over its copies",
         1,
     )
-    tensor_parallel: int = doc(
+    tensor_parallel: int | list[int] = doc(  # noqa: RUF009
         "ranks T each block is split over (the model's tensor-parallel plan: llama, or a "
         "Hugging Face model's base_model_tp_plan); the ranks form D x P x T, tensor parallel "
-        "innermost; needs a schedule by name and --microbatches as a number; checkpoints are "
-        "saved whole, in the foreground",
+        "innermost; needs a schedule by name and --microbatches as a number; or sizes A,B,... "
+        "with --schedule auto: the one whose simulated step is fastest, P = ranks / (D x T)",
         1,
+        parse=lambda text: parse_tensor_parallel(text),
+        metavar="T|A,B,...",
     )
     shard_optimizer: bool = doc(
         "shard AdamW's state over the data-parallel copies (pipe.shard_optimizer, ZeRO-1): "
@@ -222,6 +224,29 @@ def run_name(cfg: TrainConfig) -> str:
     """The model of a run as the report names it: ``llama-tiny``, ``hf-gpt2-tiny``."""
     model = cfg.model if cfg.hf_config is None else f"hf-{cfg.hf_config}"
     return f"{model}-{cfg.size}"
+
+
+def parse_tensor_parallel(text: str) -> int | list[int]:
+    """The ``--tensor-parallel`` option: a size ``T``, or sizes ``A,B,...`` to choose from.
+
+    Raises:
+        argparse.ArgumentTypeError: if it is neither.
+    """
+    try:
+        values = [int(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a size T >= 1 or sizes A,B,... (e.g. 1,2,4) with --schedule auto"
+        )
+    return values[0] if len(values) == 1 else values
+
+
+def tensor_sizes(cfg: TrainConfig) -> list[int]:
+    """The ``--tensor-parallel`` sizes of a run: its one size, or the sizes it chooses from."""
+    t = cfg.tensor_parallel
+    return [t] if isinstance(t, int) else list(t)
 
 
 def parse_seq_len(text: str) -> int | tuple[int, int]:

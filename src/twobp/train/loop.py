@@ -22,7 +22,7 @@ from twobp.runtime.errors import NonFiniteLossError
 from twobp.runtime.execution.microbatch import Batch, split_batch
 from twobp.timeline import Span, bubble_ratio
 from twobp.train import checkpointing
-from twobp.train.config import TrainConfig, parse_partition
+from twobp.train.config import TrainConfig, parse_partition, tensor_sizes
 from twobp.train.console import ConsoleStream
 from twobp.train.engine_summary import EngineSummary, rank_summary
 from twobp.train.metrics import MetricsLog, StepMetrics
@@ -155,7 +155,7 @@ def train_rank(
 
 def _tensor_parallel_plan(cfg: TrainConfig) -> dict[str, str] | None:
     """The tensor-parallel plan of the run's model (None without tensor parallelism)."""
-    if cfg.tensor_parallel == 1:
+    if max(tensor_sizes(cfg)) == 1:
         return None
     if cfg.hf_config is not None:
         from twobp.integrations.transformers import build_model as build_hf
@@ -165,6 +165,14 @@ def _tensor_parallel_plan(cfg: TrainConfig) -> dict[str, str] | None:
     from twobp.models import tensor_parallel_plan
 
     return tensor_parallel_plan(cfg.model)
+
+
+def _tensor_parallel(cfg: TrainConfig) -> int | tuple[int, ...] | None:
+    """The pipeline's ``tensor_parallel``: the run's size (None for 1), or its sizes."""
+    sizes = tensor_sizes(cfg)
+    if len(sizes) > 1:
+        return tuple(sizes)
+    return sizes[0] if sizes[0] > 1 else None
 
 
 def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) -> PipelineOptions:
@@ -185,7 +193,7 @@ def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) 
         autocast=autocast_dtype(cfg),
         data_parallel=cfg.data_parallel,
         shard_parameters=cfg.shard_parameters,
-        tensor_parallel=cfg.tensor_parallel if cfg.tensor_parallel > 1 else None,
+        tensor_parallel=_tensor_parallel(cfg),
         tensor_parallel_plan=_tensor_parallel_plan(cfg),
         memory_limit=cfg.memory_limit,
         # AdamW's two float32 moments per parameter, sharded with --shard-optimizer.
@@ -211,10 +219,11 @@ def _train_rank(
         options=pipeline_options(cfg, resumed_split),
         # The first micro-batch: what a balanced partition, the default two_bp and auto
         # profile the blocks on.
-        # (None with tensor parallelism: each shard's pipeline would profile apart.)
+        # (None with one tensor-parallel size: each shard's pipeline would profile apart; a
+        # range of sizes is chosen on it.)
         example_input=(
             task.batch_at(0, "train")[0][: cfg.batch_size // cfg.data_parallel // cfg.microbatches]
-            if isinstance(cfg.microbatches, int) and cfg.tensor_parallel == 1
+            if isinstance(cfg.microbatches, int) and not isinstance(_tensor_parallel(cfg), int)
             else None
         ),
         grad_scaler=scaler,

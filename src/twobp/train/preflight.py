@@ -29,7 +29,7 @@ from twobp.schedule import Schedule, ScheduleConfigError, ScheduleError, prepare
 from twobp.sim.cost_io import format_amount, parse_amount
 from twobp.sim.recompute import RECOMPUTE_AUTO
 from twobp.train.checkpointing import check_resume
-from twobp.train.config import TrainConfig, parse_partition, run_name
+from twobp.train.config import TrainConfig, parse_partition, run_name, tensor_sizes
 from twobp.train.data import check_text_file
 from twobp.train.out_folder import check_out_folder
 from twobp.train.task import AUTOCAST_DTYPES, DTYPES, loss_scale_mode, model_overrides
@@ -65,9 +65,9 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
         )
     _check_tensor_parallel(cfg, ranks)
     _check_shard_parameters(cfg)
-    _check_memory_limit(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
+    _check_memory_limit(cfg, ranks // cfg.data_parallel // min(tensor_sizes(cfg)))
     if cfg.schedule != AUTO:
-        schedule = _schedule(cfg, ranks // cfg.data_parallel // cfg.tensor_parallel)
+        schedule = _schedule(cfg, ranks // cfg.data_parallel // min(tensor_sizes(cfg)))
         _check_partition(cfg, n_blocks, schedule)
     if cfg.data is not None and cfg.model not in ("resnet", "deepspeech"):
         try:
@@ -88,7 +88,7 @@ def _check_shard_parameters(cfg: TrainConfig) -> None:
         return
     problems = {
         "--data-parallel 1: give 2 or more copies to shard over": cfg.data_parallel < 2,
-        "--tensor-parallel: use one of them": cfg.tensor_parallel > 1,
+        "--tensor-parallel: use one of them": max(tensor_sizes(cfg)) > 1,
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:
@@ -204,27 +204,32 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
     Raises:
         OptionError: naming the option and what to change.
     """
-    t = cfg.tensor_parallel
-    if t < 1:
-        raise OptionError(f"--tensor-parallel must be at least 1, got {t}")
-    if t == 1:
+    sizes = tensor_sizes(cfg)
+    given = ",".join(map(str, sizes))
+    if min(sizes) < 1:
+        raise OptionError(f"--tensor-parallel must be at least 1, got {given}")
+    if sizes == [1]:
         return
-    if ranks % (cfg.data_parallel * t):
+    copies = cfg.data_parallel
+    if not any(ranks % (copies * t) == 0 for t in sizes):
         raise OptionError(
-            f"--tensor-parallel {t}: {ranks} ranks do not form {cfg.data_parallel} "
-            f"data-parallel x pipeline x {t} tensor-parallel ranks; start a multiple of "
-            f"{cfg.data_parallel * t} ranks"
+            f"--tensor-parallel {given}: {ranks} ranks do not form {copies} "
+            f"data-parallel x pipeline x {given} tensor-parallel ranks; start a multiple of "
+            f"{copies * min(sizes)} ranks"
         )
     family = cfg.hf_config or cfg.model
-    if family != "llama":
+    if max(sizes) > 1 and family != "llama":
         raise OptionError(
-            f"--tensor-parallel {t}: a plan ships for llama (--model llama, --hf-config llama), "
-            f"not {family}"
+            f"--tensor-parallel {given}: a plan ships for llama (--model llama, --hf-config "
+            f"llama), not {family}"
         )
     problems = {
-        "--schedule auto: name a schedule": cfg.schedule == AUTO,
+        "--schedule auto: name a schedule": cfg.schedule == AUTO and len(sizes) == 1,
+        "a schedule by name: give one size, or --schedule auto": cfg.schedule != AUTO
+        and len(sizes) > 1,
         "--microbatches auto: give a number": not isinstance(cfg.microbatches, int),
-        "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced",
+        "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced"
+        and len(sizes) == 1,
         "--recompute auto: name a mode": cfg.recompute == "auto",
         "--shard-parameters (not with tensor parallelism yet)": cfg.shard_parameters,
         "--shard-optimizer (the gradient norm a run logs is not there yet with it; "
@@ -232,7 +237,7 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:
-        raise OptionError(f"--tensor-parallel {t} does not take {'; '.join(chosen)}")
+        raise OptionError(f"--tensor-parallel {given} does not take {'; '.join(chosen)}")
 
 
 def _model_blocks(cfg: TrainConfig) -> int:
