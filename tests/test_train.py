@@ -12,6 +12,7 @@ import torch
 import twobp.train.run
 from reliability_train_script import kill_once
 from twobp.cli.main import main
+from twobp.config import read_toml
 from twobp.runtime.errors import PipelineConfigError
 from twobp.train.config import TrainConfig
 from twobp.train.data import ByteLMData
@@ -260,5 +261,6 @@ def test_train_chooses_the_tensor_parallel_size_of_a_range(tmp_path, torch_one_t
     printed = capfd.readouterr()
     assert "the fastest simulated of T=1 (P=2)" in printed.out + printed.err
     assert "tensor_parallel = [1, 2]" in (out / "config.toml").read_text()
+    assert read_toml(TrainConfig, out / "config.toml")["tensor_parallel"] == [1, 2]
     assert main([*argv, "--schedule", "zb-h1", "--overwrite"]) == 2
     assert "does not take a schedule by name" in capfd.readouterr().err
