@@ -12,13 +12,16 @@ from tensor_parallel_pipeline_workers import _llama
 from twobp.runtime import Pipeline
 
 STEPS = 4
+CLIP = 1e-3
+"""The global norm the steps clip to (below the model's, so that every step clips)."""
 
 
 def losses_against_one_process(schedules: list[str]) -> dict[str, Any]:
-    """Per schedule: the largest difference of each step's loss from one process on the
-    whole model (float64, AdamW on shards), and the bytes of parameters, gradients and
-    optimizer state this rank holds after a step, sharded and not, and ``whole``: those of
-    its tensor-parallel shard's parameters held whole, AdamW's two moments included."""
+    """Per schedule: the largest difference of each step's loss and clipped global norm
+    from one process on the whole model (float64, AdamW on shards), and the bytes of
+    parameters, gradients and optimizer state this rank holds after a step, sharded and
+    not, and ``whole``: those of its tensor-parallel shard's parameters held whole, AdamW's
+    two moments included."""
     out: dict[str, Any] = {}
     for schedule in schedules:
         held = {}
@@ -46,6 +49,10 @@ def losses_against_one_process(schedules: list[str]) -> dict[str, Any]:
                 expected = spec.loss_fn(whole(inputs), targets)
                 expected.backward()
                 error = max(error, abs(loss - float(expected.detach())))
+                norm = pipe.clip_grad_norm_(CLIP)
+                expected_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)
+                assert expected_norm > CLIP  # the step clips
+                error = max(error, abs(float(norm) - float(expected_norm)))
                 optimizer.step()
                 reference.step()
                 if step == 0:

@@ -1,6 +1,8 @@
 """Tensor parallelism with sharded parameters: each tensor-parallel shard's pipeline
 shards its local parameters over its data-parallel copies (8 ranks: D 2 x P 2 x T 2,
-gloo, float64, against one process on the whole model)."""
+gloo, float64, against one process on the whole model), the gradients clipped by their
+global norm (each shard of a split parameter counted once, a parameter every
+tensor-parallel rank holds whole once)."""
 
 from __future__ import annotations
 

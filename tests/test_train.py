@@ -241,9 +241,11 @@ def test_train_a_tensor_parallel_pipeline_equals_one_process(tmp_path, torch_one
     assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
     captured = capfd.readouterr()
     assert (captured.out + captured.err).count("step 3/3") == 1  # one rank reports
-    refused = [*argv, "--shard-optimizer", "--overwrite"]
-    assert main(refused) == 2
-    assert "does not take --shard-optimizer (the gradient norm" in capfd.readouterr().err
+    # Two copies of a one-stage pipeline, parameters sharded over them: the same losses.
+    sharded = [*argv, "--data-parallel", "2", "--shard-parameters", "--overwrite"]
+    assert main(sharded) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
 
 
 def test_train_chooses_the_tensor_parallel_size_of_a_range(tmp_path, torch_one_thread, capfd):

@@ -88,7 +88,6 @@ def _check_shard_parameters(cfg: TrainConfig) -> None:
         return
     problems = {
         "--data-parallel 1: give 2 or more copies to shard over": cfg.data_parallel < 2,
-        "--tensor-parallel: use one of them": max(tensor_sizes(cfg)) > 1,
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:
@@ -231,9 +230,6 @@ def _check_tensor_parallel(cfg: TrainConfig, ranks: int) -> None:
         "--partition balanced: give the sizes, or uniform": cfg.partition == "balanced"
         and len(sizes) == 1,
         "--recompute auto: name a mode": cfg.recompute == "auto",
-        "--shard-parameters (not with tensor parallelism yet)": cfg.shard_parameters,
-        "--shard-optimizer (the gradient norm a run logs is not there yet with it; "
-        "Pipeline.shard_optimizer is)": cfg.shard_optimizer,
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:

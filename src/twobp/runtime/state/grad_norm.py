@@ -22,6 +22,7 @@ def clip_grad_norm_(
     timeout: float,
     counted: Iterable[nn.Parameter] | None = None,
     shards: Iterable[Tensor] = (),
+    counted_shards: Iterable[Tensor] | None = None,
 ) -> Tensor:
     """Scale this rank's gradients so that the global norm is at most ``max_norm``.
 
@@ -41,7 +42,11 @@ def clip_grad_norm_(
         counted: the parameters whose gradients count in the norm here (one
             holder of each replicated parameter); None: all of ``parameters``.
         shards: gradients of a sharded optimizer's shards (each element of a
-            replicated parameter is in one rank's shard): counted and clipped.
+            replicated parameter is in one rank's shard): clipped, and counted unless
+            ``counted_shards`` says which parts count.
+        counted_shards: the parts of ``shards`` whose elements count in the norm here
+            (with tensor parallelism: a split parameter's on every rank, a parameter
+            every tensor-parallel rank holds whole on one of them); None: all of them.
 
     Returns:
         The global norm before clipping, a 0-dim tensor.
@@ -49,6 +54,7 @@ def clip_grad_norm_(
     params = list(parameters)
     extra = list(shards)
     grads = [p.grad for p in params if p.grad is not None] + extra
+    extra = extra if counted_shards is None else list(counted_shards)
     mine = grads if counted is None else [p.grad for p in counted if p.grad is not None] + extra
     norm_type = float(norm_type)
     if math.isinf(norm_type):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from twobp.runtime.base.group import Membership
 from twobp.runtime.base.tensor_split import counted_once, refuse_checkpoint, split_dims
 from twobp.runtime.base.topology import Topology
-from twobp.runtime.errors import PipelineClosedError, PipelineConfigError
+from twobp.runtime.errors import PipelineClosedError
 from twobp.runtime.state import checkpoint
 from twobp.runtime.state.checkpoint.tensor_shards import TensorShards
 from twobp.runtime.state.grad_norm import clip_grad_norm_
@@ -420,15 +420,15 @@ class PipelineState:
         self.check_open()
         counted = [p for name, p in self.named_parameters() if self._writes(name)]
         world = self.topology.members
+        shards = self.sharded.gradients() if self.sharded is not None else []
+        counted_shards = None
         tp = self.tensor_parallel
         if tp is not None:
-            if self.sharded is not None:
-                raise PipelineConfigError(
-                    "clip_grad_norm_ of a tensor-parallel pipeline with a sharded optimizer "
-                    "is not supported: clip without shard_optimizer"
-                )
             # Over every pipeline: each shard once, a replicated parameter once.
             counted, world = counted_once(counted, tp.rank, self.module), tp.world
+            if self.sharded is not None:
+                once = {id(p) for p in counted_once(list(self.parameters()), tp.rank, self.module)}
+                counted_shards = self.sharded.gradients_of(lambda p: id(p) in once)
         return clip_grad_norm_(
             self.parameters(),
             max_norm,
@@ -437,7 +437,8 @@ class PipelineState:
             self.device,
             self.timeout,
             counted=counted,
-            shards=self.sharded.gradients() if self.sharded is not None else (),
+            shards=shards,
+            counted_shards=counted_shards,
         )
 
     def writes(self, name: str) -> bool:

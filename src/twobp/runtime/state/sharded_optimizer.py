@@ -322,6 +322,20 @@ class ShardedParameters:
         """The masters' gradients (each element of a replicated parameter in one shard)."""
         return [s.master.grad for s in self.shards if s.master.grad is not None]
 
+    def gradients_of(self, keep: Callable[[nn.Parameter], bool]) -> list[Tensor]:
+        """Views of the masters' gradients over the parts of the parameters ``keep`` keeps."""
+        out = []
+        for shard in self.shards:
+            grad = shard.master.grad
+            if grad is None:
+                continue
+            at = 0
+            for index, first, stop in shard.layout.pieces():
+                if keep(shard.bucket.parameters[index]):
+                    out.append(grad[at : at + stop - first])
+                at += stop - first
+        return out
+
     # -- parameters ------------------------------------------------------------------
 
     @torch.no_grad()
