@@ -214,7 +214,9 @@ class PipelineOptions:
         metadata=_help(
             "with tensor_parallel: module-name pattern (fnmatch, e.g. 'attn.wq', 'mlp.*') -> "
             "'colwise' or 'rowwise' ('rowwise' on an nn.Embedding splits its vocabulary; "
-            "'colwise_gather_output' for a head), applied to each block whose modules it "
+            "'colwise_gather_output' for a head, 'colwise_loss_parallel' for a head whose "
+            "logits stay split for the loss's F.cross_entropy), applied to each block whose "
+            "modules it "
             "names (a head tied to a split embedding follows it), or a "
             "callable (block_index, block) -> such a mapping (twobp.models."
             "tensor_parallel_plan(name), twobp.integrations.transformers.tensor_parallel_plan)",
