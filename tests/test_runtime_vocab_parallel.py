@@ -80,3 +80,15 @@ def test_no_rank_makes_a_tensor_of_the_whole_vocabulary():
 def test_a_split_head_misused_is_refused_in_one_line_on_every_rank(case, ranks, words):
     messages = launch(pipeline_refusal, ranks, case, timeout=120)
     assert all(words in m and "\n" not in m for m in messages), messages
+
+
+def test_torch_s_column_parallel_head_with_its_logits_left_split_is_the_loss_parallel_style():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from twobp.runtime.setup.tensor_parallel import style_name
+
+    assert style_name("output", ColwiseParallel(use_local_output=False)) == "colwise_loss_parallel"
+    assert style_name("output", ColwiseParallel()) == "colwise"
+    gathered = ColwiseParallel(output_layouts=Replicate())
+    assert style_name("output", gathered) == "colwise_gather_output"

@@ -125,7 +125,9 @@ def style_name(pattern: str, style: Any) -> str:
     """The name of a style of a plan: the name itself, or torch's ``ColwiseParallel()`` /
     ``RowwiseParallel()`` with their default layouts (``"colwise"`` / ``"rowwise"``;
     ``RowwiseParallel()`` on an embedding splits its vocabulary, as in torch), or
-    ``ColwiseParallel(output_layouts=Replicate())`` (``"colwise_gather_output"``).
+    ``ColwiseParallel(output_layouts=Replicate())`` (``"colwise_gather_output"``), or
+    ``ColwiseParallel(use_local_output=False)`` (``"colwise_loss_parallel"``, a head's logits
+    left split for the loss, as torchtitan's ``loss_parallel``).
 
     Raises:
         PipelineConfigError: another ``ParallelStyle`` (``SequenceParallel``, other
@@ -141,7 +143,8 @@ def style_name(pattern: str, style: Any) -> str:
         tuple(getattr(style, "output_layouts", ()) or ()),
     )
     if type(style) is ColwiseParallel and layouts == ((Replicate(),), (Shard(-1),)):
-        return "colwise"
+        # torchtitan's head under loss_parallel keeps its DTensor logits split.
+        return "colwise" if style.use_local_output else "colwise_loss_parallel"
     if type(style) is ColwiseParallel and layouts == ((Replicate(),), (Replicate(),)):
         return "colwise_gather_output"
     if type(style) is RowwiseParallel and layouts == ((Shard(-1),), (Replicate(),)):
