@@ -55,8 +55,9 @@ def test_two_tensor_parallel_ranks_train_through_the_split_logits():
 
 
 def test_a_head_tied_across_pipeline_ranks_trains_through_the_split_logits():
-    # P 2 x T 2: the head on the last stage reads the first stage's embedding shard.
-    cases = [("1f1b", True, 1), ("zb-h1", True, 1)]
+    # P 2 x T 2: the head on the last stage reads the first stage's embedding shard; W run
+    # where the dynamic policy places them too.
+    cases = [("1f1b", True, 1), ("zb-h1", True, 1), ("1f1b", "dynamic", 1)]
     results = launch(parity, 4, cases, 2, False, "tied_loss_parallel", timeout=300)
     _check(results, cases, 2, split_per_rank=1)
 
