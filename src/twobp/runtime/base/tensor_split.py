@@ -18,7 +18,7 @@ from twobp.runtime.errors import PipelineConfigError
 
 SPLIT_STYLE = "_twobp_tensor_parallel_style"
 """The attribute a split module carries: its style (``"colwise"``, ``"rowwise"``,
-``"colwise_gather_output"``, ``"embedding_rowwise"``)."""
+``"colwise_gather_output"``, ``"colwise_loss_parallel"``, ``"embedding_rowwise"``)."""
 
 
 def split_dims(model: nn.Module) -> dict[int, int]:
