@@ -47,13 +47,14 @@ def pipeline(
         n_microbatches=N_MB,
         data_parallel=2,
         shard_parameters=True,
+        scatter_each_w=scatter_each_w,
         **options,
     )
     # A V without an example input balances on its first step's inputs: plan on them now.
     rows = PART if example_rows is None else example_rows
     pipe.plan_on(make_batch("mlp", 0, rows)[0])
     assert pipe.state.sharded is not None
-    pipe.state.sharded.scatter_each_w = scatter_each_w
+    assert pipe.state.sharded.scatter_each_w is scatter_each_w
     return pipe
 
 

@@ -109,3 +109,11 @@ def test_the_schedule_names_in_the_documentation_are_the_schedules():
     from twobp.schedule import SCHEDULES
 
     assert all(name in option_help("schedule") for name in SCHEDULES)
+
+
+def test_scatter_each_w_is_refused_without_sharded_parameters_or_of_another_kind():
+    blocks = [nn.Linear(4, 4).double() for _ in range(2)]
+    with pytest.raises(PipelineConfigError, match="give shard_parameters=True with it"):
+        Pipeline(blocks, F.mse_loss, scatter_each_w=True)
+    with pytest.raises(PipelineConfigError, match="scatter_each_w='each': give False"):
+        Pipeline(blocks, F.mse_loss, shard_parameters=True, scatter_each_w="each")  # type: ignore[arg-type]

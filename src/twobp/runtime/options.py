@@ -192,9 +192,21 @@ class PipelineOptions:
             "shard each stage's parameters, gradients and optimizer state over its data-parallel "
             "copies (ZeRO-3): a stage's weights are gathered before its first F of a step and "
             "freed after its last I, before its W; each stage's gradient is reduce-scattered at "
-            "its R (after each W with pipe.state.sharded.scatter_each_w = True); build the "
-            "optimizer with pipe.shard_optimizer",
+            "its R, or after each W (scatter_each_w); build the optimizer with "
+            "pipe.shard_optimizer",
             cli="--shard-parameters",
+            details="docs/user-guide.md#parameters-sharded-over-the-copies-zero-3",
+        ),
+    )
+    scatter_each_w: bool | None = field(
+        default=False,
+        metadata=_help(
+            "with shard_parameters=True, where a stage's whole gradients are reduce-scattered: "
+            "False at its R (held from its first W to R); True after each of its W (and B), "
+            "in the background (held only while a W and its reduce-scatter run; one "
+            "reduce-scatter per W); None after each W only for the stages whose schedule holds "
+            "their gradients across other work, where it can lower the peak",
+            cli="--scatter-each-w",
             details="docs/user-guide.md#parameters-sharded-over-the-copies-zero-3",
         ),
     )
@@ -348,6 +360,7 @@ class PipelineOptions:
                 )
             refuse_planning_apart(self)
         check_two_bp(self.two_bp, self.schedule)
+        check_scatter_each_w(self.scatter_each_w, self.shard_parameters)
         check_microbatches(self.schedule, self.n_microbatches, self.costs)
         schedule = self.schedule
         by_name = isinstance(schedule, str) and (schedule == AUTO or schedule in SCHEDULES)
@@ -441,6 +454,25 @@ def check_recompute(recompute: object, memory_limit: object) -> None:
         parse_recompute(recompute, count)  # type: ignore[arg-type]
     except ValueError as error:
         raise PipelineConfigError(str(error)) from None
+
+
+def check_scatter_each_w(scatter_each_w: object, shard_parameters: bool) -> None:
+    """Refuse a ``scatter_each_w`` that is not True, False or None, or one given without
+    ``shard_parameters=True``.
+
+    Raises:
+        PipelineConfigError: naming what to give.
+    """
+    if not (scatter_each_w is None or isinstance(scatter_each_w, bool)):
+        raise PipelineConfigError(
+            f"scatter_each_w={scatter_each_w!r}: give False (at each stage's R), True (after "
+            "each W) or None (after each W where that can lower the peak)"
+        )
+    if scatter_each_w is not False and not shard_parameters:
+        raise PipelineConfigError(
+            f"scatter_each_w={scatter_each_w!r} says where sharded parameters' gradients are "
+            "reduce-scattered: give shard_parameters=True with it, or leave it out"
+        )
 
 
 def check_two_bp(two_bp: object, schedule: object) -> None:

@@ -180,6 +180,7 @@ class Pipeline:
         data_parallel: int | None = None,
         mesh: Any = None,
         shard_parameters: bool = False,
+        scatter_each_w: bool | None = False,
         tensor_parallel: int | None = None,
         tensor_parallel_plan: Any = None,
         recompute: str | Sequence[str | None] | None = None,

@@ -88,6 +88,11 @@ class TrainConfig:
         "--data-parallel 2 or more",
         False,
     )
+    scatter_each_w: bool = doc(
+        "with --shard-parameters, reduce-scatter a stage's gradients after each of its W, in "
+        "the background, instead of once at its R (Pipeline(scatter_each_w=True))",
+        False,
+    )
     stages_per_rank: int | None = doc(
         "stages per rank (interleaved-1f1b, zb-v); default: what the schedule needs", None
     )

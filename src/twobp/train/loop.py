@@ -193,6 +193,7 @@ def pipeline_options(cfg: TrainConfig, resumed_split: list[bool] | None = None) 
         autocast=autocast_dtype(cfg),
         data_parallel=cfg.data_parallel,
         shard_parameters=cfg.shard_parameters,
+        scatter_each_w=cfg.scatter_each_w,
         tensor_parallel=_tensor_parallel(cfg),
         tensor_parallel_plan=_tensor_parallel_plan(cfg),
         memory_limit=cfg.memory_limit,

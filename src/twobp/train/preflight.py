@@ -84,6 +84,8 @@ def check_config(cfg: TrainConfig, n_ranks: int | None = None) -> None:
 
 def _check_shard_parameters(cfg: TrainConfig) -> None:
     """Refuse what ``--shard-parameters`` cannot run yet."""
+    if cfg.scatter_each_w and not cfg.shard_parameters:
+        raise OptionError("--scatter-each-w needs --shard-parameters")
     if not cfg.shard_parameters:
         return
     problems = {

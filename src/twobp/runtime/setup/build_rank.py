@@ -159,6 +159,7 @@ def _shard_parameters(
         state.rank,
         options.timeout,
     )
+    sharded.scatter_each_w = options.scatter_each_w
     state.sharded = sharded
     runner.wait_parameters = sharded.wait
     runner.residency = sharded
