@@ -56,6 +56,7 @@ def parity(
     tensor_parallel: int,
     shard_optimizer: bool = False,
     head: str = "whole",
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
     """Per case (schedule, two_bp or a 2BP policy, data_parallel): the largest difference
     from one process on the whole model, in float64: the loss of every step, every
@@ -63,7 +64,7 @@ def parity(
     joined), and the norm (not with ``shard_optimizer``: AdamW's state sharded over the
     copies, no clipping); the share of weight elements W adds; the seconds in the
     tensor-parallel all-reduces of the backwards and the W parts run meanwhile, summed
-    over the steps; ``head`` one of :data:`HEADS`."""
+    over the steps; ``head`` one of :data:`HEADS`; ``compile``: the stages compiled."""
     out = []
     for schedule, two_bp, data_parallel in cases:
         spec, plan = _llama(head)
@@ -78,6 +79,7 @@ def parity(
             data_parallel=data_parallel,
             tensor_parallel=tensor_parallel,
             tensor_parallel_plan=plan,
+            compile=compile,
         )
         optimizer = (
             pipe.shard_optimizer(torch.optim.AdamW, lr=1e-2)

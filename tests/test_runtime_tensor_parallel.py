@@ -12,14 +12,21 @@ TOLERANCE = 1e-10
 
 
 def _check(
-    results: list[list[dict]], cases: list, tensor_parallel: int, split_per_rank: int = 0
+    results: list[list[dict]],
+    cases: list,
+    tensor_parallel: int,
+    split_per_rank: int = 0,
+    tolerance: dict[str, float] | None = None,
 ) -> None:
+    tolerance = {key: TOLERANCE for key in ("loss", "gradients", "parameters", "norm")} | (
+        tolerance or {}
+    )
     for rank_results in results:
         assert len(rank_results) == len(cases)
         for case, errors in zip(cases, rank_results, strict=True):
             assert errors["tp_size"] == tensor_parallel
             for key in ("loss", "gradients", "parameters", "norm"):
-                assert errors[key] < TOLERANCE, (case, key, errors)
+                assert errors[key] < tolerance[key], (case, key, errors)
             assert errors["memory"] == 0, errors  # memory_stats counts the local shards
             assert errors["deferred"] in (None, 1.0), errors  # W adds every weight, shards too
     for i, case in enumerate(cases):
@@ -66,6 +73,18 @@ def test_a_head_tied_across_pipeline_ranks_to_a_vocabulary_split_embedding():
 def test_an_untied_head_split_by_columns_gathers_its_logits():
     cases = [("1f1b", True, 1)]
     _check(launch(parity, 2, cases, 2, False, "split", timeout=300), cases, 2, split_per_rank=2)
+
+
+def test_compiled_stages_run_the_collectives_between_their_compiled_regions():
+    # compile=True: each collective of the split modules (an all-reduce, the gather of a
+    # split head) is a graph break, and the regions between them compile. Inductor's
+    # float64 kernels differ from eager ones (the gradients by some 1e-9, the losses by
+    # 1e-7, which AdamW's steps make some 1e-5 in the parameters), as they do without
+    # tensor parallelism; a missing or doubled collective is off by far more.
+    cases = [("1f1b", True, 1), ("zb-h1", True, 1)]
+    results = launch(parity, 4, cases, 2, False, "split", True, timeout=300)
+    loose = {"loss": 1e-6, "gradients": 1e-8, "parameters": 1e-4, "norm": 1e-6}
+    _check(results, cases, 2, split_per_rank=1, tolerance=loose)
 
 
 def test_dynamic_w_may_run_while_the_all_reduce_of_i_is_in_flight():

@@ -147,12 +147,29 @@ def _copy_to_group(x: torch.Tensor, group: Any, copies: _Copies) -> torch.Tensor
     block forward that read the same tensor (``q``, ``k`` and ``v``; a SwiGLU's ``w1`` and
     ``w3``): their input gradients add up before one all-reduce, not one each (as
     Megatron's fused QKV and gate-up projections reduce)."""
-    for seen, seen_group, copy in copies:
+    for seen, seen_group, copied in copies:
         if seen is x and seen_group is group:
-            return copy
-    copy = _CopyToGroup.apply(x, group)  # type: ignore[no-untyped-call]
+            return copied
+    copy: torch.Tensor = _copy(x, group)
     copies.append((x, group, copy))
-    return copy  # type: ignore[no-any-return]
+    return copy
+
+
+# The collectives run outside a compiled region (a graph break): torch.compile of a stage
+# (``Pipeline(compile=True)``) compiles what lies between them.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _copy(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _CopyToGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _GatherFromGroup.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -449,16 +466,12 @@ def _shard_linear(
         module.bias = _shard(module.bias, 0, size, rank, shards)
     if style == "rowwise":
         module.in_features //= size
-        module.register_forward_hook(
-            lambda _m, _args, out: _ReduceFromGroup.apply(out, group)  # type: ignore[no-untyped-call]
-        )
+        module.register_forward_hook(lambda _m, _args, out: _reduce(out, group))
         return
     module.out_features //= size
     module.register_forward_pre_hook(lambda _m, args: (_copy_to_group(args[0], group, copies),))
     if style == "colwise_gather_output":
-        module.register_forward_hook(
-            lambda _m, _args, out: _GatherFromGroup.apply(out, group)  # type: ignore[no-untyped-call]
-        )
+        module.register_forward_hook(lambda _m, _args, out: _gather(out, group))
     if style == LOSS_PARALLEL:
         vocab = module.out_features * size
         module.register_forward_hook(lambda _m, _args, out: mark_shard(out, vocab, group))
@@ -485,6 +498,6 @@ def _vocab_parallel_forward(start: int, group: Any) -> Callable[[nn.Embedding, t
         outside = (local < 0) | (local >= self.num_embeddings)
         rows = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
-        return _ReduceFromGroup.apply(rows, group)  # type: ignore[no-untyped-call]
+        return _reduce(rows, group)
 
     return forward
