@@ -57,6 +57,7 @@ def parity(
     shard_optimizer: bool = False,
     head: str = "whole",
     compile: bool = False,
+    mesh_dims: tuple[str, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """Per case (schedule, two_bp or a 2BP policy, data_parallel): the largest difference
     from one process on the whole model, in float64: the loss of every step, every
@@ -64,11 +65,24 @@ def parity(
     joined), and the norm (not with ``shard_optimizer``: AdamW's state sharded over the
     copies, no clipping); the share of weight elements W adds; the seconds in the
     tensor-parallel all-reduces of the backwards and the W parts run meanwhile, summed
-    over the steps; ``head`` one of :data:`HEADS`; ``compile``: the stages compiled."""
+    over the steps; ``head`` one of :data:`HEADS`; ``compile``: the stages compiled;
+    ``mesh_dims``: the layout given as a ``DeviceMesh`` of these dims (``("dp", "pp",
+    "tp")`` or ``("pp", "tp")``) instead of ``data_parallel`` and ``tensor_parallel``."""
     out = []
     for schedule, two_bp, data_parallel in cases:
         spec, plan = _llama(head)
         whole = nn.Sequential(*copy.deepcopy(spec.blocks))
+        layout: dict[str, Any] = {
+            "data_parallel": data_parallel,
+            "tensor_parallel": tensor_parallel,
+        }
+        if mesh_dims is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            pipeline = dist.get_world_size() // data_parallel // tensor_parallel
+            sizes = {"dp": data_parallel, "pp": pipeline, "tp": tensor_parallel}
+            shape = tuple(sizes[d] for d in mesh_dims)
+            layout = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=mesh_dims)}
         pipe = Pipeline(
             spec.blocks,
             spec.loss_fn,
@@ -76,10 +90,9 @@ def parity(
             n_microbatches=4,
             two_bp=bool(two_bp),
             two_bp_policy=two_bp if isinstance(two_bp, str) else "paper",
-            data_parallel=data_parallel,
-            tensor_parallel=tensor_parallel,
             tensor_parallel_plan=plan,
             compile=compile,
+            **layout,
         )
         optimizer = (
             pipe.shard_optimizer(torch.optim.AdamW, lr=1e-2)
@@ -187,6 +200,19 @@ def refusal(case: str) -> str:
         plan = {**plan, "embed": "rowwise", "output": "rowwise"}
     if case == "auto":
         kwargs["schedule"] = "auto"
+    if case.startswith("mesh"):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        del kwargs["tensor_parallel"]
+        if case == "mesh layout":  # tp outermost
+            grid = torch.arange(4).reshape(2, 2).t().contiguous()
+            kwargs["mesh"] = DeviceMesh("cpu", grid, mesh_dim_names=("pp", "tp"))
+        elif case == "mesh size":
+            kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+            kwargs["tensor_parallel"] = 4
+        else:  # a mesh of copies with tensor_parallel besides
+            kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+            kwargs["tensor_parallel"] = 2
     if case in ("torch styles", "sequence parallel"):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,

@@ -75,6 +75,16 @@ def test_an_untied_head_split_by_columns_gathers_its_logits():
     _check(launch(parity, 2, cases, 2, False, "split", timeout=300), cases, 2, split_per_rank=2)
 
 
+@pytest.mark.parametrize("dims", [("dp", "pp", "tp"), ("pp", "tp")])
+def test_a_device_mesh_with_a_tp_dim_lays_out_the_ranks(dims):
+    # init_device_mesh(..., mesh_dim_names=dims) in place of data_parallel and
+    # tensor_parallel: D 2 x P 1 x T 2, or P 2 x T 2.
+    cases = [("1f1b", True, 2 if "dp" in dims else 1)]
+    results = launch(parity, 4, cases, 2, False, "whole", False, dims, timeout=300)
+    _check(results, cases, 2)
+    assert [r[0]["tp_rank"] for r in results] == [0, 1, 0, 1]  # tensor parallel innermost
+
+
 def test_compiled_stages_run_the_collectives_between_their_compiled_regions():
     # compile=True: each collective of the split modules (an all-reduce, the gather of a
     # split head) is a graph break, and the regions between them compile. Inductor's
@@ -114,6 +124,9 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("checkpoint", 2, "state_dict() of a tensor-parallel pipeline is refused"),
         ("torch styles", 2, "accepted"),
         ("sequence parallel", 2, "'attn_norm': SequenceParallel with input layouts"),
+        ("mesh layout", 4, "twobp lays them out dp x pp x tp with tp innermost"),
+        ("mesh size", 4, "tensor_parallel=4 but the mesh {'pp': 2, 'tp': 2} says 2"),
+        ("mesh of copies", 4, "with a mesh= of dims ('dp', 'pp'): give a mesh with dims"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):

@@ -118,8 +118,10 @@ class Pipeline:
             available and the backend can use it (NCCL), else the CPU.
         group: the process group to use; None uses the default group (initialised
             from ``torchrun``'s environment if needed), or a single process world.
-        mesh: a 2-D ``torch.distributed.device_mesh.DeviceMesh`` with dims
-            ``("dp", "pp")`` that lays out the data-parallel copies.
+        mesh: a ``torch.distributed.device_mesh.DeviceMesh`` with dims ``("dp", "pp")``
+            that lays out the data-parallel copies, or ``("dp", "pp", "tp")`` /
+            ``("pp", "tp")`` laid out as twobp lays out ``data_parallel`` x pipeline x
+            ``tensor_parallel`` (which it then gives).
         example_input: one micro-batch of model inputs, on which rank 0
             profiles the blocks (``partition="balanced"``, ``two_bp=None``,
             ``costs="profile"``, ``schedule="auto"``, ``recompute="auto"``).
@@ -221,7 +223,7 @@ class Pipeline:
         set_threads_per_rank(members.local_size, self.options.num_threads)
         if self.options.retain_host_memory and self.device.type == "cpu":
             retain_freed_memory()
-        grid = data_parallel_grid(members, self.options.data_parallel, mesh)
+        grid = data_parallel_grid(members, self.options.data_parallel, given.mesh)
         self.grad_scaler = grad_scaler
         """The :class:`twobp.GradScaler` that scales this pipeline's losses, or None."""
         if grad_scaler is not None:

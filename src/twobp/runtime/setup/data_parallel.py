@@ -50,7 +50,7 @@ def data_parallel_grid(
                 f"pipeline), got dims {names or 'without names'}; build it with "
                 "init_device_mesh(device_type, (D, P), mesh_dim_names=('dp', 'pp'))"
             )
-        grid = [[_group_rank(members, int(r)) for r in row] for row in mesh.mesh.tolist()]
+        grid = [[group_rank(members, int(r)) for r in row] for row in mesh.mesh.tolist()]
         if data_parallel is not None and data_parallel != len(grid):
             raise PipelineConfigError(
                 f"data_parallel={data_parallel} but the mesh has {len(grid)} rows along 'dp'; "
@@ -73,7 +73,8 @@ def data_parallel_grid(
     return [[d * width + r for r in range(width)] for d in range(copies)]
 
 
-def _group_rank(members: Membership, global_rank: int) -> int:
+def group_rank(members: Membership, global_rank: int) -> int:
+    """The rank in ``members``' group of the process of global rank ``global_rank``."""
     group = members.group
     if group is None:
         return global_rank

@@ -20,6 +20,7 @@ from twobp.runtime.setup.auto.tensor_size import decide_size
 from twobp.runtime.setup.first_step import Given
 from twobp.runtime.setup.tensor_parallel import (
     TensorParallel,
+    from_mesh,
     refuse_mesh,
     tensor_parallel_layout,
 )
@@ -44,9 +45,10 @@ def join_shard(
     """
     timeout = float(options.timeout)
     world = join_world(device, timeout, group)
+    options, mesh = from_mesh(options, mesh, world)
     decided = None
     if not isinstance(options.tensor_parallel, int | None):
-        refuse_mesh(mesh)
+        refuse_mesh(mesh, options.tensor_parallel)
         options, decided = decide_size(blocks, options, world, device, example_input)
         example_input = None  # planned: each shard's pipeline runs the plan as it is
     tp = tensor_parallel_layout(world, options, mesh, example_input)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -34,7 +34,8 @@ from twobp.runtime.base.group import Membership
 from twobp.runtime.base.process_state import even_out, is_made, shared_group
 from twobp.runtime.base.tensor_split import SPLIT_STYLE
 from twobp.runtime.errors import PipelineConfigError
-from twobp.runtime.options import check_size
+from twobp.runtime.options import PipelineOptions, check_size
+from twobp.runtime.setup.data_parallel import group_rank
 
 Plan = Mapping[str, Any] | Callable[[int, nn.Module], Mapping[str, Any]]
 """Module-name pattern -> a style of :data:`twobp.models.tensor_parallel.STYLES` (or torch's
@@ -213,17 +214,68 @@ def shard_blocks(blocks: Sequence[nn.Module], plan: Plan, tp: TensorParallel) ->
             setattr(modules[name], SPLIT_STYLE, style)
 
 
-def refuse_mesh(mesh: Any) -> None:
-    """Refuse a mesh given with ``tensor_parallel``.
+TP_MESH_DIMS = (("dp", "pp", "tp"), ("pp", "tp"))
+"""The dims of a ``DeviceMesh`` that lays out tensor parallelism (``mesh=``)."""
+
+
+def refuse_mesh(mesh: Any, tensor_parallel: object) -> None:
+    """Refuse a mesh without a ``"tp"`` dim given with ``tensor_parallel`` (a size or a
+    range of them; :func:`from_mesh` reads a mesh with one).
 
     Raises:
         PipelineConfigError: if ``mesh`` is not None.
     """
     if mesh is not None:
         raise PipelineConfigError(
-            "tensor_parallel with mesh=: pass data_parallel and tensor_parallel instead "
+            f"tensor_parallel={tensor_parallel!r} with a mesh= of dims "
+            f"{getattr(mesh, 'mesh_dim_names', None)}: give a mesh with dims ('dp', 'pp', "
+            "'tp') for one size, or data_parallel and tensor_parallel without a mesh "
             "(the ranks are laid out dp x pp x tp)"
         )
+
+
+def from_mesh(options: PipelineOptions, mesh: Any, members: Membership) -> tuple[Any, Any]:
+    """``options`` with ``data_parallel`` and ``tensor_parallel`` read from a ``mesh`` with
+    a ``"tp"`` dim (dims ``("dp", "pp", "tp")`` or ``("pp", "tp")``), and no mesh left to
+    lay out the copies; ``(options, mesh)`` as they are for any other mesh or none.
+
+    The mesh must lay the ranks out as twobp does, ``dp x pp x tp`` with ``tp``
+    innermost: the rank at ``(d, p, t)`` is group rank ``(d * P + p) * T + t``, as
+    ``init_device_mesh(device_type, (D, P, T), mesh_dim_names=("dp", "pp", "tp"))``
+    makes it.
+
+    Raises:
+        PipelineConfigError: on every rank alike, if the dims are others, the layout is
+            another, or ``data_parallel`` or ``tensor_parallel`` given besides disagree.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+    if "tp" not in names:
+        return options, mesh
+    if names not in TP_MESH_DIMS:
+        raise PipelineConfigError(
+            f"mesh= with a 'tp' dim must have dims ('dp', 'pp', 'tp') or ('pp', 'tp'), got "
+            f"{names}; build it with init_device_mesh(device_type, (D, P, T), "
+            "mesh_dim_names=('dp', 'pp', 'tp'))"
+        )
+    shape = tuple(int(n) for n in mesh.mesh.shape)
+    copies, _, size = shape if len(shape) == 3 else (1, *shape)
+    read = {"data_parallel": copies, "tensor_parallel": size}
+    for name, value in read.items():
+        given = getattr(options, name)
+        if given is not None and given != value:
+            raise PipelineConfigError(
+                f"{name}={given!r} but the mesh {dict(zip(names, shape, strict=True))} "
+                f"says {value}: pass the mesh alone"
+            )
+    ranks = [group_rank(members, int(r)) for r in mesh.mesh.flatten().tolist()]
+    if ranks != list(range(members.size)):
+        raise PipelineConfigError(
+            f"mesh= lays the ranks out as {mesh.mesh.tolist()}; twobp lays them out dp x pp x "
+            "tp with tp innermost (group rank (d * P + p) * T + t), as init_device_mesh("
+            "device_type, (D, P, T), mesh_dim_names=('dp', 'pp', 'tp')) does: build the mesh "
+            "so, or pass data_parallel and tensor_parallel"
+        )
+    return replace(options, data_parallel=copies, tensor_parallel=size), None
 
 
 def tensor_parallel_layout(
@@ -240,7 +292,7 @@ def tensor_parallel_layout(
     if size is None or size == 1:
         return None
     assert isinstance(size, int), "a range of sizes is decided before the layout"
-    refuse_mesh(mesh)
+    refuse_mesh(mesh, size)
     if example_input is not None:
         raise PipelineConfigError(
             "tensor_parallel with example_input: each tensor-parallel pipeline would profile "
