@@ -230,7 +230,6 @@ class StepRun:
                     receiving = self._clock.mark()
                 queued = receiving is not None and self._weights_queued()
                 started = time.perf_counter()
-                before = self._stages[action.stage].memory.held
                 handler = handlers.get(action.kind)
                 if handler is None:
                     raise ValueError(
@@ -238,6 +237,7 @@ class StepRun:
                         f"kinds ({', '.join(map(str, handlers))}); take {action} out of the "
                         "schedule"
                     )
+                before = self._stages[action.stage].memory.held
                 handler(action)
             except Exception as exc:
                 if hasattr(exc, "add_note"):
