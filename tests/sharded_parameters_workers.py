@@ -131,7 +131,6 @@ def refusals() -> dict[str, Any]:
             shard_parameters=True,
         )
     )
-    out["two pipelines"] = _refused(lambda: _pipeline("dualpipe", n_microbatches=2 * N_MB))
     return out
 
 

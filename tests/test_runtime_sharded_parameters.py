@@ -136,7 +136,6 @@ def test_refusals() -> None:
     for r in launch(refusals, 4, timeout=300):
         assert "data_parallel=2 or more" in r["one copy"], r["one copy"]
         assert "tied across stages" in r["tied"], r["tied"]
-        assert "schedule of 2 pipelines" in r["two pipelines"], r["two pipelines"]
 
 
 def test_autocast_and_grad_scaler_step_as_with_whole_parameters() -> None:

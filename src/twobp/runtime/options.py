@@ -189,8 +189,9 @@ class PipelineOptions:
     shard_parameters: bool = field(
         default=False,
         metadata=_help(
-            "shard each stage's parameters, gradients and optimizer state over its data-parallel "
-            "copies (ZeRO-3): a stage's weights are gathered before its first F of a step and "
+            "shard each stage's parameters, gradients and optimizer state over the ranks that "
+            "hold it, its data-parallel copies and Chimera's and DualPipe's two pipelines "
+            "(ZeRO-3): a stage's weights are gathered before its first F of a step and "
             "freed after its last I, before its W; each stage's gradient is reduce-scattered at "
             "its R, or after each W (scatter_each_w); build the optimizer with "
             "pipe.shard_optimizer",

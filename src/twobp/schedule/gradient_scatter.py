@@ -25,11 +25,16 @@ reduce-scatters in flight pile up and hold more than one reduce-scatter at ``R``
 would: the simulator says which (``CostModel.scatter_each_w``), so it is asked for
 (``setting=True``), or left to this rule (``setting=None``), not the default.
 
-A ``W`` listed in the schedule is at the same position on every copy of the
-stage, so the reduce-scatters pair up; under the ``dynamic`` 2BP policy a wait
-may run a ``W``'s parts before its listed place, and the listed ``W`` then
-reduce-scatters whatever was made since the last one (sums are linear, so each
-part is counted once). This module imports no torch.
+A ``W`` listed in the schedule is at the same position on every data-parallel
+copy of the stage, so the reduce-scatters pair up. A schedule of two pipelines
+(Chimera, DualPipe) holds a model stage on two ranks with their own action
+lists, which may concatenate its ``W`` differently (Chimera on 2 ranks: one
+``W`` over two micro-batches on one, one per micro-batch on the other): there a
+model stage reduce-scatters after each ``W`` only where every holder lists as
+many, and otherwise at ``R`` on all of them (:func:`scattered_each_w_by_rank`).
+Under the ``dynamic`` 2BP policy a wait may run a ``W``'s parts before its
+listed place, and the listed ``W`` then reduce-scatters whatever was made
+since the last one (sums are linear, so each part is counted once). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from twobp.schedule.action import Action, Kind
+from twobp.schedule.schedule import Schedule
 
 MAKES_GRADIENTS = frozenset(
     {Kind.BACKWARD_WEIGHT, Kind.BACKWARD_WEIGHT_REBUILD, Kind.FULL_BACKWARD}
@@ -82,6 +88,37 @@ def scattered_each_w(actions: Sequence[Action], setting: bool | None) -> frozens
     if setting is None:
         return frozenset(s for s in stages if lowers_peak(actions, s))
     return frozenset(stages) if setting else frozenset()
+
+
+def scattered_each_w_by_rank(schedule: Schedule, setting: bool | None) -> dict[int, frozenset[int]]:
+    """:func:`scattered_each_w` of every rank of ``schedule``, agreed among the holders of
+    each model stage, so that their reduce-scatters pair up: a model stage whose holders
+    list different numbers of ``W`` (and ``B``) for it reduce-scatters at ``R`` on all of
+    them; one that some holder would scatter after each ``W`` does so on all.
+
+    (A rank that holds a model stage twice, Chimera's middle stage on an odd number of
+    ranks, reduce-scatters it at the ``R`` of the later one only: at ``R`` too.)
+    """
+    wanted = {r: scattered_each_w(acts, setting) for r, acts in schedule.actions.items()}
+    if schedule.n_pipelines == 1:
+        return wanted
+    counts: dict[tuple[int, int], int] = {}
+    for rank, acts in schedule.actions.items():
+        for a in acts:
+            if a.kind in SCATTERING:
+                counts[rank, a.stage] = counts.get((rank, a.stage), 0) + 1
+    agreed: set[int] = set()
+    for model_stage in range(schedule.pipeline_stages):
+        holders = [(r, s) for r, s in counts if schedule.model_stage(s) == model_stage]
+        same = len({counts[h] for h in holders}) == 1 and len({r for r, _ in holders}) == len(
+            holders
+        )
+        if same and any(s in wanted[r] for r, s in holders):
+            agreed.add(model_stage)
+    return {
+        rank: frozenset(s for r, s in counts if r == rank and schedule.model_stage(s) in agreed)
+        for rank in schedule.actions
+    }
 
 
 def scatter_points(actions: Sequence[Action], stages: frozenset[int]) -> dict[int, int]:

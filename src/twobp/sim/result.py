@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 from twobp.schedule._timing import Timing, make_timing
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.gradient_scatter import SCATTERING, scattered_each_w, scatters_at_reduce
+from twobp.schedule.gradient_scatter import (
+    SCATTERING,
+    scattered_each_w_by_rank,
+    scatters_at_reduce,
+)
 from twobp.schedule.kinds import Role
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.two_bp import placed_at_run_time
@@ -206,8 +210,9 @@ def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) 
     scatters: list[int] = []
     idle: dict[int, float] = {}
     if costs.shard_parameters and costs.scatter_each_w is not False:
+        agreed = scattered_each_w_by_rank(schedule, costs.scatter_each_w)
         for rank, actions in schedule.actions.items():
-            each = scattered_each_w(actions, costs.scatter_each_w)
+            each = agreed[rank]
             if not each:
                 continue
             reducing = scatters_at_reduce(actions, each)

@@ -31,11 +31,7 @@ from twobp.runtime.execution.microbatch import Batch, flatten
 from twobp.runtime.execution.residency import Residency, StepResidency
 from twobp.runtime.execution.stage import Stage
 from twobp.schedule.action import Action, Kind
-from twobp.schedule.gradient_scatter import (
-    scatter_points,
-    scattered_each_w,
-    scatters_at_reduce,
-)
+from twobp.schedule.gradient_scatter import scatter_points, scatters_at_reduce
 from twobp.schedule.kinds import ActionKind, Role
 from twobp.schedule.schedule import StageGraph
 from twobp.schedule.transfers import Direction, needed_transfer, produced_transfer, transfer_of
@@ -137,6 +133,9 @@ class StepRun:
             :func:`reduction_order` (on NCCL: see :func:`reductions_wait_for_transfers`).
         wait_parameters: called with a stage before each of its forwards: waits
             for the gathers of its updated parameters (a sharded optimizer).
+        scattering: with ``residency``, the stages whose gradients are reduce-scattered
+            after each ``W`` (agreed with their other holders:
+            :func:`twobp.schedule.gradient_scatter.scattered_each_w_by_rank`).
         residency: frees each stage's sharded weights right after its last action of
             the step that reads them (``shard_parameters=True``, see
             :mod:`twobp.runtime.execution.residency`).
@@ -160,6 +159,7 @@ class StepRun:
         reductions_after_transfers: bool = False,
         wait_parameters: Callable[[int], None] | None = None,
         residency: Residency | None = None,
+        scattering: frozenset[int] = frozenset(),
         weights: Sequence[float] | None = None,
         dynamic_weights: bool = False,
     ) -> None:
@@ -178,6 +178,7 @@ class StepRun:
         self._deferred: list[int] = []
         self._wait_parameters = wait_parameters
         self._residency = residency
+        self._scattering = scattering
         self._weights = weights
         self._handed: dict[tuple[Direction, int, int], tuple[tuple[Tensor, ...], bool]] = {}
         self._dynamic = dynamic_weights
@@ -274,9 +275,8 @@ class StepRun:
                 self._early = EarlyReductions(actions)
             return None
         if self._reducer is not None and not self._defer_reductions:
-            each = scattered_each_w(actions, self._residency.scatter_each_w)
-            self._scatter_at = scatter_points(actions, each)
-            self._scatter_at_reduce = scatters_at_reduce(actions, each)
+            self._scatter_at = scatter_points(actions, self._scattering)
+            self._scatter_at_reduce = scatters_at_reduce(actions, self._scattering)
         if self._dynamic and self._reducer is not None and not self._scatter_at:
             # Not with reduce-scatters after W: an R started early could meet them in
             # another order on another copy.

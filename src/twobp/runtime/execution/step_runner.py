@@ -31,6 +31,7 @@ from twobp.runtime.execution.step_run import (
 )
 from twobp.runtime.execution.step_start import StepBatches
 from twobp.schedule.action import Kind
+from twobp.schedule.gradient_scatter import scattered_each_w_by_rank
 from twobp.schedule.schedule import Schedule
 from twobp.schedule.transfers import CommPlan
 from twobp.schedule.two_bp import places_weights_at_run_time
@@ -114,6 +115,12 @@ class StepRunner:
         if self._reducer is not None:
             self._reducer.abandon()
 
+    def _scattering(self, schedule: Schedule) -> frozenset[int]:
+        """This rank's stages that reduce-scatter their gradients after each ``W``."""
+        if self.residency is None or self.residency.scatter_each_w is False:
+            return frozenset()
+        return scattered_each_w_by_rank(schedule, self.residency.scatter_each_w)[self.pp_rank]
+
     def _run(
         self,
         schedule: Schedule,
@@ -136,6 +143,7 @@ class StepRunner:
             reductions_after_transfers=self._reductions_after_transfers,
             wait_parameters=self.wait_parameters,
             residency=self.residency,
+            scattering=self._scattering(schedule),
             weights=batches.weights,
             dynamic_weights=dynamic,
         )

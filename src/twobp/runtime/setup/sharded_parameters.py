@@ -1,15 +1,19 @@
-"""``shard_parameters=True``: this rank's parameters sharded over the stage's copies (ZeRO-3).
+"""``shard_parameters=True``: this rank's parameters sharded over the stage's holders (ZeRO-3).
 
 Built with the rank's parts (:func:`twobp.runtime.setup.build_rank.build_rank`):
 every bucket of a stage's parameters becomes one padded flat buffer cut into
-one shard per data-parallel copy (the layout of ``Pipeline.shard_optimizer``,
+one shard per rank that holds the stage: its data-parallel copies, and under
+Chimera and DualPipe the two ranks of each copy whose pipelines run it (the
+stage's reduction group, one process group per stage of the model even where
+two have the same ranks; the layout of ``Pipeline.shard_optimizer``,
 :mod:`twobp.runtime.state.sharded_optimizer`); each rank keeps its shard as
 a tensor of its own and the flat buffers hold nothing between steps. Within a
 step (:mod:`twobp.runtime.execution.residency`):
 
 * the gathers of every stage's buckets start before the step's first action,
   in the order of the stages' first ``F``; each block waits for its own
-  before its forward runs;
+  before its forward runs (the buckets of one group are gathered in their
+  one order on every holder; those of different groups need not pair up);
 * a stage's buckets are freed right after its last ``I`` (or ``B``) of the
   step, before its deferred ``W`` run: ``W`` reads only what ``I`` stashed;
 * the stage's ``R``, right after its last ``W``, reduce-scatters its
@@ -48,16 +52,12 @@ def check_shardable(
         PipelineConfigError: naming what stands in the way and what to do.
     """
     where = f"rank {rank}: shard_parameters=True"
-    if dp_size < 2:
+    alone = [k for k in range(schedule.pipeline_stages) if dp_size * holders(schedule, k) < 2]
+    if alone:
         raise PipelineConfigError(
-            f"{where} shards each stage over its data-parallel copies, and this pipeline has "
-            "one: give data_parallel=2 or more, or leave shard_parameters out"
-        )
-    if schedule.n_pipelines > 1:
-        raise PipelineConfigError(
-            f"{where} with a schedule of {schedule.n_pipelines} pipelines "
-            f"({schedule.name or 'given'}) is not supported: its stages are held by ranks of "
-            "other rows; use a schedule of one pipeline (1f1b, zb-h1, zb-v, interleaved-1f1b)"
+            f"{where} shards each stage over the ranks that hold it, and stage {alone[0]} "
+            "of the model is held by one: give data_parallel=2 or more, or leave "
+            "shard_parameters out"
         )
     if shared:
         names = sorted(tie.names[0] for tie in shared.values())
@@ -65,6 +65,13 @@ def check_shardable(
             f"{where} does not support weights tied across stages ({', '.join(names)}): "
             "untie them, or place the blocks that share them in one stage (partition=...)"
         )
+
+
+def holders(schedule: Schedule, model_stage: int) -> int:
+    """How many ranks of one copy of the pipeline hold ``model_stage`` (two in Chimera's
+    and DualPipe's two pipelines, one rank holding the first stage of one and the last of
+    the other)."""
+    return len({schedule.placement[s] for s in schedule.replicas_of(model_stage)})
 
 
 def shard_parameters(

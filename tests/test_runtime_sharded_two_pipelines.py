@@ -1,0 +1,96 @@
+"""Sharded parameters (ZeRO-3) under Chimera's and DualPipe's two pipelines, float64.
+
+Each model stage is held by two ranks of a copy (rank ``s`` and rank ``P - 1 - s``)
+times the copies, and sharded over all of them. Each case runs 3 clipped AdamW
+steps with 2BP through ``pipe.shard_optimizer`` and must match one process running
+plain AdamW on the global batch: every loss, the global norm and every parameter,
+to 1e-10. Between steps a rank holds only its shards: parameters, gradients and
+optimizer state at most 0.6 of the unsharded layout.
+
+On 2 ranks Chimera lists one ``W`` over two micro-batches of model stage 1 on one
+holder and one per micro-batch on the other: asked to reduce-scatter after each
+``W``, that stage does so at ``R`` on both (else the reduce-scatters would not pair
+up), and model stage 0, whose holders list one ``W`` each, after it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from sharded_two_pipelines_workers import CLIP, PART, refusals, train_many
+from twobp.runtime import launch
+
+TOL = 1e-10
+# (schedule, copies, micro-batches, scatter_each_w, small buckets)
+TWO: list[tuple[Any, ...]] = [
+    ("chimera", 1, 4, False, True),
+    ("chimera", 1, 4, True, False),
+    ("dualpipe", 1, 4, None, True),
+]
+FOUR: list[tuple[Any, ...]] = [
+    ("chimera", 2, 4, False, False),
+    ("dualpipe", 1, 8, True, False),
+]
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+def _reference(copies: int) -> dict[str, Any]:
+    net = nn.Sequential(*build_blocks("mlp"))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(N_STEPS):
+        inputs, targets = make_batch("mlp", step, PART * copies)
+        loss = loss_fn("mlp")(net(inputs), targets)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+
+
+def _check(case: tuple[Any, ...], results: list[dict[str, Any]]) -> None:
+    reference = _reference(case[1])
+    for rank, r in enumerate(results):
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
+        for got, want in zip(r["norms"], reference["norms"], strict=True):
+            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
+        assert r["state"], (case, rank)
+        for name, value in r["state"].items():
+            torch.testing.assert_close(
+                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
+            )
+        assert r["between"] and not any(r["between"]), (case, rank)
+        assert 0 < r["held"] <= 0.6 * r["unsharded"], (case, rank, r["held"], r["unsharded"])
+        if case[3] is True:
+            assert all(r["scattered each W"]), (case, rank)
+        if case[4]:
+            assert all(n > 1 for n in r["buckets"].values()), (case, rank, r["buckets"])
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return launch(train_many, 2, TWO, timeout=300)
+
+
+@pytest.mark.parametrize("case", TWO, ids=lambda c: "-".join(map(str, c)))
+def test_two_ranks_each_stage_held_twice(two: list[dict[str, Any]], case: Any) -> None:
+    _check(case, [r[repr(case)] for r in two])
+
+
+def test_four_ranks() -> None:
+    results = launch(train_many, 4, FOUR, timeout=300)
+    for case in FOUR:
+        _check(case, [r[repr(case)] for r in results])
+
+
+def test_weights_tied_across_stages_are_refused() -> None:
+    for r in launch(refusals, 2, timeout=120):
+        assert "tied across stages" in r["tied"], r["tied"]
