@@ -119,18 +119,6 @@ def refusals() -> dict[str, Any]:
             shard_parameters=True,
         )
     )
-    blocks = build_blocks("tied")
-    out["tied"] = _refused(
-        lambda: Pipeline(
-            blocks,
-            loss_fn("tied"),
-            n_microbatches=N_MB,
-            device="cpu",
-            timeout=60.0,
-            data_parallel=2,
-            shard_parameters=True,
-        )
-    )
     return out
 
 

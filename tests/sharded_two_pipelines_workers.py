@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
-from twobp.runtime import Pipeline, PipelineConfigError
+from twobp.runtime import Pipeline
 from twobp.runtime.communication import reduction
 
 PART = 8  # samples per data-parallel copy and step
@@ -21,15 +21,17 @@ def train(
     n_microbatches: int,
     scatter_each_w: bool | None,
     small_buckets: bool,
+    model: str = "mlp",
 ) -> dict[str, Any]:
-    """3 clipped AdamW steps with parameters sharded over every holder of a stage."""
+    """3 clipped AdamW steps with parameters sharded over every holder of a stage (of
+    ``model``: ``"tied"`` ties its embedding and head, on the first and the last stage)."""
     torch.set_num_threads(1)
     if small_buckets:
         # Several buckets, so several gathers and reduce-scatters, on each stage's group.
         reduction.BUCKET_BYTES = SMALL_BUCKETS
     pipe = Pipeline(
-        build_blocks("mlp"),
-        loss_fn("mlp"),
+        build_blocks(model),
+        loss_fn(model),
         schedule=schedule,
         n_microbatches=n_microbatches,
         two_bp=True,
@@ -42,7 +44,7 @@ def train(
     part = slice(pipe.dp_rank * PART, (pipe.dp_rank + 1) * PART)
     # Chimera and DualPipe on 4 ranks balance their ends on the first step's inputs: plan
     # on them now, to shard the parameters as they will be held.
-    pipe.plan_on(make_batch("mlp", 0, PART * copies)[0][part])
+    pipe.plan_on(_part(make_batch(model, 0, PART * copies)[0], part))
     optimizer = pipe.shard_optimizer(torch.optim.AdamW, lr=LR)
     assert pipe.state.sharded is not None
     buckets = {}
@@ -51,8 +53,8 @@ def train(
     between = [p.untyped_storage().nbytes() for p in pipe.state.parameters()]
     losses, norms, scattered = [], [], []
     for step in range(N_STEPS):
-        inputs, targets = make_batch("mlp", step, PART * copies)
-        losses.append(pipe.step(inputs[part], targets[part]))
+        inputs, targets = make_batch(model, step, PART * copies)
+        losses.append(pipe.step(_part(inputs, part), targets[part]))
         scattered.append(pipe.state.sharded.scattered_each_w)
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         optimizer.step()
@@ -80,21 +82,5 @@ def train_many(cases: list[tuple[Any, ...]]) -> dict[str, Any]:
     return {repr(c): train(*c) for c in cases}
 
 
-def refusals() -> dict[str, str]:
-    """What ``shard_parameters=True`` refuses under two pipelines, with the messages."""
-    torch.set_num_threads(1)
-    out = {}
-    try:
-        Pipeline(
-            build_blocks("tied"),
-            loss_fn("tied"),
-            schedule="chimera",
-            n_microbatches=4,
-            device="cpu",
-            timeout=30.0,
-            shard_parameters=True,
-        )
-        out["tied"] = ""
-    except PipelineConfigError as exc:
-        out["tied"] = str(exc)
-    return out
+def _part(inputs: Any, part: slice) -> Any:
+    return tuple(t[part] for t in inputs) if isinstance(inputs, tuple) else inputs[part]

@@ -135,7 +135,6 @@ def test_two_copies_of_a_pipeline_of_four_ranks() -> None:
 def test_refusals() -> None:
     for r in launch(refusals, 4, timeout=300):
         assert "data_parallel=2 or more" in r["one copy"], r["one copy"]
-        assert "tied across stages" in r["tied"], r["tied"]
 
 
 def test_autocast_and_grad_scaler_step_as_with_whole_parameters() -> None:

@@ -66,6 +66,13 @@ class Bucket:
     parameters: tuple[nn.Parameter, ...]
     buffers: tuple[Tensor, ...] = ()
 
+    @property
+    def tied(self) -> bool:
+        """True for a weight tied across stages (key ``"tied <name>"``): its holders reduce it
+        at the ``R`` of different stages, whose ``W`` they may list in different numbers, so
+        it is reduce-scattered at that ``R`` only, never after each ``W``."""
+        return self.key.startswith("tied ")
+
     def process_group(self, rank: int) -> dist.ProcessGroup:
         """The live process group.
 
@@ -189,7 +196,7 @@ class GradientReducer:
         Args:
             gradients: False: leave out the buckets that are reduce-scattered, whose
                 gradients were reduce-scattered after each ``W`` already
-                (:meth:`scatter_now`).
+                (:meth:`scatter_now`; a tied weight's are not, see :attr:`Bucket.tied`).
         """
         if stage in self._started:
             raise RuntimeError(f"rank {self._rank}: R of stage {stage} ran twice in one step")
@@ -198,7 +205,7 @@ class GradientReducer:
             group = bucket.process_group(self._rank)
             sharded = self._scatter.get(id(bucket))
             if sharded is not None:
-                if gradients:
+                if gradients or bucket.tied:
                     self._start_scatter(bucket, sharded[0], group)
                 continue
             tensors = [_grad(p) for p in bucket.parameters] or list(bucket.buffers)
@@ -214,7 +221,7 @@ class GradientReducer:
         nbytes = 0
         for bucket in self._by_stage.get(stage, ()):
             sharded = self._scatter.get(id(bucket))
-            if sharded is not None:
+            if sharded is not None and not bucket.tied:
                 flat = self._start_scatter(bucket, sharded[0], bucket.process_group(self._rank))
                 nbytes += flat.numel() * flat.element_size()
         return nbytes

@@ -106,7 +106,7 @@ def build_rank(
     state = _model_state(plan, module, members, topology, device, options, aliases, shared, names)
     state.grad_scaler = grad_scaler
     runner = _runner(members, topology, schedule, stages, reducer, options, grid, device)
-    _shard_parameters(options, schedule, shared, reducer, modules, state, runner)
+    _shard_parameters(options, schedule, reducer, modules, state, runner)
     measured = compile is not None and compile.get("stages", "measured") == "measured"
     trial = CompileTrial(modules, f"rank {members.rank} ") if measured else None
     return RankParts(
@@ -138,7 +138,6 @@ def build_rank(
 def _shard_parameters(
     options: PipelineOptions,
     schedule: Schedule,
-    shared: dict[int, SharedParameter],
     reducer: GradientReducer | None,
     modules: dict[int, nn.Module],
     state: PipelineState,
@@ -149,7 +148,7 @@ def _shard_parameters(
     if not options.shard_parameters:
         return
     topology = state.topology
-    check_shardable(options, schedule, topology.dp_size, shared, state.rank)
+    check_shardable(options, schedule, topology.dp_size, state.rank)
     sharded = shard_parameters(
         reducer,
         schedule,

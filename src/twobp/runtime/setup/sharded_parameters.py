@@ -34,7 +34,6 @@ from torch import nn
 from twobp.runtime.communication.reduction import GradientReducer
 from twobp.runtime.errors import PipelineConfigError
 from twobp.runtime.options import PipelineOptions
-from twobp.runtime.setup.replicas import SharedParameter
 from twobp.runtime.state.sharded_optimizer import ShardedParameters, make_shards
 from twobp.schedule.schedule import Schedule
 
@@ -43,7 +42,6 @@ def check_shardable(
     options: PipelineOptions,
     schedule: Schedule,
     dp_size: int,
-    shared: Mapping[int, SharedParameter],
     rank: int,
 ) -> None:
     """Refuse ``shard_parameters=True`` where its shards could not be laid out.
@@ -58,12 +56,6 @@ def check_shardable(
             f"{where} shards each stage over the ranks that hold it, and stage {alone[0]} "
             "of the model is held by one: give data_parallel=2 or more, or leave "
             "shard_parameters out"
-        )
-    if shared:
-        names = sorted(tie.names[0] for tie in shared.values())
-        raise PipelineConfigError(
-            f"{where} does not support weights tied across stages ({', '.join(names)}): "
-            "untie them, or place the blocks that share them in one stage (partition=...)"
         )
 
 
