@@ -74,6 +74,9 @@ def _check(case: tuple[Any, ...], results: list[dict[str, Any]]) -> None:
             )
         assert r["between"] and not any(r["between"]), (case, rank)
         assert 0 < r["held"] <= 0.6 * r["unsharded"], (case, rank, r["held"], r["unsharded"])
+        # Sharded over every holder: Chimera on 2 x 2 holds a quarter, not half.
+        holders = case[1] * (2 if case[0] in ("chimera", "dualpipe") else 1)
+        assert r["held"] <= 1.1 * r["unsharded"] / holders, (case, rank, r["held"])
         if case[3] is True:
             assert all(r["scattered each W"]), (case, rank)
         if case[4]:
