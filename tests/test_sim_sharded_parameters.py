@@ -216,3 +216,27 @@ def test_whole_gradients_reduce_scattered_after_each_w_are_held_only_in_it():
     # A reduce-scatter slower than F2 holds W0's gradients through it: as at R.
     slow = replace(costs, scatter_each_w=True, reduce=(1.5,))
     assert peak_memory(spans, slow, [0]) == (12.0,)
+    # Holders that would not pair up (two pipelines listing different W): at R, as the
+    # runtime agrees (twobp.schedule.gradient_scatter.scattered_each_w_by_rank).
+    each = replace(costs, scatter_each_w=True)
+    assert peak_memory(spans, each, [0], {0: frozenset()}) == (12.0,)
+    assert peak_memory(spans, each, [0], {0: frozenset({0})}) == (10.0,)
+
+
+def test_the_simulator_scatters_each_w_where_the_runtime_does_under_two_pipelines():
+    from twobp.schedule.schedule import Schedule
+    from twobp.sim.result import scattering
+
+    acts = (
+        "0F0 0F1 3F2 3I2 0I0 0I1 3F3 3I3 3W2-3 3R2-3 0W0-1 0R0-1",
+        "2F2 1F0 1I0 1F1 1I1 2F3 2I2 1W0 2I3 2W2-3 2R2-3 1W1 1R0-1",
+    )
+    chimera = Schedule(
+        placement=(0, 1, 1, 0),
+        n_microbatches=4,
+        actions={r: tuple(Action.parse(a) for a in text.split()) for r, text in enumerate(acts)},
+        n_pipelines=2,
+    )
+    costs = replace(CostModel.uniform(4), shard_parameters=True)
+    assert scattering(chimera, costs) is None
+    assert scattering(chimera, replace(costs, scatter_each_w=True)) == {0: {0}, 1: {2}}

@@ -17,7 +17,7 @@ the 2BP ``fill`` policy bounds. This module imports no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
 from twobp.schedule.action import Action, Kind
@@ -36,7 +36,10 @@ from twobp.timeline import Span
 
 
 def memory_timeline(
-    spans: Sequence[Span], costs: CostModel, placement: Sequence[int]
+    spans: Sequence[Span],
+    costs: CostModel,
+    placement: Sequence[int],
+    scattering: Mapping[int, frozenset[int]] | None = None,
 ) -> dict[int, list[tuple[float, float]]]:
     """Memory held by each rank after every change.
 
@@ -47,6 +50,10 @@ def memory_timeline(
             the kind table's memory entries name (``activation_bytes``,
             ``weight_grad_bytes``, ``weight_rebuild_bytes``).
         placement: the rank of each stage (``placement[s]``).
+        scattering: with sharded parameters, each rank's stages that reduce-scatter their
+            gradients after each ``W``, as agreed among their holders
+            (:func:`~twobp.schedule.gradient_scatter.scattered_each_w_by_rank`); None: each
+            rank's own choice from its spans.
 
     Returns:
         For each rank, ``(time, bytes held)`` points in time order, starting
@@ -78,7 +85,7 @@ def memory_timeline(
         for moment, time in ((Moment.START, span.start), (Moment.END, span.end)):
             if at[moment]:
                 changes[span.rank].append((time, at[moment]))
-    for rank, time, delta in gathered_changes(spans, costs):
+    for rank, time, delta in gathered_changes(spans, costs, scattering):
         changes[rank].append((time, delta))
     origin = min((s.start for s in spans), default=0.0)
     out: dict[int, list[tuple[float, float]]] = {}
@@ -96,7 +103,11 @@ def memory_timeline(
     return out
 
 
-def gathered_changes(spans: Sequence[Span], costs: CostModel) -> list[tuple[int, float, float]]:
+def gathered_changes(
+    spans: Sequence[Span],
+    costs: CostModel,
+    scattering: Mapping[int, frozenset[int]] | None = None,
+) -> list[tuple[int, float, float]]:
     """``(rank, time, bytes)`` of each stage's gathered weights (``costs.gathered_bytes``):
     taken when its first ``F`` starts, given back when its last action that needs them
     ends (``I`` or ``B``; ``W`` too with ``costs.free_before_w`` False; recomputation's
@@ -118,7 +129,9 @@ def gathered_changes(spans: Sequence[Span], costs: CostModel) -> list[tuple[int,
         out.append((rank, start, gathered[stage]))
         out.append((rank, last[stage], -gathered[stage]))
     if costs.shard_parameters:
-        out += whole_gradient_changes(spans, gathered, costs.scatter_each_w, costs.reduce or ())
+        out += whole_gradient_changes(
+            spans, gathered, costs.scatter_each_w, costs.reduce or (), scattering
+        )
     return out
 
 
@@ -127,6 +140,7 @@ def whole_gradient_changes(
     gradient_bytes: Sequence[float],
     scatter_each_w: bool | None = False,
     reduce: Sequence[float] = (),
+    scattering: Mapping[int, frozenset[int]] | None = None,
 ) -> list[tuple[int, float, float]]:
     """``(rank, time, bytes)`` of each stage's whole weight gradients under sharded
     parameters, as the runtime holds them (:mod:`twobp.schedule.gradient_scatter`).
@@ -138,7 +152,9 @@ def whole_gradient_changes(
     actions in the order they ran, with ``scatter_each_w``) holds them from the start of
     each ``W`` to the end of its reduce-scatter: the span of ``R`` over the ``W``'s
     micro-batches that the simulator adds (:func:`twobp.sim.result.reductions_met`), or
-    ``reduce[stage]`` after the ``W`` (alone on the link) without one."""
+    ``reduce[stage]`` after the ``W`` (alone on the link) without one. ``scattering``
+    gives those stages instead, as agreed among each stage's holders (see
+    :func:`memory_timeline`)."""
     by_rank: dict[int, list[Span]] = {}
     for span in sorted(spans, key=lambda s: (s.rank, s.start, s.end)):
         if span.action.kind.is_compute:
@@ -148,6 +164,8 @@ def whole_gradient_changes(
         each = scattered_each_w(
             [s.action for s in mine if s.action.kind is not Kind.REDUCE], scatter_each_w
         )
+        if scattering is not None:
+            each = scattering.get(rank, frozenset())
         # The spans of each reduce-scatter after a W (as the simulator adds them), and
         # the stage's own R last.
         scattered: dict[tuple[int, tuple[int, ...]], float] = {}
@@ -184,14 +202,17 @@ def whole_gradient_changes(
 
 
 def peak_memory(
-    spans: Sequence[Span], costs: CostModel, placement: Sequence[int]
+    spans: Sequence[Span],
+    costs: CostModel,
+    placement: Sequence[int],
+    scattering: Mapping[int, frozenset[int]] | None = None,
 ) -> tuple[float, ...]:
     """The most memory each rank holds at any time (see :func:`memory_timeline`).
 
     Returns:
         One peak per rank, indexed by rank.
     """
-    timeline = memory_timeline(spans, costs, placement)
+    timeline = memory_timeline(spans, costs, placement, scattering)
     return tuple(max(b for _, b in timeline[r]) for r in sorted(timeline))
 
 

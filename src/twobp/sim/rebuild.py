@@ -27,7 +27,7 @@ from twobp.schedule.schedule import Schedule
 from twobp.sim.cost_io import format_amount
 from twobp.sim.costs import CostModel
 from twobp.sim.memory import memory_timeline
-from twobp.sim.result import SimResult
+from twobp.sim.result import SimResult, scattering
 from twobp.sim.simulate import simulate
 
 __all__ = ["RebuildError", "fewest_rebuilds", "rebuild_count"]
@@ -115,7 +115,8 @@ def _held_at_peak(
 ) -> dict[tuple[int, int], float]:
     """The stashes ``rank`` holds at its peak that a rebuild could drop: per
     ``(stage, micro-batch)``, how long it is held (from its ``I`` to its ``W``)."""
-    points = memory_timeline(result.spans, costs, schedule.placement)[rank]
+    agreed = scattering(schedule, costs)
+    points = memory_timeline(result.spans, costs, schedule.placement, agreed)[rank]
     top = max(b for _, b in points)
     # The peak is held from the first change that reaches it until the next change.
     start = next(t for t, b in points if b >= top - _EPS)

@@ -95,7 +95,7 @@ def summarise(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> Si
         idle=tuple(total - b for b in busy),
         bubble_ratios=ratios,
         bubble_ratio=sum(ratios) / len(ratios),
-        peak_memory=peak_memory(spans, costs, schedule.placement),
+        peak_memory=peak_memory(spans, costs, schedule.placement, scattering(schedule, costs)),
         gather_wait=waited,
     )
 
@@ -196,6 +196,15 @@ def jittered(timing: Timing, spread: float, seed: int) -> Timing:
     return Timing(duration, timing.transfer)
 
 
+def scattering(schedule: Schedule, costs: CostModel) -> dict[int, frozenset[int]] | None:
+    """Each rank's stages that reduce-scatter their gradients after each ``W`` (sharded
+    parameters), agreed among each stage's holders as the runtime does
+    (:func:`~twobp.schedule.gradient_scatter.scattered_each_w_by_rank`); None otherwise."""
+    if not costs.shard_parameters or costs.scatter_each_w is False:
+        return None
+    return scattered_each_w_by_rank(schedule, costs.scatter_each_w)
+
+
 def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) -> list[Span]:
     """The spans with each gradient reduction ending when its all-reduce can.
 
@@ -209,8 +218,8 @@ def reductions_met(schedule: Schedule, costs: CostModel, spans: Sequence[Span]) 
     spans = list(spans)
     scatters: list[int] = []
     idle: dict[int, float] = {}
-    if costs.shard_parameters and costs.scatter_each_w is not False:
-        agreed = scattered_each_w_by_rank(schedule, costs.scatter_each_w)
+    agreed = scattering(schedule, costs)
+    if agreed is not None:
         for rank, actions in schedule.actions.items():
             each = agreed[rank]
             if not each:
