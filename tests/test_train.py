@@ -266,3 +266,21 @@ def test_train_chooses_the_tensor_parallel_size_of_a_range(tmp_path, torch_one_t
     assert read_toml(TrainConfig, out / "config.toml")["tensor_parallel"] == [1, 2]
     assert main([*argv, "--schedule", "zb-h1", "--overwrite"]) == 2
     assert "does not take a schedule by name" in capfd.readouterr().err
+
+
+def test_train_chimera_with_its_parameters_sharded_over_its_two_pipelines(
+    tmp_path, torch_one_thread
+):
+    # One copy: Chimera holds each stage on both ranks, which shard it between them.
+    out = tmp_path / "run"
+    argv = [
+        "train", "--ranks", "2", "--schedule", "chimera", "--shard-parameters",
+        "--steps", "3", "--batch-size", "8", "--microbatches", "4", "--seq-len", "16",
+        "--dtype", "float64", "--threads", "1", "--timeout", "60", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["losses"] == pytest.approx(_one_process_losses(argv), rel=0, abs=1e-10)
+    assert list((out / "checkpoints").iterdir())
+    resumed = [*argv[:-2], "--out", str(tmp_path / "again"), "--steps", "4", "--resume", str(out)]
+    assert main(resumed) == 0

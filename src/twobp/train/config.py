@@ -83,9 +83,9 @@ class TrainConfig:
         False,
     )
     shard_parameters: bool = doc(
-        "shard each stage's parameters, gradients and AdamW's state over the data-parallel "
-        "copies (ZeRO-3): weights gathered for F and I only, freed before W; needs "
-        "--data-parallel 2 or more",
+        "shard each stage's parameters, gradients and AdamW's state over the ranks that hold "
+        "it (ZeRO-3): weights gathered for F and I only, freed before W; needs "
+        "--data-parallel 2 or more, or --schedule chimera or dualpipe",
         False,
     )
     scatter_each_w: bool = doc(

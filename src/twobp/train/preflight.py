@@ -88,8 +88,12 @@ def _check_shard_parameters(cfg: TrainConfig) -> None:
         raise OptionError("--scatter-each-w needs --shard-parameters")
     if not cfg.shard_parameters:
         return
+    # Chimera and DualPipe hold each stage on two ranks of one copy: they shard over those.
+    two_pipelines = cfg.schedule in ("chimera", "dualpipe")
     problems = {
-        "--data-parallel 1: give 2 or more copies to shard over": cfg.data_parallel < 2,
+        "--data-parallel 1: give 2 or more copies to shard over (or --schedule chimera or "
+        "dualpipe, whose two pipelines hold each stage twice)": cfg.data_parallel < 2
+        and not two_pipelines,
     }
     chosen = [text for text, on in problems.items() if on]
     if chosen:
