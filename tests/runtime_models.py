@@ -230,3 +230,19 @@ needs_no_process_group = pytest.mark.skipif(
 )
 """Skips a test when this process already belongs to a group (the pipeline
 under test would join it instead of making its own)."""
+
+
+def assert_trained_as(
+    reference: dict[str, Any], got: dict[str, Any], tol: float, where: Any
+) -> None:
+    """A rank's ``losses``, clipped ``norms`` and ``state`` (each parameter it holds, by
+    name) equal those of the single-process ``reference`` within ``tol``."""
+    for ours, want in zip(got["losses"], reference["losses"], strict=True):
+        assert abs(ours - want) <= tol, (where, "loss", ours, want)
+    for ours, want in zip(got["norms"], reference["norms"], strict=True):
+        assert abs(ours - want) <= tol, (where, "norm", ours, want)
+    assert got["state"], where
+    for name, value in got["state"].items():
+        torch.testing.assert_close(
+            value, reference["state"][name], rtol=0, atol=tol, msg=f"{where} {name}"
+        )

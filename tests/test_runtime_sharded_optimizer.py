@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn, make_batch
 from sharded_optimizer_workers import CLIP, N_MB, PART, checkpoints, train_many
 from twobp.runtime import launch
 from twobp.sim import CostModel
@@ -74,14 +74,7 @@ def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, 
     reference = _reference(model, copies)
     for rank, r in enumerate(results):
         assert r["kind"] == "AdamW"
-        for got, want in zip(r["losses"], reference["losses"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        for got, want in zip(r["norms"], reference["norms"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        for name, value in r["state"].items():
-            torch.testing.assert_close(
-                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
-            )
+        assert_trained_as(reference, r, TOL, (case, rank))
         assert r["optimizer"] == r["own"] > 0, (case, rank)
         # The gathers start in the order of the stages' first F (interleaved: not that of R).
         stages = [k for k in r["gathers"] if k.startswith("stage ")]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime_models import LR, N_STEPS, build_blocks, loss_fn
+from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn
 from sharded_parameters_workers import (
     CLIP,
     auto_schedule,
@@ -72,15 +72,7 @@ def test_sharded_parameters_match_one_process(results: list[dict[str, Any]], cas
     assert any(r[repr(case)]["held at W"] for r in results), "some rank ran a W"
     for rank, r in enumerate(results):
         r = r[repr(case)]
-        for got, want in zip(r["losses"], reference["losses"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        for got, want in zip(r["norms"], reference["norms"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        assert r["state"], (case, rank)
-        for name, value in r["state"].items():
-            torch.testing.assert_close(
-                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
-            )
+        assert_trained_as(reference, r, TOL, (case, rank))
         assert r["between"] and not any(r["between"]), (case, rank)
         assert not any(r["gathered after a step"]), (case, rank)
         # Each stage's last W of a step ran on the shards alone: its weights were freed

@@ -15,14 +15,13 @@ up), and model stage 0, whose holders list one ``W`` each, after it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from runtime_models import LR, N_STEPS, build_blocks, loss_fn, make_batch
+from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn, make_batch
 from sharded_two_pipelines_workers import CLIP, PART, train_many
 from twobp.runtime import launch
 
@@ -63,15 +62,7 @@ def _reference(copies: int, model: str) -> dict[str, Any]:
 def _check(case: tuple[Any, ...], results: list[dict[str, Any]]) -> None:
     reference = _reference(case[1], case[5])
     for rank, r in enumerate(results):
-        for got, want in zip(r["losses"], reference["losses"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        for got, want in zip(r["norms"], reference["norms"], strict=True):
-            assert math.isclose(got, want, rel_tol=0, abs_tol=TOL), (case, rank, got, want)
-        assert r["state"], (case, rank)
-        for name, value in r["state"].items():
-            torch.testing.assert_close(
-                value, reference["state"][name], rtol=0, atol=TOL, msg=f"{case} {name}"
-            )
+        assert_trained_as(reference, r, TOL, (case, rank))
         assert r["between"] and not any(r["between"]), (case, rank)
         assert 0 < r["held"] <= 0.6 * r["unsharded"], (case, rank, r["held"], r["unsharded"])
         # Sharded over every holder: Chimera on 2 x 2 holds a quarter, not half.
