@@ -1,5 +1,6 @@
-"""A launch whose port another process takes before rank 0 listens on it starts again on a
-new port (no rank ran the function yet); any other failure is raised as it is."""
+"""A launch whose port another process takes before rank 0 listens on it, or whose gloo
+ranks cannot connect, starts again on a new port (no rank ran the function yet); any other
+failure is raised as it is."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from twobp.runtime import LaunchError, launch
+from twobp.runtime.errors import RankFailure
 
 # the module (``twobp.runtime.launch`` is also the name of the function it exports)
 launching = importlib.import_module("twobp.runtime.launch")
@@ -55,5 +57,20 @@ def test_other_failures_are_raised_after_one_launch(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(launching, "free_port", lambda: calls.append(real()) or calls[-1])
     with pytest.raises(LaunchError, match="the function's own error") as caught:
         launch(_fails, 2, threads_per_rank=1, timeout=120)
-    assert not launching.port_taken(caught.value)
+    assert not launching.group_not_formed(caught.value)
     assert len(calls) == 1
+
+
+def _failed_in(message: str, where: str, error_type: str = "RuntimeError") -> LaunchError:
+    trace = f'  File "twobp/runtime/{where}", line 1, in {where}\n'
+    return LaunchError([RankFailure(1, 1, error_type, message, trace)], 2)
+
+
+def test_a_gloo_mesh_that_could_not_connect_is_launched_again() -> None:
+    mesh = "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:3958"
+    assert launching.group_not_formed(_failed_in(mesh, "init_default_group"))
+    # the same words from the function itself (it ran): raised as they are
+    assert not launching.group_not_formed(_failed_in(mesh, "worker"))
+    taken = "The server socket has failed to listen on any local network address. EADDRINUSE"
+    assert launching.group_not_formed(_failed_in(taken, "init_default_group", "DistNetworkError"))
+    assert not launching.group_not_formed(_failed_in("out of memory", "init_default_group"))

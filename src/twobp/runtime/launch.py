@@ -150,26 +150,27 @@ def launch(
                 timeout, group_timeout,
             )  # fmt: skip
         except LaunchError as exc:
-            if attempt >= _PORT_ATTEMPTS or not port_taken(exc):
+            if attempt >= _PORT_ATTEMPTS or not group_not_formed(exc):
                 raise
             attempt += 1
 
 
 _PORT_ATTEMPTS = 3
-"""Launches tried, each on a new port, while another process takes the port between
-:func:`free_port` and rank 0's listening on it (before any rank runs ``fn``)."""
+"""Launches tried, each on a new port, while the ranks fail to form their group for
+another process's sockets (:func:`group_not_formed`; before any rank runs ``fn``)."""
 
 
-def port_taken(exc: LaunchError) -> bool:
-    """Whether a launch failed only because rank 0 could not listen on its port: another
-    process took it after :func:`free_port` found it free. No rank ran ``fn`` then."""
+def group_not_formed(exc: LaunchError) -> bool:
+    """Whether a launch failed only because its ranks could not form their group: rank 0
+    could not listen on its port (another process took it after :func:`free_port` found it
+    free), or gloo could not connect two ranks (a port of 127.0.0.1 it dialled was closed by
+    another process's sockets). No rank ran ``fn`` then."""
     first = exc.failures[0] if exc.failures else None
-    return (
-        first is not None
-        and first.error_type == "DistNetworkError"
-        and "EADDRINUSE" in first.message
-        and "init_default_group" in first.traceback
-    )
+    if first is None or "init_default_group" not in first.traceback:
+        return False
+    if first.error_type == "DistNetworkError" and "EADDRINUSE" in first.message:
+        return True
+    return "connectFullMesh failed" in first.message
 
 
 def _launch_once(
