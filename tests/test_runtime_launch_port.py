@@ -67,7 +67,7 @@ def _failed_in(message: str, where: str, error_type: str = "RuntimeError") -> La
 
 
 def test_a_gloo_mesh_that_could_not_connect_is_launched_again() -> None:
-    mesh = "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:3958"
+    mesh = "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer"
     assert launching.group_not_formed(_failed_in(mesh, "init_default_group"))
     # the same words from the function itself (it ran): raised as they are
     assert not launching.group_not_formed(_failed_in(mesh, "worker"))
