@@ -26,6 +26,7 @@ keep the schedule's own ``W`` placement: one static variant. Each pipeline plans
 same first batch (a V balances its stages there).
 
     PYTHONPATH=src .venv/bin/python benchmarks/dynamic_weights/run.py [--rounds 15]
+        [--cases 1f1b:2,zb-v:4] [--conditions "as is,seq-len"]
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     spec = build_model("llama", "small", seed=0, seq_len=SEQ, vocab_size=256)
     blocks: list[nn.Module] = [Slowable(b) for b in spec.blocks]
     out: dict[str, Any] = {}
-    for schedule, m in CASES:
+    for schedule, m in args["cases"]:
         pipes = _pipelines(blocks, spec.loss_fn, schedule, m)
-        for condition in CONDITIONS:
+        for condition in args["conditions"]:
             draw = random.Random(f"{schedule}{m}{condition}")
             times: dict[str, list[float]] = {p: [] for p in pipes}
             counts: dict[str, list[dict[str, float]]] = {p: [] for p in pipes}
@@ -189,7 +190,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="rounds measured per condition")
     parser.add_argument("--warmup", type=int, default=2, help="rounds not measured")
+    parser.add_argument(
+        "--cases",
+        default=",".join(f"{s}:{m}" for s, m in CASES),
+        help="schedule:micro-batches pairs, comma-separated (default: all four)",
+    )
+    parser.add_argument(
+        "--conditions",
+        default=",".join(CONDITIONS),
+        help=f"conditions, comma-separated, of: {', '.join(CONDITIONS)} (default: all)",
+    )
     args = vars(parser.parse_args())
+    args["cases"] = [(c.split(":")[0], int(c.split(":")[1])) for c in args["cases"].split(",")]
+    args["conditions"] = args["conditions"].split(",")
+    unknown = sorted(set(args["conditions"]) - set(CONDITIONS))
+    if unknown:
+        raise SystemExit(f"unknown conditions {unknown}: choose among {', '.join(CONDITIONS)}")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs 2 cores: one per rank")
