@@ -26,12 +26,11 @@ def _actions(text: str) -> list[Action]:
     return [Action.parse(a) for a in text.split()]
 
 
-def _fused(text: str, placement: tuple[int, ...] = (0,), out_of_groups: bool = False) -> str:
+def _fused(text: str, placement: tuple[int, ...] = (0,)) -> str:
     """Rank 0's actions after the pass (other ranks, if any, have none)."""
     ranks = {r: [] for r in set(placement)}
     schedule = Schedule(placement, 4, {**ranks, 0: _actions(text)})
-    fused = fuse_first_stage_backward(schedule, out_of_groups=out_of_groups)
-    return " ".join(map(str, fused.actions[0]))
+    return " ".join(map(str, fuse_first_stage_backward(schedule).actions[0]))
 
 
 def test_pairs_of_the_first_stage_become_full_backwards():
@@ -48,30 +47,6 @@ def test_other_stages_keep_their_split():
     assert _fused("3F0 3I0 3W0 0F0 0I0 0W0", placement) == "3F0 3I0 3W0 0F0 0B0"
     unchanged = Schedule(placement, 4, {0: _actions("3F0 3I0 3W0"), 1: []})
     assert fuse_first_stage_backward(unchanged) is unchanged
-
-
-def test_out_of_groups_an_i_before_a_w_over_it_and_others_becomes_b_and_the_rest():
-    actions = "0F0 0F1 0F2 0F3 0I0 0I1 0I2 0I3 0W0-3"
-    assert _fused(actions) == actions
-    assert _fused(actions, out_of_groups=True) == "0F0 0F1 0F2 0F3 0I0 0I1 0I2 0B3 0W0-2"
-    # the micro-batch anywhere in the group; a W that does not hold it stays apart
-    assert _fused("0F0 0F1 0I1 0W0-1 0I0", out_of_groups=True) == "0F0 0F1 0B1 0W0 0I0"
-    assert _fused("0F0 0F1 0I0 0I1 0W0 0W1", out_of_groups=True) == "0F0 0F1 0I0 0I1 0W0 0W1"
-    placement = (0, 1, 1, 0)
-    assert _fused("3F0 3F1 3I1 3W0-1", placement, out_of_groups=True) == "3F0 3F1 3I1 3W0-1"
-
-
-def test_the_dynamic_policy_fuses_the_first_stages_last_backward():
-    from twobp.schedule.prepare import prepare
-
-    def rank0(policy: str, m: int) -> str:
-        schedule = prepare("1f1b", n_ranks=2, n_microbatches=m, policy=policy)
-        return " ".join(map(str, schedule.actions[0]))
-
-    assert rank0("dynamic", 2) == "0F0 0F1 0I0 0B1 0W0"
-    assert rank0("dynamic", 4) == "0F0 0F1 0I0 0F2 0I1 0F3 0I2 0B3 0W0-2"
-    # the static policies keep their groups (the cost model's concatenation)
-    assert rank0("paper", 4).endswith("0I3 0W1-3")
 
 
 @needs_no_process_group

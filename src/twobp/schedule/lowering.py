@@ -95,7 +95,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def fuse_first_stage_backward(schedule: Schedule, *, out_of_groups: bool = False) -> Schedule:
+def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
     """Run a first stage's ``I`` directly followed by its own ``W`` as one ``B``.
 
     Nobody waits for the first stage's input gradient (there is no stage
@@ -105,15 +105,9 @@ def fuse_first_stage_backward(schedule: Schedule, *, out_of_groups: bool = False
 
     Args:
         schedule: a compute-only schedule.
-        out_of_groups: also where the ``W`` right after ``Ik`` concatenates ``k``
-            with other micro-batches: ``Ik W(S)`` becomes ``Bk W(S - {k})``. The
-            ``dynamic`` policy lists its ``W`` so: by the time the list reaches
-            such a ``W`` the waits have mostly run the others, and ``Wk`` would
-            run alone, split from its ``I`` for nothing.
 
     Returns:
-        The schedule with each such pair replaced by a ``B`` (and, with
-        ``out_of_groups``, the rest of the ``W``); same name.
+        The schedule with each such pair replaced by a ``B``; same name.
     """
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
@@ -123,39 +117,22 @@ def fuse_first_stage_backward(schedule: Schedule, *, out_of_groups: bool = False
             if skip:
                 skip = False
                 continue
-            rest = _fusable_rest(schedule, here, after, out_of_groups)
-            if rest is None:
+            if (
+                after is not None
+                and schedule.model_stage(here.stage) == 0
+                and here.kind is Kind.BACKWARD_INPUT
+                and after.kind is Kind.BACKWARD_WEIGHT
+                and after.stage == here.stage
+                and after.microbatches == here.microbatches
+            ):
+                out.append(Action(here.stage, Kind.FULL_BACKWARD, here.microbatches))
+                skip = True
+            else:
                 out.append(here)
-                continue
-            out.append(Action(here.stage, Kind.FULL_BACKWARD, here.microbatches))
-            if rest:
-                out.append(Action(here.stage, Kind.BACKWARD_WEIGHT, rest))
-            skip = True
         actions[rank] = out
     if all(tuple(out) == schedule.actions[r] for r, out in actions.items()):
         return schedule
     return schedule.with_actions(actions)
-
-
-def _fusable_rest(
-    schedule: Schedule, here: Action, after: Action | None, out_of_groups: bool
-) -> tuple[int, ...] | None:
-    """The micro-batches ``after`` keeps if ``here`` (a first stage's ``I``) and ``after``
-    (its ``W``) run as ``B`` of ``here``'s micro-batch then ``W`` of those; None: they
-    stay as they are."""
-    if (
-        after is None
-        or schedule.model_stage(here.stage) != 0
-        or here.kind is not Kind.BACKWARD_INPUT
-        or after.kind is not Kind.BACKWARD_WEIGHT
-        or after.stage != here.stage
-    ):
-        return None
-    if after.microbatches == here.microbatches:
-        return ()
-    if out_of_groups and here.microbatch in after.microbatches:
-        return tuple(mb for mb in after.microbatches if mb != here.microbatch)
-    return None
 
 
 def merge_backward(schedule: Schedule) -> Schedule:
