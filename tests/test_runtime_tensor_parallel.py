@@ -127,6 +127,7 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank():
         ("mesh layout", 4, "twobp lays them out dp x pp x tp with tp innermost"),
         ("mesh size", 4, "tensor_parallel=4 but the mesh {'pp': 2, 'tp': 2} says 2"),
         ("mesh of copies", 4, "with a mesh= of dims ('dp', 'pp'): give a mesh with dims"),
+        ("sizes differ", 2, "other tensor_parallel sizes (rank 0: 2, rank 1: 1; none counts"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_on_every_rank(case, ranks, words):
