@@ -83,7 +83,9 @@ def same_tensor_parallel(
         code = 1 if size is None else size
     else:
         code = _RANGE | stable_hash(repr(sorted(size))) % _RANGE  # type: ignore[call-overload]
-    codes = [row[0] for row in agree(world, device, timeout, None, "at the start", [code])]
+    codes = [
+        row[0] for row in agree(world, device, timeout, None, "comparing tensor_parallel", [code])
+    ]
     if len(set(codes)) == 1:
         return
     given = ", ".join(f"rank {r}: {c if c < _RANGE else 'a range'}" for r, c in enumerate(codes))
