@@ -95,7 +95,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
+def fuse_first_stage_backward(schedule: Schedule, *, out_of_groups: bool = False) -> Schedule:
     """Run a first stage's ``I`` directly followed by its own ``W`` as one ``B``.
 
     Nobody waits for the first stage's input gradient (there is no stage
@@ -105,9 +105,17 @@ def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
 
     Args:
         schedule: a compute-only schedule.
+        out_of_groups: also every ``Ik`` of a first stage after which its rank runs
+            nothing but that stage's ``I`` and ``W`` (its cool-down): ``Ik`` becomes
+            ``Bk`` and ``k`` leaves the ``W`` that held it (``0I6 0I7 0W0-7`` becomes
+            ``0B6 0B7 0W0-5``). Deferring those ``W`` lets no other action of the
+            rank run earlier; the ``dynamic`` policy would run them in the waits for
+            the next ``I``, where the fused ``B`` (cheaper than ``I`` and ``W`` apart)
+            runs as well.
 
     Returns:
-        The schedule with each such pair replaced by a ``B``; same name.
+        The schedule with each such pair replaced by a ``B`` (and, with
+        ``out_of_groups``, the cool-down's ``I`` by ``B``); same name.
     """
     actions: dict[int, list[Action]] = {}
     for rank, acts in schedule.actions.items():
@@ -129,10 +137,33 @@ def fuse_first_stage_backward(schedule: Schedule) -> Schedule:
                 skip = True
             else:
                 out.append(here)
-        actions[rank] = out
+        actions[rank] = _fused_cool_down(schedule, out) if out_of_groups else out
     if all(tuple(out) == schedule.actions[r] for r, out in actions.items()):
         return schedule
     return schedule.with_actions(actions)
+
+
+def _fused_cool_down(schedule: Schedule, actions: list[Action]) -> list[Action]:
+    """``actions`` with the ``I`` of a first stage's cool-down (the end of the list where
+    the rank runs only that stage's ``I`` and ``W``) as ``B``, out of their ``W``."""
+    start = len(actions)
+    while (
+        start > 0
+        and actions[start - 1].stage == actions[-1].stage
+        and schedule.model_stage(actions[start - 1].stage) == 0
+        and actions[start - 1].kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+    ):
+        start -= 1
+    fused = {a.microbatch for a in actions[start:] if a.kind is Kind.BACKWARD_INPUT}
+    tail: list[Action] = []
+    for action in actions[start:]:
+        if action.kind is Kind.BACKWARD_INPUT:
+            tail.append(Action(action.stage, Kind.FULL_BACKWARD, action.microbatches))
+            continue
+        rest = tuple(mb for mb in action.microbatches if mb not in fused)
+        if rest:
+            tail.append(Action(action.stage, action.kind, rest))
+    return actions[:start] + tail
 
 
 def merge_backward(schedule: Schedule) -> Schedule:

@@ -266,8 +266,9 @@ def finish_schedule(
         merged = merge_stages(finished, fused)
         split = [str(s) for s, b in enumerate(per_stage) if b]
         finished = merged.with_actions(merged.actions, f"{merged.name}:stages={','.join(split)}")
-    # Nobody waits for the first stage's input gradient: its I and W run as one B.
-    finished = fuse_first_stage_backward(finished)
+    # Nobody waits for the first stage's input gradient: its I and W run as one B (under
+    # dynamic, its cool-down's too).
+    finished = fuse_first_stage_backward(finished, out_of_groups=two_bp and policy == DYNAMIC)
     if reduce:
         finished = add_reductions(finished)
     validate(finished)
