@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.base.group import Membership
@@ -81,10 +80,7 @@ def agree(
         tensor = torch.zeros(world.size, len(row), dtype=torch.int64)
         tensor[world.rank] = torch.tensor(row, dtype=torch.int64)
         tensor = tensor.to(device)
-        peer = 1 - world.rank if world.size == 2 else None
-        collective.all_reduce(
-            world, tensor, dist.ReduceOp.SUM, timeout, "the other ranks", where=where, peer=peer
-        )
+        collective.sum_small(world, tensor, timeout, "the other ranks", where=where)
         table = tensor.cpu().tolist()
     if any(r[0] for r in table):
         _raise_shared(world, problem)
@@ -141,10 +137,7 @@ def agree_small(
         tensor.zero_()
         shift = _SLOT_BITS * (world.rank % _RANKS_PER_INTEGER)
         tensor[world.rank // _RANKS_PER_INTEGER] = slot << shift
-        peer = 1 - world.rank if size == 2 else None
-        collective.all_reduce(
-            world, tensor, dist.ReduceOp.SUM, timeout, "the other ranks", where=where, peer=peer
-        )
+        collective.sum_small(world, tensor, timeout, "the other ranks", where=where)
         packed = tensor.cpu().tolist()
         mask = (1 << _SLOT_BITS) - 1
         slots = [

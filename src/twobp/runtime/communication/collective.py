@@ -136,6 +136,46 @@ def all_reduce(
     return tensor
 
 
+def sum_small(
+    world: Membership,
+    tensor: Tensor,
+    timeout: float,
+    what: str,
+    *,
+    where: str = "in a collective",
+) -> Tensor:
+    """Sum a small ``tensor`` over all ranks, in place: :func:`all_reduce`, or between two
+    gloo ranks a point-to-point exchange.
+
+    Gloo's all-reduce of two ranks takes two rounds of messages (0.3-0.4 ms where the
+    peer is already waiting); an exchange, each rank sending its tensor and adding the
+    other's, takes one (0.1 ms). ``a + b`` and ``b + a`` are the same number, so both
+    ranks hold the same sum, as after an all-reduce. What the start and the end of
+    every step agree on goes this way.
+    """
+    if world.group is None:
+        return tensor
+    if world.size != 2 or tensor.device.type != "cpu" or "gloo" not in (world.backend or ""):
+        return all_reduce(world, tensor, dist.ReduceOp.SUM, timeout, what, where=where)
+    peer = 1 - world.rank
+    other = torch.empty_like(tensor)
+    held = (holders_of(tensor), holders_of(other))
+    group = world.group
+    received = dist.irecv(other, group=group, tag=_EXCHANGE_TAG, group_src=peer)
+    sent = dist.isend(tensor, group=group, tag=_EXCHANGE_TAG, group_dst=peer)
+    for work in (received, sent):
+        wait_work(work, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout)
+    del received, sent, work
+    wait_released(tensor, held[0])
+    wait_released(other, held[1])
+    return tensor.add_(other)
+
+
+_EXCHANGE_TAG = 0x2B9
+"""The tag of :func:`sum_small`'s messages: apart from any other point-to-point message on
+the group."""
+
+
 def all_gather_objects(world: Membership, value: Any, timeout: float = 300.0) -> list[Any]:
     """Each rank's ``value`` (picklable), indexed by rank.
 

@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from twobp.runtime.base.group import Membership
@@ -130,7 +129,7 @@ def end_step(
     if failure is not None:
         own = not isinstance(failure.error, PeerStepFailedError)
         status[head + n + members.rank] = OWN_ERROR if own else PEER_FAILED
-    collective.all_reduce(members, status, dist.ReduceOp.SUM, timeout, "the end of the step")
+    collective.sum_small(members, status, timeout, "the end of the step")
     values = status.tolist()
     loss = values[1] / values[0] if values[0] else (math.nan if values[3] else None)
     codes = [int(v) for v in values[head + n :]]
