@@ -2,9 +2,10 @@
 
 A problem that only one rank can see (its batch is missing, its checkpoint
 file is bad) must not leave the others waiting on it. :func:`agree` is one
-small all-reduce in which each rank says whether it found a problem; if any
-did, every rank raises the same error class, with the message of the rank
-that found it. It also carries a few integers per rank (batch sizes, step
+small sum over the ranks (:func:`twobp.runtime.communication.collective.sum_small`: an
+all-reduce, or between two gloo ranks a point-to-point exchange) in which each rank says
+whether it found a problem; if any did, every rank raises the same error class, with the
+message of the rank that found it. It also carries a few integers per rank (batch sizes, step
 counts), so checks that compare ranks cost nothing more.
 """
 

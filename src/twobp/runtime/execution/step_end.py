@@ -1,9 +1,10 @@
 """The end of a step, the same on every rank: the loss, or who failed, where and why.
 
-Every step ends with one small all-reduce (it replaces the broadcast of the
-loss): the weighted sum of the micro-batch losses and the sum of their weights
-from the ranks of the last stages (one per pipeline and per data-parallel
-copy), or, for a loss that returns ``(sum, count)``, the sums and the counts,
+Every step ends with one small sum over the ranks (an all-reduce, or between two gloo
+ranks a point-to-point exchange: :func:`twobp.runtime.communication.collective.sum_small`;
+it replaces the broadcast of the loss): the weighted sum of the micro-batch losses and
+the sum of their weights from the ranks of the last stages (one per pipeline and per
+data-parallel copy), or, for a loss that returns ``(sum, count)``, the sums and the counts,
 so that every rank gets the mean over the global batch (and the count that
 divides the gradients of such a loss), the first micro-batch whose loss is not
 finite, and each rank's status (0 fine, 1 failed by its own

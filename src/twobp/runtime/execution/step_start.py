@@ -2,7 +2,8 @@
 
 Only the rank of the first stage sees the inputs and only the rank of the last
 stage the targets, so only they can tell that a batch is missing or does not
-split. Every step starts with one small all-reduce, which replaces the barrier
+split. Every step starts with one small sum over the ranks (an all-reduce, or between
+two gloo ranks a point-to-point exchange), which replaces the barrier
 that aligns the ranks' clocks: each rank says whether its batches are fine,
 which call it is in, its step count, the size of the batch it holds and, on
 the rank of each copy's first stage, which slot of learnt boundary layouts
