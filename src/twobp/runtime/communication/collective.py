@@ -59,26 +59,39 @@ def wait_work(
         PeerTimeoutError: if the operation did not finish in time.
         PeerFailedError: if the backend reported a failure (a closed connection).
     """
-    who = f"rank {peer}" if peer is not None else "another rank"
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        text = str(exc)
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            raise PeerTimeoutError(
-                f"rank {rank} {where} waited more than {timeout:g} s for {what} from {who}; "
-                f"{who} is stuck, slow or gone. Check its log, or raise the pipeline's "
-                "timeout if its work legitimately takes longer",
-                rank,
-                peer,
-            ) from exc
+        raise peer_error(
+            exc, rank=rank, peer=peer, where=where, what=what, timeout=timeout
+        ) from exc
+
+
+def peer_error(
+    exc: RuntimeError, *, rank: int, peer: int | None, where: str, what: str, timeout: float
+) -> PeerTimeoutError | PeerFailedError:
+    """The error to raise, from ``exc``, for a backend's failure while this rank posted or
+    waited for ``what`` (arguments as :func:`wait_work`)."""
+    who = f"rank {peer}" if peer is not None else "another rank"
+    text = str(exc)
+    error: PeerTimeoutError | PeerFailedError
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        error = PeerTimeoutError(
+            f"rank {rank} {where} waited more than {timeout:g} s for {what} from {who}; "
+            f"{who} is stuck, slow or gone. Check its log, or raise the pipeline's "
+            "timeout if its work legitimately takes longer",
+            rank,
+            peer,
+        )
+    else:
         first_line = text.splitlines()[0] if text else type(exc).__name__
-        raise PeerFailedError(
+        error = PeerFailedError(
             f"rank {rank} {where}: communication with {who} failed while waiting for {what} "
             f"({first_line}); {who} probably failed: see its error",
             rank,
             peer,
-        ) from exc
+        )
+    return error
 
 
 def barrier(world: Membership, timeout: float, where: str) -> None:
@@ -161,8 +174,12 @@ def sum_small(
     other = torch.empty_like(tensor)
     held = (holders_of(tensor), holders_of(other))
     group = world.group
-    received = dist.irecv(other, group=group, tag=_EXCHANGE_TAG, group_src=peer)
-    sent = dist.isend(tensor, group=group, tag=_EXCHANGE_TAG, group_dst=peer)
+    try:  # a peer gone is seen as the messages are posted, as well as in the wait
+        received = dist.irecv(other, group=group, tag=_EXCHANGE_TAG, group_src=peer)
+        sent = dist.isend(tensor, group=group, tag=_EXCHANGE_TAG, group_dst=peer)
+    except RuntimeError as exc:
+        error = peer_error(exc, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout)
+        raise error from exc
     for work in (received, sent):
         wait_work(work, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout)
     del received, sent, work
