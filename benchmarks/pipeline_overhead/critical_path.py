@@ -17,24 +17,22 @@ of the two variants for each.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from twobp.models import build_model
 from twobp.runtime import Pipeline, launch
-from twobp.schedule import Schedule
-from twobp.sim import CostModel, simulate
+from twobp_bench.config import REGIMES
+from twobp_bench.matrix import stage_partition
+from twobp_bench.simcheck import replayed_step
 
-REGIMES = {
-    # as twobp bench's regimes: (model sizes, sequences per micro-batch)
-    "large": ({"dim": 256, "ffn_dim": 688, "seq_len": 64}, 4),
-    "small": ({"dim": 512, "ffn_dim": 1376, "seq_len": 16}, 2),
-}
 MICROBATCHES = 2
 
 
@@ -42,8 +40,8 @@ def measure(regime: str, rounds: int, warmup: int) -> dict[str, Any]:
     """On every rank: each variant's step times and its actions' times (all ranks')."""
     rank = torch.distributed.get_rank()
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
-    sizes, rows = REGIMES[regime]
-    spec = build_model("llama", "tiny", seed=0, vocab_size=256, n_layers=4, n_heads=8, **sizes)
+    spec = build_model("llama", "tiny", seed=0, **dict(REGIMES[regime].overrides))
+    partition = list(stage_partition([k.value for k in spec.block_kinds], 2))
     pipes = {}
     for two_bp in (False, True):
         for other in pipes.values():
@@ -54,14 +52,12 @@ def measure(regime: str, rounds: int, warmup: int) -> dict[str, Any]:
             schedule="1f1b",
             n_microbatches=MICROBATCHES,
             two_bp=two_bp,
-            partition=[3, 3],
+            partition=partition,
             num_threads=1,
         )
     for pipe in pipes.values():
         pipe.release_blocks()
-    gen = torch.Generator().manual_seed(0)
-    shape = (rows * MICROBATCHES, sizes["seq_len"])
-    inputs, targets = torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape)
+    inputs, targets = spec.make_batch(REGIMES[regime].microbatch_size * MICROBATCHES, 0)
     steps: dict[bool, list[float]] = defaultdict(list)
     actions: dict[bool, dict[str, list[float]]] = {tb: defaultdict(list) for tb in pipes}
     for round_ in range(warmup + rounds):
@@ -94,31 +90,10 @@ def measure(regime: str, rounds: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def replay(lists: dict[int, list[str]], times: dict[str, float]) -> float:
-    """The step of ``lists`` with each action taking ``times`` and nothing else taking any."""
-    from twobp.schedule.action import Action
-
-    def at(stage: int, kind: str, count: int = 1) -> float:
-        return times.get(f"{stage}:{kind}:{count}", 0.0)
-
-    weights = [
-        {int(k.split(":")[2]): v for k, v in times.items() if k.startswith(f"{s}:W:")} or None
-        for s in range(2)
-    ]
-    model = CostModel(
-        forward=tuple(at(s, "F") for s in range(2)),
-        backward_input=tuple(at(s, "I") for s in range(2)),
-        backward_weight=tuple(at(s, "W") for s in range(2)),
-        backward_full=tuple(at(s, "B") for s in range(2)),
-        weight_concat=tuple(weights),
-    )
-    schedule = Schedule(
-        (0, 1),
-        MICROBATCHES,
-        {r: tuple(Action.parse(a) for a in acts) for r, acts in lists.items()},
-        name="as run",
-    )
-    return simulate(schedule, model).makespan
+def replay(lists: Mapping[int, Sequence[str]], times: Mapping[str, Sequence[float]]) -> float:
+    """The step of ``lists`` with each action taking the mean of its ``times`` (by
+    ``"stage:kind:micro-batches"``) and nothing else taking any: free transfers."""
+    return replayed_step(lists, (0, 1), MICROBATCHES, times, (0.0, math.inf)).makespan
 
 
 def main() -> None:
@@ -135,19 +110,20 @@ def main() -> None:
         for tb, acts in result["actions"].items()
     }
     fused, split = means[False], means[True]
+    timed = result["actions"]
     # The split stage (the last) with the F of plain autograd.
-    plain_forward = {**split, "1:F:1": fused["1:F:1"]}
+    plain_forward = {**timed[True], "1:F:1": timed[False]["1:F:1"]}
     step = {tb: statistics.median(s) for tb, s in result["steps"].items()}
     rows = [
         ("measured step", step[False], step[True]),
         (
             "replay: free transfers, nothing between actions",
-            replay(result["lists"][False], fused),
-            replay(result["lists"][True], split),
+            replay(result["lists"][False], timed[False]),
+            replay(result["lists"][True], timed[True]),
         ),
         (
             "replay, the split stage's F at plain autograd's",
-            replay(result["lists"][False], fused),
+            replay(result["lists"][False], timed[False]),
             replay(result["lists"][True], plain_forward),
         ),
     ]
