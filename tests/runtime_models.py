@@ -232,6 +232,35 @@ needs_no_process_group = pytest.mark.skipif(
 under test would join it instead of making its own)."""
 
 
+def clipped_adamw_reference(
+    model: str,
+    batches: list[list[tuple[Any, Tensor]]],
+    lr: float,
+    clip: float,
+    halve_lr_each_step: bool = False,
+) -> dict[str, Any]:
+    """Plain PyTorch in one process: ``nn.Sequential`` of ``model``'s blocks, trained by
+    AdamW over ``batches`` (per optimizer step, the batches whose gradients it accumulates),
+    the gradients clipped to ``clip`` before each step; with ``halve_lr_each_step``, a
+    ``StepLR`` halving the rate after each. Each loss, each clipped norm and the state, as
+    :func:`assert_trained_as` compares them."""
+    net = nn.Sequential(*build_blocks(model))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    losses, norms = [], []
+    for step_batches in batches:
+        for inputs, targets in step_batches:
+            loss = loss_fn(model)(net(inputs), targets)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+        optimizer.step()
+        if halve_lr_each_step:
+            scheduler.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+
+
 def assert_trained_as(
     reference: dict[str, Any], got: dict[str, Any], tol: float, where: Any
 ) -> None:

@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn, make_batch
+from runtime_models import LR, N_STEPS, assert_trained_as, clipped_adamw_reference, make_batch
 from sharded_optimizer_workers import CLIP, N_MB, PART, checkpoints, train_many
 from twobp.runtime import launch
 from twobp.sim import CostModel
@@ -52,20 +51,8 @@ EIGHT = [("mlp", "1f1b", True, {"data_parallel": 2})]
 
 
 def _reference(model: str, copies: int) -> dict[str, Any]:
-    net = nn.Sequential(*build_blocks(model))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    losses, norms = [], []
-    for step in range(N_STEPS):
-        inputs, targets = make_batch(model, step, PART * copies)
-        loss = loss_fn(model)(net(inputs), targets)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+    batches = [[make_batch(model, step, PART * copies)] for step in range(N_STEPS)]
+    return clipped_adamw_reference(model, batches, LR, CLIP, halve_lr_each_step=True)
 
 
 def _check(case: tuple[str, str, bool, dict[str, Any]], results: list[dict[str, Any]]) -> None:

@@ -18,7 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn
+from runtime_models import (
+    LR,
+    N_STEPS,
+    assert_trained_as,
+    build_blocks,
+    clipped_adamw_reference,
+    loss_fn,
+)
 from sharded_parameters_workers import (
     CLIP,
     auto_schedule,
@@ -46,19 +53,8 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _reference(accumulate: int) -> dict[str, Any]:
-    net = nn.Sequential(*build_blocks("mlp"))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(N_STEPS):
-        for micro in range(accumulate):
-            inputs, targets = batch_of(step, micro, 2)
-            loss = loss_fn("mlp")(net(inputs), targets)
-            loss.backward()
-            losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+    batches = [[batch_of(step, micro, 2) for micro in range(accumulate)] for step in range(N_STEPS)]
+    return clipped_adamw_reference("mlp", batches, LR, CLIP)
 
 
 @pytest.fixture(scope="module")

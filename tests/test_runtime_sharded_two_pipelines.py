@@ -18,10 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-from runtime_models import LR, N_STEPS, assert_trained_as, build_blocks, loss_fn, make_batch
+from runtime_models import LR, N_STEPS, assert_trained_as, clipped_adamw_reference, make_batch
 from sharded_two_pipelines_workers import CLIP, PART, train_many
 from twobp.runtime import launch
 
@@ -45,18 +43,8 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _reference(copies: int, model: str) -> dict[str, Any]:
-    net = nn.Sequential(*build_blocks(model))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(N_STEPS):
-        inputs, targets = make_batch(model, step, PART * copies)
-        loss = loss_fn(model)(net(inputs), targets)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "state": net.state_dict()}
+    batches = [[make_batch(model, step, PART * copies)] for step in range(N_STEPS)]
+    return clipped_adamw_reference(model, batches, LR, CLIP)
 
 
 def _check(case: tuple[Any, ...], results: list[dict[str, Any]]) -> None:
