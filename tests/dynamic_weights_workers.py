@@ -159,7 +159,8 @@ def gated_wait(policy: str, n_mb: int, batch_size: int, timeout: float) -> dict[
 
     def run_part(self: dynamic_weights.WaitFiller) -> Any:
         done = original(self)
-        dist.distributed_c10d._get_default_store().set(GATE, "1")
+        if dist.get_rank() == 1:  # another rank's W in its own wait must not open the gate
+            dist.distributed_c10d._get_default_store().set(GATE, "1")
         return done
 
     dynamic_weights.WaitFiller.run_part = run_part  # type: ignore[method-assign]
