@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from twobp.models import build_model, tensor_parallel_plan
@@ -18,10 +20,23 @@ from twobp.train.engine_summary import rank_summary
 
 LLAMA = {"dim": 16, "n_heads": 4, "ffn_dim": 24, "n_layers": 4, "seq_len": 6, "vocab_size": 32}
 STEPS = 3
-HEADS = ("whole", "tied", "split", "loss_parallel", "tied_loss_parallel")
+HEADS = (
+    "whole",
+    "tied",
+    "split",
+    "loss_parallel",
+    "tied_loss_parallel",
+    "smoothed_loss_parallel",
+)
 """The embedding and the head: whole on every shard; the head tied to a vocabulary-split
 embedding; both split, untied (the head column-parallel with its logits gathered); both split,
-the logits left split for the vocabulary-parallel loss, untied or tied."""
+the logits left split for the vocabulary-parallel loss, untied or tied, or untied with a
+label-smoothed loss."""
+
+
+def smoothed_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The LM loss with ``label_smoothing=0.1``."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
 
 
 def _llama(head: str, **sizes: Any) -> tuple[Any, dict[str, Any]]:
@@ -37,6 +52,8 @@ def _llama(head: str, **sizes: Any) -> tuple[Any, dict[str, Any]]:
         if head.startswith("tied"):
             tie_head(spec.blocks[0].embed, spec.blocks[-1].output)
         plan = tensor_parallel_plan("llama", loss_parallel=True)
+    if head.startswith("smoothed"):
+        spec = dataclasses.replace(spec, loss_fn=smoothed_lm_loss)
     return spec, plan
 
 

@@ -18,15 +18,17 @@ from vocab_parallel_workers import (
 TOLERANCE = 1e-10
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_the_loss_of_the_shards_equals_the_cross_entropy_of_the_whole_logits(reduction):
-    # Logits near 800 (exp overflows without the max), ignored targets, targets on both ranks.
-    for errors in launch(function_errors, 2, reduction, timeout=120):
+def test_the_loss_of_the_shards_equals_the_cross_entropy_of_the_whole_logits(reduction, smoothing):
+    # Logits near 800 (exp overflows without the max), ignored targets, targets on both ranks;
+    # label smoothing as F.cross_entropy's (1.0: the uniform target alone).
+    for errors in launch(function_errors, 2, reduction, smoothing, timeout=120):
         assert errors["finite"] == 1.0, errors
         assert errors["loss"] < TOLERANCE and errors["gradient"] < TOLERANCE, errors
 
 
-@pytest.mark.parametrize("case", ["hugging face", "masked rows"])
+@pytest.mark.parametrize("case", ["hugging face", "masked rows", "smoothing"])
 def test_a_loss_written_for_whole_logits_runs_on_the_shards(case):
     assert all(error < TOLERANCE for error in launch(in_loss_parallel, 2, case, timeout=120))
 
@@ -38,7 +40,7 @@ def test_a_loss_written_for_whole_logits_runs_on_the_shards(case):
         ("vocabulary flattened", "the loss applied reshape to logits split by vocabulary"),
         ("unmarked", "F.cross_entropy of logits that are not the output of the head"),
         ("three dims", "takes logits of 3 dims"),
-        ("smoothing", "takes label_smoothing"),
+        ("class weights", "takes weight"),
     ],
 )
 def test_what_would_read_part_of_the_vocabulary_as_the_whole_is_refused(case, words):
@@ -51,6 +53,12 @@ def test_two_tensor_parallel_ranks_train_through_the_split_logits():
     # the head's W deferred as any linear's (1f1b), ignored targets in every micro-batch.
     cases = [("1f1b", True, 1), ("zb-h1", True, 1)]
     results = launch(parity, 2, cases, 2, False, "loss_parallel", timeout=300)
+    _check(results, cases, 2, split_per_rank=2)
+
+
+def test_a_label_smoothed_loss_trains_through_the_split_logits():
+    cases = [("1f1b", True, 1)]
+    results = launch(parity, 2, cases, 2, False, "smoothed_loss_parallel", timeout=300)
     _check(results, cases, 2, split_per_rank=2)
 
 
@@ -93,3 +101,13 @@ def test_torch_s_column_parallel_head_with_its_logits_left_split_is_the_loss_par
     assert style_name("output", ColwiseParallel()) == "colwise"
     gathered = ColwiseParallel(output_layouts=Replicate())
     assert style_name("output", gathered) == "colwise_gather_output"
+
+
+def test_a_label_smoothing_outside_zero_to_one_is_refused_before_any_collective():
+    import torch
+
+    from twobp.models.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits, targets = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"label_smoothing=1\.5; give a number between 0\.0"):
+        vocab_parallel_cross_entropy(logits, targets, None, label_smoothing=1.5)

@@ -11,7 +11,10 @@ shards, so that no rank holds ``[tokens, V]`` whole::
     loss = log(s) - z_t
 
 and the backward gives each rank the gradient of its own columns only: its shard of the
-softmax, minus one at the target on the rank that holds it.
+softmax, minus one at the target on the rank that holds it. With label smoothing ``e`` the
+target is ``1 - e`` on the true id and ``e / V`` on every id, as in ``F.cross_entropy``:
+``loss = log(s) - (1 - e) z_t - e mean_j (z_j - m)``, the mean's sum all-reduced with
+``z_t`` (still three all-reduces), and the gradient less ``e / V`` in every column.
 
 :func:`loss_parallel` lets a loss written for whole logits run on the shards, as torchtitan's
 ``loss_parallel()`` does for DTensor: inside it, ``F.cross_entropy`` of the head's shard (after
@@ -64,10 +67,16 @@ def shard_of(tensor: Any) -> VocabShard | None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Any, ignore_index: int
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: Any,
+        ignore_index: int,
+        smoothing: float,
     ) -> torch.Tensor:
         local = logits.shape[-1]
         start = dist.get_rank(group) * local
+        vocab = local * dist.get_world_size(group)
         peak = logits.max(dim=-1).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - peak.unsqueeze(-1)
@@ -76,23 +85,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = index.masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~owned, 0.0)
-        dist.all_reduce(target_logit, group=group)
+        if smoothing:
+            # One all-reduce for both sums: the target's logit and every logit's.
+            sums = torch.stack([target_logit, shifted.sum(dim=-1)])
+            dist.all_reduce(sums, group=group)
+            target_logit = (1.0 - smoothing) * sums[0] + smoothing / vocab * sums[1]
+        else:
+            dist.all_reduce(target_logit, group=group)
         softmax = shifted.exp_()
         total = softmax.sum(dim=-1)
         dist.all_reduce(total, group=group)
         softmax.div_(total.unsqueeze(-1))
         ignored = targets == ignore_index
         ctx.save_for_backward(softmax, index, owned, ignored)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
         return (total.log() - target_logit).masked_fill(ignored, 0.0)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         softmax, index, owned, ignored = ctx.saved_tensors
         scale = grad.masked_fill(ignored, 0.0)
         out = softmax * scale.unsqueeze(-1)
+        if ctx.smoothing:
+            out -= (ctx.smoothing / ctx.vocab) * scale.unsqueeze(-1)
         rows = torch.arange(out.shape[0], device=out.device)
-        out[rows, index] -= owned.to(out.dtype) * scale
-        return out, None, None, None
+        out[rows, index] -= owned.to(out.dtype) * ((1.0 - ctx.smoothing) * scale)
+        return out, None, None, None, None
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -104,12 +122,13 @@ def vocab_parallel_cross_entropy(
     group: Any,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits split by vocabulary over ``group``, on the shards.
 
-    Collective over ``group``: three all-reduces of ``[tokens]`` (a max and two sums), none
-    of ``[tokens, V]``. Every rank returns the same loss; the backward gives each rank the
-    gradient of its own columns.
+    Collective over ``group``: three all-reduces of ``[tokens]`` (a max and two sums; with
+    label smoothing one of the sums is of ``[2, tokens]``), none of ``[tokens, V]``. Every
+    rank returns the same loss; the backward gives each rank the gradient of its own columns.
 
     Args:
         logits_shard: ``[..., V / T]``, this rank's columns of the logits (rank ``r`` holds
@@ -120,17 +139,25 @@ def vocab_parallel_cross_entropy(
         ignore_index: a target that counts neither in the loss nor in the mean.
         reduction: ``"mean"`` over the targets not ignored, ``"sum"`` or ``"none"``
             (the loss of every target, ``[...]``; 0 where ignored).
+        label_smoothing: in ``[0, 1]``, as ``F.cross_entropy``'s: the target mixes one-hot
+            (weight ``1 - label_smoothing``) with the uniform distribution over the whole
+            vocabulary.
 
     Returns:
         The loss, as ``F.cross_entropy`` of the whole logits gives it.
 
     Raises:
-        ValueError: a reduction other than these, targets that are not integers or whose
-            shape is not the logits' leading dims.
+        ValueError: a reduction other than these, a label smoothing outside ``[0, 1]``,
+            targets that are not integers or whose shape is not the logits' leading dims.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(
             f"vocab_parallel_cross_entropy: reduction={reduction!r}; choose one of {REDUCTIONS}"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing!r}; give a "
+            "number between 0.0 and 1.0"
         )
     if targets.is_floating_point() or targets.shape != logits_shard.shape[:-1]:
         raise ValueError(
@@ -139,7 +166,11 @@ def vocab_parallel_cross_entropy(
             "logits.shape[:-1]"
         )
     losses = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        logits_shard.reshape(-1, logits_shard.shape[-1]), targets.reshape(-1), group, ignore_index
+        logits_shard.reshape(-1, logits_shard.shape[-1]),
+        targets.reshape(-1),
+        group,
+        ignore_index,
+        float(label_smoothing),
     )
     if reduction == "none":
         return losses.reshape(targets.shape)  # type: ignore[no-any-return]
@@ -210,18 +241,21 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
         for k, default in (("weight", None), ("size_average", None), ("reduce", None))
         if given[k] is not default
     ]
-    if given["label_smoothing"] != 0.0:
-        unsupported.append("label_smoothing")
     logits = given["input"]
     if unsupported or logits.dim() != 2:
         what = ", ".join(unsupported) or f"logits of {logits.dim()} dims"
         raise ValueError(
             f"F.cross_entropy of logits split by vocabulary takes {what}, which the "
             "vocabulary-parallel cross-entropy does not support: give (tokens, vocabulary) "
-            "logits, integer targets, ignore_index and reduction only"
+            "logits, integer targets, ignore_index, reduction and label_smoothing only"
         )
     return vocab_parallel_cross_entropy(
-        logits, given["target"], shard.group, given["ignore_index"], given["reduction"]
+        logits,
+        given["target"],
+        shard.group,
+        given["ignore_index"],
+        given["reduction"],
+        given["label_smoothing"],
     )
 
 
