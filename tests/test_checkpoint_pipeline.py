@@ -348,6 +348,7 @@ def test_merge_gives_the_single_process_state_dict(session, tmp_path, capsys):
     assert checkpoint_cli(["info", str(folder / "ckpt")]) == 0
     printed = capsys.readouterr().out
     assert "step 2" in printed and "blocks per stage: 0-4, 5-9" in printed
+    assert "2 pipeline ranks, schedule" in printed
     assert checkpoint_cli(["info", str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -121,7 +121,9 @@ def test_checkpoint_info_says_it_holds_tensor_parallel_shards(plain, capsys):
     from twobp.cli.checkpoint import main as checkpoint_cli
 
     assert checkpoint_cli(["info", str(plain[0] / "p2-t2")]) == 0
-    assert "tensor parallel 2: each rank's shards of the split tensors" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tensor parallel 2: each rank's shards of the split tensors" in printed
+    assert "2 pipeline ranks x 2 tensor-parallel, schedule" in printed
 
 
 def test_half_precision_shards_resume_from_their_float32_masters(tmp_path):

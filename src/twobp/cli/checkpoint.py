@@ -108,11 +108,15 @@ def _print_manifest(manifest: dict[str, Any]) -> None:
     n_values = sum(_numel(t["shape"]) for t in tensors.values())
     print(f"checkpoint {manifest['path']}")
     print(f"  step {manifest['step']}, written {manifest.get('created', '?')}")
-    print(
-        f"  {manifest['world_size']} ranks, schedule {manifest['schedule']} with "
-        f"{manifest['n_microbatches']} micro-batches, stages on ranks {manifest['placement']}"
-    )
+    # "world_size" is the pipeline's size: data-parallel copies save one state between them.
     tensor_parallel = manifest.get("tensor_parallel", 1)
+    ranks = f"{manifest['world_size']} pipeline ranks"
+    if tensor_parallel > 1:
+        ranks += f" x {tensor_parallel} tensor-parallel"
+    print(
+        f"  {ranks}, schedule {manifest['schedule']} with {manifest['n_microbatches']} "
+        f"micro-batches, stages on pipeline ranks {manifest['placement']}"
+    )
     if tensor_parallel > 1:
         print(f"  tensor parallel {tensor_parallel}: each rank's shards of the split tensors")
     blocks = ", ".join(f"{a}-{b - 1}" for a, b in manifest["stage_blocks"])
