@@ -18,17 +18,20 @@ from vocab_parallel_workers import (
 TOLERANCE = 1e-10
 
 
+@pytest.mark.parametrize("class_weights", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_the_loss_of_the_shards_equals_the_cross_entropy_of_the_whole_logits(reduction, smoothing):
+def test_the_loss_of_the_shards_equals_the_cross_entropy_of_the_whole_logits(
+    reduction, smoothing, class_weights
+):
     # Logits near 800 (exp overflows without the max), ignored targets, targets on both ranks;
-    # label smoothing as F.cross_entropy's (1.0: the uniform target alone).
-    for errors in launch(function_errors, 2, reduction, smoothing, timeout=120):
+    # label smoothing and class weights as F.cross_entropy's (1.0: the uniform target alone).
+    for errors in launch(function_errors, 2, reduction, smoothing, class_weights, timeout=120):
         assert errors["finite"] == 1.0, errors
         assert errors["loss"] < TOLERANCE and errors["gradient"] < TOLERANCE, errors
 
 
-@pytest.mark.parametrize("case", ["hugging face", "masked rows", "smoothing"])
+@pytest.mark.parametrize("case", ["hugging face", "masked rows", "smoothing", "class weights"])
 def test_a_loss_written_for_whole_logits_runs_on_the_shards(case):
     assert all(error < TOLERANCE for error in launch(in_loss_parallel, 2, case, timeout=120))
 
@@ -40,7 +43,8 @@ def test_a_loss_written_for_whole_logits_runs_on_the_shards(case):
         ("vocabulary flattened", "the loss applied reshape to logits split by vocabulary"),
         ("unmarked", "F.cross_entropy of logits that are not the output of the head"),
         ("three dims", "takes logits of 3 dims"),
-        ("class weights", "takes weight"),
+        ("deprecated reduce", "takes reduce"),
+        ("weights of a part", "give one floating-point weight per id of the whole vocabulary"),
     ],
 )
 def test_what_would_read_part_of_the_vocabulary_as_the_whole_is_refused(case, words):
@@ -111,3 +115,14 @@ def test_a_label_smoothing_outside_zero_to_one_is_refused_before_any_collective(
     logits, targets = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"label_smoothing=1\.5; give a number between 0\.0"):
         vocab_parallel_cross_entropy(logits, targets, None, label_smoothing=1.5)
+
+
+def test_class_weights_that_require_grad_are_refused_before_any_collective():
+    import torch
+
+    from twobp.models.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits, targets = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
+    weight = torch.ones(6, requires_grad=True)
+    with pytest.raises(ValueError, match=r"class weights require grad.*weight\.detach\(\)"):
+        vocab_parallel_cross_entropy(logits, targets, None, weight=weight)

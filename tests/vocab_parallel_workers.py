@@ -24,22 +24,33 @@ def _logits_and_targets(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, targets
 
 
-def function_errors(reduction: str, smoothing: float = 0.0) -> dict[str, float]:
+def function_errors(
+    reduction: str, smoothing: float = 0.0, class_weights: bool = False
+) -> dict[str, float]:
     """``vocab_parallel_cross_entropy`` of this rank's columns against ``F.cross_entropy`` of
-    the whole logits (``label_smoothing=smoothing`` for both): the loss and this rank's
-    columns of the gradient (largest difference)."""
+    the whole logits (``label_smoothing=smoothing`` and, with ``class_weights``, a weight
+    per id in [0.5, 1.5) for both): the loss and this rank's columns of the gradient
+    (largest difference)."""
     size, rank = dist.get_world_size(), dist.get_rank()
     logits, targets = _logits_and_targets(0)
+    per_id = None
+    if class_weights:
+        per_id = torch.rand(VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        per_id += 0.5
     weight = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     whole = logits.clone().requires_grad_(True)
     expected = F.cross_entropy(
-        whole.flatten(0, 1), targets.flatten(), reduction=reduction, label_smoothing=smoothing
+        whole.flatten(0, 1),
+        targets.flatten(),
+        weight=per_id,
+        reduction=reduction,
+        label_smoothing=smoothing,
     )
     expected = expected.reshape(3, 4) if reduction == "none" else expected
     (expected * (weight if reduction == "none" else 1.0)).sum().backward()
     shard = logits.chunk(size, dim=-1)[rank].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(
-        shard, targets, None, reduction=reduction, label_smoothing=smoothing
+        shard, targets, None, reduction=reduction, label_smoothing=smoothing, weight=per_id
     )
     (loss * (weight if reduction == "none" else 1.0)).sum().backward()
     assert whole.grad is not None and shard.grad is not None
@@ -74,7 +85,13 @@ def in_loss_parallel(case: str) -> Any:
             z.flatten(0, 1), t.flatten(), label_smoothing=0.1
         ),
         "class weights": lambda z, t: F.cross_entropy(
-            z.flatten(0, 1), t.flatten(), weight=torch.ones(VOCAB, dtype=z.dtype)
+            z.flatten(0, 1), t.flatten(), weight=torch.linspace(0.5, 1.5, VOCAB, dtype=z.dtype)
+        ),
+        "weights of a part": lambda z, t: F.cross_entropy(
+            z.flatten(0, 1), t.flatten(), weight=torch.ones(VOCAB // 2, dtype=z.dtype)
+        ),
+        "deprecated reduce": lambda z, t: F.cross_entropy(
+            z.flatten(0, 1), t.flatten(), reduce=True
         ),
         "vocabulary flattened": lambda z, t: F.cross_entropy(z.reshape(-1, 3), t.flatten()),
     }

@@ -14,7 +14,10 @@ and the backward gives each rank the gradient of its own columns only: its shard
 softmax, minus one at the target on the rank that holds it. With label smoothing ``e`` the
 target is ``1 - e`` on the true id and ``e / V`` on every id, as in ``F.cross_entropy``:
 ``loss = log(s) - (1 - e) z_t - e mean_j (z_j - m)``, the mean's sum all-reduced with
-``z_t`` (still three all-reduces), and the gradient less ``e / V`` in every column.
+``z_t`` (still three all-reduces), and the gradient less ``e / V`` in every column. Class
+weights ``w`` (given whole on every rank) weigh the target's term by ``w_t`` and the
+smoothing's mean by each ``w_j``; ``"mean"`` divides by the targets' weights, as
+``F.cross_entropy`` does.
 
 :func:`loss_parallel` lets a loss written for whole logits run on the shards, as torchtitan's
 ``loss_parallel()`` does for DTensor: inside it, ``F.cross_entropy`` of the head's shard (after
@@ -73,10 +76,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group: Any,
         ignore_index: int,
         smoothing: float,
+        weight: torch.Tensor | None,
     ) -> torch.Tensor:
         local = logits.shape[-1]
         start = dist.get_rank(group) * local
         vocab = local * dist.get_world_size(group)
+        ignored = targets == ignore_index
         peak = logits.max(dim=-1).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - peak.unsqueeze(-1)
@@ -85,32 +90,57 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = index.masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~owned, 0.0)
+        # The class weights: the whole vector is given, so each target's and their
+        # sum need no communication; this rank's columns weigh its logits.
+        mine = None if weight is None else weight[start : start + local]
+        every = None
         if smoothing:
-            # One all-reduce for both sums: the target's logit and every logit's.
-            sums = torch.stack([target_logit, shifted.sum(dim=-1)])
+            # One all-reduce for both sums: the target's logit and every (weighted) logit's.
+            every = shifted.sum(dim=-1) if mine is None else shifted @ mine
+            sums = torch.stack([target_logit, every])
             dist.all_reduce(sums, group=group)
-            target_logit = (1.0 - smoothing) * sums[0] + smoothing / vocab * sums[1]
+            target_logit, every = sums[0], sums[1]
         else:
             dist.all_reduce(target_logit, group=group)
         softmax = shifted.exp_()
         total = softmax.sum(dim=-1)
         dist.all_reduce(total, group=group)
         softmax.div_(total.unsqueeze(-1))
-        ignored = targets == ignore_index
-        ctx.save_for_backward(softmax, index, owned, ignored)
+        log_total = total.log()
+        loss = log_total - target_logit
+        of_target = None
+        if weight is not None:
+            of_target = weight[targets.masked_fill(ignored, 0)]
+            loss = loss * of_target
+        if smoothing:
+            assert every is not None
+            weights_sum = float(vocab) if weight is None else weight.sum()
+            loss = (1.0 - smoothing) * loss + smoothing / vocab * (weights_sum * log_total - every)
+        ctx.save_for_backward(softmax, index, owned, ignored, of_target, mine)
         ctx.smoothing, ctx.vocab = smoothing, vocab
-        return (total.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.weights_sum = None if weight is None else weight.sum()
+        return loss.masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        softmax, index, owned, ignored = ctx.saved_tensors
+        softmax, index, owned, ignored, of_target, mine = ctx.saved_tensors
+        smoothing, vocab = ctx.smoothing, ctx.vocab
         scale = grad.masked_fill(ignored, 0.0)
-        out = softmax * scale.unsqueeze(-1)
-        if ctx.smoothing:
-            out -= (ctx.smoothing / ctx.vocab) * scale.unsqueeze(-1)
+        # d loss / d z_k = (1 - e) w_t (p_k - [k = t]) + e / V (sum_j w_j p_k - w_k)
+        at_target = (1.0 - smoothing) * scale
+        if of_target is not None:
+            at_target = at_target * of_target
+        of_softmax = at_target
+        if smoothing:
+            weights_sum = vocab if ctx.weights_sum is None else ctx.weights_sum
+            of_softmax = at_target + (smoothing / vocab) * weights_sum * scale
+        out = softmax * of_softmax.unsqueeze(-1)
+        if smoothing:
+            uniform = (smoothing / vocab) * scale.unsqueeze(-1)
+            out -= uniform if mine is None else uniform * mine
         rows = torch.arange(out.shape[0], device=out.device)
-        out[rows, index] -= owned.to(out.dtype) * ((1.0 - ctx.smoothing) * scale)
-        return out, None, None, None, None
+        out[rows, index] -= owned.to(out.dtype) * at_target
+        return out, None, None, None, None, None
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -123,6 +153,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of logits split by vocabulary over ``group``, on the shards.
 
@@ -142,13 +173,17 @@ def vocab_parallel_cross_entropy(
         label_smoothing: in ``[0, 1]``, as ``F.cross_entropy``'s: the target mixes one-hot
             (weight ``1 - label_smoothing``) with the uniform distribution over the whole
             vocabulary.
+        weight: ``[V]``, a weight for each id of the whole vocabulary, as
+            ``F.cross_entropy``'s (the same on every rank; ``"mean"`` divides by the
+            targets' weights); it gets no gradient.
 
     Returns:
         The loss, as ``F.cross_entropy`` of the whole logits gives it.
 
     Raises:
         ValueError: a reduction other than these, a label smoothing outside ``[0, 1]``,
-            targets that are not integers or whose shape is not the logits' leading dims.
+            targets that are not integers or whose shape is not the logits' leading dims,
+            a weight that is not ``[V]`` or requires grad.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(
@@ -165,18 +200,41 @@ def vocab_parallel_cross_entropy(
             f"not fit logits {tuple(logits_shard.shape)}: give integer ids of shape "
             "logits.shape[:-1]"
         )
+    if weight is not None:
+        weight = _class_weights(weight, logits_shard, group)
     losses = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
         logits_shard.reshape(-1, logits_shard.shape[-1]),
         targets.reshape(-1),
         group,
         ignore_index,
         float(label_smoothing),
+        weight,
     )
     if reduction == "none":
         return losses.reshape(targets.shape)  # type: ignore[no-any-return]
     if reduction == "sum":
         return losses.sum()  # type: ignore[no-any-return]
-    return losses.sum() / (targets != ignore_index).sum()  # type: ignore[no-any-return]
+    counted = targets != ignore_index
+    if weight is None:
+        return losses.sum() / counted.sum()  # type: ignore[no-any-return]
+    of_targets = weight[targets.masked_fill(~counted, 0)].masked_fill(~counted, 0.0)
+    return losses.sum() / of_targets.sum()  # type: ignore[no-any-return]
+
+
+def _class_weights(weight: torch.Tensor, logits_shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """``weight`` checked to be one per id of the whole vocabulary, in the logits' dtype."""
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "vocab_parallel_cross_entropy: the class weights require grad, which it does not "
+            "compute; pass weight.detach()"
+        )
+    vocab = logits_shard.shape[-1] * dist.get_world_size(group)
+    if weight.shape != (vocab,) or not weight.is_floating_point():
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: weight {tuple(weight.shape)} {weight.dtype}: give "
+            f"one floating-point weight per id of the whole vocabulary, shape ({vocab},)"
+        )
+    return weight.to(logits_shard.dtype)
 
 
 _KEEP = frozenset({"float", "double", "half", "bfloat16", "to", "type", "contiguous"})
@@ -236,18 +294,14 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
             "reshapes, dtype casts and indexing of the leading dims may come between; "
             "gather the logits ('colwise_gather_output') for another loss"
         )
-    unsupported = [
-        k
-        for k, default in (("weight", None), ("size_average", None), ("reduce", None))
-        if given[k] is not default
-    ]
+    unsupported = [k for k in ("size_average", "reduce") if given[k] is not None]
     logits = given["input"]
     if unsupported or logits.dim() != 2:
         what = ", ".join(unsupported) or f"logits of {logits.dim()} dims"
         raise ValueError(
             f"F.cross_entropy of logits split by vocabulary takes {what}, which the "
             "vocabulary-parallel cross-entropy does not support: give (tokens, vocabulary) "
-            "logits, integer targets, ignore_index, reduction and label_smoothing only"
+            "logits, integer targets, weight, ignore_index, reduction and label_smoothing only"
         )
     return vocab_parallel_cross_entropy(
         logits,
@@ -256,6 +310,7 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
         given["ignore_index"],
         given["reduction"],
         given["label_smoothing"],
+        given["weight"],
     )
 
 
