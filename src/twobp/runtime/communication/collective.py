@@ -129,11 +129,10 @@ def all_reduce(
     what: str,
     *,
     where: str = "in a collective",
-    peer: int | None = None,
 ) -> Tensor:
     """Reduce ``tensor`` over all ranks, in place (``op``: a ``dist.ReduceOp``).
 
-    ``where`` and ``peer`` (the rank waited on, if one is) word a time-out.
+    ``where`` words a time-out.
     """
     if world.group is None:
         return tensor
@@ -141,7 +140,7 @@ def all_reduce(
         lambda: dist.all_reduce(tensor, op=op, group=world.group, async_op=True),
         tensor,
         rank=world.rank,
-        peer=peer,
+        peer=None,
         where=where,
         what=what,
         timeout=timeout,
