@@ -77,6 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         smoothing: float,
         weight: torch.Tensor | None,
+        of_target: torch.Tensor | None,
     ) -> torch.Tensor:
         local = logits.shape[-1]
         start = dist.get_rank(group) * local
@@ -90,9 +91,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = index.masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~owned, 0.0)
-        # The class weights: the whole vector is given, so each target's and their
-        # sum need no communication; this rank's columns weigh its logits.
+        # The class weights are given whole (each target's, ``of_target``, and their sum
+        # need no communication); this rank's columns weigh its logits.
         mine = None if weight is None else weight[start : start + local]
+        weights_sum = float(vocab) if weight is None else weight.sum()
         every = None
         if smoothing:
             # One all-reduce for both sums: the target's logit and every (weighted) logit's.
@@ -108,17 +110,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax.div_(total.unsqueeze(-1))
         log_total = total.log()
         loss = log_total - target_logit
-        of_target = None
-        if weight is not None:
-            of_target = weight[targets.masked_fill(ignored, 0)]
+        if of_target is not None:
             loss = loss * of_target
         if smoothing:
             assert every is not None
-            weights_sum = float(vocab) if weight is None else weight.sum()
             loss = (1.0 - smoothing) * loss + smoothing / vocab * (weights_sum * log_total - every)
         ctx.save_for_backward(softmax, index, owned, ignored, of_target, mine)
-        ctx.smoothing, ctx.vocab = smoothing, vocab
-        ctx.weights_sum = None if weight is None else weight.sum()
+        ctx.smoothing, ctx.vocab, ctx.weights_sum = smoothing, vocab, weights_sum
         return loss.masked_fill(ignored, 0.0)
 
     @staticmethod
@@ -132,15 +130,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             at_target = at_target * of_target
         of_softmax = at_target
         if smoothing:
-            weights_sum = vocab if ctx.weights_sum is None else ctx.weights_sum
-            of_softmax = at_target + (smoothing / vocab) * weights_sum * scale
+            of_softmax = at_target + (smoothing / vocab) * ctx.weights_sum * scale
         out = softmax * of_softmax.unsqueeze(-1)
         if smoothing:
             uniform = (smoothing / vocab) * scale.unsqueeze(-1)
             out -= uniform if mine is None else uniform * mine
         rows = torch.arange(out.shape[0], device=out.device)
         out[rows, index] -= owned.to(out.dtype) * at_target
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -200,25 +197,27 @@ def vocab_parallel_cross_entropy(
             f"not fit logits {tuple(logits_shard.shape)}: give integer ids of shape "
             "logits.shape[:-1]"
         )
+    flat = targets.reshape(-1)
+    counted = flat != ignore_index
+    of_targets = None  # each target's class weight, 0 where ignored
     if weight is not None:
         weight = _class_weights(weight, logits_shard, group)
+        of_targets = weight[flat.masked_fill(~counted, 0)].masked_fill(~counted, 0.0)
     losses = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
         logits_shard.reshape(-1, logits_shard.shape[-1]),
-        targets.reshape(-1),
+        flat,
         group,
         ignore_index,
         float(label_smoothing),
         weight,
+        of_targets,
     )
     if reduction == "none":
         return losses.reshape(targets.shape)  # type: ignore[no-any-return]
     if reduction == "sum":
         return losses.sum()  # type: ignore[no-any-return]
-    counted = targets != ignore_index
-    if weight is None:
-        return losses.sum() / counted.sum()  # type: ignore[no-any-return]
-    of_targets = weight[targets.masked_fill(~counted, 0)].masked_fill(~counted, 0.0)
-    return losses.sum() / of_targets.sum()  # type: ignore[no-any-return]
+    counts = counted.sum() if of_targets is None else of_targets.sum()
+    return losses.sum() / counts  # type: ignore[no-any-return]
 
 
 def _class_weights(weight: torch.Tensor, logits_shard: torch.Tensor, group: Any) -> torch.Tensor:
