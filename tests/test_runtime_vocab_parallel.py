@@ -4,9 +4,11 @@ the whole ones, alone and as a pipeline's loss (float64, gloo)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tensor_parallel_pipeline_workers import parity
 from test_runtime_tensor_parallel import _check
+from twobp.models.tensor_parallel import vocab_parallel_cross_entropy
 from twobp.runtime.launch import launch
 from vocab_parallel_workers import (
     function_errors,
@@ -107,22 +109,17 @@ def test_torch_s_column_parallel_head_with_its_logits_left_split_is_the_loss_par
     assert style_name("output", gathered) == "colwise_gather_output"
 
 
-def test_a_label_smoothing_outside_zero_to_one_is_refused_before_any_collective():
-    import torch
-
-    from twobp.models.tensor_parallel import vocab_parallel_cross_entropy
-
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"label_smoothing": 1.5}, r"label_smoothing=1\.5; give a number between 0\.0 and 1\.0"),
+        (
+            {"weight": torch.ones(6, requires_grad=True)},
+            r"class weights require grad.*pass weight\.detach\(\)",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_collective(given, words):
     logits, targets = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"label_smoothing=1\.5; give a number between 0\.0"):
-        vocab_parallel_cross_entropy(logits, targets, None, label_smoothing=1.5)
-
-
-def test_class_weights_that_require_grad_are_refused_before_any_collective():
-    import torch
-
-    from twobp.models.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits, targets = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
-    weight = torch.ones(6, requires_grad=True)
-    with pytest.raises(ValueError, match=r"class weights require grad.*weight\.detach\(\)"):
-        vocab_parallel_cross_entropy(logits, targets, None, weight=weight)
+    with pytest.raises(ValueError, match=words):
+        vocab_parallel_cross_entropy(logits, targets, None, **given)
