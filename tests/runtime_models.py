@@ -14,8 +14,9 @@ and the single-process reference start from identical weights:
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from twobp.partition.profiler import BlockCost
 from twobp.runtime.base.group import LAUNCHER_VARIABLES
 
 MODELS = ("mlp", "transformer", "conv")
@@ -275,3 +277,35 @@ def assert_trained_as(
         torch.testing.assert_close(
             value, reference["state"][name], rtol=0, atol=tol, msg=f"{where} {name}"
         )
+
+
+def costs_in_proportion(
+    profiled: list[list[BlockCost]],
+    real_profile: Callable[..., list[BlockCost]],
+    weights: Sequence[float],
+) -> Callable[..., list[BlockCost]]:
+    """A stand-in for ``profile_blocks`` that runs the real profile and returns it with
+    each block's ``F + I + W`` set to its weight (its ``F``, ``I``, ``W`` and ``B`` kept
+    in their measured proportions), recording what it returned in ``profiled``: what a
+    pipeline then solves does not turn on how busy the machine was while it measured."""
+
+    def profile(*args: Any, **kwargs: Any) -> list[BlockCost]:
+        measured = real_profile(*args, **kwargs)
+        assert len(measured) == len(weights), (len(measured), len(weights))
+        costs = []
+        for c, weight in zip(measured, weights, strict=True):
+            scale = weight / c.total
+            costs.append(
+                dataclasses.replace(
+                    c,
+                    forward=c.forward * scale,
+                    backward_input=c.backward_input * scale,
+                    backward_weight=c.backward_weight * scale,
+                    backward_full=c.backward_full * scale,
+                    forward_full=None if c.forward_full is None else c.forward_full * scale,
+                )
+            )
+        profiled.append(costs)
+        return costs
+
+    return profile

@@ -13,6 +13,7 @@ from torch import nn
 from repo_scripts import load_script
 from runtime_models import (
     build_blocks,
+    costs_in_proportion,
     loss_fn,
     make_batch,
     needs_no_process_group,
@@ -115,15 +116,19 @@ def _heavy_tailed_blocks() -> list[nn.Module]:
     return blocks
 
 
+def _profiled_as_heavy_tailed(profiled: list, real_profile):
+    """``profile_blocks`` as :func:`costs_in_proportion` makes it: each block 1, the last 15."""
+    return costs_in_proportion(profiled, real_profile, [1.0] * 9 + [15.0])
+
+
 def test_a_v_shaped_schedule_is_balanced_by_default_given_an_example_input(monkeypatch):
     from twobp.partition import profiler, solve, stage_ranges
 
-    profiled = []
-    real_profile = profiler.profile_blocks
+    profiled: list = []
     monkeypatch.setattr(
         profiler,
         "profile_blocks",
-        lambda *a, **k: profiled.append(real_profile(*a, **k)) or profiled[-1],
+        _profiled_as_heavy_tailed(profiled, profiler.profile_blocks),
     )
     example = make_batch("mlp", 0, 2)[0]
 
@@ -241,15 +246,12 @@ def test_auto_over_the_limit_splits_fewer_of_the_stages_the_profile_chose(monkey
 def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):
     from twobp.partition import profiler, solve, stage_ranges
 
-    profiled = []
-
-    def recording(*args, **kwargs):
-        costs = real_profile(*args, **kwargs)
-        profiled.append(costs)
-        return costs
-
-    real_profile = profiler.profile_blocks
-    monkeypatch.setattr(profiler, "profile_blocks", recording)
+    profiled: list = []
+    monkeypatch.setattr(
+        profiler,
+        "profile_blocks",
+        _profiled_as_heavy_tailed(profiled, profiler.profile_blocks),
+    )
     pipe = Pipeline(
         _heavy_tailed_blocks(),
         loss_fn("mlp"),
@@ -264,7 +266,7 @@ def test_balanced_partition_solves_the_profiled_costs_and_trains(monkeypatch):
     assert [c.index for c in costs] == list(range(10))
     sizes = solve(profiler.solver_costs(costs), 4).sizes
     assert pipe.stage_blocks == tuple(stage_ranges(sizes))
-    # The costly block has a stage of its own: the profile measured it.
+    # The costly block has a stage of its own: the profile said so.
     assert pipe.stage_blocks[-1] == range(9, 10)
 
     # The pipeline trains as one process does, on its balanced stages.

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime_models import costs_in_proportion
 from runtime_workers import needed_batches
 from twobp.partition import profiler
 from twobp.runtime import Pipeline
@@ -59,12 +60,9 @@ def balanced_at_first_step(schedule: str, steps: int, n_mb: int = N_MB) -> dict[
     the blocks it profiled on rank 0, the partition, losses and first gradients."""
     profiled: list[Any] = []
     measure = profiler.profile_blocks
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        profiled.append(measure(*args, **kwargs))
-        return profiled[-1]
-
-    profiler.profile_blocks = recorded  # records rank 0's measurement; it still runs
+    # Rank 0's measurement still runs; its times are set to the ends' 4 and the layers'
+    # 1 each, so that the partition solved does not turn on the machine's load.
+    profiler.profile_blocks = costs_in_proportion(profiled, measure, [4.0] + [1.0] * 8 + [4.0])
     try:
         pipe = Pipeline(heavy_ends_blocks(), F.mse_loss, schedule, n_mb, device="cpu", timeout=60.0)
         before = pipe.partition_by
