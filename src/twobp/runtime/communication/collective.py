@@ -74,24 +74,21 @@ def peer_error(
     waited for ``what`` (arguments as :func:`wait_work`)."""
     who = f"rank {peer}" if peer is not None else "another rank"
     text = str(exc)
-    error: PeerTimeoutError | PeerFailedError
     if "timed out" in text.lower() or "timeout" in text.lower():
-        error = PeerTimeoutError(
+        return PeerTimeoutError(
             f"rank {rank} {where} waited more than {timeout:g} s for {what} from {who}; "
             f"{who} is stuck, slow or gone. Check its log, or raise the pipeline's "
             "timeout if its work legitimately takes longer",
             rank,
             peer,
         )
-    else:
-        first_line = text.splitlines()[0] if text else type(exc).__name__
-        error = PeerFailedError(
-            f"rank {rank} {where}: communication with {who} failed while waiting for {what} "
-            f"({first_line}); {who} probably failed: see its error",
-            rank,
-            peer,
-        )
-    return error
+    first_line = text.splitlines()[0] if text else type(exc).__name__
+    return PeerFailedError(
+        f"rank {rank} {where}: communication with {who} failed while waiting for {what} "
+        f"({first_line}); {who} probably failed: see its error",
+        rank,
+        peer,
+    )
 
 
 def barrier(world: Membership, timeout: float, where: str) -> None:
@@ -177,8 +174,9 @@ def sum_small(
         received = dist.irecv(other, group=group, tag=_EXCHANGE_TAG, group_src=peer)
         sent = dist.isend(tensor, group=group, tag=_EXCHANGE_TAG, group_dst=peer)
     except RuntimeError as exc:
-        error = peer_error(exc, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout)
-        raise error from exc
+        raise peer_error(
+            exc, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout
+        ) from exc
     for work in (received, sent):
         wait_work(work, rank=world.rank, peer=peer, where=where, what=what, timeout=timeout)
     del received, sent, work
