@@ -9,6 +9,7 @@ size chosen; the pipeline then runs that plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ _RANGE = 1 << 61
 
 
 def same_tensor_parallel(
-    world: Membership, device: torch.device, timeout: float, size: object
+    world: Membership, device: torch.device, timeout: float, size: int | Sequence[int] | None
 ) -> None:
     """Fail on every rank, naming each rank's size, unless every rank of ``world`` was given
     the same ``tensor_parallel`` (a size, None as 1, or the same range). Collective.
@@ -82,7 +83,7 @@ def same_tensor_parallel(
     if size is None or isinstance(size, int):
         code = 1 if size is None else size
     else:
-        code = _RANGE | stable_hash(repr(sorted(size))) % _RANGE  # type: ignore[call-overload]
+        code = _RANGE | stable_hash(repr(sorted(size))) % _RANGE
     codes = [
         row[0] for row in agree(world, device, timeout, None, "comparing tensor_parallel", [code])
     ]
